@@ -1,0 +1,447 @@
+"""Tests for trimul_inline. CPU tests always run; CUDA tests run where a GPU exists.
+
+    python -m pytest test_trimul.py
+"""
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import trimul_inline as ti
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KERNEL_DIR = os.path.join(HERE, "kernels")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def fresh_seed() -> int:
+    """A new seed per call (inputs are drawn fresh every run); failures print it."""
+    return random.SystemRandom().randrange(2**31)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def random_layers(model: ti._TriMulLayers, generator: torch.Generator) -> ti._TriMulLayers:
+    """Non-default parameters (LayerNorm weights and all biases too), so every term counts."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.5)
+        for ln in (model.layer_norm_in, model.layer_norm_out):
+            ln.weight.add_(1.0)
+    return model
+
+
+def random_inputs(batch, n, channels, generator, dtype=torch.float64, mask_dtype=torch.bool,
+                  device="cpu"):
+    pair = torch.randn(batch, n, n, channels, generator=generator, dtype=torch.float64) * 2 + 0.3
+    mask = torch.rand(batch, n, n, generator=generator) > 0.2
+    if n > 2:
+        mask[:, n // 2, :] = False  # an all-zero row and column
+        mask[:, :, 1] = False
+    return pair.to(device=device, dtype=dtype), mask.to(device=device, dtype=mask_dtype)
+
+
+def handwritten_forward(layers, pair, mask):
+    """The update written out without einsum strings or nn.Module calls."""
+    def linear(t, layer):
+        return t @ layer.weight.T + layer.bias
+
+    x = F.layer_norm(pair, (layers.pair_dim,), layers.layer_norm_in.weight, layers.layer_norm_in.bias)
+    m = mask.to(pair.dtype)[..., None]
+    a = linear(x, layers.proj_a) * torch.sigmoid(linear(x, layers.gate_a)) * m
+    b = linear(x, layers.proj_b) * torch.sigmoid(linear(x, layers.gate_b)) * m
+    if layers.direction == "outgoing":  # z[b,i,j,h] = sum_k a[b,i,k,h] b[b,j,k,h]
+        z = (a[:, :, None, :, :] * b[:, None, :, :, :]).sum(dim=3)
+    else:  # z[b,i,j,h] = sum_k a[b,k,i,h] b[b,k,j,h]
+        z = (a[:, :, :, None, :] * b[:, :, None, :, :]).sum(dim=1)
+    o = linear(F.layer_norm(z, (layers.hidden_dim,), layers.layer_norm_out.weight,
+                            layers.layer_norm_out.bias), layers.out_proj)
+    g = torch.sigmoid(linear(pair if layers.gate_input == "raw" else x, layers.out_gate))
+    return g * o
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: the reference and the module's plumbing
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+@pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
+def test_reference_matches_handwritten(direction, gate_input):
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = random_layers(ti.Model(12, 6, direction, gate_input).double(), g)
+    pair, mask = random_inputs(2, 7, 12, g)
+    out = model(pair, mask)
+    assert out.shape == (2, 7, 7, 12)
+    err = rel_error(out, handwritten_forward(model, pair, mask))
+    assert err < 1e-12, f"seed {seed}: error {err}"
+
+
+def test_directions_differ():
+    """Guards the test above: outgoing and incoming must not coincide on random input."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    out_model = random_layers(ti.Model(8, 4, "outgoing").double(), g)
+    in_model = ti.Model(8, 4, "incoming").double()
+    in_model.load_state_dict(out_model.state_dict())
+    pair, mask = random_inputs(1, 5, 8, g)
+    assert rel_error(out_model(pair, mask), in_model(pair, mask)) > 1e-3
+
+
+def test_state_dict_round_trip():
+    g = torch.Generator().manual_seed(fresh_seed())
+    ref = random_layers(ti.Model(16, 8).double(), g)
+    new = ti.ModelNew(16, 8).double()
+    new.load_state_dict(ref.state_dict(), strict=True)
+    assert list(new.state_dict()) == list(ref.state_dict())
+    back = ti.Model(16, 8).double()
+    back.load_state_dict(new.state_dict(), strict=True)
+    pair, mask = random_inputs(1, 6, 16, g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(new(pair, mask), ref(pair, mask))
+    assert torch.equal(back(pair, mask), ref(pair, mask))
+
+
+def test_cpu_fallback_runs_reference_and_warns_once(monkeypatch):
+    monkeypatch.setattr(ti, "_cpu_fallback_warned", False)
+    g = torch.Generator().manual_seed(fresh_seed())
+    ref = random_layers(ti.Model(8, 4, "incoming", "normalized"), g)
+    new = ti.ModelNew(8, 4, "incoming", "normalized")
+    new.load_state_dict(ref.state_dict())
+    pair, mask = random_inputs(2, 5, 8, g, dtype=torch.float32, mask_dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = new(pair, mask)
+        second = new(pair, mask)
+    assert len([w for w in caught if "CPU tensors" in str(w.message)]) == 1
+    assert torch.equal(first, ref(pair, mask)) and torch.equal(second, first)
+
+
+def _bad_inputs():
+    pair = torch.randn(1, 4, 4, 8)
+    mask = torch.ones(1, 4, 4)
+    return [
+        ("3-D pair", (pair[0], mask), ValueError, r"shape \(B, N, N, C\)"),
+        ("non-square", (torch.randn(1, 4, 5, 8), torch.ones(1, 4, 5)), ValueError, "equal middle"),
+        ("wrong C", (torch.randn(1, 4, 4, 9), mask), ValueError, "pair_dim=8"),
+        ("mask shape", (pair, torch.ones(1, 4, 3)), ValueError, "pair_mask must have shape"),
+        ("mask rank", (pair, torch.ones(4, 4)), ValueError, "pair_mask must have shape"),
+        ("int pair", (pair.to(torch.int32), mask), TypeError, "floating-point"),
+        ("complex mask", (pair, mask.to(torch.complex64)), TypeError, "pair_mask must be bool"),
+        ("not a tensor", (pair.numpy(), mask), TypeError, "pair_repr must be a torch.Tensor"),
+        ("mask elsewhere", (pair, mask.to("meta")), ValueError, "pair_mask is on meta"),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_inputs(), ids=lambda c: c[0])
+def test_bad_input_raises_clear_error(case):
+    _, args, error, message = case
+    with pytest.raises(error, match=message):
+        ti.ModelNew(8, 4)(*args)
+
+
+def test_parameters_on_other_device_raise():
+    model = ti.ModelNew(8, 4).to("meta")
+    with pytest.raises(ValueError, match="parameters are on meta"):
+        model(torch.randn(1, 3, 3, 8), torch.ones(1, 3, 3))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"direction": "sideways"}, "direction"), ({"gate_input": "gated"}, "gate_input"),
+    ({"kernel": "nope"}, "kernel must be"), ({"precision": "fast"}, "precision must be"),
+])
+def test_bad_options_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ti.ModelNew(8, 4, **kwargs)
+
+
+def test_empty_batch_and_size_one():
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.Model(8, 4).double(), g)
+    for shape in ((0, 3, 3, 8), (1, 1, 1, 8)):
+        pair = torch.randn(*shape, dtype=torch.float64, generator=g)
+        assert model(pair, torch.ones(shape[:3], dtype=torch.float64)).shape == shape
+
+
+# ---- kernel sources, registry, build cache --------------------------------------------------------
+def test_every_registered_cuda_variant_has_a_kernel_file_and_description():
+    sources = ti.kernel_sources(KERNEL_DIR)
+    registered = {}
+    for name, text in sources.items():
+        for variant in re.findall(r"^TRIMUL_REGISTER_CONTRACTION\((\w+),", text, re.M):
+            registered[variant] = name
+            first = text.splitlines()[0]
+            assert first.startswith(f"// {variant} — "), f"{name} must open with '// {variant} — ...'"
+    cuda_variants = {v.name for v in ti.VARIANTS.values() if v.backend == "cuda"}
+    assert cuda_variants == set(registered), (cuda_variants, registered)
+    assert set(ti.AUTO_ORDER) <= set(ti.VARIANTS)
+
+
+def test_assembled_sources_inline_headers_once():
+    host, cuda_src = ti.assemble_sources(ti.kernel_sources(KERNEL_DIR))
+    assert cuda_src.count("struct ContractArgs {") == 1 and host.count("struct ContractArgs {") == 1
+    assert "#include \"" not in cuda_src.replace("// (already included) #include", "")
+    assert '#line 1 "kernels/contract_tiled.cu"' in cuda_src
+    with pytest.raises(RuntimeError, match="missing.cuh"):
+        ti.assemble_sources({"bindings.cpp": '#include "missing.cuh"\n'})
+
+
+def test_build_key_tracks_sources_flags_and_arch():
+    sources = ti.kernel_sources(KERNEL_DIR)
+    key = ti.build_key(sources, "90a", "13000")
+    assert key == ti.build_key(dict(sources), "90a", "13000")
+    edited = dict(sources, **{"contract_naive.cu": sources["contract_naive.cu"] + "\n// edit\n"})
+    assert ti.build_key(edited, "90a", "13000") != key
+    assert ti.build_key(sources, "80", "13000") != key
+    assert ti.build_key(sources, "90a", "12080") != key
+    added = dict(sources, **{"extra.cuh": "// new header\n"})
+    assert ti.build_key(added, "90a", "13000") != key
+
+
+def test_build_cache_rebuilds_exactly_once_per_edit(tmp_path, monkeypatch):
+    kernel_dir = tmp_path / "kernels"
+    shutil.copytree(KERNEL_DIR, kernel_dir)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
+    monkeypatch.setattr(ti, "_LOADED", {})
+    monkeypatch.setattr(ti, "find_toolkit", lambda: ti.Toolkit("/fake/cuda", "13000", (), ()))
+    compiles, imports = [], []
+
+    class FakeExtension:
+        @staticmethod
+        def contraction_variants():
+            return [v.name for v in ti.VARIANTS.values() if v.backend == "cuda"]
+
+    def fake_compile(plan, verbose):
+        compiles.append(plan.name)
+        os.makedirs(plan.build_dir, exist_ok=True)
+        open(plan.so_path, "w").close()
+        return FakeExtension()
+
+    monkeypatch.setattr(ti, "_compile_extension", fake_compile)
+    monkeypatch.setattr(ti, "_import_built", lambda plan: imports.append(plan.name) or FakeExtension())
+
+    first = ti.load_extension(str(kernel_dir))
+    assert len(compiles) == 1 and not imports
+    assert ti.load_extension(str(kernel_dir)) is first  # memoized in-process
+    ti._LOADED.clear()  # as a second process would start
+    ti.load_extension(str(kernel_dir))
+    assert len(compiles) == 1 and imports == compiles  # reused the .so, no compile
+    with open(kernel_dir / "contract_tiled.cu", "a") as f:
+        f.write("\n// an edit\n")
+    ti.load_extension(str(kernel_dir))
+    ti.load_extension(str(kernel_dir))
+    assert len(compiles) == 2 and compiles[0] != compiles[1]
+
+
+def test_missing_toolkit_names_what_is_missing(tmp_path):
+    with pytest.raises(RuntimeError, match=r"no usable CUDA toolkit.*no bin/nvcc"):
+        ti.find_toolkit({"CUDA_HOME": str(tmp_path), "PATH": ""})
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    with pytest.raises(RuntimeError, match="no include/cuda_runtime_api.h"):
+        ti.find_toolkit({"CUDA_HOME": str(tmp_path), "PATH": ""})
+
+
+def test_extension_builds_and_a_second_process_reuses_it():
+    """Compiles the real extension (CI builds it first) and checks a fresh process skips the build."""
+    module = ti.load_extension(KERNEL_DIR)
+    cuda_variants = [v.name for v in ti.VARIANTS.values() if v.backend == "cuda"]
+    assert sorted(module.contraction_variants()) == sorted(cuda_variants)
+    env = dict(os.environ, TRIMUL_VERBOSE="1")
+    run = subprocess.run([sys.executable, "-c", "import trimul_inline as t; t.load_extension()"],
+                         cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "reusing cached build" in run.stderr and "building" not in run.stderr, run.stderr
+
+
+_BUNDLE_CHECK = r"""
+import sys, torch, warnings
+namespace = {}
+exec(compile(open(sys.argv[1]).read(), "trimul_notebook.py", "exec"), namespace)
+assert "__file__" not in namespace
+sys.path.insert(0, sys.argv[2])
+import trimul_inline as original
+assert namespace["kernel_sources"]() == original.kernel_sources()
+g = torch.Generator().manual_seed(int(sys.argv[3]))
+ref = namespace["Model"](8, 4, "incoming").double()
+with torch.no_grad():
+    for p in ref.parameters():
+        p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+new = namespace["ModelNew"](8, 4, "incoming").double()
+new.load_state_dict(ref.state_dict())
+pair = torch.randn(2, 5, 5, 8, generator=g, dtype=torch.float64)
+mask = torch.rand(2, 5, 5, generator=g) > 0.3
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    assert torch.equal(new(pair, mask), ref(pair, mask))
+if torch.cuda.is_available():
+    new = new.float().cuda()
+    err = ((new(pair.float().cuda(), mask.cuda()).double().cpu() - ref(pair, mask)).norm()
+           / ref(pair, mask).norm()).item()
+    assert err < 1e-5, err
+    print("cuda checked", err)
+print("bundle ok")
+"""
+
+
+def test_bundle_is_self_contained(tmp_path):
+    out = tmp_path / "trimul_notebook.py"
+    run = subprocess.run([sys.executable, os.path.join(HERE, "trimul_inline.py"), "bundle", "-o",
+                          str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    check = subprocess.run([sys.executable, "-c", _BUNDLE_CHECK, str(out), HERE, str(fresh_seed())],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "bundle ok" in check.stdout
+    if torch.cuda.is_available():
+        assert "cuda checked" in check.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA: every variant against an fp64 reference
+# ------------------------------------------------------------------------------------------------
+ALL_VARIANTS = sorted(ti.VARIANTS)
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def poison_allocator():
+    """Fill blocks the caching allocator will hand out next with NaN, so unwritten outputs show."""
+    blocks = [torch.full((1 << p,), float("nan"), device="cuda") for p in range(8, 27)]
+    del blocks
+
+
+@cuda
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (3, 7, 5, 9), (2, 33, 33, 33), (1, 64, 64, 64),
+                                   (1, 65, 127, 70), (2, 257, 257, 257)])
+def test_contraction_matches_fp64(variant, dtype, shape):
+    seed = fresh_seed()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    batch, m, n, k = shape
+    a = torch.randn(batch, m, k, device="cuda", generator=g).to(dtype)
+    b = torch.randn(batch, n, k, device="cuda", generator=g).to(dtype)
+    z = torch.full((batch, m, n), float("nan"), device="cuda", dtype=dtype)
+    ti.contract_into(z, a, b, variant, "highest")
+    ref = torch.bmm(a.double(), b.double().transpose(1, 2))
+    assert not z.isnan().any(), f"{variant}: unwritten outputs (seed {seed})"
+    err = rel_error(z, ref)
+    assert err < TOLERANCE[dtype], f"{variant} {dtype} {shape}: error {err} (seed {seed})"
+
+
+def _make_pair(reference, dtype, direction, gate_input, variant, pair_dim, hidden):
+    new = ti.ModelNew(pair_dim, hidden, direction, gate_input, kernel=variant)
+    new.load_state_dict(reference.state_dict())
+    return new.to(device="cuda", dtype=dtype)
+
+
+@cuda
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+@pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
+@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 1, 8, 4), (2, 7, 16, 8), (1, 33, 32, 16),
+                                                        (1, 257, 24, 12), (2, 40, 128, 128)])
+def test_model_matches_fp64_reference(variant, direction, gate_input, batch, n, pair_dim, hidden):
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, direction, gate_input).double(), g)
+    new = _make_pair(reference, torch.float32, direction, gate_input, variant, pair_dim, hidden)
+    pair, mask = random_inputs(batch, n, pair_dim, g)
+    ref = reference.cuda()(pair.cuda(), mask.cuda())
+    poison_allocator()
+    out = new(pair.float().cuda(), mask.cuda())
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert not out.isnan().any(), f"seed {seed}: NaN in output"
+    err = rel_error(out, ref)
+    assert err < 1e-5, f"{variant} {direction} {gate_input} N={n}: error {err} (seed {seed})"
+
+
+@cuda
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_model_half_precision_inputs(variant, dtype):
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(32, 16, "outgoing").double(), g)
+    new = _make_pair(reference, dtype, "outgoing", "raw", variant, 32, 16)
+    # The fp64 reference sees the same rounded parameters and inputs as the kernel does.
+    reference.load_state_dict({k: v.to(dtype).double() for k, v in reference.state_dict().items()})
+    pair, mask = random_inputs(2, 45, 32, g)
+    pair = pair.to(dtype)
+    ref = reference.cuda()(pair.double().cuda(), mask.cuda())
+    poison_allocator()
+    out = new(pair.cuda(), mask.cuda())
+    assert out.dtype == dtype
+    err = rel_error(out, ref)
+    assert err < TOLERANCE[dtype], f"{variant} {dtype}: error {err} (seed {seed})"
+
+
+@cuda
+def test_model_under_autocast_takes_bf16_and_stays_close():
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(32, 16).double(), g)
+    new = _make_pair(reference, torch.float32, "outgoing", "raw", "auto", 32, 16)
+    pair, mask = random_inputs(1, 50, 32, g)
+    ref = reference.cuda()(pair.cuda(), mask.cuda())
+    with torch.autocast("cuda", torch.bfloat16):
+        out = new(pair.float().cuda(), mask.cuda())
+    assert rel_error(out, ref) < 3e-2, f"seed {seed}"
+
+
+@cuda
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int32, torch.int64, torch.float16,
+                                        torch.float32])
+def test_non_contiguous_inputs_and_mask_dtypes(mask_dtype):
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(16, 8, "incoming").double(), g)
+    new = _make_pair(reference, torch.float32, "incoming", "raw", "auto", 16, 8)
+    pair, mask = random_inputs(2, 19, 32, g)
+    pair = pair[..., ::2]  # every other channel: strided last dim
+    mask = mask.to(mask_dtype)
+    pair_t, mask_t = pair.cuda().float().transpose(1, 2), mask.cuda().transpose(1, 2)
+    assert not pair_t.is_contiguous() and not mask_t.is_contiguous()
+    ref = reference.cuda()(pair.cuda().transpose(1, 2), mask.cuda().transpose(1, 2))
+    out = new(pair_t, mask_t)
+    assert rel_error(out, ref) < 1e-5, f"seed {seed}"
+
+
+@cuda
+def test_runs_on_the_current_stream():
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(16, 8).double(), g)
+    new = _make_pair(reference, torch.float32, "outgoing", "raw", "auto", 16, 8)
+    pair, mask = random_inputs(1, 70, 16, g)
+    pair_gpu, mask_gpu = pair.float().cuda(), mask.cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)  # keep the side stream busy: work on another stream would race
+        out = new(pair_gpu, mask_gpu)
+    side.synchronize()
+    assert rel_error(out, reference.cuda()(pair.cuda(), mask.cuda())) < 1e-5
+
+
+@cuda
+def test_cuda_bad_input_raises():
+    model = ti.ModelNew(8, 4).cuda()
+    pair = torch.randn(1, 4, 4, 8, device="cuda")
+    with pytest.raises(TypeError, match="float64"):
+        model.double()(pair.double(), torch.ones(1, 4, 4, device="cuda"))
+    with pytest.raises(TypeError, match="parameters are torch.float32"):
+        model.float()(pair.bfloat16(), torch.ones(1, 4, 4, device="cuda"))
+    with pytest.raises(ValueError, match="pair_mask is on cpu"):
+        model(pair, torch.ones(1, 4, 4))
+    with pytest.raises(ValueError, match="parameters are on cpu"):
+        ti.ModelNew(8, 4)(pair, torch.ones(1, 4, 4, device="cuda"))

@@ -1,0 +1,641 @@
+"""trimul_inline — AlphaFold's triangle multiplicative update with JIT-compiled CUDA kernels.
+
+    from trimul_inline import Model, ModelNew
+    model = ModelNew(pair_dim=128, hidden_dim=128).cuda()        # same parameters as Model
+    out = model(pair_repr, pair_mask)                            # (B, N, N, C)
+
+`Model` is the reference (plain PyTorch). `ModelNew` has the same parameters and state_dict keys
+and computes the triangle contraction with a CUDA kernel from kernels/, compiled on first use by
+torch.utils.cpp_extension.load_inline and cached on disk (TRIMUL_VERBOSE=1 shows the build).
+
+    python trimul_inline.py build                          # compile now, print where it went
+    python trimul_inline.py bundle -o trimul_notebook.py   # one self-contained file for notebooks
+"""
+import argparse
+import contextlib
+import glob
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import re
+import shutil
+import sys
+import warnings
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+
+__all__ = [
+    "Model", "ModelNew", "VARIANTS", "Variant", "contract", "load_extension", "reload_extension",
+    "kernel_sources", "build_key", "find_toolkit", "bundle_source", "reference_forward",
+]
+
+DIRECTIONS = ("outgoing", "incoming")
+GATE_INPUTS = ("raw", "normalized")
+PRECISIONS = ("highest", "high", "medium")  # torch.get_float32_matmul_precision() names
+_PRECISION_CODE = {"highest": 0, "high": 1, "medium": 2}
+
+
+# ------------------------------------------------------------------------------------------------
+# The reference model (the seed's, with the two options real models need)
+# ------------------------------------------------------------------------------------------------
+class _TriMulLayers(nn.Module):
+    """The parameters shared by Model and ModelNew, so their state_dicts are interchangeable."""
+
+    def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "outgoing",
+                 gate_input: str = "raw"):
+        super().__init__()
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        if gate_input not in GATE_INPUTS:
+            raise ValueError(f"gate_input must be one of {GATE_INPUTS}, got {gate_input!r}")
+        self.pair_dim, self.hidden_dim = pair_dim, hidden_dim
+        self.direction, self.gate_input = direction, gate_input
+        self.layer_norm_in = nn.LayerNorm(pair_dim)
+        self.proj_a = nn.Linear(pair_dim, hidden_dim)
+        self.gate_a = nn.Linear(pair_dim, hidden_dim)
+        self.proj_b = nn.Linear(pair_dim, hidden_dim)
+        self.gate_b = nn.Linear(pair_dim, hidden_dim)
+        self.layer_norm_out = nn.LayerNorm(hidden_dim)
+        self.out_proj = nn.Linear(hidden_dim, pair_dim)
+        self.out_gate = nn.Linear(pair_dim, pair_dim)
+
+    def extra_repr(self) -> str:
+        return f"direction={self.direction!r}, gate_input={self.gate_input!r}"
+
+
+def reference_forward(layers: _TriMulLayers, pair_repr: torch.Tensor, pair_mask: torch.Tensor):
+    """The seed's computation, verbatim but for the direction and gate-input options."""
+    x = layers.layer_norm_in(pair_repr)
+    m = pair_mask.unsqueeze(-1)
+    a = layers.proj_a(x) * torch.sigmoid(layers.gate_a(x)) * m
+    b = layers.proj_b(x) * torch.sigmoid(layers.gate_b(x)) * m
+    if layers.direction == "outgoing":
+        z = torch.einsum("bikh,bjkh->bijh", a, b)
+    else:
+        z = torch.einsum("bkih,bkjh->bijh", a, b)
+    o = layers.out_proj(layers.layer_norm_out(z))
+    gate_source = pair_repr if layers.gate_input == "raw" else x
+    return torch.sigmoid(layers.out_gate(gate_source)) * o
+
+
+class Model(_TriMulLayers):
+    """Reference triangle multiplicative update: pair_repr (B,N,N,C), pair_mask (B,N,N) -> (B,N,N,C)."""
+
+    def forward(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
+        return reference_forward(self, pair_repr, pair_mask)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel variants: one registry. A variant named here with backend "cuda" must be registered in
+# kernels/ with TRIMUL_REGISTER_CONTRACTION(<name>, launcher).
+# ------------------------------------------------------------------------------------------------
+class Variant(NamedTuple):
+    name: str
+    summary: str
+    dtypes: tuple = ("float32", "bfloat16", "float16")  # operand dtypes it takes
+    precisions: tuple = PRECISIONS  # fp32 precisions it may serve; fp32-accurate kernels serve all
+    min_capability: tuple = (7, 0)
+    backend: str = "cuda"  # "cuda": a kernel of ours in kernels/; "torch": a PyTorch baseline
+
+
+VARIANTS = {v.name: v for v in (
+    Variant("naive", "one thread per output element, fp32 FMA (the seed's approach; baseline)"),
+    Variant("tiled", "64x64 shared-memory tiles, 4x4 outputs per thread, fp32 FMA"),
+    Variant("bmm", "torch.bmm (cuBLAS) on the same layout; a baseline, not a kernel of ours",
+            backend="torch"),
+)}
+# kernel="auto" takes the first variant here that supports the call: fastest first.
+AUTO_ORDER = ("tiled", "naive")
+
+
+def _variant_supports(variant: Variant, dtype: torch.dtype, precision: str, capability) -> bool:
+    dtype_name = str(dtype).replace("torch.", "")
+    if dtype_name not in variant.dtypes:
+        return False
+    if dtype == torch.float32 and precision not in variant.precisions:
+        return False
+    return tuple(capability) >= variant.min_capability
+
+
+def select_variant(name: str, dtype: torch.dtype, precision: str, device: torch.device) -> Variant:
+    """The variant that runs a contraction of `dtype` operands at `precision` on `device`."""
+    capability = torch.cuda.get_device_capability(device)
+    if name == "auto":
+        for candidate in AUTO_ORDER:
+            if _variant_supports(VARIANTS[candidate], dtype, precision, capability):
+                return VARIANTS[candidate]
+        raise TypeError(f"trimul_inline: no kernel supports {dtype} operands at precision "
+                        f"{precision!r} on a capability {capability} GPU")
+    variant = VARIANTS[name]
+    if not _variant_supports(variant, dtype, precision, capability):
+        raise TypeError(f"trimul_inline: kernel {name!r} does not support {dtype} operands at "
+                        f"precision {precision!r} on a capability {capability} GPU (it takes "
+                        f"{variant.dtypes}, precisions {variant.precisions}, capability >= "
+                        f"{variant.min_capability})")
+    return variant
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel sources, toolkit discovery and the build cache
+# ------------------------------------------------------------------------------------------------
+_EMBEDDED_KERNELS = None  # `python trimul_inline.py bundle` replaces this with {file name: text}
+_KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp", ".h")
+_NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr")
+_CXX_FLAGS = ("-O3",)  # torch picks the C++ standard its headers need
+
+
+def _default_kernel_dir() -> str:
+    here = globals().get("__file__")
+    if not here:
+        raise RuntimeError("trimul_inline: no kernels: this copy has no kernels/ folder and no "
+                           "embedded kernels (make a notebook file with `python trimul_inline.py "
+                           "bundle`)")
+    return os.path.join(os.path.dirname(os.path.abspath(here)), "kernels")
+
+
+def kernel_sources(kernel_dir: Optional[str] = None) -> dict:
+    """{file name: text} of every kernel source: the embedded copy in a bundle, else kernels/."""
+    if kernel_dir is None and _EMBEDDED_KERNELS is not None:
+        return dict(_EMBEDDED_KERNELS)
+    kernel_dir = kernel_dir or _default_kernel_dir()
+    if not os.path.isdir(kernel_dir):
+        raise RuntimeError(f"trimul_inline: kernel folder {kernel_dir} does not exist")
+    sources = {}
+    for name in sorted(os.listdir(kernel_dir)):
+        if name.endswith(_KERNEL_SUFFIXES):
+            with open(os.path.join(kernel_dir, name), encoding="utf-8") as f:
+                sources[name] = f.read()
+    if "bindings.cpp" not in sources:
+        raise RuntimeError(f"trimul_inline: {kernel_dir} has no bindings.cpp")
+    return sources
+
+
+_LOCAL_INCLUDE = re.compile(r'\s*#\s*include\s+"([^"]+)"')
+
+
+def _inline_includes(name: str, sources: dict, seen: set) -> str:
+    """Text of `name` with its local #includes inlined once each, keeping file/line positions."""
+    lines = [f'#line 1 "kernels/{name}"']
+    for number, line in enumerate(sources[name].splitlines(), start=1):
+        match = _LOCAL_INCLUDE.match(line)
+        if match:
+            header = match.group(1)
+            if header not in sources:
+                raise RuntimeError(f"trimul_inline: kernels/{name}:{number} includes {header!r}, "
+                                   "which is not in kernels/")
+            if header not in seen:
+                seen.add(header)
+                lines.append(_inline_includes(header, sources, seen))
+                lines.append(f'#line {number + 1} "kernels/{name}"')
+                continue
+            line = f"// (already included) {line.strip()}"
+        elif line.strip() == "#pragma once":
+            line = ""
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def assemble_sources(sources: dict):
+    """(host source, CUDA source) for load_inline: bindings.cpp, and every .cu as one unit."""
+    host = _inline_includes("bindings.cpp", sources, set())
+    seen = set()
+    cuda = [_inline_includes(name, sources, seen) for name in sorted(sources) if name.endswith(".cu")]
+    return host, "\n".join(cuda)
+
+
+class Toolkit(NamedTuple):
+    home: str
+    version: str  # CUDART_VERSION, e.g. "13000"
+    extra_includes: tuple  # pip's nvidia/cuXX/include: headers some toolkits lack
+    extra_lib_dirs: tuple
+
+
+def _cudart_version(home: str) -> Optional[str]:
+    header = os.path.join(home, "include", "cuda_runtime_api.h")
+    try:
+        with open(header, encoding="utf-8", errors="replace") as f:
+            match = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", f.read())
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
+def _has_cudart_library(home: str) -> bool:
+    for lib_dir in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"),
+                    os.path.join("targets", "sbsa-linux", "lib")):
+        if glob.glob(os.path.join(home, lib_dir, "libcudart.so*")):
+            return True
+    return False
+
+
+def _pip_cuda_dirs():
+    """Include and library folders of pip's nvidia wheels for torch's CUDA major version."""
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations or not torch.version.cuda:
+        return (), ()
+    major = torch.version.cuda.split(".")[0]
+    includes, libs = [], []
+    for root in spec.submodule_search_locations:
+        sub = os.path.join(root, f"cu{major}")
+        if os.path.isdir(os.path.join(sub, "include")):
+            includes.append(os.path.join(sub, "include"))
+        if os.path.isdir(os.path.join(sub, "lib")):
+            libs.append(os.path.join(sub, "lib"))
+    return tuple(includes), tuple(libs)
+
+
+def find_toolkit(environ=None) -> Toolkit:
+    """The CUDA toolkit to build with, or a RuntimeError naming what is missing.
+
+    CUDA_HOME / CUDA_PATH win when set. Otherwise nvcc on PATH and the usual folders are tried;
+    a toolkit counts only with bin/nvcc, include/cuda_runtime_api.h and libcudart (an nvcc wrapper
+    in /usr/local/bin does not make /usr/local a toolkit).
+    """
+    environ = os.environ if environ is None else environ
+    explicit = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
+    if explicit:
+        candidates = [explicit]
+    else:
+        candidates = []
+        nvcc = shutil.which("nvcc", path=environ.get("PATH", ""))
+        if nvcc:
+            real = os.path.realpath(nvcc)
+            candidates.append(os.path.dirname(os.path.dirname(real)))
+            # A wrapper script (`exec /usr/local/cuda-13.0/bin/nvcc "$@"`) names the real one.
+            try:
+                with open(real, "rb") as f:
+                    head = f.read(4096).decode("utf-8", "replace")
+                candidates += [os.path.dirname(os.path.dirname(p))
+                               for p in re.findall(r"(/\S+/bin/nvcc)\b", head)]
+            except OSError:
+                pass
+        candidates += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    problems = []
+    for home in dict.fromkeys(candidates):
+        if not os.path.isfile(os.path.join(home, "bin", "nvcc")):
+            problems.append(f"{home}: no bin/nvcc")
+            continue
+        version = _cudart_version(home)
+        if version is None:
+            problems.append(f"{home}: no include/cuda_runtime_api.h")
+            continue
+        includes, libs = _pip_cuda_dirs()
+        if not _has_cudart_library(home) and not any(glob.glob(os.path.join(d, "libcudart.so*"))
+                                                     for d in libs):
+            problems.append(f"{home}: no libcudart.so")
+            continue
+        return Toolkit(home, version, includes, libs)
+    where = "; ".join(problems) if problems else "nothing to look at"
+    raise RuntimeError(
+        "trimul_inline: cannot build the CUDA extension: no usable CUDA toolkit (nvcc, CUDA headers "
+        f"and libcudart) was found ({where}). Install the CUDA toolkit or set CUDA_HOME to it.")
+
+
+def target_arch() -> str:
+    """nvcc arch suffix: the current GPU's (sm_90a on Hopper, for wgmma); 90a with no GPU."""
+    env = os.environ.get("TRIMUL_CUDA_ARCH")
+    if env:
+        return env
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+    return "90a"
+
+
+def build_key(sources: dict, arch: str, toolkit_version: str) -> str:
+    """Hash of everything the built .so depends on; it names the extension and its build folder."""
+    digest = hashlib.sha256()
+    for name in sorted(sources):
+        digest.update(name.encode() + b"\0" + sources[name].encode() + b"\0")
+    for part in (_NVCC_FLAGS, _CXX_FLAGS, torch.__version__, torch.version.cuda, toolkit_version,
+                 arch, sys.implementation.cache_tag):
+        digest.update(repr(part).encode() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def extensions_root() -> str:
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "torch_extensions", "trimul_inline")
+
+
+def _verbose() -> bool:
+    return os.environ.get("TRIMUL_VERBOSE", "0") not in ("", "0")
+
+
+def _say(message: str) -> None:
+    print(f"trimul_inline: {message}", file=sys.stderr, flush=True)
+
+
+class BuildPlan(NamedTuple):
+    name: str
+    build_dir: str
+    so_path: str
+    arch: str
+    toolkit: Toolkit
+    sources: dict
+
+
+def plan_build(kernel_dir: Optional[str] = None) -> BuildPlan:
+    sources = kernel_sources(kernel_dir)
+    toolkit = find_toolkit()
+    arch = target_arch()
+    name = f"trimul_inline_{build_key(sources, arch, toolkit.version)}"
+    build_dir = os.path.join(extensions_root(), name)
+    return BuildPlan(name, build_dir, os.path.join(build_dir, name + ".so"), arch, toolkit, sources)
+
+
+@contextlib.contextmanager
+def _torch_cuda_home(home: str):
+    # torch guesses CUDA_HOME once, at import, from `which nvcc`; a wrapper script fools it.
+    from torch.utils import cpp_extension
+    saved = cpp_extension.CUDA_HOME
+    cpp_extension.CUDA_HOME = home
+    try:
+        yield
+    finally:
+        cpp_extension.CUDA_HOME = saved
+
+
+def _compile_extension(plan: BuildPlan, verbose: bool):
+    import inspect
+    from torch.utils import cpp_extension
+    host, cuda = assemble_sources(plan.sources)
+    os.makedirs(plan.build_dir, exist_ok=True)
+    nvcc_flags = list(_NVCC_FLAGS) + [f"-gencode=arch=compute_{plan.arch},code=sm_{plan.arch}"]
+    cxx_flags = list(_CXX_FLAGS) + [f"-idirafter{d}" for d in plan.toolkit.extra_includes]
+    ldflags = [f"-L{d}" for d in plan.toolkit.extra_lib_dirs]
+    kwargs = {}
+    if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters:
+        kwargs["no_implicit_headers"] = True  # keeps torch headers out of the nvcc unit
+    with _torch_cuda_home(plan.toolkit.home):
+        return cpp_extension.load_inline(
+            name=plan.name, cpp_sources=[host], cuda_sources=[cuda], extra_cflags=cxx_flags,
+            extra_cuda_cflags=nvcc_flags, extra_ldflags=ldflags, build_directory=plan.build_dir,
+            verbose=verbose, with_cuda=True, **kwargs)
+
+
+def _import_built(plan: BuildPlan):
+    loader = importlib.machinery.ExtensionFileLoader(plan.name, plan.so_path)
+    spec = importlib.util.spec_from_file_location(plan.name, plan.so_path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+_LOADED = {}  # extension name -> module, for this process
+_DEFAULT_EXTENSION = None
+
+
+def load_extension(kernel_dir: Optional[str] = None, verbose: Optional[bool] = None):
+    """The compiled extension for these kernel sources: memoized, else the cached .so, else built."""
+    verbose = _verbose() if verbose is None else verbose
+    plan = plan_build(kernel_dir)
+    if plan.name in _LOADED:
+        return _LOADED[plan.name]
+    done_marker = plan.so_path + ".ok"  # written only after a build finished and imported
+    if os.path.exists(plan.so_path) and os.path.exists(done_marker):
+        if verbose:
+            _say(f"reusing cached build {plan.so_path}")
+        module = _import_built(plan)
+    else:
+        if verbose:
+            _say(f"building {plan.name} for sm_{plan.arch} with {plan.toolkit.home} (CUDA "
+                 f"{plan.toolkit.version}) in {plan.build_dir}")
+        module = _compile_extension(plan, verbose)
+        with open(done_marker, "w") as f:
+            f.write(plan.name + "\n")
+    missing = [v.name for v in VARIANTS.values()
+               if v.backend == "cuda" and v.name not in module.contraction_variants()]
+    if missing:
+        raise RuntimeError(f"trimul_inline: the registry names kernels that kernels/ does not "
+                           f"register with TRIMUL_REGISTER_CONTRACTION: {missing}")
+    _LOADED[plan.name] = module
+    return module
+
+
+def reload_extension(verbose: Optional[bool] = None):
+    """Re-read kernels/, rebuild if anything changed, and use the result from now on."""
+    global _DEFAULT_EXTENSION
+    _DEFAULT_EXTENSION = load_extension(verbose=verbose)
+    return _DEFAULT_EXTENSION
+
+
+def _extension():
+    return _DEFAULT_EXTENSION if _DEFAULT_EXTENSION is not None else reload_extension()
+
+
+# ------------------------------------------------------------------------------------------------
+# The op: z[batch, i, j] = sum_k a[batch, i, k] * b[batch, j, k]
+# ------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _float32_matmul_precision(precision: str):
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
+def contract_into(z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, variant: str,
+                  precision: str) -> torch.Tensor:
+    """Runs the named variant, writing z (no autograd; the building block of the op)."""
+    if VARIANTS[variant].backend == "torch":
+        with _float32_matmul_precision(precision):
+            torch.bmm(a, b.transpose(1, 2), out=z) if z.dtype == a.dtype else \
+                z.copy_(torch.bmm(a, b.transpose(1, 2)))
+        return z
+    _extension().contract(variant, a, b, z, _PRECISION_CODE[precision])
+    return z
+
+
+@torch.library.custom_op("trimul_inline::contract", mutates_args=())
+def contract(a: torch.Tensor, b: torch.Tensor, variant: str, precision: str) -> torch.Tensor:
+    """z = a @ b^T for a [batch, m, k], b [batch, n, k] (contiguous CUDA); z has a's dtype."""
+    z = a.new_empty((a.shape[0], a.shape[1], b.shape[1]))
+    return contract_into(z, a, b, variant, precision)
+
+
+@contract.register_fake
+def _contract_fake(a, b, variant, precision):
+    return a.new_empty((a.shape[0], a.shape[1], b.shape[1]))
+
+
+def _contract_setup_context(ctx, inputs, output):
+    a, b, _, precision = inputs
+    ctx.save_for_backward(a, b)
+    ctx.precision = precision
+
+
+def _contract_backward(ctx, grad_z):
+    a, b = ctx.saved_tensors
+    grad_z = grad_z.to(a.dtype)
+    with _float32_matmul_precision(ctx.precision):
+        grad_a = torch.bmm(grad_z, b) if ctx.needs_input_grad[0] else None
+        grad_b = torch.bmm(grad_z.transpose(1, 2), a) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None, None
+
+
+contract.register_autograd(_contract_backward, setup_context=_contract_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# ModelNew
+# ------------------------------------------------------------------------------------------------
+_CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_cpu_fallback_warned = False
+
+
+def check_inputs(layers: _TriMulLayers, pair_repr, pair_mask) -> None:
+    """Raises ValueError/TypeError naming the problem; silent for good input."""
+    for name, value in (("pair_repr", pair_repr), ("pair_mask", pair_mask)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    shape = tuple(pair_repr.shape)
+    if pair_repr.dim() != 4:
+        raise ValueError(f"pair_repr must have shape (B, N, N, C); got {shape} ({pair_repr.dim()}-D)")
+    batch, n_rows, n_cols, channels = shape
+    if n_rows != n_cols:
+        raise ValueError(f"pair_repr must be (B, N, N, C) with equal middle dims; got {shape}")
+    if channels != layers.pair_dim:
+        raise ValueError(f"pair_repr has C={channels} channels but the model has "
+                         f"pair_dim={layers.pair_dim}")
+    if tuple(pair_mask.shape) != (batch, n_rows, n_cols):
+        raise ValueError(f"pair_mask must have shape (B, N, N) = {(batch, n_rows, n_cols)} to match "
+                         f"pair_repr {shape}; got {tuple(pair_mask.shape)}")
+    if not pair_repr.is_floating_point():
+        raise TypeError(f"pair_repr must be a floating-point tensor; got {pair_repr.dtype}")
+    if pair_mask.is_complex():
+        raise TypeError(f"pair_mask must be bool, integer or floating; got {pair_mask.dtype}")
+    if pair_mask.device != pair_repr.device:
+        raise ValueError(f"pair_mask is on {pair_mask.device} but pair_repr is on "
+                         f"{pair_repr.device}; put both on one device")
+    weight = layers.proj_a.weight
+    if weight.device != pair_repr.device:
+        raise ValueError(f"pair_repr is on {pair_repr.device} but the model's parameters are on "
+                         f"{weight.device}; call model.to({str(pair_repr.device)!r})")
+    if pair_repr.is_cuda:
+        if pair_repr.dtype not in _CUDA_DTYPES:
+            raise TypeError(f"pair_repr dtype {pair_repr.dtype} is not supported by the CUDA "
+                            "kernels (float32, bfloat16, float16); use Model for float64")
+        if pair_repr.dtype != weight.dtype and not torch.is_autocast_enabled("cuda"):
+            raise TypeError(f"pair_repr is {pair_repr.dtype} but the parameters are {weight.dtype}; "
+                            f"convert the model (model.to({pair_repr.dtype})) or use torch.autocast")
+
+
+def _contraction_layout(t: torch.Tensor, direction: str) -> torch.Tensor:
+    """[B, N, N, H] projections -> [B*H, i, k] so both directions are one a @ b^T per (b, h)."""
+    batch, n, _, hidden = t.shape
+    order = (0, 3, 1, 2) if direction == "outgoing" else (0, 3, 2, 1)
+    return t.permute(order).contiguous().view(batch * hidden, n, n)
+
+
+class ModelNew(_TriMulLayers):
+    """Model's computation with the triangle contraction on a CUDA kernel from kernels/.
+
+    kernel: a name in VARIANTS, or "auto" (the fastest that supports the call).
+    precision: for fp32 inputs, "highest" | "high" | "medium"; None follows
+        torch.get_float32_matmul_precision(). bf16/fp16 inputs compute in their dtype.
+    On CPU tensors it runs the reference computation (and warns once).
+    """
+
+    def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "outgoing",
+                 gate_input: str = "raw", kernel: str = "auto", precision: Optional[str] = None):
+        super().__init__(pair_dim, hidden_dim, direction, gate_input)
+        if kernel != "auto" and kernel not in VARIANTS:
+            raise ValueError(f"kernel must be 'auto' or one of {sorted(VARIANTS)}, got {kernel!r}")
+        if precision is not None and precision not in PRECISIONS:
+            raise ValueError(f"precision must be None or one of {PRECISIONS}, got {precision!r}")
+        self.kernel, self.precision = kernel, precision
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, kernel={self.kernel!r}, precision={self.precision!r}"
+
+    def resolved_precision(self) -> str:
+        return self.precision or torch.get_float32_matmul_precision()
+
+    def forward(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
+        check_inputs(self, pair_repr, pair_mask)
+        if not pair_repr.is_cuda:
+            global _cpu_fallback_warned
+            if not _cpu_fallback_warned:
+                _cpu_fallback_warned = True
+                warnings.warn("trimul_inline: ModelNew got CPU tensors; running the reference "
+                              "computation (the CUDA kernels need a GPU)", stacklevel=2)
+            return reference_forward(self, pair_repr, pair_mask)
+        return self._forward_cuda(pair_repr, pair_mask)
+
+    def _gated_projection(self, x, proj, gate, mask):
+        p = proj(x)
+        return p * torch.sigmoid(gate(x)) * mask.to(p.dtype)
+
+    def _forward_cuda(self, pair_repr, pair_mask):
+        batch, n = pair_repr.shape[:2]
+        x = self.layer_norm_in(pair_repr)
+        mask = pair_mask.unsqueeze(-1)
+        a = self._gated_projection(x, self.proj_a, self.gate_a, mask)
+        b = self._gated_projection(x, self.proj_b, self.gate_b, mask)
+        precision = self.resolved_precision()
+        variant = select_variant(self.kernel, a.dtype, precision, a.device)
+        z = contract(_contraction_layout(a, self.direction), _contraction_layout(b, self.direction),
+                     variant.name, precision)
+        z = z.view(batch, self.hidden_dim, n, n).permute(0, 2, 3, 1)
+        o = self.out_proj(self.layer_norm_out(z))
+        gate_source = pair_repr if self.gate_input == "raw" else x
+        return torch.sigmoid(self.out_gate(gate_source)) * o
+
+
+# ------------------------------------------------------------------------------------------------
+# Notebook bundle and command line
+# ------------------------------------------------------------------------------------------------
+_EMBED_LINE = re.compile(r"^_EMBEDDED_KERNELS = None\b.*$", re.M)
+
+
+def _python_literal(text: str) -> str:
+    if "'''" not in text and not text.endswith("\\"):
+        return "r'''" + text + "'''"
+    return repr(text)
+
+
+def bundle_source(kernel_dir: Optional[str] = None) -> str:
+    """This module's source with every kernel file embedded: one file that needs no kernels/."""
+    here = globals().get("__file__")
+    if not here:
+        raise RuntimeError("trimul_inline: bundle needs the module's own file (it has no __file__)")
+    with open(here, encoding="utf-8") as f:
+        module_text = f.read()
+    sources = kernel_sources(kernel_dir)
+    body = ",\n".join(f"    {name!r}: {_python_literal(text)}" for name, text in sources.items())
+    embedded = "_EMBEDDED_KERNELS = {\n" + body + ",\n}  # embedded by `trimul_inline.py bundle`"
+    module_text, count = _EMBED_LINE.subn(lambda _: embedded, module_text, count=1)
+    if count != 1:
+        raise RuntimeError("trimul_inline: bundle could not find the _EMBEDDED_KERNELS line")
+    header = ("# Generated by `python trimul_inline.py bundle`: trimul_inline with its CUDA kernels "
+              "embedded.\n# Edit trimul_inline.py and kernels/ instead, then bundle again.\n")
+    return header + module_text
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="trimul_inline.py", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    bundle = sub.add_parser("bundle", help="write one self-contained file with the kernels embedded")
+    bundle.add_argument("-o", "--output", default="trimul_notebook.py")
+    sub.add_parser("build", help="compile the CUDA extension now (or reuse the cached build)")
+    args = parser.parse_args(argv)
+    if args.command == "bundle":
+        text = bundle_source()
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"wrote {args.output} ({len(text)} bytes); exec it or paste it into a notebook cell")
+    else:
+        module = load_extension(verbose=True if _verbose() else None)
+        print(f"{module.__name__}: {module.__file__}")
+        print("kernels:", ", ".join(module.contraction_variants()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
