@@ -1,0 +1,291 @@
+"""bench.py — check every contender against an fp64 reference, then time it.
+
+    python bench.py                                   # default shapes, every contender
+    python bench.py --shapes 1,256,128,128 --kernels tiled --precision high --json out.json
+
+For each shape (B, N, C, H) each contender is first checked against the reference model run in
+float64 (relative error ||out - ref|| / ||ref||); a contender over its tolerance prints FAIL and is
+not timed. Timing: CUDA events around each forward call, after warm-up, median of many calls with
+the 10th-90th percentile spread, and the peak memory the call allocated beyond what was already
+allocated. Without CUDA it says so and runs a small CPU comparison.
+"""
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+import trimul_inline as ti
+
+DEFAULT_SHAPES = [(1, 32, 64, 32), (16, 32, 64, 32), (2, 256, 128, 128), (1, 512, 128, 128),
+                  (1, 768, 128, 128), (1, 1024, 128, 128), (2, 256, 384, 128), (1, 768, 384, 128),
+                  (1, 1024, 384, 128)]
+# The geomean row covers the seven shapes large enough not to be launch-bound (issue 3's table).
+GEOMEAN_SHAPES = DEFAULT_SHAPES[2:]
+TOLERANCE = {"highest": 1e-5, "high": 2e-3, "medium": 1e-2, "bfloat16": 2e-2}
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def parse_shapes(text: str):
+    shapes = []
+    for item in text.replace(" ", "").split(";"):
+        parts = [int(p) for p in item.split(",") if p]
+        if len(parts) != 4:
+            raise SystemExit(f"--shapes: each shape is B,N,C,H; got {item!r}")
+        shapes.append(tuple(parts))
+    return shapes
+
+
+def model_flops(batch, n, pair_dim, hidden) -> float:
+    """Useful FLOPs of one forward: the five input projections, the contraction, out_proj."""
+    pairs = batch * n * n
+    return 2.0 * pairs * (pair_dim * 4 * hidden + pair_dim * pair_dim + hidden * pair_dim) \
+        + 2.0 * batch * hidden * n ** 3
+
+
+def make_inputs(batch, n, pair_dim, generator, device):
+    pair = torch.randn(batch, n, n, pair_dim, generator=generator, device=device)
+    mask = torch.rand(batch, n, n, generator=generator, device=device) > 0.1
+    mask[:, n // 3, :] = False  # a masked-out row, as padded residues give
+    return pair, mask
+
+
+def randomize(model, generator):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator, device=p.device) * 0.3)
+        model.layer_norm_in.weight.add_(1.0)
+        model.layer_norm_out.weight.add_(1.0)
+    return model
+
+
+class Contender:
+    def __init__(self, name, make, tolerance_key):
+        self.name, self.make, self.tolerance_key = name, make, tolerance_key
+
+
+def contenders(args, precision):
+    """name -> factory(reference fp32 model) -> callable(pair, mask)."""
+    found = []
+    if "ref-eager" in args.contenders:
+        found.append(Contender("ref eager", lambda ref: ref, "highest"))
+    if "ref-compile" in args.contenders:
+        found.append(Contender("ref torch.compile", lambda ref: torch.compile(ref, dynamic=False),
+                               "highest"))
+    if "ref-autocast" in args.contenders:
+        def autocast(ref):
+            def run(pair, mask):
+                with torch.autocast("cuda", torch.bfloat16):
+                    return ref(pair, mask)
+            return run
+        found.append(Contender("ref bf16 autocast", autocast, "bfloat16"))
+    if "new" in args.contenders:
+        for kernel in args.kernels:
+            def make_new(ref, kernel=kernel):
+                new = ti.ModelNew(ref.pair_dim, ref.hidden_dim, ref.direction, ref.gate_input,
+                                  kernel=kernel, precision=precision)
+                new.load_state_dict(ref.state_dict())
+                return new.to(ref.proj_a.weight.device)
+            found.append(Contender(f"ModelNew[{kernel}]", make_new, precision))
+    return found
+
+
+def time_cuda(fn, min_reps=10, max_reps=200, budget_s=0.5):
+    """Median and 10th/90th percentile of per-call CUDA event times, in microseconds."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_s = max(start.elapsed_time(end) / 1e3, 1e-6)
+    reps = int(min(max_reps, max(min_reps, budget_s / estimate_s)))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for begin, finish in events:
+        begin.record()
+        fn()
+        finish.record()
+    torch.cuda.synchronize()
+    times = sorted(b.elapsed_time(f) * 1e3 for b, f in events)
+    quantile = lambda q: times[min(len(times) - 1, int(q * len(times)))]
+    return statistics.median(times), quantile(0.1), quantile(0.9), reps
+
+
+def peak_memory_mib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    return peak / 2**20
+
+
+def bench_shape(shape, args, precision, index, total):
+    batch, n, pair_dim, hidden = shape
+    generator = torch.Generator(device="cuda").manual_seed(args.seed + index)
+    ref = randomize(ti.Model(pair_dim, hidden, args.direction, args.gate_input).cuda(), generator)
+    pair, mask = make_inputs(batch, n, pair_dim, generator, "cuda")
+    with torch.inference_mode():
+        ref64 = ti.Model(pair_dim, hidden, args.direction, args.gate_input).cuda().double()
+        ref64.load_state_dict(ref.state_dict())
+        expected = ref64(pair.double(), mask)
+        del ref64
+    rows = []
+    for contender in contenders(args, precision):
+        label = f"[{index + 1}/{total}] {shape} {contender.name}"
+        row = {"shape": list(shape), "contender": contender.name, "status": "ok"}
+        try:
+            fn_model = contender.make(ref)
+            call = lambda: fn_model(pair, mask)
+            with torch.inference_mode():
+                out = call()
+                torch.cuda.synchronize()
+                err = ((out.double() - expected).norm() / expected.norm()).item()
+                del out
+                row["rel_error"] = err
+                tolerance = TOLERANCE[contender.tolerance_key]
+                if not (err <= tolerance):  # NaN fails too
+                    row["status"] = "FAIL"
+                    log(f"{label}: FAIL, error {err:.2e} > {tolerance:.0e}; not timed")
+                    rows.append(row)
+                    continue
+                log(f"{label}: error {err:.2e} ok; timing")
+                median, low, high, reps = time_cuda(call, budget_s=args.budget)
+                row.update(median_us=median, p10_us=low, p90_us=high, reps=reps,
+                           peak_mib=peak_memory_mib(call))
+                row["tflops"] = model_flops(*shape) / (median * 1e-6) / 1e12
+        except Exception as error:  # one broken contender must not hide the others
+            row["status"] = "ERROR"
+            row["error"] = f"{type(error).__name__}: {error}"[:300]
+            log(f"{label}: ERROR {row['error']}")
+        rows.append(row)
+        torch.cuda.empty_cache()
+    eager = next((r for r in rows if r["contender"] == "ref eager" and "median_us" in r), None)
+    for row in rows:
+        if eager and "median_us" in row:
+            row["speedup"] = eager["median_us"] / row["median_us"]
+    return rows
+
+
+def print_table(rows, precision):
+    header = (f"{'B,N,C,H':<17} {'contender':<22} {'median us':>10} {'p10-p90 us':>17} "
+              f"{'vs eager':>8} {'TFLOP/s':>8} {'rel err':>9} {'peak MiB':>9}")
+    print(f"\nprecision={precision}  (fp32 inputs; ModelNew follows --precision)")
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        shape = ",".join(str(s) for s in row["shape"])
+        err = f"{row['rel_error']:.1e}" if "rel_error" in row else "-"
+        if "median_us" not in row:
+            print(f"{shape:<17} {row['contender']:<22} {row['status']:>10} {'':>17} {'':>8} "
+                  f"{'':>8} {err:>9}")
+            continue
+        spread = f"{row['p10_us']:.0f}-{row['p90_us']:.0f}"
+        speedup = f"{row['speedup']:.2f}x" if "speedup" in row else "-"
+        print(f"{shape:<17} {row['contender']:<22} {row['median_us']:>10.1f} {spread:>17} "
+              f"{speedup:>8} {row['tflops']:>8.1f} {err:>9} {row['peak_mib']:>9.0f}")
+    geomean_rows = geomeans(rows)
+    for name, value in geomean_rows.items():
+        print(f"{'geomean (7 large)':<17} {name:<22} {value:>10.1f}")
+    return geomean_rows
+
+
+def geomeans(rows):
+    """Geometric mean of medians over GEOMEAN_SHAPES, for contenders timed at all seven."""
+    wanted = {tuple(s) for s in GEOMEAN_SHAPES}
+    by_contender = {}
+    for row in rows:
+        if tuple(row["shape"]) in wanted and "median_us" in row:
+            by_contender.setdefault(row["contender"], []).append(row["median_us"])
+    return {name: math.exp(sum(math.log(t) for t in times) / len(times))
+            for name, times in by_contender.items() if len(times) == len(wanted)}
+
+
+def cpu_comparison():
+    """No GPU: compare Model with ModelNew's CPU fallback on a small shape, by wall clock."""
+    print("CUDA is not available: running a small CPU comparison instead (ModelNew falls back to "
+          "the reference computation on CPU).")
+    shape = (1, 24, 32, 16)
+    generator = torch.Generator().manual_seed(0)
+    ref = randomize(ti.Model(shape[2], shape[3]), generator)
+    new = ti.ModelNew(shape[2], shape[3])
+    new.load_state_dict(ref.state_dict())
+    pair, mask = make_inputs(shape[0], shape[1], shape[2], generator, "cpu")
+    ref64 = ti.Model(shape[2], shape[3]).double()
+    ref64.load_state_dict(ref.state_dict())
+    with torch.inference_mode():
+        expected = ref64(pair.double(), mask)
+        for name, model in (("ref eager", ref), ("ModelNew (CPU fallback)", new)):
+            out = model(pair, mask)
+            err = ((out.double() - expected).norm() / expected.norm()).item()
+            times = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                model(pair, mask)
+                times.append((time.perf_counter() - t0) * 1e6)
+            print(f"{str(shape):<17} {name:<26} {statistics.median(times):>10.1f} us  "
+                  f"rel err {err:.1e}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES,
+                        help="B,N,C,H;B,N,C,H;... (default: the nine standard shapes)")
+    parser.add_argument("--kernels", default=",".join(sorted(ti.VARIANTS) + ["auto"]),
+                        help=f"ModelNew kernels to time (from {sorted(ti.VARIANTS)} and auto)")
+    parser.add_argument("--contenders", default="ref-eager,ref-compile,ref-autocast,new",
+                        help="which of ref-eager, ref-compile, ref-autocast, new to run")
+    parser.add_argument("--precision", choices=ti.PRECISIONS, default="highest",
+                        help="ModelNew's fp32 precision (PyTorch's matmul-precision names)")
+    parser.add_argument("--direction", choices=ti.DIRECTIONS, default="outgoing")
+    parser.add_argument("--gate-input", choices=ti.GATE_INPUTS, default="raw")
+    parser.add_argument("--budget", type=float, default=0.5, help="seconds of timing per row")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write every row and the run's details here")
+    args = parser.parse_args(argv)
+    args.kernels = [k for k in args.kernels.split(",") if k]
+    for kernel in args.kernels:
+        if kernel != "auto" and kernel not in ti.VARIANTS:
+            parser.error(f"unknown kernel {kernel!r}; known: {sorted(ti.VARIANTS)} and auto")
+    args.contenders = set(args.contenders.split(","))
+
+    if not torch.cuda.is_available():
+        return cpu_comparison()
+
+    gpu = torch.cuda.get_device_name()
+    log(f"bench on {gpu}, torch {torch.__version__}; building/loading the extension")
+    ti.reload_extension()
+    rows = []
+    for index, shape in enumerate(args.shapes):
+        rows += bench_shape(shape, args, args.precision, index, len(args.shapes))
+    command = "python " + " ".join([sys.argv[0]] + (sys.argv[1:] if argv is None else list(argv)))
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"\n{command}\n{stamp} on {gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    geomean_rows = print_table(rows, args.precision)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": command, "date": stamp, "gpu": gpu, "torch": torch.__version__,
+                       "cuda": torch.version.cuda, "python": platform.python_version(),
+                       "precision": args.precision, "direction": args.direction,
+                       "gate_input": args.gate_input, "rows": rows, "geomean_us": geomean_rows},
+                      f, indent=1)
+    failed = [r for r in rows if r["status"] != "ok"]
+    return 1 if any(r["contender"].startswith("ModelNew") for r in failed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
