@@ -72,7 +72,7 @@ class Contender:
         self.name, self.make, self.tolerance_key = name, make, tolerance_key
 
 
-def contenders(args, precision):
+def contenders(args):
     """name -> factory(reference fp32 model) -> callable(pair, mask)."""
     found = []
     if "ref-eager" in args.contenders:
@@ -88,13 +88,14 @@ def contenders(args, precision):
             return run
         found.append(Contender("ref bf16 autocast", autocast, "bfloat16"))
     if "new" in args.contenders:
-        for kernel in args.kernels:
-            def make_new(ref, kernel=kernel):
-                new = ti.ModelNew(ref.pair_dim, ref.hidden_dim, ref.direction, ref.gate_input,
-                                  kernel=kernel, precision=precision)
-                new.load_state_dict(ref.state_dict())
-                return new.to(ref.proj_a.weight.device)
-            found.append(Contender(f"ModelNew[{kernel}]", make_new, precision))
+        for precision in args.precision:
+            for kernel in args.kernels:
+                def make_new(ref, kernel=kernel, precision=precision):
+                    new = ti.ModelNew(ref.pair_dim, ref.hidden_dim, ref.direction, ref.gate_input,
+                                      kernel=kernel, precision=precision)
+                    new.load_state_dict(ref.state_dict())
+                    return new.to(ref.proj_a.weight.device)
+                found.append(Contender(f"new[{kernel}] {precision}", make_new, precision))
     return found
 
 
@@ -133,7 +134,7 @@ def peak_memory_mib(fn) -> float:
     return peak / 2**20
 
 
-def bench_shape(shape, args, precision, index, total):
+def bench_shape(shape, args, index, total):
     batch, n, pair_dim, hidden = shape
     generator = torch.Generator(device="cuda").manual_seed(args.seed + index)
     ref = randomize(ti.Model(pair_dim, hidden, args.direction, args.gate_input).cuda(), generator)
@@ -144,7 +145,7 @@ def bench_shape(shape, args, precision, index, total):
         expected = ref64(pair.double(), mask)
         del ref64
     rows = []
-    for contender in contenders(args, precision):
+    for contender in contenders(args):
         label = f"[{index + 1}/{total}] {shape} {contender.name}"
         row = {"shape": list(shape), "contender": contender.name, "status": "ok"}
         try:
@@ -181,7 +182,7 @@ def bench_shape(shape, args, precision, index, total):
 
 
 def print_table(rows, precision):
-    header = (f"{'B,N,C,H':<17} {'contender':<22} {'median us':>10} {'p10-p90 us':>17} "
+    header = (f"{'B,N,C,H':<17} {'contender':<26} {'median us':>10} {'p10-p90 us':>17} "
               f"{'vs eager':>8} {'TFLOP/s':>8} {'rel err':>9} {'peak MiB':>9}")
     print(f"\nprecision={precision}  (fp32 inputs; ModelNew follows --precision)")
     print(header)
@@ -190,16 +191,16 @@ def print_table(rows, precision):
         shape = ",".join(str(s) for s in row["shape"])
         err = f"{row['rel_error']:.1e}" if "rel_error" in row else "-"
         if "median_us" not in row:
-            print(f"{shape:<17} {row['contender']:<22} {row['status']:>10} {'':>17} {'':>8} "
+            print(f"{shape:<17} {row['contender']:<26} {row['status']:>10} {'':>17} {'':>8} "
                   f"{'':>8} {err:>9}")
             continue
         spread = f"{row['p10_us']:.0f}-{row['p90_us']:.0f}"
         speedup = f"{row['speedup']:.2f}x" if "speedup" in row else "-"
-        print(f"{shape:<17} {row['contender']:<22} {row['median_us']:>10.1f} {spread:>17} "
+        print(f"{shape:<17} {row['contender']:<26} {row['median_us']:>10.1f} {spread:>17} "
               f"{speedup:>8} {row['tflops']:>8.1f} {err:>9} {row['peak_mib']:>9.0f}")
     geomean_rows = geomeans(rows)
     for name, value in geomean_rows.items():
-        print(f"{'geomean (7 large)':<17} {name:<22} {value:>10.1f}")
+        print(f"{'geomean (7 large)':<17} {name:<26} {value:>10.1f}")
     return geomean_rows
 
 
@@ -249,8 +250,9 @@ def main(argv=None) -> int:
                         help=f"ModelNew kernels to time (from {sorted(ti.VARIANTS)} and auto)")
     parser.add_argument("--contenders", default="ref-eager,ref-compile,ref-autocast,new",
                         help="which of ref-eager, ref-compile, ref-autocast, new to run")
-    parser.add_argument("--precision", choices=ti.PRECISIONS, default="highest",
-                        help="ModelNew's fp32 precision (PyTorch's matmul-precision names)")
+    parser.add_argument("--precision", default="highest",
+                        help="ModelNew's fp32 precisions, comma-separated (PyTorch's matmul-precision "
+                             "names: highest, high, medium)")
     parser.add_argument("--direction", choices=ti.DIRECTIONS, default="outgoing")
     parser.add_argument("--gate-input", choices=ti.GATE_INPUTS, default="raw")
     parser.add_argument("--budget", type=float, default=0.5, help="seconds of timing per row")
@@ -262,6 +264,10 @@ def main(argv=None) -> int:
         if kernel != "auto" and kernel not in ti.VARIANTS:
             parser.error(f"unknown kernel {kernel!r}; known: {sorted(ti.VARIANTS)} and auto")
     args.contenders = set(args.contenders.split(","))
+    args.precision = [p for p in args.precision.split(",") if p]
+    for precision in args.precision:
+        if precision not in ti.PRECISIONS:
+            parser.error(f"unknown precision {precision!r}; known: {ti.PRECISIONS}")
 
     if not torch.cuda.is_available():
         return cpu_comparison()
@@ -271,11 +277,11 @@ def main(argv=None) -> int:
     ti.reload_extension()
     rows = []
     for index, shape in enumerate(args.shapes):
-        rows += bench_shape(shape, args, args.precision, index, len(args.shapes))
+        rows += bench_shape(shape, args, index, len(args.shapes))
     command = "python " + " ".join([sys.argv[0]] + (sys.argv[1:] if argv is None else list(argv)))
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"\n{command}\n{stamp} on {gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-    geomean_rows = print_table(rows, args.precision)
+    geomean_rows = print_table(rows, ",".join(args.precision))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": command, "date": stamp, "gpu": gpu, "torch": torch.__version__,

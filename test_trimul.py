@@ -338,6 +338,151 @@ def test_contraction_matches_fp64(variant, dtype, shape):
     assert err < TOLERANCE[dtype], f"{variant} {dtype} {shape}: error {err} (seed {seed})"
 
 
+FUSED_TOLERANCE = {"highest": 1e-5, "high": 3e-3, "medium": 1.5e-2}
+
+
+def _make_new(reference, dtype, variant="auto", precision=None):
+    new = ti.ModelNew(reference.pair_dim, reference.hidden_dim, reference.direction,
+                      reference.gate_input, kernel=variant, precision=precision)
+    new.load_state_dict(reference.state_dict())
+    return new.to(device="cuda", dtype=dtype)
+
+
+def _check_model(new, reference, pair, mask, tolerance, seed, label, dtype=torch.float32):
+    """Runs ModelNew (no autograd: the fused path) on poisoned memory against the fp64 reference."""
+    ref = reference.cuda()(pair.double().cuda(), mask.cuda())
+    poison_allocator()
+    with torch.no_grad():
+        out = new(pair.to(dtype).cuda(), mask.cuda())
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert not out.isnan().any(), f"{label}: NaN in output (seed {seed})"
+    err = rel_error(out, ref)
+    assert err < tolerance, f"{label}: error {err:.2e} >= {tolerance:.0e} (seed {seed})"
+    return err
+
+
+SHAPES = [(1, 1, 8, 4), (2, 7, 16, 8), (1, 33, 32, 16), (1, 257, 24, 12), (2, 40, 128, 128),
+          (1, 130, 64, 32)]
+
+
+@cuda
+@pytest.mark.parametrize("variant", ALL_VARIANTS)
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+@pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
+@pytest.mark.parametrize("batch, n, pair_dim, hidden", SHAPES)
+def test_fused_matches_fp64_reference(variant, direction, gate_input, batch, n, pair_dim, hidden):
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, direction, gate_input).double(), g)
+    new = _make_new(reference, torch.float32, variant)
+    pair, mask = random_inputs(batch, n, pair_dim, g)
+    _check_model(new, reference, pair, mask, 1e-5, seed, f"{variant} {direction} {gate_input} N={n}")
+
+
+@cuda
+@pytest.mark.parametrize("precision", ["high", "medium"])
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 33, 32, 16), (1, 200, 128, 64),
+                                                        (2, 64, 384, 128)])
+def test_fused_reduced_precisions(precision, direction, batch, n, pair_dim, hidden):
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, direction, "normalized").double(), g)
+    new = _make_new(reference, torch.float32, "mma", precision)
+    pair, mask = random_inputs(batch, n, pair_dim, g)
+    err = _check_model(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed, precision)
+    if precision == "high":  # really reduced: tf32 must not be silently fp32-accurate, nor worse
+        assert err > 1e-6
+
+
+@cuda
+def test_precision_follows_torch_setting():
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(64, 32).double(), g)
+    new = _make_new(reference, torch.float32)
+    pair, mask = random_inputs(1, 64, 64, g)
+    saved = torch.get_float32_matmul_precision()
+    try:
+        errors = {}
+        for precision in ti.PRECISIONS:
+            torch.set_float32_matmul_precision(precision)
+            errors[precision] = _check_model(new, reference, pair, mask, FUSED_TOLERANCE[precision],
+                                             seed, precision)
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    assert errors["highest"] < errors["high"] < errors["medium"], errors
+
+
+@cuda
+@pytest.mark.parametrize("pair_dim, hidden", [(384, 128), (520, 40), (2048, 8)])
+def test_fused_wide_pair_dims(pair_dim, hidden):
+    """384/520: the narrow tilings and the uncached LayerNorm rows; 2048: too wide to fuse, so the
+    unfused path must answer instead."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, "incoming", "normalized").double(), g)
+    new = _make_new(reference, torch.float32)
+    pair, mask = random_inputs(1, 9, pair_dim, g)
+    _check_model(new, reference, pair, mask, 1e-5, seed, f"C={pair_dim}")
+
+
+@cuda
+def test_training_path_gradients_match_fp64():
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(16, 8, "incoming").double(), g).cuda()
+    new = _make_new(reference, torch.float32)
+    pair, mask = random_inputs(2, 21, 16, g, device="cuda")
+    ref_pair, new_pair = pair.clone().requires_grad_(), pair.float().requires_grad_()
+    reference(ref_pair, mask).square().sum().backward()
+    new(new_pair, mask).square().sum().backward()
+    assert rel_error(new_pair.grad, ref_pair.grad) < 1e-5, f"seed {seed}"
+    for (name, p_new), p_ref in zip(new.named_parameters(), reference.parameters()):
+        assert rel_error(p_new.grad, p_ref.grad) < 1e-5, f"{name} (seed {seed})"
+
+
+@cuda
+def test_cuda_graph_capture_of_the_fused_forward():
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(64, 32).double(), g)
+    new = _make_new(reference, torch.float32)
+    pair, mask = random_inputs(2, 32, 64, g)
+    static_pair, static_mask = pair.float().cuda(), mask.cuda()
+    with torch.no_grad():
+        new(static_pair, static_mask)  # build, prepare weights outside the capture
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            new(static_pair, static_mask)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = new(static_pair, static_mask)
+    fresh_pair, fresh_mask = random_inputs(2, 32, 64, g)
+    static_pair.copy_(fresh_pair.float())
+    static_mask.copy_(fresh_mask)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference.cuda()(fresh_pair.cuda(), fresh_mask.cuda())
+    assert rel_error(static_out, ref) < 1e-5, f"seed {seed}"
+
+
+@cuda
+def test_fused_matches_under_torch_compile():
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(32, 16).double(), g)
+    new = _make_new(reference, torch.float32)
+    compiled = torch.compile(new, fullgraph=True)
+    pair, mask = random_inputs(1, 24, 32, g)
+    ref = reference.cuda()(pair.cuda(), mask.cuda())
+    with torch.no_grad():
+        out = compiled(pair.float().cuda(), mask.cuda())
+    assert rel_error(out, ref) < 1e-5, f"seed {seed}"
+
+
 def _make_pair(reference, dtype, direction, gate_input, variant, pair_dim, hidden):
     new = ti.ModelNew(pair_dim, hidden, direction, gate_input, kernel=variant)
     new.load_state_dict(reference.state_dict())
@@ -348,9 +493,10 @@ def _make_pair(reference, dtype, direction, gate_input, variant, pair_dim, hidde
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 @pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
-@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 1, 8, 4), (2, 7, 16, 8), (1, 33, 32, 16),
-                                                        (1, 257, 24, 12), (2, 40, 128, 128)])
-def test_model_matches_fp64_reference(variant, direction, gate_input, batch, n, pair_dim, hidden):
+@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 1, 8, 4), (2, 7, 16, 8), (1, 257, 24, 12)])
+def test_unfused_autograd_path_matches_fp64(variant, direction, gate_input, batch, n, pair_dim,
+                                            hidden):
+    """Grad enabled and parameters requiring grad: the unfused path (torch layers + our op)."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(pair_dim, hidden, direction, gate_input).double(), g)
@@ -365,10 +511,14 @@ def test_model_matches_fp64_reference(variant, direction, gate_input, batch, n, 
     assert err < 1e-5, f"{variant} {direction} {gate_input} N={n}: error {err} (seed {seed})"
 
 
+PATHS = pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+
+
 @cuda
+@PATHS
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_model_half_precision_inputs(variant, dtype):
+def test_model_half_precision_inputs(variant, dtype, fused):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(32, 16, "outgoing").double(), g)
@@ -379,29 +529,32 @@ def test_model_half_precision_inputs(variant, dtype):
     pair = pair.to(dtype)
     ref = reference.cuda()(pair.double().cuda(), mask.cuda())
     poison_allocator()
-    out = new(pair.cuda(), mask.cuda())
+    with torch.set_grad_enabled(not fused):
+        out = new(pair.cuda(), mask.cuda())
     assert out.dtype == dtype
     err = rel_error(out, ref)
     assert err < TOLERANCE[dtype], f"{variant} {dtype}: error {err} (seed {seed})"
 
 
 @cuda
-def test_model_under_autocast_takes_bf16_and_stays_close():
+@PATHS
+def test_model_under_autocast_takes_bf16_and_stays_close(fused):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(32, 16).double(), g)
     new = _make_pair(reference, torch.float32, "outgoing", "raw", "auto", 32, 16)
     pair, mask = random_inputs(1, 50, 32, g)
     ref = reference.cuda()(pair.cuda(), mask.cuda())
-    with torch.autocast("cuda", torch.bfloat16):
+    with torch.autocast("cuda", torch.bfloat16), torch.set_grad_enabled(not fused):
         out = new(pair.float().cuda(), mask.cuda())
     assert rel_error(out, ref) < 3e-2, f"seed {seed}"
 
 
 @cuda
-@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int32, torch.int64, torch.float16,
-                                        torch.float32])
-def test_non_contiguous_inputs_and_mask_dtypes(mask_dtype):
+@PATHS
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8, torch.int32, torch.int64,
+                                        torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_non_contiguous_inputs_and_mask_dtypes(mask_dtype, fused):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(16, 8, "incoming").double(), g)
@@ -412,12 +565,18 @@ def test_non_contiguous_inputs_and_mask_dtypes(mask_dtype):
     pair_t, mask_t = pair.cuda().float().transpose(1, 2), mask.cuda().transpose(1, 2)
     assert not pair_t.is_contiguous() and not mask_t.is_contiguous()
     ref = reference.cuda()(pair.cuda().transpose(1, 2), mask.cuda().transpose(1, 2))
-    out = new(pair_t, mask_t)
+    with torch.set_grad_enabled(not fused):
+        out = new(pair_t, mask_t)
+        transposed_only = new(pair.cuda().float().transpose(1, 2).contiguous().transpose(1, 2),
+                              mask_t)
     assert rel_error(out, ref) < 1e-5, f"seed {seed}"
+    ref_t = reference.cuda()(pair.cuda(), mask.cuda().transpose(1, 2))
+    assert rel_error(transposed_only, ref_t) < 1e-5, f"seed {seed}"
 
 
 @cuda
-def test_runs_on_the_current_stream():
+@PATHS
+def test_runs_on_the_current_stream(fused):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(16, 8).double(), g)
@@ -428,7 +587,8 @@ def test_runs_on_the_current_stream():
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         torch.cuda._sleep(20_000_000)  # keep the side stream busy: work on another stream would race
-        out = new(pair_gpu, mask_gpu)
+        with torch.set_grad_enabled(not fused):
+            out = new(pair_gpu, mask_gpu)
     side.synchronize()
     assert rel_error(out, reference.cuda()(pair.cuda(), mask.cuda())) < 1e-5
 

@@ -104,11 +104,13 @@ class Variant(NamedTuple):
 VARIANTS = {v.name: v for v in (
     Variant("naive", "one thread per output element, fp32 FMA (the seed's approach; baseline)"),
     Variant("tiled", "64x64 shared-memory tiles, 4x4 outputs per thread, fp32 FMA"),
+    Variant("mma", "tensor cores (mma.sync), 128x128 tiles, cp.async pipeline; 3xTF32 for highest",
+            min_capability=(8, 0)),
     Variant("bmm", "torch.bmm (cuBLAS) on the same layout; a baseline, not a kernel of ours",
             backend="torch"),
 )}
 # kernel="auto" takes the first variant here that supports the call: fastest first.
-AUTO_ORDER = ("tiled", "naive")
+AUTO_ORDER = ("mma", "tiled", "naive")
 
 
 def _variant_supports(variant: Variant, dtype: torch.dtype, precision: str, capability) -> bool:
@@ -483,9 +485,102 @@ contract.register_autograd(_contract_backward, setup_context=_contract_setup_con
 
 
 # ------------------------------------------------------------------------------------------------
+# The fused forward: input pass -> contraction -> output pass, one extension call
+# ------------------------------------------------------------------------------------------------
+# Compute modes of the fused kernels: the operand type in shared memory and the mma flavour.
+_MODE_CODE = {"bf16": 0, "f16": 1, "tf32": 2, "tf32x3": 3}
+_MODE_OPERAND = {"bf16": torch.bfloat16, "f16": torch.float16, "tf32": torch.float32,
+                 "tf32x3": torch.float32}
+_PRECISION_MODE = {"highest": "tf32x3", "high": "tf32", "medium": "bf16"}
+
+
+def compute_mode(pair_dtype: torch.dtype, precision: str) -> str:
+    """bf16/fp16 inputs compute in their dtype; fp32 inputs follow autocast, else `precision`."""
+    if pair_dtype == torch.bfloat16:
+        return "bf16"
+    if pair_dtype == torch.float16:
+        return "f16"
+    if torch.is_autocast_enabled("cuda"):
+        return "bf16" if torch.get_autocast_dtype("cuda") == torch.bfloat16 else "f16"
+    return _PRECISION_MODE[precision]
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def _param_list(layers: "_TriMulLayers"):
+    return [layers.layer_norm_in.weight, layers.layer_norm_in.bias, layers.proj_a.weight,
+            layers.proj_a.bias, layers.gate_a.weight, layers.gate_a.bias, layers.proj_b.weight,
+            layers.proj_b.bias, layers.gate_b.weight, layers.gate_b.bias,
+            layers.layer_norm_out.weight, layers.layer_norm_out.bias, layers.out_proj.weight,
+            layers.out_proj.bias, layers.out_gate.weight, layers.out_gate.bias]
+
+
+def prepare_weights(params, mode: str):
+    """The layout the fused kernels stream: fp32 norms and biases; weights in the operand type,
+    k padded to 32 and rows to 128 with zeros; proj/gate rows interleaved (2h = proj, 2h+1 = gate)
+    so each thread's accumulator pair holds both halves of one gated output."""
+    (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
+     out_w, out_b, gate_w, gate_b) = [p.detach() for p in params]
+    hidden, pair_dim = pa_w.shape
+    c_pad, h_pad, rows_ab = _round_up(pair_dim, 32), _round_up(hidden, 32), _round_up(2 * hidden, 128)
+    f32 = dict(device=pa_w.device, dtype=torch.float32)
+
+    def interleaved(proj_w, proj_b, gate_w_, gate_b_):
+        w = torch.zeros(rows_ab, c_pad, **f32)
+        b = torch.zeros(rows_ab, **f32)
+        w[0:2 * hidden:2, :pair_dim] = proj_w
+        w[1:2 * hidden:2, :pair_dim] = gate_w_
+        b[0:2 * hidden:2] = proj_b
+        b[1:2 * hidden:2] = gate_b_
+        return w, b
+
+    wa, ba = interleaved(pa_w, pa_b, ga_w, ga_b)
+    wb, bb = interleaved(pb_w, pb_b, gb_w, gb_b)
+    rows_c = _round_up(pair_dim, 128)
+    w_gate = torch.zeros(rows_c, c_pad, **f32)
+    w_gate[:pair_dim, :pair_dim] = gate_w
+    w_out = torch.zeros(rows_c, h_pad, **f32)
+    w_out[:pair_dim, :hidden] = out_w
+    operand = _MODE_OPERAND[mode]
+    as_f32 = lambda t: t.to(**f32).contiguous()
+    return [as_f32(ln_in_w), as_f32(ln_in_b), as_f32(ln_out_w), as_f32(ln_out_b),
+            torch.cat([wa, wb]).to(operand), torch.cat([ba, bb]), w_gate.to(operand),
+            as_f32(gate_b), w_out.to(operand), as_f32(out_b)]
+
+
+def _fused_call(pair, mask, weights, variant, mode, incoming, gate_normalized, eps_in, eps_out):
+    args = (pair, mask, weights, variant, _MODE_CODE[mode], incoming, gate_normalized, eps_in,
+            eps_out)
+    if VARIANTS[variant].backend == "torch":
+        precision = {"tf32x3": "highest", "tf32": "high"}.get(mode, "medium")
+        with _float32_matmul_precision(precision):
+            return _extension().forward(*args)
+    return _extension().forward(*args)
+
+
+@torch.library.custom_op("trimul_inline::fused_forward", mutates_args=())
+def fused_forward(pair: torch.Tensor, mask: torch.Tensor, weights: list[torch.Tensor], variant: str,
+                  mode: str, incoming: bool, gate_normalized: bool, eps_in: float,
+                  eps_out: float) -> torch.Tensor:
+    """The whole forward on prepared weights (see prepare_weights); no autograd."""
+    return _fused_call(pair, mask, weights, variant, mode, incoming, gate_normalized, eps_in,
+                       eps_out)
+
+
+@fused_forward.register_fake
+def _fused_forward_fake(pair, mask, weights, variant, mode, incoming, gate_normalized, eps_in,
+                        eps_out):
+    return torch.empty_like(pair, memory_format=torch.contiguous_format)
+
+
+# ------------------------------------------------------------------------------------------------
 # ModelNew
 # ------------------------------------------------------------------------------------------------
 _CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FUSED_MASK_DTYPES = (torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32,
+                      torch.bfloat16, torch.float16)  # read as they are by the fused kernels
 _cpu_fallback_warned = False
 
 
@@ -550,6 +645,8 @@ class ModelNew(_TriMulLayers):
         if precision is not None and precision not in PRECISIONS:
             raise ValueError(f"precision must be None or one of {PRECISIONS}, got {precision!r}")
         self.kernel, self.precision = kernel, precision
+        self._weights_cache = {}  # mode -> (parameter versions, prepared weights); not state
+        self._fits_cache = {}
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kernel={self.kernel!r}, precision={self.precision!r}"
@@ -566,13 +663,56 @@ class ModelNew(_TriMulLayers):
                 warnings.warn("trimul_inline: ModelNew got CPU tensors; running the reference "
                               "computation (the CUDA kernels need a GPU)", stacklevel=2)
             return reference_forward(self, pair_repr, pair_mask)
-        return self._forward_cuda(pair_repr, pair_mask)
+        if self._needs_autograd(pair_repr):
+            return self._forward_unfused(pair_repr, pair_mask)
+        mode = compute_mode(pair_repr.dtype, self.resolved_precision())
+        if not self._fused_fits(mode):
+            return self._forward_unfused(pair_repr, pair_mask)
+        return self._forward_fused(pair_repr, pair_mask, mode)
+
+    def _needs_autograd(self, pair_repr) -> bool:
+        # The fused kernels are forward-only; training takes the unfused path, whose contraction
+        # op has a backward.
+        if not torch.is_grad_enabled():
+            return False
+        return pair_repr.requires_grad or any(p.requires_grad for p in self.parameters())
+
+    def _fused_fits(self, mode: str) -> bool:
+        key = (mode, torch.cuda.current_device())
+        fits = self._fits_cache.get(key)
+        if fits is None:
+            fits = self._fits_cache[key] = bool(
+                _extension().fused_fits(self.pair_dim, self.hidden_dim, _MODE_CODE[mode]))
+        return fits
+
+    def _prepared_weights(self, mode: str):
+        params = _param_list(self)
+        version = tuple((p.data_ptr(), p._version) for p in params)
+        cached = self._weights_cache.get(mode)
+        if cached is None or cached[0] != version:
+            cached = self._weights_cache[mode] = (version, prepare_weights(params, mode))
+        return cached[1]
+
+    def _forward_fused(self, pair_repr, pair_mask, mode):
+        variant = select_variant(self.kernel, _MODE_OPERAND[mode], self.resolved_precision(),
+                                 pair_repr.device).name
+        if pair_repr.stride(-1) != 1:
+            pair_repr = pair_repr.contiguous()
+        if pair_mask.dtype not in _FUSED_MASK_DTYPES:
+            pair_mask = pair_mask.to(torch.float32)
+        options = (variant, mode, self.direction == "incoming", self.gate_input == "normalized",
+                   self.layer_norm_in.eps, self.layer_norm_out.eps)
+        if torch.compiler.is_compiling():
+            weights = prepare_weights(_param_list(self), mode)
+            return fused_forward(pair_repr, pair_mask, weights, *options)
+        # Eager: skip the dispatcher (its overhead is most of a small call) and reuse weights.
+        return _fused_call(pair_repr, pair_mask, self._prepared_weights(mode), *options)
 
     def _gated_projection(self, x, proj, gate, mask):
         p = proj(x)
         return p * torch.sigmoid(gate(x)) * mask.to(p.dtype)
 
-    def _forward_cuda(self, pair_repr, pair_mask):
+    def _forward_unfused(self, pair_repr, pair_mask):
         batch, n = pair_repr.shape[:2]
         x = self.layer_norm_in(pair_repr)
         mask = pair_mask.unsqueeze(-1)

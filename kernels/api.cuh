@@ -13,19 +13,75 @@ enum class Dtype : int { f32 = 0, bf16 = 1, f16 = 2 };
 // bf16/fp16 operands are used as they are, whatever this says.
 enum class Precision : int { highest = 0, high = 1, medium = 2 };
 
-// z[batch, i, j] = sum_k a[batch, i, k] * b[batch, j, k]; all three row-major and contiguous.
-// The module lays a and b out as [B*H, N, N] so both directions of the triangle update are this
-// one "A times B-transposed" product.
+// z[batch, i, j] = sum_k a[batch, i, k] * b[batch, j, k], row-major with row strides lda (a and
+// b) and ldz. The module lays a and b out as [B*H, N, ld] so both directions of the triangle
+// update are this one "A times B-transposed" product. Elements [k, round_up(k, 32)) of every a/b
+// row exist and are zero (tensor-core kernels read whole 64-byte k-slabs); lda is a multiple of 32.
 struct ContractArgs {
   const void* a;
   const void* b;
   void* z;
   int64_t batch, m, n, k;
+  int64_t lda, ldz;
   Dtype operand;  // dtype of a and b
   Dtype out;      // dtype of z
   Precision precision;
   cudaStream_t stream;
 };
+
+// How the fused passes multiply: the operand type in shared memory and the mma flavour.
+enum class Mode : int { bf16 = 0, f16 = 1, tf32 = 2, tf32x3 = 3 };
+
+// Mask element types the kernels read directly (no conversion pass on the host).
+enum class MaskKind : int { u8 = 0, i32 = 1, i64 = 2, f32 = 3, bf16 = 4, f16 = 5 };
+
+// Everything the fused forward reads and writes. Weights are prepared on the host: in the
+// operand type of `mode`, rows padded to a multiple of 128 and k padded to a multiple of 32 (both
+// zero-filled), so the kernels stream them with no bounds checks.
+struct ForwardArgs {
+  // pair_repr [B, N, N, C] with element strides (channel stride 1), and the mask [B, N, N].
+  const void* pair;
+  Dtype pair_dtype;
+  int64_t pair_sb, pair_sr, pair_sc;
+  const void* mask;
+  MaskKind mask_kind;
+  int64_t mask_sb, mask_sr, mask_sc;
+  int64_t batch, n, c, h;
+  bool incoming;          // contract over the first index (bkih,bkjh->bijh)
+  bool gate_normalized;   // out_gate reads LayerNorm_in(pair) instead of pair
+  Mode mode;
+  float eps_in, eps_out;
+  const float* ln_in_w;   // [C]
+  const float* ln_in_b;
+  const float* ln_out_w;  // [H]
+  const float* ln_out_b;
+  const void* w_in;       // [2 * rows_ab, c_pad]: per half, rows 2h / 2h+1 = proj / gate of h
+  const float* b_in;      // [2 * rows_ab] in the same order
+  int64_t rows_ab;        // round_up(2H, 128)
+  const void* w_gate;     // [round_up(C, 128), c_pad] out_gate
+  const float* b_gate;    // [C]
+  const void* w_out;      // [round_up(C, 128), h_pad] out_proj
+  const float* b_out;     // [C]
+  int64_t c_pad, h_pad;   // round_up(C, 32), round_up(H, 32)
+  // Work buffers: a_t, b_t [B*H, N, ld] in the operand type; z [B*H, N, ldz] in z_dtype.
+  void* a_t;
+  void* b_t;
+  int64_t ld;
+  void* z;
+  Dtype z_dtype;
+  int64_t ldz;
+  void* out;              // [B, N, N, C] contiguous, pair_dtype
+  cudaStream_t stream;
+};
+
+// The fused passes (kernels/forward_*.cu). Each returns cudaErrorNotSupported for a shape it
+// cannot take (the module then runs its unfused path), else the launch status.
+cudaError_t launch_input_pass(const ForwardArgs& args);
+cudaError_t launch_output_pass(const ForwardArgs& args);
+// Bytes of shared memory each pass would use for these sizes (0: unsupported), for the host to
+// decide whether the fused path applies.
+int64_t input_pass_smem(const ForwardArgs& args);
+int64_t output_pass_smem(const ForwardArgs& args);
 
 using ContractFn = cudaError_t (*)(const ContractArgs&);
 

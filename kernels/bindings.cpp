@@ -6,12 +6,15 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
 #include "api.cuh"
 
 namespace {
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 trimul::Dtype dtype_code(const at::Tensor& t, const char* what) {
   switch (t.scalar_type()) {
@@ -52,14 +55,23 @@ void contract(const std::string& variant, const at::Tensor& a, const at::Tensor&
                     "' in this build");
 
   const c10::cuda::CUDAGuard guard(a.device());
+  // Kernels read whole 64-byte k-slabs: give them rows padded with zeros to a multiple of 32.
+  const int64_t k = a.size(2), k_pad = round_up(std::max<int64_t>(k, 1), 32);
+  auto padded = [&](const at::Tensor& t) {
+    if (k_pad != k) return at::constant_pad_nd(t, {0, k_pad - k});
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone();
+  };
+  const at::Tensor a_pad = padded(a), b_pad = padded(b);
   trimul::ContractArgs args{};
-  args.a = a.data_ptr();
-  args.b = b.data_ptr();
+  args.a = a_pad.data_ptr();
+  args.b = b_pad.data_ptr();
   args.z = z.data_ptr();
   args.batch = a.size(0);
   args.m = a.size(1);
   args.n = b.size(1);
-  args.k = a.size(2);
+  args.k = k;
+  args.lda = k_pad;
+  args.ldz = z.size(2);
   args.operand = dtype_code(a, "a");
   args.out = dtype_code(z, "z");
   args.precision = static_cast<trimul::Precision>(precision);
@@ -69,6 +81,158 @@ void contract(const std::string& variant, const at::Tensor& a, const at::Tensor&
               "' does not support these dtypes/precision on this GPU");
   C10_CUDA_CHECK(status);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+trimul::MaskKind mask_kind(const at::Tensor& mask) {
+  switch (mask.scalar_type()) {
+    case at::kBool:
+    case at::kByte: return trimul::MaskKind::u8;
+    case at::kInt: return trimul::MaskKind::i32;
+    case at::kLong: return trimul::MaskKind::i64;
+    case at::kFloat: return trimul::MaskKind::f32;
+    case at::kBFloat16: return trimul::MaskKind::bf16;
+    case at::kHalf: return trimul::MaskKind::f16;
+    default: break;
+  }
+  TORCH_CHECK_TYPE(false, "trimul_inline: pair_mask dtype ", mask.scalar_type(),
+                   " is not supported by the fused kernels (bool, uint8, int32, int64, float32, "
+                   "bfloat16, float16)");
+}
+
+trimul::Precision contraction_precision(trimul::Mode mode) {
+  switch (mode) {
+    case trimul::Mode::tf32x3: return trimul::Precision::highest;
+    case trimul::Mode::tf32: return trimul::Precision::high;
+    default: return trimul::Precision::medium;
+  }
+}
+
+void check_launch(cudaError_t status, const char* what) {
+  TORCH_CHECK(status != cudaErrorNotSupported, "trimul_inline: ", what,
+              " does not support these sizes/dtypes on this GPU");
+  C10_CUDA_CHECK(status);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The whole forward: input pass -> contraction (the named variant) -> output pass. `weights` are
+// the host-prepared tensors (see ForwardArgs): ln_in_w, ln_in_b, ln_out_w, ln_out_b, w_in, b_in,
+// w_gate, b_gate, w_out, b_out. Sizes must pass fused_fits.
+at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
+                   const std::string& variant, int64_t mode_code, bool incoming, bool gate_normalized,
+                   double eps_in, double eps_out) {
+  TORCH_CHECK_VALUE(pair.is_cuda() && pair.dim() == 4 && pair.size(1) == pair.size(2),
+                    "trimul_inline: pair must be a CUDA tensor (B, N, N, C)");
+  TORCH_CHECK_VALUE(pair.stride(3) == 1, "trimul_inline: pair's channel stride must be 1");
+  TORCH_CHECK_VALUE(mask.device() == pair.device() && mask.dim() == 3 &&
+                        mask.sizes().equals(pair.sizes().slice(0, 3)),
+                    "trimul_inline: mask must be (B, N, N) on pair's device");
+  TORCH_CHECK_VALUE(weights.size() == 10, "trimul_inline: forward takes 10 prepared weights");
+  TORCH_CHECK_VALUE(mode_code >= 0 && mode_code <= 3, "trimul_inline: mode code ", mode_code);
+  for (const auto& w : weights)
+    TORCH_CHECK_VALUE(w.device() == pair.device() && w.is_contiguous(),
+                      "trimul_inline: prepared weights must be contiguous on pair's device");
+  const trimul::ContractFn contract_fn = variant == "bmm" ? nullptr : trimul::find_contraction(variant.c_str());
+  TORCH_CHECK_VALUE(variant == "bmm" || contract_fn != nullptr, "trimul_inline: no contraction kernel '",
+                    variant, "' in this build");
+
+  const c10::cuda::CUDAGuard guard(pair.device());
+  const auto mode = static_cast<trimul::Mode>(mode_code);
+  const at::ScalarType op_type = weights[4].scalar_type();
+  const int64_t batch = pair.size(0), n = pair.size(1), c = pair.size(3);
+  const int64_t hidden = weights[2].size(0);
+  const int64_t esize = at::elementSize(op_type);
+
+  trimul::ForwardArgs args{};
+  args.pair = pair.data_ptr();
+  args.pair_dtype = dtype_code(pair, "pair");
+  args.pair_sb = pair.stride(0);
+  args.pair_sr = pair.stride(1);
+  args.pair_sc = pair.stride(2);
+  args.mask = mask.data_ptr();
+  args.mask_kind = mask_kind(mask);
+  args.mask_sb = mask.stride(0);
+  args.mask_sr = mask.stride(1);
+  args.mask_sc = mask.stride(2);
+  args.batch = batch;
+  args.n = n;
+  args.c = c;
+  args.h = hidden;
+  args.incoming = incoming;
+  args.gate_normalized = gate_normalized;
+  args.mode = mode;
+  args.eps_in = static_cast<float>(eps_in);
+  args.eps_out = static_cast<float>(eps_out);
+  args.ln_in_w = weights[0].data_ptr<float>();
+  args.ln_in_b = weights[1].data_ptr<float>();
+  args.ln_out_w = weights[2].data_ptr<float>();
+  args.ln_out_b = weights[3].data_ptr<float>();
+  args.w_in = weights[4].data_ptr();
+  args.b_in = weights[5].data_ptr<float>();
+  args.rows_ab = weights[4].size(0) / 2;
+  args.w_gate = weights[6].data_ptr();
+  args.b_gate = weights[7].data_ptr<float>();
+  args.w_out = weights[8].data_ptr();
+  args.b_out = weights[9].data_ptr<float>();
+  args.c_pad = weights[4].size(1);
+  args.h_pad = weights[8].size(1);
+  TORCH_CHECK_VALUE(args.c_pad == round_up(c, 32) && args.h_pad == round_up(hidden, 32) &&
+                        args.rows_ab == round_up(2 * hidden, 128) && weights[6].size(1) == args.c_pad,
+                    "trimul_inline: prepared weights do not match pair_dim ", c, " / hidden ", hidden);
+  args.ld = round_up(n, 32);
+  args.ldz = round_up(n, 4);
+  args.z_dtype = trimul::Dtype::f32;
+  args.stream = c10::cuda::getCurrentCUDAStream(pair.device().index()).stream();
+  TORCH_CHECK(trimul::input_pass_smem(args) > 0 && trimul::output_pass_smem(args) > 0,
+              "trimul_inline: pair_dim ", c, " / hidden ", hidden,
+              " do not fit the fused kernels' shared memory (check fused_fits first)");
+
+  const auto options = pair.options();
+  at::Tensor out = at::empty_like(pair, options.memory_format(at::MemoryFormat::Contiguous));
+  if (batch == 0 || n == 0) return out;
+  at::Tensor z = at::empty({batch * hidden, n, args.ldz}, options.dtype(at::kFloat));
+  {
+    at::Tensor a_t = at::empty({batch * hidden, n, args.ld}, options.dtype(op_type));
+    at::Tensor b_t = at::empty({batch * hidden, n, args.ld}, options.dtype(op_type));
+    args.a_t = a_t.data_ptr();
+    args.b_t = b_t.data_ptr();
+    check_launch(trimul::launch_input_pass(args), "the input pass");
+    if (contract_fn == nullptr) {  // "bmm": cuBLAS on the same buffers, a baseline
+      at::Tensor product = at::bmm(a_t, b_t.transpose(1, 2)).to(at::kFloat);
+      z.narrow(2, 0, n).copy_(product);
+    } else {
+      trimul::ContractArgs contract{};
+      contract.a = args.a_t;
+      contract.b = args.b_t;
+      contract.z = z.data_ptr();
+      contract.batch = batch * hidden;
+      contract.m = n;
+      contract.n = n;
+      contract.k = n;
+      contract.lda = args.ld;
+      contract.ldz = args.ldz;
+      contract.operand = dtype_code(a_t, "a_t");
+      contract.out = trimul::Dtype::f32;
+      contract.precision = contraction_precision(mode);
+      contract.stream = args.stream;
+      check_launch(contract_fn(contract), ("contraction kernel '" + variant + "'").c_str());
+    }
+  }  // a_t and b_t go back to the allocator before the output pass allocates nothing more
+  args.z = z.data_ptr();
+  args.out = out.data_ptr();
+  check_launch(trimul::launch_output_pass(args), "the output pass");
+  return out;
+}
+
+// Whether the fused passes take this pair_dim / hidden_dim in this mode on the current GPU.
+bool fused_fits(int64_t c, int64_t hidden, int64_t mode_code) {
+  TORCH_CHECK_VALUE(mode_code >= 0 && mode_code <= 3, "trimul_inline: mode code ", mode_code);
+  trimul::ForwardArgs args{};
+  args.c = c;
+  args.h = hidden;
+  args.c_pad = round_up(c, 32);
+  args.h_pad = round_up(hidden, 32);
+  args.mode = static_cast<trimul::Mode>(mode_code);
+  return trimul::input_pass_smem(args) > 0 && trimul::output_pass_smem(args) > 0;
 }
 
 std::vector<std::string> contraction_variants() {
@@ -81,5 +245,7 @@ std::vector<std::string> contraction_variants() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("contract", &contract, "z = a @ b^T per batch, by the named kernel variant (writes z)");
+  m.def("fused_fits", &fused_fits, "whether the fused passes take these sizes in this mode");
+  m.def("forward", &forward, "the fused forward: input pass, contraction, output pass");
   m.def("contraction_variants", &contraction_variants, "names of the contraction kernels built in");
 }

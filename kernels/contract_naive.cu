@@ -6,18 +6,19 @@ namespace naive {
 
 template <typename T, typename TOut>
 __global__ void contract_kernel(const T* __restrict__ a, const T* __restrict__ b, TOut* __restrict__ z,
-                                int64_t batch, int64_t m, int64_t n, int64_t k) {
+                                int64_t batch, int64_t m, int64_t n, int64_t k, int64_t lda,
+                                int64_t ldz) {
   const int64_t total = batch * m * n;
   for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < total;
        idx += (int64_t)gridDim.x * blockDim.x) {
     const int64_t j = idx % n;
     const int64_t i = (idx / n) % m;
     const int64_t bz = idx / (m * n);
-    const T* a_row = a + (bz * m + i) * k;
-    const T* b_row = b + (bz * n + j) * k;
+    const T* a_row = a + (bz * m + i) * lda;
+    const T* b_row = b + (bz * n + j) * lda;
     float acc = 0.f;
     for (int64_t kk = 0; kk < k; ++kk) acc = fmaf(to_float(a_row[kk]), to_float(b_row[kk]), acc);
-    z[idx] = from_float<TOut>(acc);
+    z[(bz * m + i) * ldz + j] = from_float<TOut>(acc);
   }
 }
 
@@ -31,7 +32,7 @@ cudaError_t launch(const ContractArgs& args) {
     const int64_t blocks = ceil_div(total, threads) < 1048576 ? ceil_div(total, threads) : 1048576;
     contract_kernel<T, TOut><<<static_cast<unsigned>(blocks), threads, 0, args.stream>>>(
         static_cast<const T*>(args.a), static_cast<const T*>(args.b), static_cast<TOut*>(args.z),
-        args.batch, args.m, args.n, args.k);
+        args.batch, args.m, args.n, args.k, args.lda, args.ldz);
     return cudaGetLastError();
   });
 }

@@ -14,21 +14,22 @@ constexpr int kPad = 4;       // keeps float4 alignment and spreads the transpos
 // into tile[k][row], with zeros outside the matrix so tails need no special casing below.
 template <typename T>
 __device__ __forceinline__ void load_slab(float (&tile)[kSlab][kTile + kPad], const T* __restrict__ src,
-                                          int64_t row0, int64_t rows, int64_t k0, int64_t k) {
+                                          int64_t row0, int64_t rows, int64_t k0, int64_t k,
+                                          int64_t ld) {
   const int row = threadIdx.x / 4;        // 0..63
   const int kq = (threadIdx.x % 4) * 4;   // 0, 4, 8, 12
   const int64_t grow = row0 + row;
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int64_t gk = k0 + kq + e;
-    tile[kq + e][row] = (grow < rows && gk < k) ? to_float(src[grow * k + gk]) : 0.f;
+    tile[kq + e][row] = (grow < rows && gk < k) ? to_float(src[grow * ld + gk]) : 0.f;
   }
 }
 
 template <typename T, typename TOut>
 __global__ void __launch_bounds__(kThreads)
 contract_kernel(const T* __restrict__ a, const T* __restrict__ b, TOut* __restrict__ z, int64_t batch,
-                int64_t m, int64_t n, int64_t k) {
+                int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldz) {
   __shared__ __align__(16) float a_tile[kSlab][kTile + kPad];
   __shared__ __align__(16) float b_tile[kSlab][kTile + kPad];
   const int64_t tiles_n = ceil_div(n, kTile);
@@ -37,12 +38,12 @@ contract_kernel(const T* __restrict__ a, const T* __restrict__ b, TOut* __restri
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
 
   for (int64_t bz = blockIdx.y; bz < batch; bz += gridDim.y) {
-    const T* a_mat = a + bz * m * k;
-    const T* b_mat = b + bz * n * k;
+    const T* a_mat = a + bz * m * lda;
+    const T* b_mat = b + bz * n * lda;
     float acc[4][4] = {};
     for (int64_t k0 = 0; k0 < k; k0 += kSlab) {
-      load_slab(a_tile, a_mat, row0, m, k0, k);
-      load_slab(b_tile, b_mat, col0, n, k0, k);
+      load_slab(a_tile, a_mat, row0, m, k0, k, lda);
+      load_slab(b_tile, b_mat, col0, n, k0, k, lda);
       __syncthreads();
 #pragma unroll
       for (int kk = 0; kk < kSlab; ++kk) {
@@ -57,7 +58,7 @@ contract_kernel(const T* __restrict__ a, const T* __restrict__ b, TOut* __restri
       }
       __syncthreads();
     }
-    TOut* z_mat = z + bz * m * n;
+    TOut* z_mat = z + bz * m * ldz;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int64_t i = row0 + ty * 4 + r;
@@ -65,7 +66,7 @@ contract_kernel(const T* __restrict__ a, const T* __restrict__ b, TOut* __restri
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int64_t j = col0 + tx * 4 + c;
-        if (j < n) z_mat[i * n + j] = from_float<TOut>(acc[r][c]);
+        if (j < n) z_mat[i * ldz + j] = from_float<TOut>(acc[r][c]);
       }
     }
   }
@@ -80,7 +81,7 @@ cudaError_t launch(const ContractArgs& args) {
                     batch_grid(args.batch));
     contract_kernel<T, TOut><<<grid, kThreads, 0, args.stream>>>(
         static_cast<const T*>(args.a), static_cast<const T*>(args.b), static_cast<TOut*>(args.z),
-        args.batch, args.m, args.n, args.k);
+        args.batch, args.m, args.n, args.k, args.lda, args.ldz);
     return cudaGetLastError();
   });
 }

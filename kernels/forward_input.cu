@@ -1,0 +1,162 @@
+// input pass — LayerNorm_in, the four gated projections and the mask in one read of pair_repr,
+// writing a_t / b_t straight into the contraction's [B*H, N, ld] layout (both directions).
+#include "fused.cuh"
+
+namespace trimul {
+namespace input_pass {
+
+using namespace ::trimul::mma;
+using namespace ::trimul::fused;
+
+// A block owns BM pairs that share the contraction's (b, f) and run along its k index, so the
+// transposed write of each h row is contiguous. Pair rows stay resident (LayerNorm-ed) while the
+// interleaved proj/gate weights stream past in chunks of BN columns (BN/2 hidden channels).
+using Wide = Tiling<4, 2, 2, 8>;    // BM 128, BN 128
+using Narrow = Tiling<2, 4, 2, 4>;  // BM 64, BN 128: for fp32 operands with a wide pair_dim
+
+template <Mode M, class T>
+struct Smem {
+  static constexpr int kOutStride = T::BM + 16 / static_cast<int>(sizeof(op_t<M>));
+  static int64_t bytes(int64_t c_pad) {
+    return int64_t(T::BM) * resident_stride<M>(c_pad) * 4 + int64_t(kStages) * T::BN * kSlabStride * 4 +
+           int64_t(T::BN / 2) * kOutStride * sizeof(op_t<M>) + T::BM * 4 + T::BM * 8;
+  }
+};
+
+template <Mode M, typename TIn, class T>
+__global__ void __launch_bounds__(T::kThreads) kernel(const ForwardArgs args, int64_t k_tiles) {
+  using Op = op_t<M>;
+  constexpr int kOutStride = Smem<M, T>::kOutStride;
+  extern __shared__ __align__(16) uint32_t smem[];
+  const int a_stride = resident_stride<M>(args.c_pad);
+  uint32_t* a_res = smem;
+  uint32_t* stages = a_res + T::BM * a_stride;
+  Op* out_stage = reinterpret_cast<Op*>(stages + kStages * T::BN * kSlabStride);
+  float* mask_v = reinterpret_cast<float*>(out_stage + (T::BN / 2) * kOutStride);
+  int64_t* row_off = reinterpret_cast<int64_t*>(mask_v + T::BM);
+
+  const int64_t n = args.n;
+  const int64_t tile = blockIdx.x;
+  const int64_t k0 = (tile % k_tiles) * T::BM;
+  const int64_t f = (tile / k_tiles) % n;
+  const int64_t batch = tile / (k_tiles * n);
+  for (int m = threadIdx.x; m < T::BM; m += T::kThreads) {
+    const int64_t k = k0 + m;
+    const int64_t row = args.incoming ? k : f, col = args.incoming ? f : k;
+    const bool valid = k < n;
+    row_off[m] = valid ? batch * args.pair_sb + row * args.pair_sr + col * args.pair_sc : -1;
+    mask_v[m] = valid ? load_mask(args.mask, args.mask_kind,
+                                  batch * args.mask_sb + row * args.mask_sr + col * args.mask_sc)
+                      : 0.f;
+  }
+  __syncthreads();
+  stage_rows<M, TIn, T::kWarps>(a_res, a_stride, static_cast<const TIn*>(args.pair), row_off, T::BM,
+                                static_cast<int>(args.c), static_cast<int>(args.c_pad), args.ln_in_w,
+                                args.ln_in_b, args.eps_in);
+  __syncthreads();
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wm = warp / T::WN, wn = warp % T::WN, g = lane >> 2, t = lane & 3;
+  const int64_t w_ld = args.c_pad * static_cast<int64_t>(sizeof(Op));
+  const int k_slabs = static_cast<int>(w_ld / kSlabBytes);
+  const int chunks_per_half = static_cast<int>(args.rows_ab / T::BN);
+  constexpr int kVec = 16 / sizeof(Op);
+  constexpr int kVecsPerRow = T::BM / kVec;
+
+  for (int chunk = 0; chunk < 2 * chunks_per_half; ++chunk) {
+    const int half = chunk / chunks_per_half;  // 0: a, 1: b
+    const int64_t w_row0 = int64_t(chunk) * T::BN;
+    float acc[T::MT][T::NT][4];
+    gemm_resident_a<M, T>(acc, a_res, a_stride, static_cast<const char*>(args.w_in) + w_row0 * w_ld, w_ld,
+                          k_slabs, stages);
+    // Columns come in (proj, gate) pairs, so each thread holds both halves of its outputs.
+#pragma unroll
+    for (int mi = 0; mi < T::MT; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < T::NT; ++ni) {
+        const int col = wn * T::NT * 8 + ni * 8 + 2 * t;
+        const float proj_bias = args.b_in[w_row0 + col], gate_bias = args.b_in[w_row0 + col + 1];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int m = wm * T::MT * 16 + mi * 16 + g + hh * 8;
+          const float v = (acc[mi][ni][2 * hh] + proj_bias) * sigmoid(acc[mi][ni][2 * hh + 1] + gate_bias) *
+                          mask_v[m];
+          out_stage[(col / 2) * kOutStride + m] = from_float<Op>(v);
+        }
+      }
+    __syncthreads();
+    // Rows k in [n, ld) get zeros (their mask is 0): the contraction reads whole k-slabs.
+    const int64_t h0 = (w_row0 - half * args.rows_ab) / 2;
+    Op* dst_base = static_cast<Op*>(half ? args.b_t : args.a_t);
+    for (int q = threadIdx.x; q < (T::BN / 2) * kVecsPerRow; q += T::kThreads) {
+      const int r = q / kVecsPerRow, v = q % kVecsPerRow;
+      const int64_t h = h0 + r, k = k0 + v * kVec;
+      if (h >= args.h || k >= args.ld) continue;
+      Op* dst = dst_base + ((batch * args.h + h) * n + f) * args.ld + k;
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(out_stage + r * kOutStride + v * kVec);
+    }
+    __syncthreads();
+  }
+}
+
+template <Mode M, typename TIn, class T>
+cudaError_t launch_tiling(const ForwardArgs& args, int64_t smem_bytes) {
+  auto fn = kernel<M, TIn, T>;
+  cudaError_t status = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem_bytes));
+  if (status != cudaSuccess) return status;
+  const int64_t k_tiles = ceil_div(args.n, T::BM);
+  const int64_t blocks = args.batch * args.n * k_tiles;
+  fn<<<static_cast<unsigned>(blocks), T::kThreads, smem_bytes, args.stream>>>(args, k_tiles);
+  return cudaGetLastError();
+}
+
+// The tiling this pass uses for these sizes and its shared memory; {false, 0} if none fits.
+template <Mode M>
+std::pair<bool, int64_t> choose(const ForwardArgs& args) {
+  const int64_t limit = max_smem_optin();
+  const int64_t wide = Smem<M, Wide>::bytes(args.c_pad), narrow = Smem<M, Narrow>::bytes(args.c_pad);
+  if (wide <= limit) return {true, wide};
+  if (narrow <= limit) return {false, narrow};
+  return {false, 0};
+}
+
+template <Mode M, typename TIn>
+cudaError_t launch_mode(const ForwardArgs& args) {
+  const auto choice = choose<M>(args);
+  if (choice.second == 0) return cudaErrorNotSupported;
+  return choice.first ? launch_tiling<M, TIn, Wide>(args, choice.second)
+                      : launch_tiling<M, TIn, Narrow>(args, choice.second);
+}
+
+}  // namespace input_pass
+
+int64_t input_pass_smem(const ForwardArgs& args) {
+  int64_t bytes = 0;
+  mma::dispatch_mode(args.mode, [&](auto mode) {
+    bytes = input_pass::choose<decltype(mode)::value>(args).second;
+    return cudaSuccess;
+  });
+  return bytes;
+}
+
+cudaError_t launch_input_pass(const ForwardArgs& args) {
+  if (args.batch == 0 || args.n == 0) return cudaSuccess;
+  if (args.rows_ab % input_pass::Wide::BN != 0 || args.ld % 32 != 0) return cudaErrorInvalidValue;
+  return mma::dispatch_mode(args.mode, [&](auto mode) -> cudaError_t {
+    constexpr Mode M = decltype(mode)::value;
+    // fp32 pairs may run in any mode; bf16/fp16 pairs only in their own.
+    switch (args.pair_dtype) {
+      case Dtype::f32: return input_pass::launch_mode<M, float>(args);
+      case Dtype::bf16:
+        if constexpr (M == Mode::bf16) return input_pass::launch_mode<M, __nv_bfloat16>(args);
+        break;
+      case Dtype::f16:
+        if constexpr (M == Mode::f16) return input_pass::launch_mode<M, __half>(args);
+        break;
+    }
+    return cudaErrorNotSupported;
+  });
+}
+
+}  // namespace trimul

@@ -1,0 +1,130 @@
+// fused.cuh — what the fused input and output passes share: reading the mask in whatever dtype
+// it came in, and staging pair rows (LayerNorm-ed or raw) as a resident shared-memory operand.
+#pragma once
+#include "mma.cuh"
+
+namespace trimul {
+namespace fused {
+
+using namespace ::trimul::mma;
+
+__device__ __forceinline__ float load_mask(const void* mask, MaskKind kind, int64_t off) {
+  switch (kind) {
+    case MaskKind::u8: return static_cast<float>(static_cast<const uint8_t*>(mask)[off]);
+    case MaskKind::i32: return static_cast<float>(static_cast<const int32_t*>(mask)[off]);
+    case MaskKind::i64: return static_cast<float>(static_cast<const int64_t*>(mask)[off]);
+    case MaskKind::f32: return static_cast<const float*>(mask)[off];
+    case MaskKind::bf16: return to_float(static_cast<const __nv_bfloat16*>(mask)[off]);
+    case MaskKind::f16: return to_float(static_cast<const __half*>(mask)[off]);
+  }
+  return 0.f;
+}
+
+template <Mode M>
+__device__ __forceinline__ void store_operand(uint32_t* row, int col, float v) {
+  reinterpret_cast<op_t<M>*>(row)[col] = from_float<op_t<M>>(v);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Mean and 1/std of n values given their sum and sum of squares around `shift` (a value of the
+// row, so the subtraction loses nothing when the mean is far from zero).
+__device__ __forceinline__ float2 shifted_stats(float shift, float sum, float sum_sq, int n, float eps) {
+  const float mean_shifted = sum / n;
+  const float var = fmaxf(sum_sq / n - mean_shifted * mean_shifted, 0.f);
+  return make_float2(shift + mean_shifted, rsqrtf(var + eps));
+}
+
+// Resident operand rows [0, rows): row m = LayerNorm(pair row at element offset row_off[m]) when
+// ln_w is given, else the raw row; zeros past C and for rows whose row_off is negative. One warp
+// per row; rows up to 512 channels stay in registers between the statistics and the write.
+template <Mode M, typename TIn, int WARPS>
+__device__ void stage_rows(uint32_t* a_res, int a_stride, const TIn* __restrict__ pair,
+                           const int64_t* row_off, int rows, int c, int c_pad,
+                           const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps) {
+  constexpr int kCached = 16;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int m = warp; m < rows; m += WARPS) {
+    uint32_t* dst = a_res + m * a_stride;
+    const int64_t off = row_off[m];
+    if (off < 0) {
+      for (int q = lane; q < c_pad; q += 32) store_operand<M>(dst, q, 0.f);
+      continue;
+    }
+    const TIn* x = pair + off;
+    const float shift = to_float(x[0]);
+    if (c <= 32 * kCached) {
+      float v[kCached];
+#pragma unroll
+      for (int j = 0; j < kCached; ++j) {
+        const int q = lane + 32 * j;
+        v[j] = q < c ? to_float(x[q]) : 0.f;
+      }
+      float2 stats = make_float2(0.f, 1.f);
+      if (ln_w != nullptr) {
+        float sum = 0.f, sum_sq = 0.f;
+#pragma unroll
+        for (int j = 0; j < kCached; ++j) {
+          const float d = lane + 32 * j < c ? v[j] - shift : 0.f;
+          sum += d;
+          sum_sq += d * d;
+        }
+        stats = shifted_stats(shift, warp_sum(sum), warp_sum(sum_sq), c, eps);
+      }
+#pragma unroll
+      for (int j = 0; j < kCached; ++j) {
+        const int q = lane + 32 * j;
+        if (q >= c_pad) break;
+        float y = 0.f;
+        if (q < c) y = ln_w != nullptr ? (v[j] - stats.x) * stats.y * ln_w[q] + ln_b[q] : v[j];
+        store_operand<M>(dst, q, y);
+      }
+    } else {
+      float2 stats = make_float2(0.f, 1.f);
+      if (ln_w != nullptr) {
+        float sum = 0.f, sum_sq = 0.f;
+        for (int q = lane; q < c; q += 32) {
+          const float d = to_float(x[q]) - shift;
+          sum += d;
+          sum_sq += d * d;
+        }
+        stats = shifted_stats(shift, warp_sum(sum), warp_sum(sum_sq), c, eps);
+      }
+      for (int q = lane; q < c_pad; q += 32) {
+        float y = 0.f;
+        if (q < c) {
+          const float v = to_float(x[q]);
+          y = ln_w != nullptr ? (v - stats.x) * stats.y * ln_w[q] + ln_b[q] : v;
+        }
+        store_operand<M>(dst, q, y);
+      }
+    }
+  }
+}
+
+// Calls f(TypeTag<T>{}) for the pair dtype.
+template <typename F>
+cudaError_t dispatch_input(Dtype dtype, F&& f) {
+  switch (dtype) {
+    case Dtype::f32: return f(TypeTag<float>{});
+    case Dtype::bf16: return f(TypeTag<__nv_bfloat16>{});
+    case Dtype::f16: return f(TypeTag<__half>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+// The largest dynamic shared memory a block may opt into on the current device.
+inline int64_t max_smem_optin() {
+  int device = 0, bytes = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+    return 0;
+  return bytes;
+}
+
+}  // namespace fused
+}  // namespace trimul
