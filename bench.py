@@ -215,6 +215,34 @@ def geomeans(rows):
             for name, times in by_contender.items() if len(times) == len(wanted)}
 
 
+def profile_kernels(shapes, args):
+    """Per-kernel CUDA time of ModelNew[auto] at each precision (torch.profiler), for finding where
+    a forward's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+    for shape in shapes:
+        batch, n, pair_dim, hidden = shape
+        generator = torch.Generator(device="cuda").manual_seed(args.seed)
+        ref = randomize(ti.Model(pair_dim, hidden, args.direction, args.gate_input).cuda(), generator)
+        pair, mask = make_inputs(batch, n, pair_dim, generator, "cuda")
+        for precision in args.precision:
+            new = ti.ModelNew(pair_dim, hidden, args.direction, args.gate_input, precision=precision)
+            new.load_state_dict(ref.state_dict())
+            new = new.cuda()
+            with torch.inference_mode():
+                for _ in range(3):
+                    new(pair, mask)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        new(pair, mask)
+                    torch.cuda.synchronize()
+            print(f"\n{shape} {precision}: CUDA time per forward by kernel")
+            events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+            events.sort(key=lambda e: -e.device_time_total)
+            for e in events[:8]:
+                print(f"  {e.device_time_total / 5:10.1f} us  {e.count // 5:3d}x  {e.key[:90]}")
+
+
 def cpu_comparison():
     """No GPU: compare Model with ModelNew's CPU fallback on a small shape, by wall clock."""
     print("CUDA is not available: running a small CPU comparison instead (ModelNew falls back to "
@@ -258,6 +286,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=0.5, help="seconds of timing per row")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every row and the run's details here")
+    parser.add_argument("--profile", action="store_true",
+                        help="print ModelNew's per-kernel CUDA time per shape instead of the table")
     args = parser.parse_args(argv)
     args.kernels = [k for k in args.kernels.split(",") if k]
     for kernel in args.kernels:
@@ -275,6 +305,9 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name()
     log(f"bench on {gpu}, torch {torch.__version__}; building/loading the extension")
     ti.reload_extension()
+    if args.profile:
+        profile_kernels(args.shapes, args)
+        return 0
     rows = []
     for index, shape in enumerate(args.shapes):
         rows += bench_shape(shape, args, index, len(args.shapes))

@@ -578,6 +578,13 @@ def _fused_forward_fake(pair, mask, weights, variant, mode, incoming, gate_norma
 # ------------------------------------------------------------------------------------------------
 # ModelNew
 # ------------------------------------------------------------------------------------------------
+def _float32_matmul_precision_now() -> str:
+    return torch.get_float32_matmul_precision()
+
+
+# Under torch.compile the setting is read once, at trace time (dynamo cannot trace the getter).
+_float32_matmul_precision_now = torch.compiler.assume_constant_result(_float32_matmul_precision_now)
+
 _CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FUSED_MASK_DTYPES = (torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32,
                       torch.bfloat16, torch.float16)  # read as they are by the fused kernels
@@ -652,7 +659,7 @@ class ModelNew(_TriMulLayers):
         return f"{super().extra_repr()}, kernel={self.kernel!r}, precision={self.precision!r}"
 
     def resolved_precision(self) -> str:
-        return self.precision or torch.get_float32_matmul_precision()
+        return self.precision or _float32_matmul_precision_now()
 
     def forward(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
         check_inputs(self, pair_repr, pair_mask)

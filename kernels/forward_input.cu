@@ -50,7 +50,8 @@ __global__ void __launch_bounds__(T::kThreads) kernel(const ForwardArgs args, in
                       : 0.f;
   }
   __syncthreads();
-  stage_rows<M, TIn, T::kWarps>(a_res, a_stride, static_cast<const TIn*>(args.pair), row_off, T::BM,
+  stage_rows<M, TIn, T::kWarps>(rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair),
+                                a_res, a_stride, static_cast<const TIn*>(args.pair), row_off, T::BM,
                                 static_cast<int>(args.c), static_cast<int>(args.c_pad), args.ln_in_w,
                                 args.ln_in_b, args.eps_in);
   __syncthreads();

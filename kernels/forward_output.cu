@@ -3,6 +3,8 @@
 // the input dtype.
 #include "fused.cuh"
 
+#include <algorithm>
+
 namespace trimul {
 namespace output_pass {
 
@@ -19,7 +21,9 @@ template <Mode M, class T>
 struct Smem {
   static constexpr int kParts = T::kThreads / T::BM;  // threads sharing one pair's h-reduction
   static int64_t bytes(int64_t c_pad, int64_t h_pad) {
-    return int64_t(T::BM) * (resident_stride<M>(h_pad) + resident_stride<M>(c_pad)) * 4 +
+    const int64_t x_region = std::max<int64_t>(int64_t(T::BM) * resident_stride<M>(c_pad) * 4,
+                                               h_pad * T::BM * 4);  // raw z rows share it
+    return int64_t(T::BM) * resident_stride<M>(h_pad) * 4 + x_region +
            int64_t(kStages) * T::BN * kSlabStride * 4 + 2 * kParts * T::BM * 4 + T::BM * 8;
   }
 };
@@ -46,7 +50,8 @@ __global__ void __launch_bounds__(T::kThreads) kernel(const ForwardArgs args, in
   const int z_stride = resident_stride<M>(args.h_pad), x_stride = resident_stride<M>(args.c_pad);
   uint32_t* z_res = smem;
   uint32_t* x_res = z_res + T::BM * z_stride;
-  uint32_t* stages = x_res + T::BM * x_stride;
+  const int64_t x_region_words = std::max<int64_t>(int64_t(T::BM) * x_stride, args.h_pad * T::BM);
+  uint32_t* stages = x_res + x_region_words;
   float* partial = reinterpret_cast<float*>(stages + kStages * T::BN * kSlabStride);
   int64_t* row_off = reinterpret_cast<int64_t*>(partial + 2 * kParts * T::BM);
 
@@ -56,26 +61,41 @@ __global__ void __launch_bounds__(T::kThreads) kernel(const ForwardArgs args, in
   const int64_t i = (tile / j_tiles) % n;
   const int64_t batch = tile / (j_tiles * n);
 
-  // LayerNorm_out over h for each pair (column m of the z rows), reduced across kParts threads.
+  // z rows [H][BM] for this tile arrive by cp.async into the region x_res takes later, so all
+  // loads are in flight at once; LayerNorm_out then runs over h for each pair (column m),
+  // reduced across kParts threads, and writes its operand rows with vector stores.
+  float* z_raw = reinterpret_cast<float*>(x_res);
   {
+    const float* z_rows = static_cast<const float*>(args.z) + (batch * hidden * n + i) * args.ldz + j0;
+    const int64_t h_step = n * args.ldz;
+    constexpr int kQuads = T::BM / 4;
+    for (int q = threadIdx.x; q < hidden * kQuads; q += T::kThreads) {
+      const int h = q / kQuads, quad = q % kQuads;
+      const bool ok = j0 + quad * 4 < n;
+      cp_async16(z_raw + h * T::BM + quad * 4, ok ? z_rows + h * h_step + quad * 4 : z_rows, ok);
+    }
+    cp_async_commit();
+    if (threadIdx.x < T::BM) {
+      const int64_t j = j0 + threadIdx.x;
+      row_off[threadIdx.x] = j < n ? batch * args.pair_sb + i * args.pair_sr + j * args.pair_sc : -1;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    constexpr int V = 16 / sizeof(op_t<M>);  // h values per operand vector store
     const int m = threadIdx.x % T::BM, part = threadIdx.x / T::BM;
     const bool valid = j0 + m < n;
-    const int64_t h_step = n * args.ldz;
-    const float* z_col = static_cast<const float*>(args.z) + (batch * hidden * n + i) * args.ldz + j0 + m;
-    const float shift = valid ? z_col[0] : 0.f;
+    const float shift = valid ? z_raw[m] : 0.f;
     float sum = 0.f, sum_sq = 0.f;
-    if (valid)
-      for (int64_t h = part; h < hidden; h += kParts) {
-        const float d = z_col[h * h_step] - shift;
+    for (int h0 = part * V; h0 < hidden; h0 += kParts * V)
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const float d = h0 + e < hidden ? z_raw[(h0 + e) * T::BM + m] - shift : 0.f;
         sum += d;
         sum_sq += d * d;
       }
     partial[part * T::BM + m] = sum;
     partial[(kParts + part) * T::BM + m] = sum_sq;
-    if (threadIdx.x < T::BM) {
-      const int64_t j = j0 + threadIdx.x;
-      row_off[threadIdx.x] = j < n ? batch * args.pair_sb + i * args.pair_sr + j * args.pair_sc : -1;
-    }
     __syncthreads();
     sum = 0.f;
     sum_sq = 0.f;
@@ -86,14 +106,21 @@ __global__ void __launch_bounds__(T::kThreads) kernel(const ForwardArgs args, in
     }
     const float2 stats = shifted_stats(shift, sum, sum_sq, static_cast<int>(hidden), args.eps_out);
     uint32_t* dst = z_res + m * z_stride;
-    for (int64_t h = part; h < args.h_pad; h += kParts) {
-      float y = 0.f;
-      if (valid && h < hidden)
-        y = (z_col[h * h_step] - stats.x) * stats.y * args.ln_out_w[h] + args.ln_out_b[h];
-      store_operand<M>(dst, static_cast<int>(h), y);
+    for (int h0 = part * V; h0 < args.h_pad; h0 += kParts * V) {
+      float y[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const int h = h0 + e;
+        y[e] = (valid && h < hidden)
+                   ? (z_raw[h * T::BM + m] - stats.x) * stats.y * args.ln_out_w[h] + args.ln_out_b[h]
+                   : 0.f;
+      }
+      store_operands<M, V>(dst, h0, y);
     }
+    __syncthreads();  // z_raw is about to become x_res
   }
-  stage_rows<M, TIn, T::kWarps>(x_res, x_stride, static_cast<const TIn*>(args.pair), row_off, T::BM,
+  stage_rows<M, TIn, T::kWarps>(rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair),
+                                x_res, x_stride, static_cast<const TIn*>(args.pair), row_off, T::BM,
                                 static_cast<int>(args.c), static_cast<int>(args.c_pad),
                                 args.gate_normalized ? args.ln_in_w : nullptr, args.ln_in_b, args.eps_in);
   __syncthreads();

@@ -43,7 +43,7 @@ __device__ __forceinline__ float2 shifted_stats(float shift, float sum, float su
 // ln_w is given, else the raw row; zeros past C and for rows whose row_off is negative. One warp
 // per row; rows up to 512 channels stay in registers between the statistics and the write.
 template <Mode M, typename TIn, int WARPS>
-__device__ void stage_rows(uint32_t* a_res, int a_stride, const TIn* __restrict__ pair,
+__device__ void stage_rows_scalar(uint32_t* a_res, int a_stride, const TIn* __restrict__ pair,
                            const int64_t* row_off, int rows, int c, int c_pad,
                            const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps) {
   constexpr int kCached = 16;
@@ -104,6 +104,105 @@ __device__ void stage_rows(uint32_t* a_res, int a_stride, const TIn* __restrict_
       }
     }
   }
+}
+
+// The same as stage_rows, for rows whose offsets and C are multiples of one 16-byte vector: each
+// warp loads kGroup rows at once with 16-byte loads so many loads are in flight (these rows come
+// from device memory once and latency, not bandwidth, would otherwise bound the staging).
+template <typename TIn>
+constexpr int vec_elems() { return 16 / static_cast<int>(sizeof(TIn)); }
+constexpr int kMaxRowVectors = 4;  // per lane: C <= 128 * 16 / sizeof(TIn)
+
+template <typename TIn>
+__host__ __device__ inline bool rows_vectorizable(int64_t c, int64_t sb, int64_t sr, int64_t sc, const void* base) {
+  const int64_t v = vec_elems<TIn>();
+  return c % v == 0 && sb % v == 0 && sr % v == 0 && sc % v == 0 &&
+         reinterpret_cast<uintptr_t>(base) % 16 == 0 && c <= 32 * v * kMaxRowVectors;
+}
+
+template <Mode M, int V>
+__device__ __forceinline__ void store_operands(uint32_t* row, int col, const float (&y)[V]) {
+  using Op = op_t<M>;
+  Op packed[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) packed[e] = from_float<Op>(y[e]);
+  Op* dst = reinterpret_cast<Op*>(row) + col;
+  if constexpr (V * sizeof(Op) == 16) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(packed);
+  } else if constexpr (V * sizeof(Op) == 8) {
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(packed);
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) dst[e] = packed[e];
+  }
+}
+
+template <Mode M, typename TIn, int WARPS>
+__device__ void stage_rows_vec(uint32_t* a_res, int a_stride, const TIn* __restrict__ pair,
+                               const int64_t* row_off, int rows, int c, int c_pad,
+                               const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps) {
+  constexpr int V = vec_elems<TIn>();
+  constexpr int kGroup = 4;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int vectors = static_cast<int>(ceil_div(c, 32 * V));
+  for (int m0 = warp * kGroup; m0 < rows; m0 += WARPS * kGroup) {
+    uint4 raw[kGroup][kMaxRowVectors];
+#pragma unroll
+    for (int r = 0; r < kGroup; ++r)
+#pragma unroll
+      for (int l = 0; l < kMaxRowVectors; ++l) {
+        const int m = m0 + r, q = (l * 32 + lane) * V;
+        const bool ok = m < rows && l < vectors && q < c && row_off[m] >= 0;
+        raw[r][l] = ok ? *reinterpret_cast<const uint4*>(pair + row_off[m] + q) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+    for (int r = 0; r < kGroup; ++r) {
+      const int m = m0 + r;
+      if (m >= rows) break;
+      uint32_t* dst = a_res + m * a_stride;
+      const bool valid = row_off[m] >= 0;
+      float2 stats = make_float2(0.f, 1.f);
+      if (ln_w != nullptr && valid) {
+        const float shift = __shfl_sync(0xffffffffu, to_float(reinterpret_cast<const TIn*>(&raw[r][0])[0]), 0);
+        float sum = 0.f, sum_sq = 0.f;
+#pragma unroll
+        for (int l = 0; l < kMaxRowVectors; ++l) {
+          const TIn* x = reinterpret_cast<const TIn*>(&raw[r][l]);
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            const float d = (l * 32 + lane) * V + e < c ? to_float(x[e]) - shift : 0.f;
+            sum += d;
+            sum_sq += d * d;
+          }
+        }
+        stats = shifted_stats(shift, warp_sum(sum), warp_sum(sum_sq), c, eps);
+      }
+#pragma unroll
+      for (int l = 0; l < kMaxRowVectors; ++l) {
+        const int q = (l * 32 + lane) * V;
+        if (l >= vectors || q >= c_pad) break;
+        const TIn* x = reinterpret_cast<const TIn*>(&raw[r][l]);
+        float y[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const int col = q + e;
+          const float v = to_float(x[e]);
+          y[e] = (!valid || col >= c) ? 0.f : (ln_w != nullptr ? (v - stats.x) * stats.y * ln_w[col] + ln_b[col] : v);
+        }
+        store_operands<M, V>(dst, q, y);
+      }
+    }
+  }
+}
+
+template <Mode M, typename TIn, int WARPS>
+__device__ void stage_rows(bool vectorized, uint32_t* a_res, int a_stride, const TIn* __restrict__ pair,
+                           const int64_t* row_off, int rows, int c, int c_pad,
+                           const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps) {
+  if (vectorized)
+    stage_rows_vec<M, TIn, WARPS>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps);
+  else
+    stage_rows_scalar<M, TIn, WARPS>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps);
 }
 
 // Calls f(TypeTag<T>{}) for the pair dtype.
