@@ -215,7 +215,7 @@ def geomeans(rows):
             for name, times in by_contender.items() if len(times) == len(wanted)}
 
 
-def profile_kernels(shapes, args):
+def profile_kernels(shapes, args, repeat_only=0):
     """Per-kernel CUDA time of ModelNew[auto] at each precision (torch.profiler), for finding where
     a forward's time goes."""
     from torch.profiler import ProfilerActivity, profile
@@ -229,9 +229,11 @@ def profile_kernels(shapes, args):
             new.load_state_dict(ref.state_dict())
             new = new.cuda()
             with torch.inference_mode():
-                for _ in range(3):
+                for _ in range(repeat_only or 3):
                     new(pair, mask)
                 torch.cuda.synchronize()
+                if repeat_only:
+                    continue
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(5):
                         new(pair, mask)
@@ -286,6 +288,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=0.5, help="seconds of timing per row")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every row and the run's details here")
+    parser.add_argument("--repeat-only", type=int, default=0, metavar="CALLS",
+                        help="just run ModelNew[auto] CALLS times per shape/precision (a target for ncu)")
     parser.add_argument("--profile", action="store_true",
                         help="print ModelNew's per-kernel CUDA time per shape instead of the table")
     args = parser.parse_args(argv)
@@ -305,8 +309,8 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name()
     log(f"bench on {gpu}, torch {torch.__version__}; building/loading the extension")
     ti.reload_extension()
-    if args.profile:
-        profile_kernels(args.shapes, args)
+    if args.profile or args.repeat_only:
+        profile_kernels(args.shapes, args, args.repeat_only)
         return 0
     rows = []
     for index, shape in enumerate(args.shapes):

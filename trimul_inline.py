@@ -582,8 +582,20 @@ def _float32_matmul_precision_now() -> str:
     return torch.get_float32_matmul_precision()
 
 
-# Under torch.compile the setting is read once, at trace time (dynamo cannot trace the getter).
+_FITS = {}  # (extension, device, pair_dim, hidden, mode) -> whether the fused kernels take it
+
+
+def _fused_fits_now(pair_dim: int, hidden: int, mode: str) -> bool:
+    extension = _extension()
+    key = (extension.__name__, torch.cuda.current_device(), pair_dim, hidden, mode)
+    if key not in _FITS:
+        _FITS[key] = bool(extension.fused_fits(pair_dim, hidden, _MODE_CODE[mode]))
+    return _FITS[key]
+
+
+# Under torch.compile these are read once, at trace time (dynamo cannot trace into them).
 _float32_matmul_precision_now = torch.compiler.assume_constant_result(_float32_matmul_precision_now)
+_fused_fits_now = torch.compiler.assume_constant_result(_fused_fits_now)
 
 _CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FUSED_MASK_DTYPES = (torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32,
@@ -653,7 +665,6 @@ class ModelNew(_TriMulLayers):
             raise ValueError(f"precision must be None or one of {PRECISIONS}, got {precision!r}")
         self.kernel, self.precision = kernel, precision
         self._weights_cache = {}  # mode -> (parameter versions, prepared weights); not state
-        self._fits_cache = {}
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kernel={self.kernel!r}, precision={self.precision!r}"
@@ -685,12 +696,7 @@ class ModelNew(_TriMulLayers):
         return pair_repr.requires_grad or any(p.requires_grad for p in self.parameters())
 
     def _fused_fits(self, mode: str) -> bool:
-        key = (mode, torch.cuda.current_device())
-        fits = self._fits_cache.get(key)
-        if fits is None:
-            fits = self._fits_cache[key] = bool(
-                _extension().fused_fits(self.pair_dim, self.hidden_dim, _MODE_CODE[mode]))
-        return fits
+        return _fused_fits_now(self.pair_dim, self.hidden_dim, mode)
 
     def _prepared_weights(self, mode: str):
         params = _param_list(self)
