@@ -72,6 +72,41 @@ class Contender:
         self.name, self.make, self.tolerance_key = name, make, tolerance_key
 
 
+def cuequivariance():
+    try:
+        import cuequivariance_torch
+    except Exception:  # not installed, or its CUDA ops do not load here
+        return None
+    return cuequivariance_torch
+
+
+def make_cueq(ref, dtype):
+    """cuEquivariance's fused triangle update on the reference's weights. It gates the output with
+    the normalized input (AlphaFold2's convention), so it is checked against gate_input='normalized'.
+    Inputs are cast to `dtype` once, outside the timed call."""
+    cuet = cuequivariance()
+    cat = lambda first, second: torch.cat([first, second], dim=0)
+    weights = dict(
+        norm_in_weight=ref.layer_norm_in.weight, norm_in_bias=ref.layer_norm_in.bias,
+        p_in_weight=cat(ref.proj_a.weight, ref.proj_b.weight), p_in_bias=cat(ref.proj_a.bias, ref.proj_b.bias),
+        g_in_weight=cat(ref.gate_a.weight, ref.gate_b.weight), g_in_bias=cat(ref.gate_a.bias, ref.gate_b.bias),
+        norm_out_weight=ref.layer_norm_out.weight, norm_out_bias=ref.layer_norm_out.bias,
+        p_out_weight=ref.out_proj.weight, p_out_bias=ref.out_proj.bias,
+        g_out_weight=ref.out_gate.weight, g_out_bias=ref.out_gate.bias)
+    weights = {k: v.detach().to(dtype).contiguous() for k, v in weights.items()}
+    converted = {}
+
+    def run(pair, mask):
+        key = (pair.data_ptr(), mask.data_ptr())
+        if key not in converted:
+            converted.clear()
+            converted[key] = (pair.to(dtype), mask.to(dtype))
+        x, m = converted[key]
+        return cuet.triangle_multiplicative_update(x, direction=ref.direction, mask=m, eps=1e-5,
+                                                   **weights)
+    return run
+
+
 def contenders(args):
     """name -> factory(reference fp32 model) -> callable(pair, mask)."""
     found = []
@@ -87,6 +122,9 @@ def contenders(args):
                     return ref(pair, mask)
             return run
         found.append(Contender("ref bf16 autocast", autocast, "bfloat16"))
+    if "cueq" in args.contenders and cuequivariance() is not None:
+        found.append(Contender("cueq fp32", lambda ref: make_cueq(ref, torch.float32), "high"))
+        found.append(Contender("cueq bf16", lambda ref: make_cueq(ref, torch.bfloat16), "bfloat16"))
     if "new" in args.contenders:
         for precision in args.precision:
             for kernel in args.kernels:
@@ -139,11 +177,13 @@ def bench_shape(shape, args, index, total):
     generator = torch.Generator(device="cuda").manual_seed(args.seed + index)
     ref = randomize(ti.Model(pair_dim, hidden, args.direction, args.gate_input).cuda(), generator)
     pair, mask = make_inputs(batch, n, pair_dim, generator, "cuda")
+    expected_for = {}  # gate_input -> fp64 output
     with torch.inference_mode():
-        ref64 = ti.Model(pair_dim, hidden, args.direction, args.gate_input).cuda().double()
-        ref64.load_state_dict(ref.state_dict())
-        expected = ref64(pair.double(), mask)
-        del ref64
+        for gate_input in {args.gate_input, "normalized" if "cueq" in args.contenders else args.gate_input}:
+            ref64 = ti.Model(pair_dim, hidden, args.direction, gate_input).cuda().double()
+            ref64.load_state_dict(ref.state_dict())
+            expected_for[gate_input] = ref64(pair.double(), mask)
+            del ref64
     rows = []
     for contender in contenders(args):
         label = f"[{index + 1}/{total}] {shape} {contender.name}"
@@ -154,6 +194,8 @@ def bench_shape(shape, args, index, total):
             with torch.inference_mode():
                 out = call()
                 torch.cuda.synchronize()
+                expected = expected_for["normalized" if contender.name.startswith("cueq")
+                                        else args.gate_input]
                 err = ((out.double() - expected).norm() / expected.norm()).item()
                 del out
                 row["rel_error"] = err
@@ -278,8 +320,9 @@ def main(argv=None) -> int:
                         help="B,N,C,H;B,N,C,H;... (default: the nine standard shapes)")
     parser.add_argument("--kernels", default=",".join(sorted(ti.VARIANTS) + ["auto"]),
                         help=f"ModelNew kernels to time (from {sorted(ti.VARIANTS)} and auto)")
-    parser.add_argument("--contenders", default="ref-eager,ref-compile,ref-autocast,new",
-                        help="which of ref-eager, ref-compile, ref-autocast, new to run")
+    parser.add_argument("--contenders", default="ref-eager,ref-compile,ref-autocast,cueq,new",
+                        help="which of ref-eager, ref-compile, ref-autocast, cueq (when "
+                             "cuequivariance_torch imports), new to run")
     parser.add_argument("--precision", default="highest",
                         help="ModelNew's fp32 precisions, comma-separated (PyTorch's matmul-precision "
                              "names: highest, high, medium)")

@@ -1,6 +1,6 @@
 // mma — tensor cores via mma.sync: 128x128 tiles, 4 warps of 64x64, 3-stage cp.async pipeline;
 // bf16/f16 operands as they are, fp32 operands as split 3xTF32 ("highest") or TF32 otherwise.
-#include "mma.cuh"
+#include "fused.cuh"
 
 namespace trimul {
 namespace contract_mma {
@@ -91,7 +91,7 @@ constexpr int kSmemBytes = kStages * (Tile::BM + Tile::BN) * kSlabStride * 4;
 template <Mode M, typename TOut>
 cudaError_t launch_mode(const ContractArgs& args) {
   auto kernel = contract_kernel<M, TOut>;
-  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  const cudaError_t status = fused::allow_smem(kernel, kSmemBytes);
   if (status != cudaSuccess) return status;
   const dim3 grid(static_cast<unsigned>(ceil_div(args.m, Tile::BM) * ceil_div(args.n, Tile::BN)),
                   batch_grid(args.batch));

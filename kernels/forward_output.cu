@@ -162,8 +162,7 @@ __global__ void __launch_bounds__(T::kThreads) kernel(const ForwardArgs args, in
 template <Mode M, typename TIn, class T>
 cudaError_t launch_tiling(const ForwardArgs& args, int64_t smem_bytes) {
   auto fn = kernel<M, TIn, T>;
-  cudaError_t status = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem_bytes));
+  const cudaError_t status = allow_smem(fn, smem_bytes);
   if (status != cudaSuccess) return status;
   const int64_t j_tiles = ceil_div(args.n, T::BM);
   const int64_t blocks = args.batch * args.n * j_tiles;
@@ -176,8 +175,11 @@ std::pair<bool, int64_t> choose(const ForwardArgs& args) {
   const int64_t limit = max_smem_optin();
   const int64_t wide = Smem<M, Wide>::bytes(args.c_pad, args.h_pad);
   const int64_t narrow = Smem<M, Narrow>::bytes(args.c_pad, args.h_pad);
-  if (wide <= limit) return {true, wide};
+  // Two blocks per multiprocessor overlap one block's staging with the other's products, which
+  // beats the wide tile's weight reuse; so the wide tile only where two of them fit.
+  if (2 * wide + 2048 <= max_smem_per_sm()) return {true, wide};
   if (narrow <= limit) return {false, narrow};
+  if (wide <= limit) return {true, wide};
   return {false, 0};
 }
 

@@ -216,13 +216,31 @@ cudaError_t dispatch_input(Dtype dtype, F&& f) {
   return cudaErrorInvalidValue;
 }
 
-// The largest dynamic shared memory a block may opt into on the current device.
-inline int64_t max_smem_optin() {
-  int device = 0, bytes = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
-    return 0;
-  return bytes;
+// Device limits, read once per device (a small forward must not pay driver queries each call).
+inline int64_t device_attribute(cudaDeviceAttr attr, int slot) {
+  constexpr int kMaxDevices = 64;
+  static int64_t cache[2][kMaxDevices] = {};
+  int device = 0, value = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return 0;
+  if (cache[slot][device] == 0 && cudaDeviceGetAttribute(&value, attr, device) == cudaSuccess)
+    cache[slot][device] = value;
+  return cache[slot][device];
+}
+inline int64_t max_smem_optin() { return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 0); }
+inline int64_t max_smem_per_sm() { return device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, 1); }
+
+// Raises a kernel's dynamic shared memory limit once per device and size.
+template <typename Kernel>
+cudaError_t allow_smem(Kernel kernel, int64_t bytes) {
+  constexpr int kMaxDevices = 64;
+  static int64_t allowed[kMaxDevices] = {};  // one table per kernel instantiation
+  int device = 0;
+  cudaError_t status = cudaGetDevice(&device);
+  if (status != cudaSuccess) return status;
+  if (device < kMaxDevices && allowed[device] >= bytes) return cudaSuccess;
+  status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (status == cudaSuccess && device < kMaxDevices) allowed[device] = bytes;
+  return status;
 }
 
 }  // namespace fused

@@ -162,8 +162,10 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 template <int ROWS, int THREADS>
 __device__ __forceinline__ void load_slab_async(uint32_t* stage, const char* base, int64_t ld_bytes,
                                                 int64_t row0, int64_t rows_valid, int64_t k_byte) {
+  static_assert((ROWS * 4) % THREADS == 0, "every thread copies the same number of chunks");
 #pragma unroll
-  for (int chunk = threadIdx.x; chunk < ROWS * 4; chunk += THREADS) {
+  for (int it = 0; it < ROWS * 4 / THREADS; ++it) {
+    const int chunk = threadIdx.x + it * THREADS;
     const int r = chunk >> 2, q = chunk & 3;
     const bool ok = row0 + r < rows_valid;
     const char* src = base + (ok ? (row0 + r) * ld_bytes + k_byte + q * 16 : 0);
@@ -227,7 +229,9 @@ cudaError_t dispatch_mode(Mode mode, F&& f) {
   return cudaErrorInvalidValue;
 }
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+// __expf is within a few ulp (relative error ~2^-21), far inside even the fp32-accurate budget;
+// for very negative x the quotient goes to 0 as it should.
+__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 
 }  // namespace mma
 }  // namespace trimul
