@@ -91,7 +91,7 @@ constexpr int kSmemBytes = kStages * (Tile::BM + Tile::BN) * kSlabStride * 4;
 template <Mode M, typename TOut>
 cudaError_t launch_mode(const ContractArgs& args) {
   auto kernel = contract_kernel<M, TOut>;
-  const cudaError_t status = fused::allow_smem(kernel, kSmemBytes);
+  const cudaError_t status = fused::allow_smem<contract_kernel<M, TOut>>(kSmemBytes);
   if (status != cudaSuccess) return status;
   const dim3 grid(static_cast<unsigned>(ceil_div(args.m, Tile::BM) * ceil_div(args.n, Tile::BN)),
                   batch_grid(args.batch));

@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(T::kThreads) kernel(const ForwardArgs args, in
 template <Mode M, typename TIn, class T>
 cudaError_t launch_tiling(const ForwardArgs& args, int64_t smem_bytes) {
   auto fn = kernel<M, TIn, T>;
-  const cudaError_t status = allow_smem(fn, smem_bytes);
+  const cudaError_t status = allow_smem<kernel<M, TIn, T>>(smem_bytes);
   if (status != cudaSuccess) return status;
   const int64_t k_tiles = ceil_div(args.n, T::BM);
   const int64_t blocks = args.batch * args.n * k_tiles;

@@ -229,16 +229,17 @@ inline int64_t device_attribute(cudaDeviceAttr attr, int slot) {
 inline int64_t max_smem_optin() { return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 0); }
 inline int64_t max_smem_per_sm() { return device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, 1); }
 
-// Raises a kernel's dynamic shared memory limit once per device and size.
-template <typename Kernel>
-cudaError_t allow_smem(Kernel kernel, int64_t bytes) {
+// Raises a kernel's dynamic shared memory limit once per device and size. The kernel is a
+// template argument so each kernel gets its own table (one per signature would be wrong).
+template <auto Kernel>
+cudaError_t allow_smem(int64_t bytes) {
   constexpr int kMaxDevices = 64;
-  static int64_t allowed[kMaxDevices] = {};  // one table per kernel instantiation
+  static int64_t allowed[kMaxDevices] = {};
   int device = 0;
   cudaError_t status = cudaGetDevice(&device);
   if (status != cudaSuccess) return status;
   if (device < kMaxDevices && allowed[device] >= bytes) return cudaSuccess;
-  status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  status = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (status == cudaSuccess && device < kMaxDevices) allowed[device] = bytes;
   return status;
 }
