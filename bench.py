@@ -126,8 +126,9 @@ def contenders(args):
         found.append(Contender("cueq fp32", lambda ref: make_cueq(ref, torch.float32), "high"))
         found.append(Contender("cueq bf16", lambda ref: make_cueq(ref, torch.bfloat16), "bfloat16"))
     if "new" in args.contenders:
-        for precision in args.precision:
-            for kernel in args.kernels:
+        for index, precision in enumerate(args.precision):
+            # Every variant at the first precision; at the others only the default choice.
+            for kernel in (args.kernels if index == 0 else [k for k in args.kernels if k == "auto"]):
                 def make_new(ref, kernel=kernel, precision=precision):
                     new = ti.ModelNew(ref.pair_dim, ref.hidden_dim, ref.direction, ref.gate_input,
                                       kernel=kernel, precision=precision)
@@ -138,8 +139,9 @@ def contenders(args):
 
 
 def time_cuda(fn, min_reps=10, max_reps=200, budget_s=0.5):
-    """Median and 10th/90th percentile of per-call CUDA event times, in microseconds."""
-    for _ in range(3):
+    """Median and 10th/90th percentile of per-call CUDA event times, in microseconds. Calls slower
+    than 0.1 s (the naive baseline at large N) get 5 repetitions instead of 10."""
+    for _ in range(2):
         fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -148,6 +150,8 @@ def time_cuda(fn, min_reps=10, max_reps=200, budget_s=0.5):
     end.record()
     torch.cuda.synchronize()
     estimate_s = max(start.elapsed_time(end) / 1e3, 1e-6)
+    if estimate_s > 0.1:
+        min_reps = 5
     reps = int(min(max_reps, max(min_reps, budget_s / estimate_s)))
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(reps)]
@@ -319,7 +323,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES,
                         help="B,N,C,H;B,N,C,H;... (default: the nine standard shapes)")
     parser.add_argument("--kernels", default=",".join(sorted(ti.VARIANTS) + ["auto"]),
-                        help=f"ModelNew kernels to time (from {sorted(ti.VARIANTS)} and auto)")
+                        help=f"ModelNew kernels to time (from {sorted(ti.VARIANTS)} and auto); "
+                             "all at the first --precision, only auto at the others")
     parser.add_argument("--contenders", default="ref-eager,ref-compile,ref-autocast,cueq,new",
                         help="which of ref-eager, ref-compile, ref-autocast, cueq (when "
                              "cuequivariance_torch imports), new to run")
@@ -355,20 +360,24 @@ def main(argv=None) -> int:
     if args.profile or args.repeat_only:
         profile_kernels(args.shapes, args, args.repeat_only)
         return 0
+    command = "python " + " ".join([sys.argv[0]] + (sys.argv[1:] if argv is None else list(argv)))
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+    def save(rows, geomean_rows=None):
+        if args.json:  # after every shape, so a run cut short still leaves its rows
+            with open(args.json, "w") as f:
+                json.dump({"command": command, "date": stamp, "gpu": gpu, "torch": torch.__version__,
+                           "cuda": torch.version.cuda, "python": platform.python_version(),
+                           "precision": args.precision, "direction": args.direction,
+                           "gate_input": args.gate_input, "rows": rows,
+                           "geomean_us": geomean_rows or {}}, f, indent=1)
+
     rows = []
     for index, shape in enumerate(args.shapes):
         rows += bench_shape(shape, args, index, len(args.shapes))
-    command = "python " + " ".join([sys.argv[0]] + (sys.argv[1:] if argv is None else list(argv)))
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        save(rows)
     print(f"\n{command}\n{stamp} on {gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-    geomean_rows = print_table(rows, ",".join(args.precision))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": command, "date": stamp, "gpu": gpu, "torch": torch.__version__,
-                       "cuda": torch.version.cuda, "python": platform.python_version(),
-                       "precision": args.precision, "direction": args.direction,
-                       "gate_input": args.gate_input, "rows": rows, "geomean_us": geomean_rows},
-                      f, indent=1)
+    save(rows, print_table(rows, ",".join(args.precision)))
     failed = [r for r in rows if r["status"] != "ok"]
     return 1 if any(r["contender"].startswith("ModelNew") for r in failed) else 0
 
