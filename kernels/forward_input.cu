@@ -11,9 +11,8 @@ using namespace ::trimul::fused;
 // A block owns BM pairs that share the contraction's (b, f) and run along its k index, so the
 // transposed write of each h row is contiguous. Pair rows stay resident (LayerNorm-ed) while the
 // interleaved proj/gate weights stream past in chunks of BN columns (BN/2 hidden channels).
-// Warp tiles of 64x64 (32x64 narrow) keep shared-memory fragment loads under one per mma.
-using Wide = Tiling<2, 2, 4, 8>;    // BM 128, BN 128, 4 warps
-using Narrow = Tiling<2, 2, 2, 8>;  // BM 64, BN 128: for fp32 operands with a wide pair_dim
+using Wide = Tiling<4, 2, 2, 8>;    // BM 128, BN 128
+using Narrow = Tiling<2, 4, 2, 4>;  // BM 64, BN 128: for fp32 operands with a wide pair_dim
 
 template <Mode M, class T>
 struct Smem {

@@ -14,9 +14,8 @@ using namespace ::trimul::fused;
 // A block owns BM pairs (b, i, j0..j0+BM) of one output row. Both A operands stay resident:
 // LayerNorm_out(z) [BM, H] and the gate source [BM, C]; out_gate and out_proj weights stream past
 // in chunks of BN output channels, each chunk's two products held in registers together.
-// Two accumulator sets live at once, so warp tiles of 64x32 (32x32 narrow), 4 warps.
-using Wide = Tiling<2, 2, 4, 4>;    // BM 128, BN 64
-using Narrow = Tiling<2, 2, 2, 4>;  // BM 64, BN 64: fp32 operands with a wide pair_dim
+using Wide = Tiling<4, 2, 2, 4>;    // BM 128, BN 64
+using Narrow = Tiling<2, 4, 2, 2>;  // BM 64, BN 64: fp32 operands with a wide pair_dim
 
 template <Mode M, class T>
 struct Smem {
