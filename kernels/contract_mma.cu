@@ -8,21 +8,6 @@ namespace contract_mma {
 using namespace ::trimul::mma;
 using Tile = Tiling<2, 2, 4, 8>;  // 128 x 128 block, 64 x 64 per warp
 
-template <typename TOut>
-__device__ __forceinline__ void store_pair(TOut* dst, float v0, float v1, bool both, bool paired) {
-  if (both && paired) {
-    if constexpr (std::is_same<TOut, float>::value) {
-      *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
-    } else {
-      TOut pair[2] = {from_float<TOut>(v0), from_float<TOut>(v1)};
-      *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(pair);
-    }
-  } else {
-    dst[0] = from_float<TOut>(v0);
-    if (both) dst[1] = from_float<TOut>(v1);
-  }
-}
-
 template <Mode M, typename TOut>
 __global__ void __launch_bounds__(Tile::kThreads)
 contract_kernel(const op_t<M>* __restrict__ a, const op_t<M>* __restrict__ b, TOut* __restrict__ z,

@@ -28,21 +28,6 @@ struct Smem {
   }
 };
 
-template <typename TOut>
-__device__ __forceinline__ void store_out(TOut* dst, float v0, float v1, bool both, bool paired) {
-  if (both && paired) {
-    if constexpr (std::is_same<TOut, float>::value) {
-      *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
-    } else {
-      TOut pair[2] = {from_float<TOut>(v0), from_float<TOut>(v1)};
-      *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(pair);
-    }
-  } else {
-    dst[0] = from_float<TOut>(v0);
-    if (both) dst[1] = from_float<TOut>(v1);
-  }
-}
-
 template <Mode M, typename TIn, class T>
 __global__ void __launch_bounds__(T::kThreads) kernel(const ForwardArgs args, int64_t j_tiles) {
   constexpr int kParts = Smem<M, T>::kParts;
@@ -153,7 +138,7 @@ __global__ void __launch_bounds__(T::kThreads) kernel(const ForwardArgs args, in
           const float v1 = both ? sigmoid(gate[mi][ni][2 * hh + 1] + args.b_gate[c + 1]) *
                                       (proj[mi][ni][2 * hh + 1] + args.b_out[c + 1])
                                 : 0.f;
-          store_out(row + c, v0, v1, both, paired);
+          store_pair(row + c, v0, v1, both, paired);
         }
       }
   }

@@ -217,6 +217,24 @@ __device__ void gemm_resident_a(float (&acc)[T::MT][T::NT][4], const uint32_t* a
   __syncthreads();
 }
 
+// Stores v0 (and v1 at dst + 1 when `both`), as one 8- or 4-byte store when `paired` says the
+// destination is aligned for it.
+template <typename TOut>
+__device__ __forceinline__ void store_pair(TOut* dst, float v0, float v1, bool both, bool paired) {
+  if (both && paired) {
+    if constexpr (std::is_same<TOut, float>::value) {
+      *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+    } else {
+      TOut pair[2] = {from_float<TOut>(v0), from_float<TOut>(v1)};
+      *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(pair);
+    }
+  } else {
+    dst[0] = from_float<TOut>(v0);
+    if (both) dst[1] = from_float<TOut>(v1);
+  }
+}
+
+
 // Calls f(std::integral_constant<Mode, M>{}) for the run-time mode.
 template <typename F>
 cudaError_t dispatch_mode(Mode mode, F&& f) {
