@@ -107,6 +107,24 @@ def make_cueq(ref, dtype):
     return run
 
 
+def make_model_new(ref, kernel="auto", precision=None):
+    """ModelNew with the reference's weights, on the reference's device."""
+    new = ti.ModelNew(ref.pair_dim, ref.hidden_dim, ref.direction, ref.gate_input, kernel=kernel,
+                      precision=precision)
+    new.load_state_dict(ref.state_dict())
+    return new.to(ref.proj_a.weight.device)
+
+
+def seeded_case(shape, args, seed, device="cuda"):
+    """The reference model (random weights) and inputs for one shape, drawn from `seed`."""
+    batch, n, pair_dim, hidden = shape
+    generator = torch.Generator(device=device).manual_seed(seed)
+    ref = randomize(ti.Model(pair_dim, hidden, args.direction, args.gate_input).to(device),
+                    generator)
+    pair, mask = make_inputs(batch, n, pair_dim, generator, device)
+    return ref, pair, mask
+
+
 def contenders(args):
     """name -> factory(reference fp32 model) -> callable(pair, mask)."""
     found = []
@@ -129,12 +147,9 @@ def contenders(args):
         for index, precision in enumerate(args.precision):
             # Every variant at the first precision; at the others only the default choice.
             for kernel in (args.kernels if index == 0 else [k for k in args.kernels if k == "auto"]):
-                def make_new(ref, kernel=kernel, precision=precision):
-                    new = ti.ModelNew(ref.pair_dim, ref.hidden_dim, ref.direction, ref.gate_input,
-                                      kernel=kernel, precision=precision)
-                    new.load_state_dict(ref.state_dict())
-                    return new.to(ref.proj_a.weight.device)
-                found.append(Contender(f"new[{kernel}] {precision}", make_new, precision))
+                found.append(Contender(f"new[{kernel}] {precision}",
+                                       lambda ref, k=kernel, p=precision: make_model_new(ref, k, p),
+                                       precision))
     return found
 
 
@@ -177,14 +192,13 @@ def peak_memory_mib(fn) -> float:
 
 
 def bench_shape(shape, args, index, total):
-    batch, n, pair_dim, hidden = shape
-    generator = torch.Generator(device="cuda").manual_seed(args.seed + index)
-    ref = randomize(ti.Model(pair_dim, hidden, args.direction, args.gate_input).cuda(), generator)
-    pair, mask = make_inputs(batch, n, pair_dim, generator, "cuda")
+    ref, pair, mask = seeded_case(shape, args, args.seed + index)
+    # cuEquivariance gates with the normalized input, so it needs that reference too.
+    gate_inputs = {args.gate_input} | ({"normalized"} if "cueq" in args.contenders else set())
     expected_for = {}  # gate_input -> fp64 output
     with torch.inference_mode():
-        for gate_input in {args.gate_input, "normalized" if "cueq" in args.contenders else args.gate_input}:
-            ref64 = ti.Model(pair_dim, hidden, args.direction, gate_input).cuda().double()
+        for gate_input in gate_inputs:
+            ref64 = ti.Model(ref.pair_dim, ref.hidden_dim, args.direction, gate_input).cuda().double()
             ref64.load_state_dict(ref.state_dict())
             expected_for[gate_input] = ref64(pair.double(), mask)
             del ref64
@@ -266,14 +280,9 @@ def profile_kernels(shapes, args, repeat_only=0):
     a forward's time goes."""
     from torch.profiler import ProfilerActivity, profile
     for shape in shapes:
-        batch, n, pair_dim, hidden = shape
-        generator = torch.Generator(device="cuda").manual_seed(args.seed)
-        ref = randomize(ti.Model(pair_dim, hidden, args.direction, args.gate_input).cuda(), generator)
-        pair, mask = make_inputs(batch, n, pair_dim, generator, "cuda")
+        ref, pair, mask = seeded_case(shape, args, args.seed)
         for precision in args.precision:
-            new = ti.ModelNew(pair_dim, hidden, args.direction, args.gate_input, precision=precision)
-            new.load_state_dict(ref.state_dict())
-            new = new.cuda()
+            new = make_model_new(ref, precision=precision)
             with torch.inference_mode():
                 for _ in range(repeat_only or 3):
                     new(pair, mask)

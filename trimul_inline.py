@@ -492,6 +492,7 @@ _MODE_CODE = {"bf16": 0, "f16": 1, "tf32": 2, "tf32x3": 3}
 _MODE_OPERAND = {"bf16": torch.bfloat16, "f16": torch.float16, "tf32": torch.float32,
                  "tf32x3": torch.float32}
 _PRECISION_MODE = {"highest": "tf32x3", "high": "tf32", "medium": "bf16"}
+_MODE_PRECISION = {mode: precision for precision, mode in _PRECISION_MODE.items()}
 
 
 def compute_mode(pair_dtype: torch.dtype, precision: str) -> str:
@@ -553,11 +554,11 @@ def prepare_weights(params, mode: str):
 def _fused_call(pair, mask, weights, variant, mode, incoming, gate_normalized, eps_in, eps_out):
     args = (pair, mask, weights, variant, _MODE_CODE[mode], incoming, gate_normalized, eps_in,
             eps_out)
-    if VARIANTS[variant].backend == "torch":
-        precision = {"tf32x3": "highest", "tf32": "high"}.get(mode, "medium")
-        with _float32_matmul_precision(precision):
-            return _extension().forward(*args)
-    return _extension().forward(*args)
+    if VARIANTS[variant].backend != "torch":
+        return _extension().forward(*args)
+    # The cuBLAS baseline reads the global setting: give it the one this mode stands for.
+    with _float32_matmul_precision(_MODE_PRECISION.get(mode, "medium")):
+        return _extension().forward(*args)
 
 
 @torch.library.custom_op("trimul_inline::fused_forward", mutates_args=())
@@ -683,10 +684,11 @@ class ModelNew(_TriMulLayers):
             return reference_forward(self, pair_repr, pair_mask)
         if self._needs_autograd(pair_repr):
             return self._forward_unfused(pair_repr, pair_mask)
-        mode = compute_mode(pair_repr.dtype, self.resolved_precision())
+        precision = self.resolved_precision()
+        mode = compute_mode(pair_repr.dtype, precision)
         if not self._fused_fits(mode):
             return self._forward_unfused(pair_repr, pair_mask)
-        return self._forward_fused(pair_repr, pair_mask, mode)
+        return self._forward_fused(pair_repr, pair_mask, mode, precision)
 
     def _needs_autograd(self, pair_repr) -> bool:
         # The fused kernels are forward-only; training takes the unfused path, whose contraction
@@ -706,9 +708,8 @@ class ModelNew(_TriMulLayers):
             cached = self._weights_cache[mode] = (version, prepare_weights(params, mode))
         return cached[1]
 
-    def _forward_fused(self, pair_repr, pair_mask, mode):
-        variant = select_variant(self.kernel, _MODE_OPERAND[mode], self.resolved_precision(),
-                                 pair_repr.device).name
+    def _forward_fused(self, pair_repr, pair_mask, mode, precision):
+        variant = select_variant(self.kernel, _MODE_OPERAND[mode], precision, pair_repr.device).name
         if pair_repr.stride(-1) != 1:
             pair_repr = pair_repr.contiguous()
         if pair_mask.dtype not in _FUSED_MASK_DTYPES:

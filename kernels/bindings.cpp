@@ -27,6 +27,13 @@ trimul::Dtype dtype_code(const at::Tensor& t, const char* what) {
                    t.scalar_type());
 }
 
+void check_launch(cudaError_t status, const char* what) {
+  TORCH_CHECK(status != cudaErrorNotSupported, "trimul_inline: ", what,
+              " does not support these sizes/dtypes on this GPU");
+  C10_CUDA_CHECK(status);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void check_matrix_stack(const at::Tensor& t, const char* what) {
   TORCH_CHECK_VALUE(t.is_cuda(), "trimul_inline: ", what, " must be a CUDA tensor");
   TORCH_CHECK_VALUE(t.dim() == 3, "trimul_inline: ", what, " must be 3-D [batch, rows, k], got ",
@@ -76,11 +83,7 @@ void contract(const std::string& variant, const at::Tensor& a, const at::Tensor&
   args.out = dtype_code(z, "z");
   args.precision = static_cast<trimul::Precision>(precision);
   args.stream = c10::cuda::getCurrentCUDAStream(a.device().index()).stream();
-  const cudaError_t status = fn(args);
-  TORCH_CHECK(status != cudaErrorNotSupported, "trimul_inline: variant '", variant,
-              "' does not support these dtypes/precision on this GPU");
-  C10_CUDA_CHECK(status);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  check_launch(fn(args), ("contraction kernel '" + variant + "'").c_str());
 }
 
 trimul::MaskKind mask_kind(const at::Tensor& mask) {
@@ -105,13 +108,6 @@ trimul::Precision contraction_precision(trimul::Mode mode) {
     case trimul::Mode::tf32: return trimul::Precision::high;
     default: return trimul::Precision::medium;
   }
-}
-
-void check_launch(cudaError_t status, const char* what) {
-  TORCH_CHECK(status != cudaErrorNotSupported, "trimul_inline: ", what,
-              " does not support these sizes/dtypes on this GPU");
-  C10_CUDA_CHECK(status);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The whole forward: input pass -> contraction (the named variant) -> output pass. `weights` are
@@ -140,7 +136,6 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   const at::ScalarType op_type = weights[4].scalar_type();
   const int64_t batch = pair.size(0), n = pair.size(1), c = pair.size(3);
   const int64_t hidden = weights[2].size(0);
-  const int64_t esize = at::elementSize(op_type);
 
   trimul::ForwardArgs args{};
   args.pair = pair.data_ptr();
@@ -216,7 +211,7 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
       contract.stream = args.stream;
       check_launch(contract_fn(contract), ("contraction kernel '" + variant + "'").c_str());
     }
-  }  // a_t and b_t go back to the allocator before the output pass allocates nothing more
+  }  // a_t and b_t return to the allocator before the output pass runs
   args.z = z.data_ptr();
   args.out = out.data_ptr();
   check_launch(trimul::launch_output_pass(args), "the output pass");
