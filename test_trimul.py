@@ -362,11 +362,13 @@ def _check_model(new, reference, pair, mask, tolerance, seed, label, dtype=torch
 
 
 SHAPES = [(1, 1, 8, 4), (2, 7, 16, 8), (1, 33, 32, 16), (1, 257, 24, 12), (2, 40, 128, 128),
-          (1, 130, 64, 32)]
+          (1, 64, 48, 20), (1, 130, 64, 32)]
+# "auto" is its own path at N <= 64: the output pass computes the contraction (two launches).
+MODEL_KERNELS = ALL_VARIANTS + ["auto"]
 
 
 @cuda
-@pytest.mark.parametrize("variant", ALL_VARIANTS)
+@pytest.mark.parametrize("variant", MODEL_KERNELS)
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 @pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", SHAPES)
@@ -380,19 +382,42 @@ def test_fused_matches_fp64_reference(variant, direction, gate_input, batch, n, 
 
 
 @cuda
+@pytest.mark.parametrize("variant", ["mma", "auto"])
 @pytest.mark.parametrize("precision", ["high", "medium"])
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 33, 32, 16), (1, 200, 128, 64),
                                                         (2, 64, 384, 128)])
-def test_fused_reduced_precisions(precision, direction, batch, n, pair_dim, hidden):
+def test_fused_reduced_precisions(variant, precision, direction, batch, n, pair_dim, hidden):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(pair_dim, hidden, direction, "normalized").double(), g)
-    new = _make_new(reference, torch.float32, "mma", precision)
+    new = _make_new(reference, torch.float32, variant, precision)
     pair, mask = random_inputs(batch, n, pair_dim, g)
     err = _check_model(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed, precision)
     if precision == "high":  # really reduced: tf32 must not be silently fp32-accurate, nor worse
         assert err > 1e-6
+
+
+def _cuda_kernels_launched(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@cuda
+@pytest.mark.parametrize("precision", ti.PRECISIONS)
+def test_seed_shapes_take_two_launches(precision):
+    """Issue 3: at the seed's shapes the eager forward is at most two kernel launches."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    reference = random_layers(ti.Model(64, 32).double(), g)
+    new = _make_new(reference, torch.float32, "auto", precision)
+    for batch in (1, 16):
+        pair, mask = random_inputs(batch, 32, 64, g, dtype=torch.float32, device="cuda")
+        with torch.no_grad():
+            new(pair, mask)  # weights prepared, extension loaded
+            kernels = _cuda_kernels_launched(lambda: new(pair, mask))
+        assert len(kernels) <= 2, kernels
 
 
 @cuda

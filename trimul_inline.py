@@ -546,15 +546,24 @@ def prepare_weights(params, mode: str):
     w_out[:pair_dim, :hidden] = out_w
     operand = _MODE_OPERAND[mode]
     as_f32 = lambda t: t.to(**f32).contiguous()
+    # TF32 operands go in as TF32 values, so the kernels feed the mma their bits unconverted.
+    as_operand = (lambda t: _round_to_tf32(t)) if mode == "tf32" else (lambda t: t.to(operand))
     return [as_f32(ln_in_w), as_f32(ln_in_b), as_f32(ln_out_w), as_f32(ln_out_b),
-            torch.cat([wa, wb]).to(operand), torch.cat([ba, bb]), w_gate.to(operand),
-            as_f32(gate_b), w_out.to(operand), as_f32(out_b)]
+            as_operand(torch.cat([wa, wb])), torch.cat([ba, bb]), as_operand(w_gate),
+            as_f32(gate_b), as_operand(w_out), as_f32(out_b)]
+
+
+def _round_to_tf32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 values rounded to TF32 (10 mantissa bits), nearest with ties away from zero as the
+    kernels' cvt.rna does: add half of the dropped bits' range to the magnitude, then cut."""
+    bits = t.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & -0x2000).view(torch.float32)
 
 
 def _fused_call(pair, mask, weights, variant, mode, incoming, gate_normalized, eps_in, eps_out):
     args = (pair, mask, weights, variant, _MODE_CODE[mode], incoming, gate_normalized, eps_in,
             eps_out)
-    if VARIANTS[variant].backend != "torch":
+    if variant not in VARIANTS or VARIANTS[variant].backend != "torch":
         return _extension().forward(*args)
     # The cuBLAS baseline reads the global setting: give it the one this mode stands for.
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "medium")):
@@ -710,6 +719,8 @@ class ModelNew(_TriMulLayers):
 
     def _forward_fused(self, pair_repr, pair_mask, mode, precision):
         variant = select_variant(self.kernel, _MODE_OPERAND[mode], precision, pair_repr.device).name
+        if self.kernel == "auto" and variant == "mma":
+            variant = "auto"  # the extension may then fold the contraction into the output pass
         if pair_repr.stride(-1) != 1:
             pair_repr = pair_repr.contiguous()
         if pair_mask.dtype not in _FUSED_MASK_DTYPES:

@@ -26,6 +26,7 @@ struct ContractArgs {
   Dtype operand;  // dtype of a and b
   Dtype out;      // dtype of z
   Precision precision;
+  bool tf32_rounded;  // fp32 a and b hold TF32 values already (the fused input pass writes them so)
   cudaStream_t stream;
 };
 
@@ -63,7 +64,8 @@ struct ForwardArgs {
   const void* w_out;      // [round_up(C, 128), h_pad] out_proj
   const float* b_out;     // [C]
   int64_t c_pad, h_pad;   // round_up(C, 32), round_up(H, 32)
-  // Work buffers: a_t, b_t [B*H, N, ld] in the operand type; z [B*H, N, ldz] in z_dtype.
+  // Work buffers: a_t, b_t [B*H, N, ld] in the operand type; z [B*H, N, ldz] in z_dtype. With
+  // z == nullptr the output pass computes z itself from a_t and b_t (small N: one launch fewer).
   void* a_t;
   void* b_t;
   int64_t ld;
@@ -82,6 +84,8 @@ cudaError_t launch_output_pass(const ForwardArgs& args);
 // decide whether the fused path applies.
 int64_t input_pass_smem(const ForwardArgs& args);
 int64_t output_pass_smem(const ForwardArgs& args);
+// Largest N for which the output pass computes z itself (z == nullptr).
+constexpr int64_t kFusedContractionMaxN = 64;
 
 using ContractFn = cudaError_t (*)(const ContractArgs&);
 

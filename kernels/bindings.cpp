@@ -110,7 +110,8 @@ trimul::Precision contraction_precision(trimul::Mode mode) {
   }
 }
 
-// The whole forward: input pass -> contraction (the named variant) -> output pass. `weights` are
+// The whole forward: input pass -> contraction (the named variant, or "auto") -> output pass.
+// `weights` are
 // the host-prepared tensors (see ForwardArgs): ln_in_w, ln_in_b, ln_out_w, ln_out_b, w_in, b_in,
 // w_gate, b_gate, w_out, b_out. Sizes must pass fused_fits.
 at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
@@ -127,9 +128,13 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   for (const auto& w : weights)
     TORCH_CHECK_VALUE(w.device() == pair.device() && w.is_contiguous(),
                       "trimul_inline: prepared weights must be contiguous on pair's device");
-  const trimul::ContractFn contract_fn = variant == "bmm" ? nullptr : trimul::find_contraction(variant.c_str());
-  TORCH_CHECK_VALUE(variant == "bmm" || contract_fn != nullptr, "trimul_inline: no contraction kernel '",
-                    variant, "' in this build");
+  // "auto": the mma kernel, or for N <= kFusedContractionMaxN the output pass contracts itself.
+  const bool fuse_contraction = variant == "auto" && pair.size(1) <= trimul::kFusedContractionMaxN;
+  const std::string kernel = variant == "auto" ? "mma" : variant;
+  const trimul::ContractFn contract_fn =
+      (kernel == "bmm" || fuse_contraction) ? nullptr : trimul::find_contraction(kernel.c_str());
+  TORCH_CHECK_VALUE(kernel == "bmm" || fuse_contraction || contract_fn != nullptr,
+                    "trimul_inline: no contraction kernel '", kernel, "' in this build");
 
   const c10::cuda::CUDAGuard guard(pair.device());
   const auto mode = static_cast<trimul::Mode>(mode_code);
@@ -182,8 +187,20 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
               " do not fit the fused kernels' shared memory (check fused_fits first)");
 
   const auto options = pair.options();
-  at::Tensor out = at::empty_like(pair, options.memory_format(at::MemoryFormat::Contiguous));
-  if (batch == 0 || n == 0) return out;
+  const auto new_out = [&] { return at::empty_like(pair, options.memory_format(at::MemoryFormat::Contiguous)); };
+  if (batch == 0 || n == 0) return new_out();
+  if (fuse_contraction) {
+    at::Tensor a_t = at::empty({batch * hidden, n, args.ld}, options.dtype(op_type));
+    at::Tensor b_t = at::empty({batch * hidden, n, args.ld}, options.dtype(op_type));
+    args.a_t = a_t.data_ptr();
+    args.b_t = b_t.data_ptr();
+    check_launch(trimul::launch_input_pass(args), "the input pass");
+    at::Tensor out = new_out();
+    args.z = nullptr;
+    args.out = out.data_ptr();
+    check_launch(trimul::launch_output_pass(args), "the output pass");
+    return out;
+  }
   at::Tensor z = at::empty({batch * hidden, n, args.ldz}, options.dtype(at::kFloat));
   {
     at::Tensor a_t = at::empty({batch * hidden, n, args.ld}, options.dtype(op_type));
@@ -191,7 +208,7 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
     args.a_t = a_t.data_ptr();
     args.b_t = b_t.data_ptr();
     check_launch(trimul::launch_input_pass(args), "the input pass");
-    if (contract_fn == nullptr) {  // "bmm": cuBLAS on the same buffers, a baseline
+    if (kernel == "bmm") {  // cuBLAS on the same buffers, a baseline
       at::Tensor product = at::bmm(a_t, b_t.transpose(1, 2)).to(at::kFloat);
       z.narrow(2, 0, n).copy_(product);
     } else {
@@ -208,10 +225,12 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
       contract.operand = dtype_code(a_t, "a_t");
       contract.out = trimul::Dtype::f32;
       contract.precision = contraction_precision(mode);
+      contract.tf32_rounded = mode == trimul::Mode::tf32;
       contract.stream = args.stream;
-      check_launch(contract_fn(contract), ("contraction kernel '" + variant + "'").c_str());
+      check_launch(contract_fn(contract), ("contraction kernel '" + kernel + "'").c_str());
     }
-  }  // a_t and b_t return to the allocator before the output pass runs
+  }  // a_t and b_t go back to the allocator, so `out` can reuse their memory (peak: z + max(a+b, out))
+  at::Tensor out = new_out();
   args.z = z.data_ptr();
   args.out = out.data_ptr();
   check_launch(trimul::launch_output_pass(args), "the output pass");

@@ -8,7 +8,7 @@ namespace contract_mma {
 using namespace ::trimul::mma;
 using Tile = Tiling<2, 2, 4, 8>;  // 128 x 128 block, 64 x 64 per warp
 
-template <Mode M, typename TOut>
+template <Mode M, typename TOut, bool PreRounded>
 __global__ void __launch_bounds__(Tile::kThreads)
 contract_kernel(const op_t<M>* __restrict__ a, const op_t<M>* __restrict__ b, TOut* __restrict__ z,
                 int64_t batch, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldz) {
@@ -46,7 +46,7 @@ contract_kernel(const op_t<M>* __restrict__ a, const op_t<M>* __restrict__ b, TO
       __syncthreads();
       fetch(slab + kStages - 1);
       const uint32_t* stage = smem + (slab % kStages) * kStageWords;
-      warp_slab<M, Tile::MT, Tile::NT>(acc, stage + (wm * Tile::MT * 16) * kSlabStride, kSlabStride,
+      warp_slab<M, Tile::MT, Tile::NT, PreRounded>(acc, stage + (wm * Tile::MT * 16) * kSlabStride, kSlabStride,
                                        stage + (Tile::BM + wn * Tile::NT * 8) * kSlabStride,
                                        kSlabStride, lane);
     }
@@ -73,10 +73,10 @@ contract_kernel(const op_t<M>* __restrict__ a, const op_t<M>* __restrict__ b, TO
 
 constexpr int kSmemBytes = kStages * (Tile::BM + Tile::BN) * kSlabStride * 4;
 
-template <Mode M, typename TOut>
+template <Mode M, typename TOut, bool PreRounded = false>
 cudaError_t launch_mode(const ContractArgs& args) {
-  auto kernel = contract_kernel<M, TOut>;
-  const cudaError_t status = fused::allow_smem<contract_kernel<M, TOut>>(kSmemBytes);
+  auto kernel = contract_kernel<M, TOut, PreRounded>;
+  const cudaError_t status = fused::allow_smem<contract_kernel<M, TOut, PreRounded>>(kSmemBytes);
   if (status != cudaSuccess) return status;
   const dim3 grid(static_cast<unsigned>(ceil_div(args.m, Tile::BM) * ceil_div(args.n, Tile::BN)),
                   batch_grid(args.batch));
@@ -97,8 +97,8 @@ cudaError_t launch(const ContractArgs& args) {
       case Dtype::bf16: return launch_mode<Mode::bf16, TOut>(args);
       case Dtype::f16: return launch_mode<Mode::f16, TOut>(args);
       case Dtype::f32:
-        return args.precision == Precision::highest ? launch_mode<Mode::tf32x3, TOut>(args)
-                                                    : launch_mode<Mode::tf32, TOut>(args);
+        if (args.precision == Precision::highest) return launch_mode<Mode::tf32x3, TOut>(args);
+        return args.tf32_rounded ? launch_mode<Mode::tf32, TOut, true>(args) : launch_mode<Mode::tf32, TOut>(args);
     }
     return cudaErrorInvalidValue;
   });

@@ -8,9 +8,8 @@ namespace input_pass {
 using namespace ::trimul::mma;
 using namespace ::trimul::fused;
 
-// A block owns BM pairs that share the contraction's (b, f) and run along its k index, so the
-// transposed write of each h row is contiguous. Pair rows stay resident (LayerNorm-ed) while the
-// interleaved proj/gate weights stream past in chunks of BN columns (BN/2 hidden channels).
+// Pair rows stay resident (LayerNorm-ed) while the interleaved proj/gate weights stream past in
+// chunks of BN columns (BN/2 hidden channels).
 using Wide = Tiling<4, 2, 2, 8>;    // BM 128, BN 128
 using Narrow = Tiling<2, 4, 2, 4>;  // BM 64, BN 128: for fp32 operands with a wide pair_dim
 
@@ -23,9 +22,14 @@ struct Smem {
   }
 };
 
+// A block owns BM consecutive positions p of one batch's flattened [N, ld] operand plane
+// (f = p / ld, k = p % ld), so each h row of its output is one contiguous run of a_t / b_t and
+// small N packs several f rows into a tile instead of padding one out to BM.
+// Two blocks per multiprocessor (one stages while the other multiplies): <= 128 registers.
 template <Mode M, typename TIn, class T>
-__global__ void __launch_bounds__(T::kThreads) kernel(const ForwardArgs args, int64_t k_tiles) {
+__global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args, int64_t p_tiles) {
   using Op = op_t<M>;
+  constexpr bool kRounded = M == Mode::tf32;  // operands written as TF32 values already
   constexpr int kOutStride = Smem<M, T>::kOutStride;
   extern __shared__ __align__(16) uint32_t smem[];
   const int a_stride = resident_stride<M>(args.c_pad);
@@ -35,15 +39,25 @@ __global__ void __launch_bounds__(T::kThreads) kernel(const ForwardArgs args, in
   float* mask_v = reinterpret_cast<float*>(out_stage + (T::BN / 2) * kOutStride);
   int64_t* row_off = reinterpret_cast<int64_t*>(mask_v + T::BM);
 
-  const int64_t n = args.n;
-  const int64_t tile = blockIdx.x;
-  const int64_t k0 = (tile % k_tiles) * T::BM;
-  const int64_t f = (tile / k_tiles) % n;
-  const int64_t batch = tile / (k_tiles * n);
+  const int64_t n = args.n, plane = n * args.ld;
+  const int64_t p0 = (blockIdx.x % p_tiles) * T::BM;
+  const int64_t batch = blockIdx.x / p_tiles;
+
+  // The weights' first slabs load while the rows are staged.
+  const int64_t w_ld = args.c_pad * static_cast<int64_t>(sizeof(Op));
+  const int k_slabs = static_cast<int>(w_ld / kSlabBytes);
+  const int chunks = static_cast<int>(2 * args.rows_ab / T::BN);
+  auto stream = make_slab_stream<T>(stages, chunks * k_slabs,
+                                    ChunkedSlabs(static_cast<const char*>(args.w_in), w_ld, T::BN, k_slabs));
+  stream.prime();
+
   for (int m = threadIdx.x; m < T::BM; m += T::kThreads) {
-    const int64_t k = k0 + m;
+    // plane < 2^32 (checked at launch): 32-bit division is a fraction of a 64-bit one's cost.
+    const int64_t p = p0 + m;
+    const uint32_t f = static_cast<uint32_t>(p) / static_cast<uint32_t>(args.ld);
+    const uint32_t k = static_cast<uint32_t>(p) - f * static_cast<uint32_t>(args.ld);
     const int64_t row = args.incoming ? k : f, col = args.incoming ? f : k;
-    const bool valid = k < n;
+    const bool valid = p < plane && k < n;
     row_off[m] = valid ? batch * args.pair_sb + row * args.pair_sr + col * args.pair_sc : -1;
     mask_v[m] = valid ? load_mask(args.mask, args.mask_kind,
                                   batch * args.mask_sb + row * args.mask_sr + col * args.mask_sc)
@@ -54,23 +68,21 @@ __global__ void __launch_bounds__(T::kThreads) kernel(const ForwardArgs args, in
                                 a_res, a_stride, static_cast<const TIn*>(args.pair), row_off, T::BM,
                                 static_cast<int>(args.c), static_cast<int>(args.c_pad), args.ln_in_w,
                                 args.ln_in_b, args.eps_in);
-  __syncthreads();
+  // (the stream's first next() synchronises before anyone reads a_res)
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN, g = lane >> 2, t = lane & 3;
-  const int64_t w_ld = args.c_pad * static_cast<int64_t>(sizeof(Op));
-  const int k_slabs = static_cast<int>(w_ld / kSlabBytes);
-  const int chunks_per_half = static_cast<int>(args.rows_ab / T::BN);
+  const int chunks_per_half = chunks / 2;
   constexpr int kVec = 16 / sizeof(Op);
   constexpr int kVecsPerRow = T::BM / kVec;
 
-  for (int chunk = 0; chunk < 2 * chunks_per_half; ++chunk) {
+  for (int chunk = 0; chunk < chunks; ++chunk) {
     const int half = chunk / chunks_per_half;  // 0: a, 1: b
     const int64_t w_row0 = int64_t(chunk) * T::BN;
     float acc[T::MT][T::NT][4];
-    gemm_resident_a<M, T>(acc, a_res, a_stride, static_cast<const char*>(args.w_in) + w_row0 * w_ld, w_ld,
-                          k_slabs, stages);
-    // Columns come in (proj, gate) pairs, so each thread holds both halves of its outputs.
+    gemm_streamed<M, T, kRounded>(acc, a_res, a_stride, k_slabs, stream);
+    // Columns come in (proj, gate) pairs, so each thread holds both halves of its outputs. The
+    // previous chunk's copy-out finished before this product's first slab synchronised.
 #pragma unroll
     for (int mi = 0; mi < T::MT; ++mi)
 #pragma unroll
@@ -80,24 +92,24 @@ __global__ void __launch_bounds__(T::kThreads) kernel(const ForwardArgs args, in
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int m = wm * T::MT * 16 + mi * 16 + g + hh * 8;
-          const float v = (acc[mi][ni][2 * hh] + proj_bias) * sigmoid(acc[mi][ni][2 * hh + 1] + gate_bias) *
-                          mask_v[m];
-          out_stage[(col / 2) * kOutStride + m] = from_float<Op>(v);
+          const float v = (acc[mi][ni][2 * hh] + proj_bias) *
+                          gate_sigmoid<M>(acc[mi][ni][2 * hh + 1] + gate_bias) * mask_v[m];
+          out_stage[(col / 2) * kOutStride + m] = to_operand<M>(v);
         }
       }
     __syncthreads();
-    // Rows k in [n, ld) get zeros (their mask is 0): the contraction reads whole k-slabs.
+    // Positions with k in [n, ld) get zeros (their mask is 0): the contraction reads whole k-slabs.
     const int64_t h0 = (w_row0 - half * args.rows_ab) / 2;
     Op* dst_base = static_cast<Op*>(half ? args.b_t : args.a_t);
     for (int q = threadIdx.x; q < (T::BN / 2) * kVecsPerRow; q += T::kThreads) {
       const int r = q / kVecsPerRow, v = q % kVecsPerRow;
-      const int64_t h = h0 + r, k = k0 + v * kVec;
-      if (h >= args.h || k >= args.ld) continue;
-      Op* dst = dst_base + ((batch * args.h + h) * n + f) * args.ld + k;
+      const int64_t h = h0 + r, p = p0 + v * kVec;
+      if (h >= args.h || p >= plane) continue;
+      Op* dst = dst_base + (batch * args.h + h) * plane + p;
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(out_stage + r * kOutStride + v * kVec);
     }
-    __syncthreads();
   }
+  stream.drain();
 }
 
 template <Mode M, typename TIn, class T>
@@ -105,9 +117,9 @@ cudaError_t launch_tiling(const ForwardArgs& args, int64_t smem_bytes) {
   auto fn = kernel<M, TIn, T>;
   const cudaError_t status = allow_smem<kernel<M, TIn, T>>(smem_bytes);
   if (status != cudaSuccess) return status;
-  const int64_t k_tiles = ceil_div(args.n, T::BM);
-  const int64_t blocks = args.batch * args.n * k_tiles;
-  fn<<<static_cast<unsigned>(blocks), T::kThreads, smem_bytes, args.stream>>>(args, k_tiles);
+  const int64_t p_tiles = ceil_div(args.n * args.ld, T::BM);
+  const int64_t blocks = args.batch * p_tiles;
+  fn<<<static_cast<unsigned>(blocks), T::kThreads, smem_bytes, args.stream>>>(args, p_tiles);
   return cudaGetLastError();
 }
 
@@ -146,6 +158,7 @@ int64_t input_pass_smem(const ForwardArgs& args) {
 cudaError_t launch_input_pass(const ForwardArgs& args) {
   if (args.batch == 0 || args.n == 0) return cudaSuccess;
   if (args.rows_ab % input_pass::Wide::BN != 0 || args.ld % 32 != 0) return cudaErrorInvalidValue;
+  if (args.n * args.ld + input_pass::Wide::BM >= (int64_t(1) << 32)) return cudaErrorNotSupported;
   return mma::dispatch_mode(args.mode, [&](auto mode) -> cudaError_t {
     constexpr Mode M = decltype(mode)::value;
     // fp32 pairs may run in any mode; bf16/fp16 pairs only in their own.

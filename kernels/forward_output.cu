@@ -11,9 +11,9 @@ namespace output_pass {
 using namespace ::trimul::mma;
 using namespace ::trimul::fused;
 
-// A block owns BM pairs (b, i, j0..j0+BM) of one output row. Both A operands stay resident:
-// LayerNorm_out(z) [BM, H] and the gate source [BM, C]; out_gate and out_proj weights stream past
-// in chunks of BN output channels, each chunk's two products held in registers together.
+// Both A operands stay resident: LayerNorm_out(z) [BM, H] and the gate source [BM, C]; out_gate
+// and out_proj weights stream past in chunks of BN output channels, each chunk's two products held
+// in registers together.
 using Wide = Tiling<4, 2, 2, 4>;    // BM 128, BN 64
 using Narrow = Tiling<2, 4, 2, 2>;  // BM 64, BN 64: fp32 operands with a wide pair_dim
 
@@ -24,13 +24,45 @@ struct Smem {
     const int64_t x_region = std::max<int64_t>(int64_t(T::BM) * resident_stride<M>(c_pad) * 4,
                                                h_pad * T::BM * 4);  // raw z rows share it
     return int64_t(T::BM) * resident_stride<M>(h_pad) * 4 + x_region +
-           int64_t(kStages) * T::BN * kSlabStride * 4 + 2 * kParts * T::BM * 4 + T::BM * 8;
+           int64_t(kStages) * T::BN * kSlabStride * 4 + 2 * kParts * T::BM * 4 + 2 * T::BM * 8;
   }
 };
 
+// z[h][m] for the tile's positions straight from a_t / b_t (fp32 FMA), for small N where a
+// separate contraction launch would cost more than this (see kFusedContractionMaxN).
+template <typename Op, class T>
+__device__ void contract_tile(float* z_raw, const ForwardArgs& args, int64_t batch, int64_t q0) {
+  constexpr int kVec = 16 / sizeof(Op);
+  const int64_t n = args.n, plane = n * args.ld;
+  const Op* a_t = static_cast<const Op*>(args.a_t);
+  const Op* b_t = static_cast<const Op*>(args.b_t);
+  for (int idx = threadIdx.x; idx < args.h * T::BM; idx += T::kThreads) {
+    const int h = idx / T::BM, m = idx % T::BM;
+    const int64_t q = q0 + m, i = q / args.ldz, j = q % args.ldz;
+    float sum = 0.f;
+    if (i < n && j < n) {
+      const Op* a_row = a_t + (batch * args.h + h) * plane + i * args.ld;
+      const Op* b_row = b_t + (batch * args.h + h) * plane + j * args.ld;
+      for (int64_t k = 0; k < n; k += kVec) {  // rows are zero past n up to ld
+        const uint4 av = *reinterpret_cast<const uint4*>(a_row + k);
+        const uint4 bv = *reinterpret_cast<const uint4*>(b_row + k);
+        const Op* ae = reinterpret_cast<const Op*>(&av);
+        const Op* be = reinterpret_cast<const Op*>(&bv);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) sum = fmaf(to_float(ae[e]), to_float(be[e]), sum);
+      }
+    }
+    z_raw[h * T::BM + m] = sum;
+  }
+}
+
+// A block owns BM consecutive positions q = i * ldz + j of one batch's z plane, so z rows load as
+// contiguous runs and small N packs several output rows i into one tile.
+// Two blocks per multiprocessor (one stages while the other multiplies): <= 128 registers.
 template <Mode M, typename TIn, class T>
-__global__ void __launch_bounds__(T::kThreads) kernel(const ForwardArgs args, int64_t j_tiles) {
+__global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args, int64_t q_tiles) {
   constexpr int kParts = Smem<M, T>::kParts;
+  constexpr bool kRounded = M == Mode::tf32;
   extern __shared__ __align__(16) uint32_t smem[];
   const int z_stride = resident_stride<M>(args.h_pad), x_stride = resident_stride<M>(args.c_pad);
   uint32_t* z_res = smem;
@@ -39,37 +71,57 @@ __global__ void __launch_bounds__(T::kThreads) kernel(const ForwardArgs args, in
   uint32_t* stages = x_res + x_region_words;
   float* partial = reinterpret_cast<float*>(stages + kStages * T::BN * kSlabStride);
   int64_t* row_off = reinterpret_cast<int64_t*>(partial + 2 * kParts * T::BM);
+  int64_t* out_row = row_off + T::BM;  // element offset of each position's output row
 
-  const int64_t n = args.n, hidden = args.h;
-  const int64_t tile = blockIdx.x;
-  const int64_t j0 = (tile % j_tiles) * T::BM;
-  const int64_t i = (tile / j_tiles) % n;
-  const int64_t batch = tile / (j_tiles * n);
+  const int64_t n = args.n, hidden = args.h, plane = n * args.ldz;
+  const int64_t q0 = (blockIdx.x % q_tiles) * T::BM;
+  const int64_t batch = blockIdx.x / q_tiles;
 
-  // z rows [H][BM] for this tile arrive by cp.async into the region x_res takes later, so all
-  // loads are in flight at once; LayerNorm_out then runs over h for each pair (column m),
+  // Per output chunk of BN channels: out_gate's slabs (K = C), then out_proj's (K = H).
+  const int64_t c_ld = args.c_pad * static_cast<int64_t>(sizeof(op_t<M>));
+  const int64_t h_ld = args.h_pad * static_cast<int64_t>(sizeof(op_t<M>));
+  const int c_slabs = static_cast<int>(c_ld / kSlabBytes), h_slabs = static_cast<int>(h_ld / kSlabBytes);
+  const int chunks = static_cast<int>(ceil_div(args.c, T::BN));
+  auto stream = make_slab_stream<T>(
+      stages, chunks * (c_slabs + h_slabs),
+      AlternatingSlabs(ChunkedSlabs(static_cast<const char*>(args.w_gate), c_ld, T::BN, c_slabs),
+                       ChunkedSlabs(static_cast<const char*>(args.w_out), h_ld, T::BN, h_slabs)));
+
+  // z rows [H][BM] for this tile arrive (by cp.async, all in flight at once, or computed for small
+  // N) into the region x_res takes later; LayerNorm_out then runs over h for each pair (column m),
   // reduced across kParts threads, and writes its operand rows with vector stores.
   float* z_raw = reinterpret_cast<float*>(x_res);
   {
-    const float* z_rows = static_cast<const float*>(args.z) + (batch * hidden * n + i) * args.ldz + j0;
-    const int64_t h_step = n * args.ldz;
-    constexpr int kQuads = T::BM / 4;
-    for (int q = threadIdx.x; q < hidden * kQuads; q += T::kThreads) {
-      const int h = q / kQuads, quad = q % kQuads;
-      const bool ok = j0 + quad * 4 < n;
-      cp_async16(z_raw + h * T::BM + quad * 4, ok ? z_rows + h * h_step + quad * 4 : z_rows, ok);
+    if (args.z != nullptr) {
+      const float* z_plane = static_cast<const float*>(args.z) + batch * hidden * plane + q0;
+      constexpr int kQuads = T::BM / 4;
+      for (int q = threadIdx.x; q < hidden * kQuads; q += T::kThreads) {
+        const int h = q / kQuads, quad = q % kQuads;
+        const bool ok = q0 + quad * 4 < plane;
+        const float* src = z_plane + h * plane + quad * 4;
+        cp_async16(z_raw + h * T::BM + quad * 4, ok ? src : z_plane, ok);
+      }
+      cp_async_commit();
     }
-    cp_async_commit();
+    stream.prime();  // the weights' first slabs load during the staging
     if (threadIdx.x < T::BM) {
-      const int64_t j = j0 + threadIdx.x;
-      row_off[threadIdx.x] = j < n ? batch * args.pair_sb + i * args.pair_sr + j * args.pair_sc : -1;
+      // plane < 2^32 (checked at launch): 32-bit division is a fraction of a 64-bit one's cost.
+      const uint32_t q = static_cast<uint32_t>(q0 + threadIdx.x);
+      const uint32_t i = q / static_cast<uint32_t>(args.ldz), j = q - i * static_cast<uint32_t>(args.ldz);
+      const bool valid = i < n && j < n;
+      row_off[threadIdx.x] = valid ? batch * args.pair_sb + i * args.pair_sr + j * args.pair_sc : -1;
+      out_row[threadIdx.x] = valid ? ((batch * n + i) * n + j) * args.c : -1;
     }
-    cp_async_wait<0>();
+    if (args.z != nullptr) {
+      cp_async_wait<kStages - 1>();  // the z group, not the weights behind it
+    } else {
+      contract_tile<op_t<M>, T>(z_raw, args, batch, q0);
+    }
     __syncthreads();
 
     constexpr int V = 16 / sizeof(op_t<M>);  // h values per operand vector store
     const int m = threadIdx.x % T::BM, part = threadIdx.x / T::BM;
-    const bool valid = j0 + m < n;
+    const bool valid = row_off[m] >= 0;
     const float shift = valid ? z_raw[m] : 0.f;
     float sum = 0.f, sum_sq = 0.f;
     for (int h0 = part * V; h0 < hidden; h0 += kParts * V)
@@ -108,40 +160,39 @@ __global__ void __launch_bounds__(T::kThreads) kernel(const ForwardArgs args, in
                                 x_res, x_stride, static_cast<const TIn*>(args.pair), row_off, T::BM,
                                 static_cast<int>(args.c), static_cast<int>(args.c_pad),
                                 args.gate_normalized ? args.ln_in_w : nullptr, args.ln_in_b, args.eps_in);
-  __syncthreads();
+  // (the stream's first next() synchronises before anyone reads x_res)
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN, g = lane >> 2, t = lane & 3;
-  const int64_t c_ld = args.c_pad * static_cast<int64_t>(sizeof(op_t<M>));
-  const int64_t h_ld = args.h_pad * static_cast<int64_t>(sizeof(op_t<M>));
   const bool paired = (args.c % 2) == 0;
   TIn* out = static_cast<TIn*>(args.out);
-  for (int64_t c0 = 0; c0 < args.c; c0 += T::BN) {
+  for (int chunk = 0; chunk < chunks; ++chunk) {
+    const int64_t c0 = int64_t(chunk) * T::BN;
     float gate[T::MT][T::NT][4], proj[T::MT][T::NT][4];
-    gemm_resident_a<M, T>(gate, x_res, x_stride, static_cast<const char*>(args.w_gate) + c0 * c_ld, c_ld,
-                          static_cast<int>(c_ld / kSlabBytes), stages);
-    gemm_resident_a<M, T>(proj, z_res, z_stride, static_cast<const char*>(args.w_out) + c0 * h_ld, h_ld,
-                          static_cast<int>(h_ld / kSlabBytes), stages);
+    gemm_streamed<M, T, kRounded>(gate, x_res, x_stride, c_slabs, stream);
+    gemm_streamed<M, T, kRounded>(proj, z_res, z_stride, h_slabs, stream);
 #pragma unroll
     for (int mi = 0; mi < T::MT; ++mi)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int m = wm * T::MT * 16 + mi * 16 + g + hh * 8;
-        if (j0 + m >= n) continue;
-        TIn* row = out + ((batch * n + i) * n + j0 + m) * args.c;
+        const int64_t row_start = out_row[m];
+        if (row_start < 0) continue;
+        TIn* row = out + row_start;
 #pragma unroll
         for (int ni = 0; ni < T::NT; ++ni) {
           const int64_t c = c0 + wn * T::NT * 8 + ni * 8 + 2 * t;
           if (c >= args.c) continue;
           const bool both = c + 1 < args.c;
-          const float v0 = sigmoid(gate[mi][ni][2 * hh] + args.b_gate[c]) * (proj[mi][ni][2 * hh] + args.b_out[c]);
-          const float v1 = both ? sigmoid(gate[mi][ni][2 * hh + 1] + args.b_gate[c + 1]) *
+          const float v0 = gate_sigmoid<M>(gate[mi][ni][2 * hh] + args.b_gate[c]) * (proj[mi][ni][2 * hh] + args.b_out[c]);
+          const float v1 = both ? gate_sigmoid<M>(gate[mi][ni][2 * hh + 1] + args.b_gate[c + 1]) *
                                       (proj[mi][ni][2 * hh + 1] + args.b_out[c + 1])
                                 : 0.f;
           store_pair(row + c, v0, v1, both, paired);
         }
       }
   }
+  stream.drain();
 }
 
 template <Mode M, typename TIn, class T>
@@ -149,9 +200,9 @@ cudaError_t launch_tiling(const ForwardArgs& args, int64_t smem_bytes) {
   auto fn = kernel<M, TIn, T>;
   const cudaError_t status = allow_smem<kernel<M, TIn, T>>(smem_bytes);
   if (status != cudaSuccess) return status;
-  const int64_t j_tiles = ceil_div(args.n, T::BM);
-  const int64_t blocks = args.batch * args.n * j_tiles;
-  fn<<<static_cast<unsigned>(blocks), T::kThreads, smem_bytes, args.stream>>>(args, j_tiles);
+  const int64_t q_tiles = ceil_div(args.n * args.ldz, T::BM);
+  const int64_t blocks = args.batch * q_tiles;
+  fn<<<static_cast<unsigned>(blocks), T::kThreads, smem_bytes, args.stream>>>(args, q_tiles);
   return cudaGetLastError();
 }
 
@@ -189,7 +240,8 @@ int64_t output_pass_smem(const ForwardArgs& args) {
 
 cudaError_t launch_output_pass(const ForwardArgs& args) {
   if (args.batch == 0 || args.n == 0) return cudaSuccess;
-  if (args.z_dtype != Dtype::f32) return cudaErrorInvalidValue;
+  if (args.z != nullptr && args.z_dtype != Dtype::f32) return cudaErrorInvalidValue;
+  if (args.n * args.ldz + output_pass::Wide::BM >= (int64_t(1) << 32)) return cudaErrorNotSupported;
   return mma::dispatch_mode(args.mode, [&](auto mode) -> cudaError_t {
     constexpr Mode M = decltype(mode)::value;
     switch (args.pair_dtype) {

@@ -22,7 +22,7 @@ __device__ __forceinline__ float load_mask(const void* mask, MaskKind kind, int6
 
 template <Mode M>
 __device__ __forceinline__ void store_operand(uint32_t* row, int col, float v) {
-  reinterpret_cast<op_t<M>*>(row)[col] = from_float<op_t<M>>(v);
+  reinterpret_cast<op_t<M>*>(row)[col] = to_operand<M>(v);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -107,7 +107,7 @@ __device__ void stage_rows_scalar(uint32_t* a_res, int a_stride, const TIn* __re
 }
 
 // The same as stage_rows, for rows whose offsets and C are multiples of one 16-byte vector: each
-// warp loads kGroup rows at once with 16-byte loads so many loads are in flight (these rows come
+// warp loads several rows at once with 16-byte loads so many loads are in flight (these rows come
 // from device memory once and latency, not bandwidth, would otherwise bound the staging).
 template <typename TIn>
 constexpr int vec_elems() { return 16 / static_cast<int>(sizeof(TIn)); }
@@ -125,7 +125,7 @@ __device__ __forceinline__ void store_operands(uint32_t* row, int col, const flo
   using Op = op_t<M>;
   Op packed[V];
 #pragma unroll
-  for (int e = 0; e < V; ++e) packed[e] = from_float<Op>(y[e]);
+  for (int e = 0; e < V; ++e) packed[e] = to_operand<M>(y[e]);
   Op* dst = reinterpret_cast<Op*>(row) + col;
   if constexpr (V * sizeof(Op) == 16) {
     *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(packed);
@@ -137,57 +137,85 @@ __device__ __forceinline__ void store_operands(uint32_t* row, int col, const flo
   }
 }
 
-template <Mode M, typename TIn, int WARPS>
+// VECS 16-byte vectors per lane cover a row (C <= 32 * VECS * vec_elems). A vector is wholly
+// inside C or wholly past it (C is a multiple of the vector), so guards are per vector, and the
+// LayerNorm weights each lane needs are the same for every row: loaded once.
+template <Mode M, typename TIn, int WARPS, int VECS>
 __device__ void stage_rows_vec(uint32_t* a_res, int a_stride, const TIn* __restrict__ pair,
                                const int64_t* row_off, int rows, int c, int c_pad,
                                const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps) {
   constexpr int V = vec_elems<TIn>();
-  constexpr int kGroup = 4;
+  constexpr int kGroup = VECS >= 8 ? 1 : 8 / VECS;  // rows in flight per warp: 8 vectors per lane
+  constexpr bool kHoist = VECS * V <= 8;            // LayerNorm weights in registers when small
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int vectors = static_cast<int>(ceil_div(c, 32 * V));
-  for (int m0 = warp * kGroup; m0 < rows; m0 += WARPS * kGroup) {
-    uint4 raw[kGroup][kMaxRowVectors];
+  bool in_c[VECS];
+  float w[kHoist ? VECS : 1][V], b[kHoist ? VECS : 1][V];
 #pragma unroll
-    for (int r = 0; r < kGroup; ++r)
+  for (int l = 0; l < VECS; ++l) {
+    const int q = (l * 32 + lane) * V;
+    in_c[l] = q < c;
+    if constexpr (kHoist) {
 #pragma unroll
-      for (int l = 0; l < kMaxRowVectors; ++l) {
-        const int m = m0 + r, q = (l * 32 + lane) * V;
-        const bool ok = m < rows && l < vectors && q < c && row_off[m] >= 0;
-        raw[r][l] = ok ? *reinterpret_cast<const uint4*>(pair + row_off[m] + q) : make_uint4(0, 0, 0, 0);
+      for (int e = 0; e < V; ++e) {
+        w[l][e] = (ln_w != nullptr && in_c[l]) ? ln_w[q + e] : 1.f;
+        b[l][e] = (ln_w != nullptr && in_c[l]) ? ln_b[q + e] : 0.f;
       }
+    }
+  }
+  for (int m0 = warp * kGroup; m0 < rows; m0 += WARPS * kGroup) {
+    uint4 raw[kGroup][VECS];
+#pragma unroll
+    for (int r = 0; r < kGroup; ++r) {
+      const int m = m0 + r;
+      const int64_t off = m < rows ? row_off[m] : -1;
+#pragma unroll
+      for (int l = 0; l < VECS; ++l)
+        raw[r][l] = (off >= 0 && in_c[l]) ? *reinterpret_cast<const uint4*>(pair + off + (l * 32 + lane) * V)
+                                          : make_uint4(0, 0, 0, 0);
+    }
 #pragma unroll
     for (int r = 0; r < kGroup; ++r) {
       const int m = m0 + r;
       if (m >= rows) break;
       uint32_t* dst = a_res + m * a_stride;
+      float x[VECS][V];
+#pragma unroll
+      for (int l = 0; l < VECS; ++l)
+#pragma unroll
+        for (int e = 0; e < V; ++e) x[l][e] = to_float(reinterpret_cast<const TIn*>(&raw[r][l])[e]);
       const bool valid = row_off[m] >= 0;
-      float2 stats = make_float2(0.f, 1.f);
+      float mean = 0.f, rstd = 1.f;
       if (ln_w != nullptr && valid) {
-        const float shift = __shfl_sync(0xffffffffu, to_float(reinterpret_cast<const TIn*>(&raw[r][0])[0]), 0);
+        const float shift = __shfl_sync(0xffffffffu, x[0][0], 0);
         float sum = 0.f, sum_sq = 0.f;
 #pragma unroll
-        for (int l = 0; l < kMaxRowVectors; ++l) {
-          const TIn* x = reinterpret_cast<const TIn*>(&raw[r][l]);
+        for (int l = 0; l < VECS; ++l)
 #pragma unroll
           for (int e = 0; e < V; ++e) {
-            const float d = (l * 32 + lane) * V + e < c ? to_float(x[e]) - shift : 0.f;
+            const float d = in_c[l] ? x[l][e] - shift : 0.f;
             sum += d;
             sum_sq += d * d;
           }
-        }
-        stats = shifted_stats(shift, warp_sum(sum), warp_sum(sum_sq), c, eps);
+        const float2 stats = shifted_stats(shift, warp_sum(sum), warp_sum(sum_sq), c, eps);
+        mean = stats.x;
+        rstd = stats.y;
       }
 #pragma unroll
-      for (int l = 0; l < kMaxRowVectors; ++l) {
+      for (int l = 0; l < VECS; ++l) {
         const int q = (l * 32 + lane) * V;
-        if (l >= vectors || q >= c_pad) break;
-        const TIn* x = reinterpret_cast<const TIn*>(&raw[r][l]);
+        if (q >= c_pad) break;
         float y[V];
 #pragma unroll
         for (int e = 0; e < V; ++e) {
-          const int col = q + e;
-          const float v = to_float(x[e]);
-          y[e] = (!valid || col >= c) ? 0.f : (ln_w != nullptr ? (v - stats.x) * stats.y * ln_w[col] + ln_b[col] : v);
+          float scale = 1.f, offset = 0.f;
+          if constexpr (kHoist) {
+            scale = w[l][e];
+            offset = b[l][e];
+          } else if (ln_w != nullptr && in_c[l]) {
+            scale = ln_w[q + e];
+            offset = ln_b[q + e];
+          }
+          y[e] = (valid && in_c[l]) ? (x[l][e] - mean) * rstd * scale + offset : 0.f;
         }
         store_operands<M, V>(dst, q, y);
       }
@@ -199,8 +227,15 @@ template <Mode M, typename TIn, int WARPS>
 __device__ void stage_rows(bool vectorized, uint32_t* a_res, int a_stride, const TIn* __restrict__ pair,
                            const int64_t* row_off, int rows, int c, int c_pad,
                            const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps) {
-  if (vectorized)
-    stage_rows_vec<M, TIn, WARPS>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps);
+  const int vectors = static_cast<int>(ceil_div(c, 32 * vec_elems<TIn>()));
+  if (vectorized && vectors == 1)
+    stage_rows_vec<M, TIn, WARPS, 1>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps);
+  else if (vectorized && vectors == 2)
+    stage_rows_vec<M, TIn, WARPS, 2>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps);
+  else if (vectorized && vectors == 3)
+    stage_rows_vec<M, TIn, WARPS, 3>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps);
+  else if (vectorized && vectors == 4)
+    stage_rows_vec<M, TIn, WARPS, 4>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps);
   else
     stage_rows_scalar<M, TIn, WARPS>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps);
 }

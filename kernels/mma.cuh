@@ -80,25 +80,43 @@ __device__ __forceinline__ void mma_16x8(float (&d)[4], const uint32_t (&a)[4], 
   }
 }
 
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint32_t* smem_row) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
 // acc += A[16*MT rows, slab] * B[8*NT rows, slab]^T for one warp. `a` and `b` point at the warp's
-// first row and the slab's first word; strides are in 32-bit words. The fragment layouts of
-// m16n8k16 (2 x 16-bit per word) and m16n8k8 tf32 (1 x 32-bit per word) coincide in words:
-// a = {(g, t), (g+8, t), (g, t+4), (g+8, t+4)}, b = {(n g, t), (n g, t+4)}, per 8-word k-step.
-template <Mode M, int MT, int NT>
+// first row and the slab's first word; strides are in 32-bit words (16-byte aligned rows). The
+// fragment layouts of m16n8k16 (2 x 16-bit per word) and m16n8k8 tf32 (1 x 32-bit per word)
+// coincide in words: a = {(g, t), (g+8, t), (g, t+4), (g+8, t+4)}, b = {(n g, t), (n g, t+4)},
+// per 8-word k-step, which is what ldmatrix's four 8x(4-word) matrices hand each lane, so one
+// ldmatrix.x4 loads an A fragment or the B fragments of two n8 tiles (a quarter of the
+// instructions of per-word loads: these kernels are issue-bound).
+template <Mode M, int MT, int NT, bool PreRounded = false>
 __device__ __forceinline__ void warp_slab(float (&acc)[MT][NT][4], const uint32_t* a, int a_stride,
                                           const uint32_t* b, int b_stride, int lane) {
-  const int g = lane >> 2, t = lane & 3;
+  static_assert(NT % 2 == 0, "B fragments load two n8 tiles at a time");
+  const int quad = lane >> 3, row = lane & 7;
+  // Lane's row address: A matrices (rows +0/+8, words +0/+4) = quads 0..3 as (q&1, q>>1);
+  // B matrices (words +0/+4, n rows +0/+8) = quads 0..3 as (q&1, q>>1).
+  const uint32_t* a_lane = a + ((quad & 1) * 8 + row) * a_stride + (quad >> 1) * 4;
+  const uint32_t* b_lane = b + ((quad >> 1) * 8 + row) * b_stride + (quad & 1) * 4;
 #pragma unroll
   for (int step = 0; step < 2; ++step) {
-    const int kw = step * 8 + t;
     uint32_t af[MT][4];
 #pragma unroll
-    for (int mi = 0; mi < MT; ++mi) {
-      const uint32_t* p = a + (mi * 16 + g) * a_stride + kw;
-      af[mi][0] = p[0];
-      af[mi][1] = p[8 * a_stride];
-      af[mi][2] = p[4];
-      af[mi][3] = p[8 * a_stride + 4];
+    for (int mi = 0; mi < MT; ++mi) ldmatrix_x4(af[mi], a_lane + mi * 16 * a_stride + step * 8);
+    uint32_t bf[NT][2];
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t r[4];
+      ldmatrix_x4(r, b_lane + np * 16 * b_stride + step * 8);
+      bf[2 * np][0] = r[0];
+      bf[2 * np][1] = r[1];
+      bf[2 * np + 1][0] = r[2];
+      bf[2 * np + 1][1] = r[3];
     }
     if constexpr (M == Mode::tf32x3) {
       // x = big + small, both tf32; acc += a_big*b_small + a_small*b_big + a_big*b_big keeps
@@ -114,8 +132,7 @@ __device__ __forceinline__ void warp_slab(float (&acc)[MT][NT][4], const uint32_
         }
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni) {
-        const uint32_t* q = b + (ni * 8 + g) * b_stride + kw;
-        const float x0 = __uint_as_float(q[0]), x1 = __uint_as_float(q[4]);
+        const float x0 = __uint_as_float(bf[ni][0]), x1 = __uint_as_float(bf[ni][1]);
         const uint32_t b0 = to_tf32(x0), b1 = to_tf32(x1);
         const uint32_t s0 = to_tf32(x0 - __uint_as_float(b0)), s1 = to_tf32(x1 - __uint_as_float(b1));
 #pragma unroll
@@ -126,23 +143,20 @@ __device__ __forceinline__ void warp_slab(float (&acc)[MT][NT][4], const uint32_
         }
       }
     } else {
-      if constexpr (M == Mode::tf32) {
+      if constexpr (M == Mode::tf32 && !PreRounded) {
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
           for (int r = 0; r < 4; ++r) af[mi][r] = to_tf32(__uint_as_float(af[mi][r]));
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) bf[ni][r] = to_tf32(__uint_as_float(bf[ni][r]));
       }
 #pragma unroll
-      for (int ni = 0; ni < NT; ++ni) {
-        const uint32_t* q = b + (ni * 8 + g) * b_stride + kw;
-        uint32_t b0 = q[0], b1 = q[4];
-        if constexpr (M == Mode::tf32) {
-          b0 = to_tf32(__uint_as_float(b0));
-          b1 = to_tf32(__uint_as_float(b1));
-        }
+      for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
-        for (int mi = 0; mi < MT; ++mi) mma_16x8<M>(acc[mi][ni], af[mi], b0, b1);
-      }
+        for (int mi = 0; mi < MT; ++mi) mma_16x8<M>(acc[mi][ni], af[mi], bf[ni][0], bf[ni][1]);
     }
   }
 }
@@ -185,36 +199,116 @@ __device__ __forceinline__ void zero(float (&acc)[T::MT][T::NT][4]) {
 
 constexpr int kStages = 3;
 
-// acc = A_res[BM, k] * W[BN rows, k]^T. A_res: resident smem, a_stride words per row. W: global,
-// BN rows from `w` with ld_bytes per row, k_slabs 64-byte slabs per row, all valid (the host pads
-// weights). `stages` is kStages * BN * kSlabStride words. Ends with all threads synchronised and
-// the stage buffers free.
-template <Mode M, class T>
-__device__ void gemm_resident_a(float (&acc)[T::MT][T::NT][4], const uint32_t* a_res, int a_stride,
-                                const void* w, int64_t ld_bytes, int k_slabs, uint32_t* stages) {
+// One 64-byte k-slab of BN weight rows in global memory.
+struct Slab {
+  const char* rows;  // the slab's first row
+  int64_t pitch;     // bytes from one row to the next
+};
+
+// Chunk after chunk of BN weight rows, k_slabs slabs each; called once per slab, in order
+// (kept incremental: a division per slab costs more than the slab's copy instructions).
+struct ChunkedSlabs {
+  const char* chunk;    // the current chunk's first row
+  int64_t pitch;        // bytes per weight row
+  int64_t chunk_bytes;  // BN * pitch
+  int k_slabs;
+  int slab = 0;
+  __device__ ChunkedSlabs(const char* first, int64_t pitch_, int64_t rows_per_chunk, int k_slabs_)
+      : chunk(first), pitch(pitch_), chunk_bytes(rows_per_chunk * pitch_), k_slabs(k_slabs_) {}
+  __device__ Slab operator()() {
+    const Slab s{chunk + slab * kSlabBytes, pitch};
+    if (++slab == k_slabs) {
+      slab = 0;
+      chunk += chunk_bytes;
+    }
+    return s;
+  }
+};
+
+// Per output chunk: all slabs of one weight matrix's chunk, then all of the other's.
+struct AlternatingSlabs {
+  ChunkedSlabs first, second;
+  int pos = 0;
+  __device__ AlternatingSlabs(ChunkedSlabs a, ChunkedSlabs b) : first(a), second(b) {}
+  __device__ Slab operator()() {
+    const bool from_first = pos < first.k_slabs;
+    if (++pos == first.k_slabs + second.k_slabs) pos = 0;
+    return from_first ? first() : second();
+  }
+};
+
+// One slab of ROWS weight rows into a stage buffer (ROWS x kSlabStride words); no bounds: the
+// host pads weights.
+template <int ROWS, int THREADS>
+__device__ __forceinline__ void load_rows_async(uint32_t* stage, const Slab& slab) {
+  static_assert((ROWS * 4) % THREADS == 0, "every thread copies the same number of chunks");
+#pragma unroll
+  for (int it = 0; it < ROWS * 4 / THREADS; ++it) {
+    const int chunk = threadIdx.x + it * THREADS;
+    const int r = chunk >> 2, q = chunk & 3;
+    cp_async16(stage + r * kSlabStride + q * 4, slab.rows + r * slab.pitch + q * 16, true);
+  }
+}
+
+// Streams weight slabs (BN rows x 64 bytes each) through kStages stage buffers as one continuous
+// cp.async pipeline over a whole block's sequence of GEMMs, so the next GEMM's first slabs are in
+// flight during an epilogue (and the first ones during the row staging) instead of each short
+// K = C or H product paying the load latency again. `source()` gives the slabs in order.
+template <class T, class Source>
+struct SlabStream {
+  uint32_t* stages;
+  int remaining;
+  Source source;
+  int fill = 0, read = 0;  // stage buffers being filled / read next
+
+  __device__ SlabStream(uint32_t* stages_, int total, Source source_)
+      : stages(stages_), remaining(total), source(source_) {}
+
+  __device__ void issue() {
+    if (remaining > 0) {
+      --remaining;
+      load_rows_async<T::BN, T::kThreads>(stages + fill * T::BN * kSlabStride, source());
+    }
+    cp_async_commit();  // empty groups keep the wait counts uniform
+    fill = fill + 1 == kStages ? 0 : fill + 1;
+  }
+  // Puts the first kStages - 1 slabs in flight.
+  __device__ void prime() {
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) issue();
+  }
+  // The next slab in shared memory, for all threads; refills the buffer freed by the last one.
+  __device__ const uint32_t* next() {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    issue();
+    const uint32_t* stage = stages + read * T::BN * kSlabStride;
+    read = read + 1 == kStages ? 0 : read + 1;
+    return stage;
+  }
+  // Waits out the (empty) groups still counted, so other cp.async users start from zero.
+  __device__ void drain() { cp_async_wait<0>(); }
+};
+
+template <class T, class Source>
+__device__ SlabStream<T, Source> make_slab_stream(uint32_t* stages, int total, Source source) {
+  return SlabStream<T, Source>(stages, total, source);
+}
+
+// acc = A_res[BM, k_slabs slabs] * (the stream's next k_slabs slabs)^T. A_res: resident smem,
+// a_stride words per row.
+template <Mode M, class T, bool PreRounded, class Stream>
+__device__ __forceinline__ void gemm_streamed(float (&acc)[T::MT][T::NT][4], const uint32_t* a_res,
+                                              int a_stride, int k_slabs, Stream& stream) {
   zero<T>(acc);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wm = warp / T::WN, wn = warp % T::WN;
   const uint32_t* a_warp = a_res + (wm * T::MT * 16) * a_stride;
-  const char* w_bytes = static_cast<const char*>(w);
-  auto fetch = [&](int slab) {
-    if (slab < k_slabs)
-      load_slab_async<T::BN, T::kThreads>(stages + (slab % kStages) * T::BN * kSlabStride, w_bytes,
-                                          ld_bytes, 0, T::BN, static_cast<int64_t>(slab) * kSlabBytes);
-    cp_async_commit();  // empty groups keep the wait counts uniform
-  };
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) fetch(s);
   for (int slab = 0; slab < k_slabs; ++slab) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();
-    fetch(slab + kStages - 1);
-    const uint32_t* b_warp =
-        stages + (slab % kStages) * T::BN * kSlabStride + (wn * T::NT * 8) * kSlabStride;
-    warp_slab<M, T::MT, T::NT>(acc, a_warp + slab * kSlabWords, a_stride, b_warp, kSlabStride, lane);
+    const uint32_t* b_warp = stream.next() + (wn * T::NT * 8) * kSlabStride;
+    warp_slab<M, T::MT, T::NT, PreRounded>(acc, a_warp + slab * kSlabWords, a_stride, b_warp, kSlabStride,
+                                           lane);
   }
-  cp_async_wait<0>();
-  __syncthreads();
 }
 
 // Stores v0 (and v1 at dst + 1 when `both`), as one 8- or 4-byte store when `paired` says the
@@ -247,9 +341,30 @@ cudaError_t dispatch_mode(Mode mode, F&& f) {
   return cudaErrorInvalidValue;
 }
 
+// Rounds to what the operand type of M holds; TF32 operands are rounded once where they are
+// written (PreRounded products then feed their bits to the mma as they are).
+template <Mode M>
+__device__ __forceinline__ op_t<M> to_operand(float v) {
+  if constexpr (M == Mode::tf32) return __uint_as_float(to_tf32(v));
+  else return from_float<op_t<M>>(v);
+}
+
 // __expf is within a few ulp (relative error ~2^-21), far inside even the fp32-accurate budget;
 // for very negative x the quotient goes to 0 as it should.
 __device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
+
+// The gates' sigmoid: one tanh.approx (one MUFU op instead of two; abs error ~2^-11, below bf16
+// and fp16 rounding) on the 16-bit paths, the accurate one for TF32 and fp32-accurate work.
+template <Mode M>
+__device__ __forceinline__ float gate_sigmoid(float x) {
+  if constexpr (M == Mode::bf16 || M == Mode::f16) {
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * x));
+    return fmaf(0.5f, t, 0.5f);
+  } else {
+    return sigmoid(x);
+  }
+}
 
 }  // namespace mma
 }  // namespace trimul
