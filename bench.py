@@ -144,13 +144,30 @@ def contenders(args):
         found.append(Contender("cueq fp32", lambda ref: make_cueq(ref, torch.float32), "high"))
         found.append(Contender("cueq bf16", lambda ref: make_cueq(ref, torch.bfloat16), "bfloat16"))
     if "new" in args.contenders:
+        # auto at every precision; each named variant at the first precision whose operands it
+        # takes (wgmma: bf16/fp16 only, so "medium").
         for index, precision in enumerate(args.precision):
-            # Every variant at the first precision; at the others only the default choice.
-            for kernel in (args.kernels if index == 0 else [k for k in args.kernels if k == "auto"]):
+            for kernel in args.kernels:
+                if kernel != "auto" and precision != first_precision_taken(kernel, args.precision):
+                    continue
                 found.append(Contender(f"new[{kernel}] {precision}",
                                        lambda ref, k=kernel, p=precision: make_model_new(ref, k, p),
                                        precision))
+        for kernel in args.kernels:
+            if kernel != "auto" and first_precision_taken(kernel, args.precision) is None:
+                log(f"new[{kernel}]: takes none of --precision {','.join(args.precision)}; not timed")
     return found
+
+
+def first_precision_taken(kernel, precisions):
+    """The first precision whose fused-path operands (fp32 for highest/high, bf16 for medium) the
+    variant takes, or None."""
+    dtypes = ti.VARIANTS[kernel].dtypes
+    for precision in precisions:
+        operand = "bfloat16" if ti.compute_mode(torch.float32, precision) == "bf16" else "float32"
+        if operand in dtypes and (operand != "float32" or precision in ti.VARIANTS[kernel].precisions):
+            return precision
+    return None
 
 
 def time_cuda(fn, min_reps=10, max_reps=200, budget_s=0.5):

@@ -310,6 +310,7 @@ def test_bundle_is_self_contained(tmp_path):
 # CUDA: every variant against an fp64 reference
 # ------------------------------------------------------------------------------------------------
 ALL_VARIANTS = sorted(ti.VARIANTS)
+FP32_VARIANTS = [v for v in ALL_VARIANTS if "float32" in ti.VARIANTS[v].dtypes]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
@@ -331,6 +332,10 @@ def test_contraction_matches_fp64(variant, dtype, shape):
     a = torch.randn(batch, m, k, device="cuda", generator=g).to(dtype)
     b = torch.randn(batch, n, k, device="cuda", generator=g).to(dtype)
     z = torch.full((batch, m, n), float("nan"), device="cuda", dtype=dtype)
+    if str(dtype).replace("torch.", "") not in ti.VARIANTS[variant].dtypes:
+        with pytest.raises(TypeError, match=f"kernel '{variant}' does not support"):
+            ti.contract_into(z, a, b, variant, "highest")
+        return
     ti.contract_into(z, a, b, variant, "highest")
     ref = torch.bmm(a.double(), b.double().transpose(1, 2))
     assert not z.isnan().any(), f"{variant}: unwritten outputs (seed {seed})"
@@ -364,7 +369,8 @@ def _check_model(new, reference, pair, mask, tolerance, seed, label, dtype=torch
 SHAPES = [(1, 1, 8, 4), (2, 7, 16, 8), (1, 33, 32, 16), (1, 257, 24, 12), (2, 40, 128, 128),
           (1, 64, 48, 20), (1, 130, 64, 32)]
 # "auto" is its own path at N <= 64: the output pass computes the contraction (two launches).
-MODEL_KERNELS = ALL_VARIANTS + ["auto"]
+# 16-bit-only kernels (wgmma) are covered by the half-precision and reduced-precision tests.
+MODEL_KERNELS = FP32_VARIANTS + ["auto"]
 
 
 @cuda
@@ -382,8 +388,8 @@ def test_fused_matches_fp64_reference(variant, direction, gate_input, batch, n, 
 
 
 @cuda
-@pytest.mark.parametrize("variant", ["mma", "auto"])
-@pytest.mark.parametrize("precision", ["high", "medium"])
+@pytest.mark.parametrize("variant, precision", [("mma", "high"), ("mma", "medium"), ("auto", "high"),
+                                                ("auto", "medium"), ("wgmma", "medium")])
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 33, 32, 16), (1, 200, 128, 64),
                                                         (2, 64, 384, 128)])
@@ -396,6 +402,38 @@ def test_fused_reduced_precisions(variant, precision, direction, batch, n, pair_
     err = _check_model(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed, precision)
     if precision == "high":  # really reduced: tf32 must not be silently fp32-accurate, nor worse
         assert err > 1e-6
+
+
+@cuda
+def test_prepared_weights_follow_parameter_changes():
+    """The eager path caches kernel-layout weights: every supported way of changing a parameter
+    must reach the output (a stale copy would be a silently wrong result)."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(32, 16).double(), g)
+    new = _make_new(reference, torch.float32)
+    pair, mask = random_inputs(1, 9, 32, g)
+
+    def check(label):
+        _check_model(new, reference, pair, mask, 1e-5, seed, label)
+
+    check("initial")
+    with torch.no_grad():  # in place, as an optimizer step does
+        reference.out_proj.weight.mul_(-1.5)
+        new.out_proj.weight.mul_(-1.5)
+    check("in-place update")
+    other = random_layers(ti.Model(32, 16).double(), g)
+    reference.load_state_dict(other.state_dict())
+    new.load_state_dict(other.state_dict())
+    check("load_state_dict")
+    replacement = torch.randn(16, 32, generator=g, dtype=torch.float64)
+    reference.proj_b.weight = torch.nn.Parameter(replacement.clone())
+    new.proj_b.weight = torch.nn.Parameter(replacement.float().cuda())
+    check("replaced parameter")
+    reference.gate_a.bias.data.add_(0.75)
+    new.gate_a.bias.data.add_(0.75)
+    new.refresh_weights()  # .data edits bypass version tracking (documented)
+    check(".data edit + refresh_weights")
 
 
 def _cuda_kernels_launched(fn):
@@ -515,7 +553,7 @@ def _make_pair(reference, dtype, direction, gate_input, variant, pair_dim, hidde
 
 
 @cuda
-@pytest.mark.parametrize("variant", ALL_VARIANTS)
+@pytest.mark.parametrize("variant", FP32_VARIANTS)
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 @pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 1, 8, 4), (2, 7, 16, 8), (1, 257, 24, 12)])
@@ -541,16 +579,17 @@ PATHS = pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"]
 
 @cuda
 @PATHS
-@pytest.mark.parametrize("variant", ALL_VARIANTS)
+@pytest.mark.parametrize("variant", ALL_VARIANTS + ["auto"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_model_half_precision_inputs(variant, dtype, fused):
+@pytest.mark.parametrize("n", [45, 200])
+def test_model_half_precision_inputs(variant, dtype, fused, n):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(32, 16, "outgoing").double(), g)
     new = _make_pair(reference, dtype, "outgoing", "raw", variant, 32, 16)
     # The fp64 reference sees the same rounded parameters and inputs as the kernel does.
     reference.load_state_dict({k: v.to(dtype).double() for k, v in reference.state_dict().items()})
-    pair, mask = random_inputs(2, 45, 32, g)
+    pair, mask = random_inputs(2, n, 32, g)
     pair = pair.to(dtype)
     ref = reference.cuda()(pair.double().cuda(), mask.cuda())
     poison_allocator()

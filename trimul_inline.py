@@ -98,6 +98,7 @@ class Variant(NamedTuple):
     dtypes: tuple = ("float32", "bfloat16", "float16")  # operand dtypes it takes
     precisions: tuple = PRECISIONS  # fp32 precisions it may serve; fp32-accurate kernels serve all
     min_capability: tuple = (7, 0)
+    max_capability: tuple = (99, 99)
     backend: str = "cuda"  # "cuda": a kernel of ours in kernels/; "torch": a PyTorch baseline
 
 
@@ -106,11 +107,14 @@ VARIANTS = {v.name: v for v in (
     Variant("tiled", "64x64 shared-memory tiles, 4x4 outputs per thread, fp32 FMA"),
     Variant("mma", "tensor cores (mma.sync), 128x128 tiles, cp.async pipeline; 3xTF32 for highest",
             min_capability=(8, 0)),
+    Variant("wgmma", "Hopper wgmma (sm_90a build): 128x128 tiles, two warpgroups reading 128-byte-"
+            "swizzled smem, 4-buffer cp.async pipeline; bf16/fp16 only",
+            dtypes=("bfloat16", "float16"), min_capability=(9, 0), max_capability=(9, 0)),
     Variant("bmm", "torch.bmm (cuBLAS) on the same layout; a baseline, not a kernel of ours",
             backend="torch"),
 )}
 # kernel="auto" takes the first variant here that supports the call: fastest first.
-AUTO_ORDER = ("mma", "tiled", "naive")
+AUTO_ORDER = ("wgmma", "mma", "tiled", "naive")
 
 
 def _variant_supports(variant: Variant, dtype: torch.dtype, precision: str, capability) -> bool:
@@ -119,12 +123,22 @@ def _variant_supports(variant: Variant, dtype: torch.dtype, precision: str, capa
         return False
     if dtype == torch.float32 and precision not in variant.precisions:
         return False
-    return tuple(capability) >= variant.min_capability
+    return variant.min_capability <= tuple(capability) <= variant.max_capability
+
+
+_CAPABILITY = {}  # device index -> compute capability (a driver query costs more than a small forward)
+
+
+def _capability(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
 
 
 def select_variant(name: str, dtype: torch.dtype, precision: str, device: torch.device) -> Variant:
     """The variant that runs a contraction of `dtype` operands at `precision` on `device`."""
-    capability = torch.cuda.get_device_capability(device)
+    capability = _capability(device)
     if name == "auto":
         for candidate in AUTO_ORDER:
             if _variant_supports(VARIANTS[candidate], dtype, precision, capability):
@@ -135,8 +149,8 @@ def select_variant(name: str, dtype: torch.dtype, precision: str, device: torch.
     if not _variant_supports(variant, dtype, precision, capability):
         raise TypeError(f"trimul_inline: kernel {name!r} does not support {dtype} operands at "
                         f"precision {precision!r} on a capability {capability} GPU (it takes "
-                        f"{variant.dtypes}, precisions {variant.precisions}, capability >= "
-                        f"{variant.min_capability})")
+                        f"{variant.dtypes}, precisions {variant.precisions}, capability "
+                        f"{variant.min_capability} to {variant.max_capability})")
     return variant
 
 
@@ -445,6 +459,7 @@ def _float32_matmul_precision(precision: str):
 def contract_into(z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, variant: str,
                   precision: str) -> torch.Tensor:
     """Runs the named variant, writing z (no autograd; the building block of the op)."""
+    select_variant(variant, a.dtype, precision, a.device)  # raises if it does not take this call
     if VARIANTS[variant].backend == "torch":
         with _float32_matmul_precision(precision):
             torch.bmm(a, b.transpose(1, 2), out=z) if z.dtype == a.dtype else \
@@ -516,6 +531,23 @@ def _param_list(layers: "_TriMulLayers"):
             layers.proj_b.bias, layers.gate_b.weight, layers.gate_b.bias,
             layers.layer_norm_out.weight, layers.layer_norm_out.bias, layers.out_proj.weight,
             layers.out_proj.bias, layers.out_gate.weight, layers.out_gate.bias]
+
+
+_PARAM_PATHS = (("layer_norm_in", "weight"), ("layer_norm_in", "bias"), ("proj_a", "weight"),
+                ("proj_a", "bias"), ("gate_a", "weight"), ("gate_a", "bias"), ("proj_b", "weight"),
+                ("proj_b", "bias"), ("gate_b", "weight"), ("gate_b", "bias"),
+                ("layer_norm_out", "weight"), ("layer_norm_out", "bias"), ("out_proj", "weight"),
+                ("out_proj", "bias"), ("out_gate", "weight"), ("out_gate", "bias"))
+
+
+def _param_list_eager(layers: "_TriMulLayers"):
+    """_param_list by direct dict lookups (nn.Module.__getattr__ costs ~1 us a call, a good part of
+    a small forward); falls back for modules whose parameters live elsewhere (parametrizations)."""
+    try:
+        modules = layers._modules
+        return [modules[module]._parameters[name] for module, name in _PARAM_PATHS]
+    except KeyError:
+        return _param_list(layers)
 
 
 def prepare_weights(params, mode: str):
@@ -709,9 +741,16 @@ class ModelNew(_TriMulLayers):
     def _fused_fits(self, mode: str) -> bool:
         return _fused_fits_now(self.pair_dim, self.hidden_dim, mode)
 
+    def refresh_weights(self) -> None:
+        """Drops the kernel-layout copies of the weights. They refresh by themselves when a
+        parameter is replaced or changed in place through autograd-tracked ops (optimizer steps,
+        load_state_dict, copy_ under no_grad, .to()); edits through `.data` are invisible to that
+        tracking, so call this after them."""
+        self._weights_cache.clear()
+
     def _prepared_weights(self, mode: str):
-        params = _param_list(self)
-        version = tuple((p.data_ptr(), p._version) for p in params)
+        params = _param_list_eager(self)
+        version = [(p.data_ptr(), p._version) for p in params]
         cached = self._weights_cache.get(mode)
         if cached is None or cached[0] != version:
             cached = self._weights_cache[mode] = (version, prepare_weights(params, mode))
@@ -719,8 +758,8 @@ class ModelNew(_TriMulLayers):
 
     def _forward_fused(self, pair_repr, pair_mask, mode, precision):
         variant = select_variant(self.kernel, _MODE_OPERAND[mode], precision, pair_repr.device).name
-        if self.kernel == "auto" and variant == "mma":
-            variant = "auto"  # the extension may then fold the contraction into the output pass
+        if self.kernel == "auto":
+            variant = "auto"  # the extension picks wgmma/mma, or folds it into the output pass
         if pair_repr.stride(-1) != 1:
             pair_repr = pair_repr.contiguous()
         if pair_mask.dtype not in _FUSED_MASK_DTYPES:

@@ -128,14 +128,17 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   for (const auto& w : weights)
     TORCH_CHECK_VALUE(w.device() == pair.device() && w.is_contiguous(),
                       "trimul_inline: prepared weights must be contiguous on pair's device");
-  // "auto": the mma kernel, or for N <= kFusedContractionMaxN the output pass contracts itself.
+  // "auto": wgmma (16-bit operands, sm_90a) or mma, or for N <= kFusedContractionMaxN the output
+  // pass contracts itself.
   const bool fuse_contraction = variant == "auto" && pair.size(1) <= trimul::kFusedContractionMaxN;
-  const std::string kernel = variant == "auto" ? "mma" : variant;
-  const trimul::ContractFn contract_fn =
-      (kernel == "bmm" || fuse_contraction) ? nullptr : trimul::find_contraction(kernel.c_str());
-  TORCH_CHECK_VALUE(kernel == "bmm" || fuse_contraction || contract_fn != nullptr,
-                    "trimul_inline: no contraction kernel '", kernel, "' in this build");
-
+  std::vector<std::string> kernels{variant};
+  if (variant == "auto") {
+    kernels = {"mma"};
+    if (weights[4].scalar_type() != at::kFloat) kernels.insert(kernels.begin(), "wgmma");
+  }
+  for (const auto& name : kernels)
+    TORCH_CHECK_VALUE(name == "bmm" || fuse_contraction || trimul::find_contraction(name.c_str()) != nullptr,
+                      "trimul_inline: no contraction kernel '", name, "' in this build");
   const c10::cuda::CUDAGuard guard(pair.device());
   const auto mode = static_cast<trimul::Mode>(mode_code);
   const at::ScalarType op_type = weights[4].scalar_type();
@@ -208,7 +211,7 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
     args.a_t = a_t.data_ptr();
     args.b_t = b_t.data_ptr();
     check_launch(trimul::launch_input_pass(args), "the input pass");
-    if (kernel == "bmm") {  // cuBLAS on the same buffers, a baseline
+    if (variant == "bmm") {  // cuBLAS on the same buffers, a baseline
       at::Tensor product = at::bmm(a_t, b_t.transpose(1, 2)).to(at::kFloat);
       z.narrow(2, 0, n).copy_(product);
     } else {
@@ -227,7 +230,15 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
       contract.precision = contraction_precision(mode);
       contract.tf32_rounded = mode == trimul::Mode::tf32;
       contract.stream = args.stream;
-      check_launch(contract_fn(contract), ("contraction kernel '" + kernel + "'").c_str());
+      // The first kernel that takes these operands on this GPU (auto lists wgmma before mma).
+      cudaError_t status = cudaErrorNotSupported;
+      std::string used = kernels.back();
+      for (const auto& name : kernels) {
+        status = trimul::find_contraction(name.c_str())(contract);
+        used = name;
+        if (status != cudaErrorNotSupported) break;
+      }
+      check_launch(status, ("contraction kernel '" + used + "'").c_str());
     }
   }  // a_t and b_t go back to the allocator, so `out` can reuse their memory (peak: z + max(a+b, out))
   at::Tensor out = new_out();

@@ -15,7 +15,7 @@ using namespace ::trimul::fused;
 // and out_proj weights stream past in chunks of BN output channels, each chunk's two products held
 // in registers together.
 using Wide = Tiling<4, 2, 2, 4>;    // BM 128, BN 64
-using Narrow = Tiling<2, 4, 2, 2>;  // BM 64, BN 64: fp32 operands with a wide pair_dim
+using Narrow = Tiling<2, 4, 2, 4>;  // BM 64, BN 128: wide pair_dim (32x32 warp tiles)
 
 template <Mode M, class T>
 struct Smem {
@@ -36,20 +36,34 @@ __device__ void contract_tile(float* z_raw, const ForwardArgs& args, int64_t bat
   const int64_t n = args.n, plane = n * args.ld;
   const Op* a_t = static_cast<const Op*>(args.a_t);
   const Op* b_t = static_cast<const Op*>(args.b_t);
-  for (int idx = threadIdx.x; idx < args.h * T::BM; idx += T::kThreads) {
-    const int h = idx / T::BM, m = idx % T::BM;
-    const int64_t q = q0 + m, i = q / args.ldz, j = q % args.ldz;
+  constexpr int kBatch = 8;  // vectors of each row in flight at once (registers: 16 x uint4)
+  constexpr int kBatches = ceil_div(kFusedContractionMaxN, kBatch * kVec);
+  const int m = threadIdx.x % T::BM;
+  const uint32_t q = static_cast<uint32_t>(q0 + m);
+  const uint32_t i = q / static_cast<uint32_t>(args.ldz), j = q - i * static_cast<uint32_t>(args.ldz);
+  const bool valid = i < n && j < n;
+  for (int h = threadIdx.x / T::BM; h < args.h; h += T::kThreads / T::BM) {
     float sum = 0.f;
-    if (i < n && j < n) {
+    if (valid) {
       const Op* a_row = a_t + (batch * args.h + h) * plane + i * args.ld;
       const Op* b_row = b_t + (batch * args.h + h) * plane + j * args.ld;
-      for (int64_t k = 0; k < n; k += kVec) {  // rows are zero past n up to ld
-        const uint4 av = *reinterpret_cast<const uint4*>(a_row + k);
-        const uint4 bv = *reinterpret_cast<const uint4*>(b_row + k);
-        const Op* ae = reinterpret_cast<const Op*>(&av);
-        const Op* be = reinterpret_cast<const Op*>(&bv);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) sum = fmaf(to_float(ae[e]), to_float(be[e]), sum);
+      for (int part = 0; part < kBatches; ++part) {
+        if (part * kBatch * kVec >= n) break;
+        uint4 av[kBatch], bv[kBatch];
+#pragma unroll
+        for (int v = 0; v < kBatch; ++v) {  // rows are zero past n up to ld
+          const int k = (part * kBatch + v) * kVec;
+          av[v] = k < n ? *reinterpret_cast<const uint4*>(a_row + k) : make_uint4(0, 0, 0, 0);
+          bv[v] = k < n ? *reinterpret_cast<const uint4*>(b_row + k) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int v = 0; v < kBatch; ++v) {
+          const Op* ae = reinterpret_cast<const Op*>(&av[v]);
+          const Op* be = reinterpret_cast<const Op*>(&bv[v]);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) sum = fmaf(to_float(ae[e]), to_float(be[e]), sum);
+        }
       }
     }
     z_raw[h * T::BM + m] = sum;
