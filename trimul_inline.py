@@ -108,7 +108,8 @@ VARIANTS = {v.name: v for v in (
     Variant("mma", "tensor cores (mma.sync), 128x128 tiles, cp.async pipeline; 3xTF32 for highest",
             min_capability=(8, 0)),
     Variant("wgmma", "Hopper wgmma (sm_90a build): 128x128 tiles, two warpgroups reading 128-byte-"
-            "swizzled smem, 4-buffer cp.async pipeline; bf16/fp16 only",
+            "swizzled smem, 4-buffer cp.async pipeline; bf16/fp16 (the fused forward also feeds it "
+            "its TF32-rounded operands at \"high\")",
             dtypes=("bfloat16", "float16"), min_capability=(9, 0), max_capability=(9, 0)),
     Variant("bmm", "torch.bmm (cuBLAS) on the same layout; a baseline, not a kernel of ours",
             backend="torch"),

@@ -128,13 +128,12 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   for (const auto& w : weights)
     TORCH_CHECK_VALUE(w.device() == pair.device() && w.is_contiguous(),
                       "trimul_inline: prepared weights must be contiguous on pair's device");
-  // "auto": wgmma (16-bit operands, sm_90a) or mma, or for N <= kFusedContractionMaxN the output
+  // "auto": wgmma (sm_90a; 16-bit or TF32 operands) or mma, or for N <= kFusedContractionMaxN the output
   // pass contracts itself.
   const bool fuse_contraction = variant == "auto" && pair.size(1) <= trimul::kFusedContractionMaxN;
   std::vector<std::string> kernels{variant};
   if (variant == "auto") {
-    kernels = {"mma"};
-    if (weights[4].scalar_type() != at::kFloat) kernels.insert(kernels.begin(), "wgmma");
+    kernels = {"wgmma", "mma"};  // wgmma declines what it does not take (3xTF32, pre-Hopper)
   }
   for (const auto& name : kernels)
     TORCH_CHECK_VALUE(name == "bmm" || fuse_contraction || trimul::find_contraction(name.c_str()) != nullptr,

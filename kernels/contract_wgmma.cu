@@ -1,16 +1,16 @@
 // wgmma — Hopper warpgroup MMA (sm_90a): 128x128 tiles, two warpgroups of 64 rows each issuing
-// m64n128k16 from 128-byte-swizzled shared memory, a 4-buffer cp.async pipeline two k-tiles ahead;
-// bf16/fp16 operands, fp32 accumulation.
+// m64n128k16 (k8 for TF32) from 128-byte-swizzled shared memory, a 4-buffer cp.async pipeline two
+// k-tiles ahead; bf16/fp16 operands, and TF32 ones that are already TF32 values; fp32 accumulation.
 #include "fused.cuh"
 
 namespace trimul {
 namespace contract_wgmma {
 
 constexpr int BM = 128, BN = 128;
-constexpr int BK = 64;                  // elements per k-tile: one 128-byte swizzle row
+constexpr int kRowBytes = 128;          // bytes of k per tile row: one 128-byte swizzle row
 constexpr int kBuffers = 4, kAhead = 2;  // a buffer is refilled two iterations after its MMAs
 constexpr int kThreads = 256;
-constexpr int kTileBytes = BM * BK * 2;  // A or B tile of one buffer (16 KB)
+constexpr int kTileBytes = BM * kRowBytes;  // A or B tile of one buffer (16 KB)
 constexpr int kSmemBytes = kBuffers * 2 * kTileBytes + 1024;  // + slack for 1024-byte alignment
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -27,7 +27,7 @@ __device__ __forceinline__ uint64_t smem_descriptor(const void* tile) {
   return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
-// rows x 64 elements of a K-major matrix into a swizzled tile: 16-byte chunk c of row r goes to
+// rows x 128 bytes of k of a K-major matrix into a swizzled tile: 16-byte chunk c of row r goes to
 // chunk c ^ (r % 8) of that row, which is where the 128-byte swizzle mode reads it. Rows past
 // `rows` and chunks past the row's padded length `ld` are zero-filled.
 template <int ROWS>
@@ -44,14 +44,22 @@ __device__ __forceinline__ void load_tile(uint8_t* tile, const char* mat, int64_
   }
 }
 
+// One 32-byte k-step of the tile: k16 for 16-bit operands, k8 for TF32.
 template <typename Op>
-__device__ __forceinline__ void wgmma_64x128x16(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+__device__ __forceinline__ void wgmma_64x128_step(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
 #ifdef TRIMUL_WGMMA
   if constexpr (std::is_same<Op, __nv_bfloat16>::value) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  } else if constexpr (std::is_same<Op, float>::value) {  // TF32: k8 per instruction, no transpose operands
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
   } else {
@@ -98,7 +106,7 @@ contract_kernel(const Op* __restrict__ a, const Op* __restrict__ b, TOut* __rest
   const int64_t row0 = (blockIdx.x / tiles_n) * BM, col0 = (blockIdx.x % tiles_n) * BN;
   const int warpgroup = threadIdx.x / 128, lane = threadIdx.x & 31, warp4 = (threadIdx.x / 32) & 3;
   const int64_t ld_bytes = lda * static_cast<int64_t>(sizeof(Op));
-  const int k_tiles = static_cast<int>(ceil_div(k, BK));
+  const int k_tiles = static_cast<int>(ceil_div(k * static_cast<int64_t>(sizeof(Op)), kRowBytes));
   const bool paired_store = (ldz % 2) == 0;
 
   for (int64_t bz = blockIdx.y; bz < batch; bz += gridDim.y) {
@@ -107,8 +115,8 @@ contract_kernel(const Op* __restrict__ a, const Op* __restrict__ b, TOut* __rest
     auto fetch = [&](int kt) {
       if (kt < k_tiles) {
         uint8_t* buf = smem + (kt % kBuffers) * 2 * kTileBytes;
-        load_tile<BM>(buf, a_mat, ld_bytes, row0, m, int64_t(kt) * BK * 2);
-        load_tile<BN>(buf + kTileBytes, b_mat, ld_bytes, col0, n, int64_t(kt) * BK * 2);
+        load_tile<BM>(buf, a_mat, ld_bytes, row0, m, int64_t(kt) * kRowBytes);
+        load_tile<BN>(buf + kTileBytes, b_mat, ld_bytes, col0, n, int64_t(kt) * kRowBytes);
       }
       mma::cp_async_commit();
     };
@@ -127,8 +135,8 @@ contract_kernel(const Op* __restrict__ a, const Op* __restrict__ b, TOut* __rest
       const uint64_t desc_b = smem_descriptor(buf + kTileBytes);
       wgmma_fence();
 #pragma unroll
-      for (int step = 0; step < BK / 16; ++step)  // 32 bytes further along k: start address + 2
-        wgmma_64x128x16<Op>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
+      for (int step = 0; step < 4; ++step)  // 32 bytes further along k: start address + 2
+        wgmma_64x128_step<Op>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
       wgmma_commit();
       wgmma_wait<1>();
     }
@@ -181,14 +189,22 @@ cudaError_t launch_types(const ContractArgs& args) {
   return cudaGetLastError();
 }
 
+// fp32 operands only as TF32 values already (the fused input pass rounds them; the tensor cores
+// would truncate raw fp32) and only where TF32 is allowed.
 cudaError_t launch(const ContractArgs& args) {
-  if (args.operand == Dtype::f32 || !available()) return cudaErrorNotSupported;
+  const bool tf32 = args.operand == Dtype::f32;
+  if (!available() || (tf32 && (!args.tf32_rounded || args.precision == Precision::highest)))
+    return cudaErrorNotSupported;
   if (args.batch == 0 || args.m == 0 || args.n == 0) return cudaSuccess;
-  // Rows are read in 16-byte chunks up to their padded length (see ContractArgs).
-  if ((args.lda * 2) % 64 != 0 || args.lda < args.k) return cudaErrorNotSupported;
+  if (args.lda < args.k) return cudaErrorNotSupported;  // rows are read up to their padded length
   return dispatch_out(args.out, [&](auto out_tag) -> cudaError_t {
     using TOut = typename decltype(out_tag)::type;
-    return args.operand == Dtype::bf16 ? launch_types<__nv_bfloat16, TOut>(args) : launch_types<__half, TOut>(args);
+    switch (args.operand) {
+      case Dtype::bf16: return launch_types<__nv_bfloat16, TOut>(args);
+      case Dtype::f16: return launch_types<__half, TOut>(args);
+      case Dtype::f32: return launch_types<float, TOut>(args);
+    }
+    return cudaErrorInvalidValue;
   });
 }
 
