@@ -526,19 +526,16 @@ def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
-def _param_list(layers: "_TriMulLayers"):
-    return [layers.layer_norm_in.weight, layers.layer_norm_in.bias, layers.proj_a.weight,
-            layers.proj_a.bias, layers.gate_a.weight, layers.gate_a.bias, layers.proj_b.weight,
-            layers.proj_b.bias, layers.gate_b.weight, layers.gate_b.bias,
-            layers.layer_norm_out.weight, layers.layer_norm_out.bias, layers.out_proj.weight,
-            layers.out_proj.bias, layers.out_gate.weight, layers.out_gate.bias]
-
-
 _PARAM_PATHS = (("layer_norm_in", "weight"), ("layer_norm_in", "bias"), ("proj_a", "weight"),
                 ("proj_a", "bias"), ("gate_a", "weight"), ("gate_a", "bias"), ("proj_b", "weight"),
                 ("proj_b", "bias"), ("gate_b", "weight"), ("gate_b", "bias"),
                 ("layer_norm_out", "weight"), ("layer_norm_out", "bias"), ("out_proj", "weight"),
                 ("out_proj", "bias"), ("out_gate", "weight"), ("out_gate", "bias"))
+
+
+def _param_list(layers: "_TriMulLayers"):
+    """The 16 parameters in prepare_weights' order (through nn.Module attributes: traceable)."""
+    return [getattr(getattr(layers, module), name) for module, name in _PARAM_PATHS]
 
 
 def _param_list_eager(layers: "_TriMulLayers"):

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "api.cuh"
@@ -111,9 +112,8 @@ trimul::Precision contraction_precision(trimul::Mode mode) {
 }
 
 // The whole forward: input pass -> contraction (the named variant, or "auto") -> output pass.
-// `weights` are
-// the host-prepared tensors (see ForwardArgs): ln_in_w, ln_in_b, ln_out_w, ln_out_b, w_in, b_in,
-// w_gate, b_gate, w_out, b_out. Sizes must pass fused_fits.
+// `weights` are the host-prepared tensors (see ForwardArgs): ln_in_w, ln_in_b, ln_out_w, ln_out_b,
+// w_in, b_in, w_gate, b_gate, w_out, b_out. Sizes must pass fused_fits.
 at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
                    const std::string& variant, int64_t mode_code, bool incoming, bool gate_normalized,
                    double eps_in, double eps_out) {
@@ -191,12 +191,17 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   const auto options = pair.options();
   const auto new_out = [&] { return at::empty_like(pair, options.memory_format(at::MemoryFormat::Contiguous)); };
   if (batch == 0 || n == 0) return new_out();
-  if (fuse_contraction) {
-    at::Tensor a_t = at::empty({batch * hidden, n, args.ld}, options.dtype(op_type));
-    at::Tensor b_t = at::empty({batch * hidden, n, args.ld}, options.dtype(op_type));
-    args.a_t = a_t.data_ptr();
-    args.b_t = b_t.data_ptr();
+  // a_t and b_t [B*H, N, ld], filled by the input pass.
+  const auto input_pass = [&] {
+    std::pair<at::Tensor, at::Tensor> ab{at::empty({batch * hidden, n, args.ld}, options.dtype(op_type)),
+                                         at::empty({batch * hidden, n, args.ld}, options.dtype(op_type))};
+    args.a_t = ab.first.data_ptr();
+    args.b_t = ab.second.data_ptr();
     check_launch(trimul::launch_input_pass(args), "the input pass");
+    return ab;
+  };
+  if (fuse_contraction) {
+    const auto ab = input_pass();
     at::Tensor out = new_out();
     args.z = nullptr;
     args.out = out.data_ptr();
@@ -205,13 +210,9 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   }
   at::Tensor z = at::empty({batch * hidden, n, args.ldz}, options.dtype(at::kFloat));
   {
-    at::Tensor a_t = at::empty({batch * hidden, n, args.ld}, options.dtype(op_type));
-    at::Tensor b_t = at::empty({batch * hidden, n, args.ld}, options.dtype(op_type));
-    args.a_t = a_t.data_ptr();
-    args.b_t = b_t.data_ptr();
-    check_launch(trimul::launch_input_pass(args), "the input pass");
+    const auto ab = input_pass();
     if (variant == "bmm") {  // cuBLAS on the same buffers, a baseline
-      at::Tensor product = at::bmm(a_t, b_t.transpose(1, 2)).to(at::kFloat);
+      at::Tensor product = at::bmm(ab.first, ab.second.transpose(1, 2)).to(at::kFloat);
       z.narrow(2, 0, n).copy_(product);
     } else {
       trimul::ContractArgs contract{};
@@ -224,7 +225,7 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
       contract.k = n;
       contract.lda = args.ld;
       contract.ldz = args.ldz;
-      contract.operand = dtype_code(a_t, "a_t");
+      contract.operand = dtype_code(ab.first, "a_t");
       contract.out = trimul::Dtype::f32;
       contract.precision = contraction_precision(mode);
       contract.tf32_rounded = mode == trimul::Mode::tf32;

@@ -209,36 +209,17 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
   stream.drain();
 }
 
-template <Mode M, typename TIn, class T>
-cudaError_t launch_tiling(const ForwardArgs& args, int64_t smem_bytes) {
-  auto fn = kernel<M, TIn, T>;
-  const cudaError_t status = allow_smem<kernel<M, TIn, T>>(smem_bytes);
-  if (status != cudaSuccess) return status;
-  const int64_t q_tiles = ceil_div(args.n * args.ldz, T::BM);
-  const int64_t blocks = args.batch * q_tiles;
-  fn<<<static_cast<unsigned>(blocks), T::kThreads, smem_bytes, args.stream>>>(args, q_tiles);
-  return cudaGetLastError();
-}
-
 template <Mode M>
 std::pair<bool, int64_t> choose(const ForwardArgs& args) {
-  const int64_t limit = max_smem_optin();
-  const int64_t wide = Smem<M, Wide>::bytes(args.c_pad, args.h_pad);
-  const int64_t narrow = Smem<M, Narrow>::bytes(args.c_pad, args.h_pad);
-  // Two blocks per multiprocessor overlap one block's staging with the other's products, which
-  // beats the wide tile's weight reuse; so the wide tile only where two of them fit.
-  if (2 * wide + 2048 <= max_smem_per_sm()) return {true, wide};
-  if (narrow <= limit) return {false, narrow};
-  if (wide <= limit) return {true, wide};
-  return {false, 0};
+  return choose_tiling(Smem<M, Wide>::bytes(args.c_pad, args.h_pad), Smem<M, Narrow>::bytes(args.c_pad, args.h_pad));
 }
 
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
   const auto choice = choose<M>(args);
   if (choice.second == 0) return cudaErrorNotSupported;
-  return choice.first ? launch_tiling<M, TIn, Wide>(args, choice.second)
-                      : launch_tiling<M, TIn, Narrow>(args, choice.second);
+  return choice.first ? launch_tiles<kernel<M, TIn, Wide>, Wide>(args, args.n * args.ldz, choice.second)
+                      : launch_tiles<kernel<M, TIn, Narrow>, Narrow>(args, args.n * args.ldz, choice.second);
 }
 
 }  // namespace output_pass
@@ -256,18 +237,8 @@ cudaError_t launch_output_pass(const ForwardArgs& args) {
   if (args.batch == 0 || args.n == 0) return cudaSuccess;
   if (args.z != nullptr && args.z_dtype != Dtype::f32) return cudaErrorInvalidValue;
   if (args.n * args.ldz + output_pass::Wide::BM >= (int64_t(1) << 32)) return cudaErrorNotSupported;
-  return mma::dispatch_mode(args.mode, [&](auto mode) -> cudaError_t {
-    constexpr Mode M = decltype(mode)::value;
-    switch (args.pair_dtype) {
-      case Dtype::f32: return output_pass::launch_mode<M, float>(args);
-      case Dtype::bf16:
-        if constexpr (M == Mode::bf16) return output_pass::launch_mode<M, __nv_bfloat16>(args);
-        break;
-      case Dtype::f16:
-        if constexpr (M == Mode::f16) return output_pass::launch_mode<M, __half>(args);
-        break;
-    }
-    return cudaErrorNotSupported;
+  return fused::dispatch_pass(args, [&](auto mode, auto pair) -> cudaError_t {
+    return output_pass::launch_mode<decltype(mode)::value, typename decltype(pair)::type>(args);
   });
 }
 

@@ -240,17 +240,6 @@ __device__ void stage_rows(bool vectorized, uint32_t* a_res, int a_stride, const
     stage_rows_scalar<M, TIn, WARPS>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps);
 }
 
-// Calls f(TypeTag<T>{}) for the pair dtype.
-template <typename F>
-cudaError_t dispatch_input(Dtype dtype, F&& f) {
-  switch (dtype) {
-    case Dtype::f32: return f(TypeTag<float>{});
-    case Dtype::bf16: return f(TypeTag<__nv_bfloat16>{});
-    case Dtype::f16: return f(TypeTag<__half>{});
-  }
-  return cudaErrorInvalidValue;
-}
-
 // Device limits, read once per device (a small forward must not pay driver queries each call).
 inline int64_t device_attribute(cudaDeviceAttr attr, int slot) {
   constexpr int kMaxDevices = 64;
@@ -263,6 +252,36 @@ inline int64_t device_attribute(cudaDeviceAttr attr, int slot) {
 }
 inline int64_t max_smem_optin() { return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 0); }
 inline int64_t max_smem_per_sm() { return device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, 1); }
+
+// Which of a pass's two tilings to launch and its shared memory: {wide?, bytes}, bytes 0 when
+// neither fits. Two blocks per multiprocessor overlap one block's staging with the other's
+// products, which beats the wide tile's weight reuse; so the wide tile only where two of them fit.
+inline std::pair<bool, int64_t> choose_tiling(int64_t wide_bytes, int64_t narrow_bytes) {
+  const int64_t limit = max_smem_optin();
+  if (2 * wide_bytes + 2048 <= max_smem_per_sm()) return {true, wide_bytes};
+  if (narrow_bytes <= limit) return {false, narrow_bytes};
+  if (wide_bytes <= limit) return {true, wide_bytes};
+  return {false, 0};
+}
+
+// Calls f(mode tag, pair type tag) for the (mode, pair dtype) pairs a fused pass takes: fp32
+// pairs in any mode, bf16/fp16 pairs only in their own mode; cudaErrorNotSupported otherwise.
+template <typename F>
+cudaError_t dispatch_pass(const ForwardArgs& args, F&& f) {
+  return dispatch_mode(args.mode, [&](auto mode) -> cudaError_t {
+    constexpr Mode M = decltype(mode)::value;
+    switch (args.pair_dtype) {
+      case Dtype::f32: return f(mode, TypeTag<float>{});
+      case Dtype::bf16:
+        if constexpr (M == Mode::bf16) return f(mode, TypeTag<__nv_bfloat16>{});
+        break;
+      case Dtype::f16:
+        if constexpr (M == Mode::f16) return f(mode, TypeTag<__half>{});
+        break;
+    }
+    return cudaErrorNotSupported;
+  });
+}
 
 // Raises a kernel's dynamic shared memory limit once per device and size. The kernel is a
 // template argument so each kernel gets its own table (one per signature would be wrong).
@@ -277,6 +296,17 @@ cudaError_t allow_smem(int64_t bytes) {
   status = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (status == cudaSuccess && device < kMaxDevices) allowed[device] = bytes;
   return status;
+}
+
+// Launches a pass kernel of tiling T (arguments: the forward's args and the tiles per batch) over
+// `positions` positions per batch, BM per block.
+template <auto Kernel, class T>
+cudaError_t launch_tiles(const ForwardArgs& args, int64_t positions, int64_t smem_bytes) {
+  const cudaError_t status = allow_smem<Kernel>(smem_bytes);
+  if (status != cudaSuccess) return status;
+  const int64_t tiles = ceil_div(positions, T::BM);
+  Kernel<<<static_cast<unsigned>(args.batch * tiles), T::kThreads, smem_bytes, args.stream>>>(args, tiles);
+  return cudaGetLastError();
 }
 
 }  // namespace fused

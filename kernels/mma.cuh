@@ -48,9 +48,6 @@ struct Tiling {
   static constexpr int BM = WM * MT * 16, BN = WN * NT * 8;
 };
 
-template <class T>
-using Accum = float[T::MT][T::NT][4];
-
 __device__ __forceinline__ uint32_t to_tf32(float x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
