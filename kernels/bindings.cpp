@@ -126,8 +126,9 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   TORCH_CHECK_VALUE(weights.size() == 10, "trimul_inline: forward takes 10 prepared weights");
   TORCH_CHECK_VALUE(mode_code >= 0 && mode_code <= 3, "trimul_inline: mode code ", mode_code);
   for (const auto& w : weights)
-    TORCH_CHECK_VALUE(w.device() == pair.device() && w.is_contiguous(),
-                      "trimul_inline: prepared weights must be contiguous on pair's device");
+    TORCH_CHECK_VALUE(w.device() == pair.device() && w.is_contiguous() &&
+                          reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+                      "trimul_inline: prepared weights must be contiguous, 16-byte aligned, on pair's device");
   // "auto": wgmma (sm_90a; 16-bit or TF32 operands) or mma, or for N <= kFusedContractionMaxN the output
   // pass contracts itself.
   const bool fuse_contraction = variant == "auto" && pair.size(1) <= trimul::kFusedContractionMaxN;

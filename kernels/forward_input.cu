@@ -82,31 +82,39 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
     float acc[T::MT][T::NT][4];
     gemm_streamed<M, T, kRounded>(acc, a_res, a_stride, k_slabs, stream);
     // Columns come in (proj, gate) pairs, so each thread holds both halves of its outputs. The
-    // previous chunk's copy-out finished before this product's first slab synchronised.
+    // previous chunk's copy-out finished before this product's first slab synchronised. Mask
+    // values are read into registers first: out_stage's stores would otherwise force a reload
+    // of them (both live in shared memory) for every output.
 #pragma unroll
-    for (int mi = 0; mi < T::MT; ++mi)
+    for (int mi = 0; mi < T::MT; ++mi) {
+      const int m0 = wm * T::MT * 16 + mi * 16 + g;
+      const float mask_lo = mask_v[m0], mask_hi = mask_v[m0 + 8];
 #pragma unroll
       for (int ni = 0; ni < T::NT; ++ni) {
         const int col = wn * T::NT * 8 + ni * 8 + 2 * t;
-        const float proj_bias = args.b_in[w_row0 + col], gate_bias = args.b_in[w_row0 + col + 1];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int m = wm * T::MT * 16 + mi * 16 + g + hh * 8;
-          const float v = (acc[mi][ni][2 * hh] + proj_bias) *
-                          gate_sigmoid<M>(acc[mi][ni][2 * hh + 1] + gate_bias) * mask_v[m];
-          out_stage[(col / 2) * kOutStride + m] = to_operand<M>(v);
-        }
+        const float2 bias = *reinterpret_cast<const float2*>(args.b_in + w_row0 + col);  // (proj, gate)
+        const float lo = (acc[mi][ni][0] + bias.x) * gate_sigmoid<M>(acc[mi][ni][1] + bias.y) * mask_lo;
+        const float hi = (acc[mi][ni][2] + bias.x) * gate_sigmoid<M>(acc[mi][ni][3] + bias.y) * mask_hi;
+        out_stage[(col / 2) * kOutStride + m0] = to_operand<M>(lo);
+        out_stage[(col / 2) * kOutStride + m0 + 8] = to_operand<M>(hi);
       }
+    }
     __syncthreads();
     // Positions with k in [n, ld) get zeros (their mask is 0): the contraction reads whole k-slabs.
-    const int64_t h0 = (w_row0 - half * args.rows_ab) / 2;
-    Op* dst_base = static_cast<Op*>(half ? args.b_t : args.a_t);
-    for (int q = threadIdx.x; q < (T::BN / 2) * kVecsPerRow; q += T::kThreads) {
-      const int r = q / kVecsPerRow, v = q % kVecsPerRow;
-      const int64_t h = h0 + r, p = p0 + v * kVec;
-      if (h >= args.h || p >= plane) continue;
-      Op* dst = dst_base + (batch * args.h + h) * plane + p;
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(out_stage + r * kOutStride + v * kVec);
+    // Each thread copies one fixed 16-byte column v of out_stage down the rows r, so the
+    // destination pointer only steps by one plane per row.
+    constexpr int kRowsPerPass = T::kThreads / kVecsPerRow;
+    static_assert(T::kThreads % kVecsPerRow == 0 && (T::BN / 2) % kRowsPerPass == 0, "copy-out covers the tile");
+    const int v = threadIdx.x % kVecsPerRow, r0 = threadIdx.x / kVecsPerRow;
+    const int64_t h0 = (w_row0 - half * args.rows_ab) / 2 + r0;
+    const int64_t p = p0 + v * kVec;
+    if (p < plane) {
+      Op* dst = static_cast<Op*>(half ? args.b_t : args.a_t) + (batch * args.h + h0) * plane + p;
+      const int64_t rows_left = args.h - (h0 - r0);  // rows r < this exist
+      const int rows = rows_left < T::BN / 2 ? static_cast<int>(rows_left) : T::BN / 2;
+#pragma unroll 4
+      for (int r = r0; r < rows; r += kRowsPerPass, dst += kRowsPerPass * plane)
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(out_stage + r * kOutStride + v * kVec);
     }
   }
   stream.drain();
@@ -115,7 +123,8 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
 // The tiling this pass uses for these sizes and its shared memory; {false, 0} if none fits.
 template <Mode M>
 std::pair<bool, int64_t> choose(const ForwardArgs& args) {
-  return choose_tiling(Smem<M, Wide>::bytes(args.c_pad), Smem<M, Narrow>::bytes(args.c_pad));
+  return choose_tiling(Smem<M, Wide>::bytes(args.c_pad), Smem<M, Narrow>::bytes(args.c_pad),
+                      args.batch * ceil_div(args.n * args.ld, Wide::BM));
 }
 
 template <Mode M, typename TIn>

@@ -36,37 +36,55 @@ __device__ void contract_tile(float* z_raw, const ForwardArgs& args, int64_t bat
   const int64_t n = args.n, plane = n * args.ld;
   const Op* a_t = static_cast<const Op*>(args.a_t);
   const Op* b_t = static_cast<const Op*>(args.b_t);
-  constexpr int kBatch = 8;  // vectors of each row in flight at once (registers: 16 x uint4)
+  // Loads for kH h values x kBatch vectors of each row are in flight at once (16 uint4 of
+  // registers): each round of loads is a full L2 round trip, and a small problem is a chain of them.
+  constexpr int kBatch = 4, kH = 2;
   constexpr int kBatches = ceil_div(kFusedContractionMaxN, kBatch * kVec);
+  constexpr int kStep = T::kThreads / T::BM;  // threads sharing a position, each its own h values
   const int m = threadIdx.x % T::BM;
   const uint32_t q = static_cast<uint32_t>(q0 + m);
   const uint32_t i = q / static_cast<uint32_t>(args.ldz), j = q - i * static_cast<uint32_t>(args.ldz);
   const bool valid = i < n && j < n;
-  for (int h = threadIdx.x / T::BM; h < args.h; h += T::kThreads / T::BM) {
-    float sum = 0.f;
+  for (int h0 = threadIdx.x / T::BM; h0 < args.h; h0 += kH * kStep) {
+    float sum[kH] = {};
     if (valid) {
-      const Op* a_row = a_t + (batch * args.h + h) * plane + i * args.ld;
-      const Op* b_row = b_t + (batch * args.h + h) * plane + j * args.ld;
+      const Op* a_row[kH];
+      const Op* b_row[kH];
+      bool has[kH];
+#pragma unroll
+      for (int u = 0; u < kH; ++u) {
+        const int h = h0 + u * kStep;
+        has[u] = h < args.h;
+        a_row[u] = a_t + (batch * args.h + (has[u] ? h : h0)) * plane + i * args.ld;
+        b_row[u] = b_t + (batch * args.h + (has[u] ? h : h0)) * plane + j * args.ld;
+      }
 #pragma unroll
       for (int part = 0; part < kBatches; ++part) {
         if (part * kBatch * kVec >= n) break;
-        uint4 av[kBatch], bv[kBatch];
+        uint4 av[kH][kBatch], bv[kH][kBatch];
 #pragma unroll
-        for (int v = 0; v < kBatch; ++v) {  // rows are zero past n up to ld
-          const int k = (part * kBatch + v) * kVec;
-          av[v] = k < n ? *reinterpret_cast<const uint4*>(a_row + k) : make_uint4(0, 0, 0, 0);
-          bv[v] = k < n ? *reinterpret_cast<const uint4*>(b_row + k) : make_uint4(0, 0, 0, 0);
-        }
+        for (int u = 0; u < kH; ++u)
 #pragma unroll
-        for (int v = 0; v < kBatch; ++v) {
-          const Op* ae = reinterpret_cast<const Op*>(&av[v]);
-          const Op* be = reinterpret_cast<const Op*>(&bv[v]);
+          for (int v = 0; v < kBatch; ++v) {  // rows are zero past n up to ld
+            const int k = (part * kBatch + v) * kVec;
+            const bool ok = has[u] && k < n;
+            av[u][v] = ok ? *reinterpret_cast<const uint4*>(a_row[u] + k) : make_uint4(0, 0, 0, 0);
+            bv[u][v] = ok ? *reinterpret_cast<const uint4*>(b_row[u] + k) : make_uint4(0, 0, 0, 0);
+          }
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) sum = fmaf(to_float(ae[e]), to_float(be[e]), sum);
-        }
+        for (int u = 0; u < kH; ++u)
+#pragma unroll
+          for (int v = 0; v < kBatch; ++v) {
+            const Op* ae = reinterpret_cast<const Op*>(&av[u][v]);
+            const Op* be = reinterpret_cast<const Op*>(&bv[u][v]);
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) sum[u] = fmaf(to_float(ae[e]), to_float(be[e]), sum[u]);
+          }
       }
     }
-    z_raw[h * T::BM + m] = sum;
+#pragma unroll
+    for (int u = 0; u < kH; ++u)
+      if (h0 + u * kStep < args.h) z_raw[(h0 + u * kStep) * T::BM + m] = sum[u];
   }
 }
 
@@ -185,6 +203,17 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
     float gate[T::MT][T::NT][4], proj[T::MT][T::NT][4];
     gemm_streamed<M, T, kRounded>(gate, x_res, x_stride, c_slabs, stream);
     gemm_streamed<M, T, kRounded>(proj, z_res, z_stride, h_slabs, stream);
+    // Biases into registers before any store: the output stores may alias them as far as the
+    // compiler knows, which would reload both per output element.
+    float gate_bias[T::NT][2], out_bias[T::NT][2];
+#pragma unroll
+    for (int ni = 0; ni < T::NT; ++ni)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t c = c0 + wn * T::NT * 8 + ni * 8 + 2 * t + e;
+        gate_bias[ni][e] = c < args.c ? args.b_gate[c] : 0.f;
+        out_bias[ni][e] = c < args.c ? args.b_out[c] : 0.f;
+      }
 #pragma unroll
     for (int mi = 0; mi < T::MT; ++mi)
 #pragma unroll
@@ -198,10 +227,10 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
           const int64_t c = c0 + wn * T::NT * 8 + ni * 8 + 2 * t;
           if (c >= args.c) continue;
           const bool both = c + 1 < args.c;
-          const float v0 = gate_sigmoid<M>(gate[mi][ni][2 * hh] + args.b_gate[c]) * (proj[mi][ni][2 * hh] + args.b_out[c]);
-          const float v1 = both ? gate_sigmoid<M>(gate[mi][ni][2 * hh + 1] + args.b_gate[c + 1]) *
-                                      (proj[mi][ni][2 * hh + 1] + args.b_out[c + 1])
-                                : 0.f;
+          const float v0 = gate_sigmoid<M>(gate[mi][ni][2 * hh] + gate_bias[ni][0]) *
+                           (proj[mi][ni][2 * hh] + out_bias[ni][0]);
+          const float v1 = gate_sigmoid<M>(gate[mi][ni][2 * hh + 1] + gate_bias[ni][1]) *
+                           (proj[mi][ni][2 * hh + 1] + out_bias[ni][1]);
           store_pair(row + c, v0, v1, both, paired);
         }
       }
@@ -211,7 +240,8 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
 
 template <Mode M>
 std::pair<bool, int64_t> choose(const ForwardArgs& args) {
-  return choose_tiling(Smem<M, Wide>::bytes(args.c_pad, args.h_pad), Smem<M, Narrow>::bytes(args.c_pad, args.h_pad));
+  return choose_tiling(Smem<M, Wide>::bytes(args.c_pad, args.h_pad), Smem<M, Narrow>::bytes(args.c_pad, args.h_pad),
+                      args.batch * ceil_div(args.n * args.ldz, Wide::BM));
 }
 
 template <Mode M, typename TIn>

@@ -34,8 +34,10 @@ __device__ __forceinline__ float warp_sum(float v) {
 // Mean and 1/std of n values given their sum and sum of squares around `shift` (a value of the
 // row, so the subtraction loses nothing when the mean is far from zero).
 __device__ __forceinline__ float2 shifted_stats(float shift, float sum, float sum_sq, int n, float eps) {
-  const float mean_shifted = sum / n;
-  const float var = fmaxf(sum_sq / n - mean_shifted * mean_shifted, 0.f);
+  // (fast division: 2 ulp is far inside every precision's budget, and IEEE division's slow-path
+  // check costs a branch per row)
+  const float mean_shifted = __fdividef(sum, static_cast<float>(n));
+  const float var = fmaxf(__fdividef(sum_sq, static_cast<float>(n)) - mean_shifted * mean_shifted, 0.f);
   return make_float2(shift + mean_shifted, rsqrtf(var + eps));
 }
 
@@ -243,7 +245,7 @@ __device__ void stage_rows(bool vectorized, uint32_t* a_res, int a_stride, const
 // Device limits, read once per device (a small forward must not pay driver queries each call).
 inline int64_t device_attribute(cudaDeviceAttr attr, int slot) {
   constexpr int kMaxDevices = 64;
-  static int64_t cache[2][kMaxDevices] = {};
+  static int64_t cache[3][kMaxDevices] = {};
   int device = 0, value = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return 0;
   if (cache[slot][device] == 0 && cudaDeviceGetAttribute(&value, attr, device) == cudaSuccess)
@@ -252,13 +254,16 @@ inline int64_t device_attribute(cudaDeviceAttr attr, int slot) {
 }
 inline int64_t max_smem_optin() { return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 0); }
 inline int64_t max_smem_per_sm() { return device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, 1); }
+inline int64_t sm_count() { return device_attribute(cudaDevAttrMultiProcessorCount, 2); }
 
 // Which of a pass's two tilings to launch and its shared memory: {wide?, bytes}, bytes 0 when
 // neither fits. Two blocks per multiprocessor overlap one block's staging with the other's
-// products, which beats the wide tile's weight reuse; so the wide tile only where two of them fit.
-inline std::pair<bool, int64_t> choose_tiling(int64_t wide_bytes, int64_t narrow_bytes) {
+// products, which beats the wide tile's weight reuse: so the wide tile only where two of them
+// fit, and only when its tiles fill the GPU twice over (a small problem is a latency chain per
+// block: the narrow tile halves each block's chain and doubles the blocks).
+inline std::pair<bool, int64_t> choose_tiling(int64_t wide_bytes, int64_t narrow_bytes, int64_t wide_tiles) {
   const int64_t limit = max_smem_optin();
-  if (2 * wide_bytes + 2048 <= max_smem_per_sm()) return {true, wide_bytes};
+  if (wide_tiles >= 2 * sm_count() && 2 * wide_bytes + 2048 <= max_smem_per_sm()) return {true, wide_bytes};
   if (narrow_bytes <= limit) return {false, narrow_bytes};
   if (wide_bytes <= limit) return {true, wide_bytes};
   return {false, 0};
