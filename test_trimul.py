@@ -172,6 +172,35 @@ def test_empty_batch_and_size_one():
         assert model(pair, torch.ones(shape[:3], dtype=torch.float64)).shape == shape
 
 
+def test_planned_calls_skip_checks_until_a_parameter_changes(monkeypatch):
+    """The eager host path: a signature planned by a full call goes straight to the extension;
+    changed parameters, grad mode or another signature take the full path again."""
+    calls = []
+
+    class FakeExtension:
+        __name__ = "fake"
+
+        def forward(self, pair, mask, weights, *arguments):
+            calls.append(arguments)
+            return pair
+
+    monkeypatch.setattr(ti, "_DEFAULT_EXTENSION", FakeExtension())
+    model = ti.ModelNew(16, 8, precision="medium").eval()
+    pair, mask = torch.randn(1, 5, 5, 16), torch.ones(1, 5, 5, dtype=torch.bool)
+    arguments = ("auto", ti._MODE_CODE["bf16"], False, False, 1e-5, 1e-5)
+    with torch.no_grad():
+        assert model._forward_planned(pair, mask) is None  # nothing planned yet
+        model._prepared_weights("bf16")
+        model._plans[model._plan_key(pair, mask)] = ("bf16", arguments)
+        assert model(pair, mask) is pair and calls == [arguments]
+        assert model._forward_planned(pair.double(), mask) is None  # another signature
+        model.out_proj.weight.mul_(2.0)
+        assert model._forward_planned(pair, mask) is None and not model._plans  # re-validate
+    model._plans[model._plan_key(pair, mask)] = ("bf16", arguments)
+    assert model._forward_planned(pair, mask) is None  # grad mode: the autograd-aware path
+    assert len(calls) == 1
+
+
 # ---- kernel sources, registry, build cache --------------------------------------------------------
 def test_every_registered_cuda_variant_has_a_kernel_file_and_description():
     sources = ti.kernel_sources(KERNEL_DIR)

@@ -127,6 +127,7 @@ def _variant_supports(variant: Variant, dtype: torch.dtype, precision: str, capa
     return variant.min_capability <= tuple(capability) <= variant.max_capability
 
 
+_TORCH_BACKED = frozenset(name for name, v in VARIANTS.items() if v.backend == "torch")
 _CAPABILITY = {}  # device index -> compute capability (a driver query costs more than a small forward)
 
 
@@ -705,6 +706,7 @@ class ModelNew(_TriMulLayers):
             raise ValueError(f"precision must be None or one of {PRECISIONS}, got {precision!r}")
         self.kernel, self.precision = kernel, precision
         self._weights_cache = {}  # mode -> (parameter versions, prepared weights); not state
+        self._plans = {}  # call signature -> extension arguments after the weights (see _plan_key)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kernel={self.kernel!r}, precision={self.precision!r}"
@@ -713,6 +715,9 @@ class ModelNew(_TriMulLayers):
         return self.precision or _float32_matmul_precision_now()
 
     def forward(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
+        out = self._forward_planned(pair_repr, pair_mask)
+        if out is not None:
+            return out
         check_inputs(self, pair_repr, pair_mask)
         if not pair_repr.is_cuda:
             global _cpu_fallback_warned
@@ -739,6 +744,33 @@ class ModelNew(_TriMulLayers):
     def _fused_fits(self, mode: str) -> bool:
         return _fused_fits_now(self.pair_dim, self.hidden_dim, mode)
 
+    def _plan_key(self, pair_repr, pair_mask):
+        """Everything check_inputs and the path choice read, apart from the parameters (whose
+        changes clear the plans): equal keys get equal decisions and extension arguments."""
+        autocast = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda")
+        modules = self._modules
+        return (pair_repr.shape, pair_repr.dtype, pair_repr.device, pair_repr.stride(-1), pair_mask.shape,
+                pair_mask.dtype, pair_mask.device, self.precision or torch.get_float32_matmul_precision(),
+                autocast, self.kernel, self.direction, self.gate_input, modules["layer_norm_in"].eps,
+                modules["layer_norm_out"].eps)
+
+    def _forward_planned(self, pair_repr, pair_mask):
+        """A small forward's host path: a call whose signature was checked and planned before
+        goes straight to the extension (None: take the full path, which plans it)."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not self._plans:
+            return None
+        if not (isinstance(pair_repr, torch.Tensor) and isinstance(pair_mask, torch.Tensor)):
+            return None
+        plan = self._plans.get(self._plan_key(pair_repr, pair_mask))
+        if plan is None:
+            return None
+        mode, arguments = plan
+        weights, refreshed = self._prepared_weights_and_freshness(mode)
+        if refreshed:  # parameters changed (device, dtype...): check the call again
+            self._plans.clear()
+            return None
+        return _extension().forward(pair_repr, pair_mask, weights, *arguments)
+
     def refresh_weights(self) -> None:
         """Drops the kernel-layout copies of the weights. They refresh by themselves when a
         parameter is replaced or changed in place through autograd-tracked ops (optimizer steps,
@@ -747,14 +779,20 @@ class ModelNew(_TriMulLayers):
         self._weights_cache.clear()
 
     def _prepared_weights(self, mode: str):
+        return self._prepared_weights_and_freshness(mode)[0]
+
+    def _prepared_weights_and_freshness(self, mode: str):
+        """(prepared weights, whether they were just (re)made)."""
         params = _param_list_eager(self)
         version = [(p.data_ptr(), p._version) for p in params]
         cached = self._weights_cache.get(mode)
-        if cached is None or cached[0] != version:
-            cached = self._weights_cache[mode] = (version, prepare_weights(params, mode))
-        return cached[1]
+        if cached is not None and cached[0] == version:
+            return cached[1], False
+        cached = self._weights_cache[mode] = (version, prepare_weights(params, mode))
+        return cached[1], True
 
     def _forward_fused(self, pair_repr, pair_mask, mode, precision):
+        original = (pair_repr, pair_mask)
         variant = select_variant(self.kernel, _MODE_OPERAND[mode], precision, pair_repr.device).name
         if self.kernel == "auto":
             variant = "auto"  # the extension picks wgmma/mma, or folds it into the output pass
@@ -768,7 +806,12 @@ class ModelNew(_TriMulLayers):
             weights = prepare_weights(_param_list(self), mode)
             return fused_forward(pair_repr, pair_mask, weights, *options)
         # Eager: skip the dispatcher (its overhead is most of a small call) and reuse weights.
-        return _fused_call(pair_repr, pair_mask, self._prepared_weights(mode), *options)
+        out = _fused_call(pair_repr, pair_mask, self._prepared_weights(mode), *options)
+        if (not torch.is_grad_enabled() and variant not in _TORCH_BACKED
+                and pair_repr is original[0] and pair_mask is original[1]):
+            # This signature passed check_inputs and needs no copy or conversion: plan it.
+            self._plans[self._plan_key(pair_repr, pair_mask)] = (mode, (variant, _MODE_CODE[mode]) + options[2:])
+        return out
 
     def _gated_projection(self, x, proj, gate, mask):
         p = proj(x)
