@@ -201,6 +201,29 @@ def test_planned_calls_skip_checks_until_a_parameter_changes(monkeypatch):
     assert len(calls) == 1
 
 
+def test_plans_follow_the_global_precision_and_module_options():
+    """A plan is only reused for the same float32 matmul precision and module options."""
+    model = ti.ModelNew(16, 8).eval()  # precision None: follows torch.get_float32_matmul_precision()
+    pair, mask = torch.randn(1, 5, 5, 16), torch.ones(1, 5, 5, dtype=torch.bool)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        key = model._plan_key(pair, mask)
+        torch.set_float32_matmul_precision("high")
+        assert model._plan_key(pair, mask) != key
+        torch.set_float32_matmul_precision("highest")
+        assert model._plan_key(pair, mask) == key
+        model.kernel = "mma"
+        assert model._plan_key(pair, mask) != key
+        model.kernel = "auto"
+        assert model._plan_key(pair, mask) == key
+        assert model._plan_key(pair[:, :4, :4].contiguous(), mask[:, :4, :4]) != key
+        assert model._plan_key(pair.transpose(1, 2), mask) == key  # strides beyond C's are the kernels' business
+        assert model._plan_key(pair.half(), mask) != key
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 # ---- kernel sources, registry, build cache --------------------------------------------------------
 def test_every_registered_cuda_variant_has_a_kernel_file_and_description():
     sources = ti.kernel_sources(KERNEL_DIR)
