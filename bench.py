@@ -405,7 +405,7 @@ def main(argv=None) -> int:
     print(f"\n{command}\n{stamp} on {gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     save(rows, print_table(rows, ",".join(args.precision)))
     failed = [r for r in rows if r["status"] != "ok"]
-    return 1 if any(r["contender"].startswith("ModelNew") for r in failed) else 0
+    return 1 if any(r["contender"].startswith("new[") for r in failed) else 0
 
 
 if __name__ == "__main__":
