@@ -146,7 +146,7 @@ def contenders(args):
     if "new" in args.contenders:
         # auto at every precision; each named variant at the first precision whose operands it
         # takes (wgmma: bf16/fp16 only, so "medium").
-        for index, precision in enumerate(args.precision):
+        for precision in args.precision:
             for kernel in args.kernels:
                 if kernel != "auto" and precision != first_precision_taken(kernel, args.precision):
                     continue

@@ -591,14 +591,19 @@ def _round_to_tf32(t: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x1000) & -0x2000).view(torch.float32)
 
 
-def _fused_call(pair, mask, weights, variant, mode, incoming, gate_normalized, eps_in, eps_out):
-    args = (pair, mask, weights, variant, _MODE_CODE[mode], incoming, gate_normalized, eps_in,
-            eps_out)
+def _extension_arguments(variant, mode, incoming, gate_normalized, eps_in, eps_out):
+    """The extension's forward arguments after (pair, mask, weights)."""
+    return (variant, _MODE_CODE[mode], incoming, gate_normalized, eps_in, eps_out)
+
+
+def _fused_call(pair, mask, weights, *options):
+    arguments = _extension_arguments(*options)
+    variant, mode = options[:2]
     if variant not in VARIANTS or VARIANTS[variant].backend != "torch":
-        return _extension().forward(*args)
+        return _extension().forward(pair, mask, weights, *arguments)
     # The cuBLAS baseline reads the global setting: give it the one this mode stands for.
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "medium")):
-        return _extension().forward(*args)
+        return _extension().forward(pair, mask, weights, *arguments)
 
 
 @torch.library.custom_op("trimul_inline::fused_forward", mutates_args=())
@@ -750,7 +755,7 @@ class ModelNew(_TriMulLayers):
         autocast = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda")
         modules = self._modules
         return (pair_repr.shape, pair_repr.dtype, pair_repr.device, pair_repr.stride(-1), pair_mask.shape,
-                pair_mask.dtype, pair_mask.device, self.precision or torch.get_float32_matmul_precision(),
+                pair_mask.dtype, pair_mask.device, self.resolved_precision(),
                 autocast, self.kernel, self.direction, self.gate_input, modules["layer_norm_in"].eps,
                 modules["layer_norm_out"].eps)
 
@@ -810,7 +815,7 @@ class ModelNew(_TriMulLayers):
         if (not torch.is_grad_enabled() and variant not in _TORCH_BACKED
                 and pair_repr is original[0] and pair_mask is original[1]):
             # This signature passed check_inputs and needs no copy or conversion: plan it.
-            self._plans[self._plan_key(pair_repr, pair_mask)] = (mode, (variant, _MODE_CODE[mode]) + options[2:])
+            self._plans[self._plan_key(pair_repr, pair_mask)] = (mode, _extension_arguments(*options))
         return out
 
     def _gated_projection(self, x, proj, gate, mask):

@@ -58,10 +58,10 @@ def main(argv=None):
             forward = lambda: model(pair, mask)  # noqa: E731
             eager = per_call_us(forward, args.calls)
             gpu = graph_us(forward, args.calls)
-            mode = ti.compute_mode(pair.dtype, args.precision)
-            weights = model._prepared_weights(mode)
+            # The extension arguments the eager calls above planned for this signature.
+            mode, arguments = model._plans[model._plan_key(pair, mask)]
+            bare_args = (pair, mask, model._prepared_weights(mode)) + arguments
             ext = ti._extension()
-            bare_args = (pair, mask, weights, "auto", ti._MODE_CODE[mode], False, False, 1e-5, 1e-5)
             bare = per_call_us(lambda: ext.forward(*bare_args), args.calls)
             print(f"({batch},{n},{c},{h}): eager {eager:7.1f} us/call   GPU alone (graph) {gpu:6.1f}"
                   f"   bare extension call {bare:6.1f}")

@@ -75,15 +75,8 @@ constexpr int kSmemBytes = kStages * (Tile::BM + Tile::BN) * kSlabStride * 4;
 
 template <Mode M, typename TOut, bool PreRounded = false>
 cudaError_t launch_mode(const ContractArgs& args) {
-  auto kernel = contract_kernel<M, TOut, PreRounded>;
-  const cudaError_t status = fused::allow_smem<contract_kernel<M, TOut, PreRounded>>(kSmemBytes);
-  if (status != cudaSuccess) return status;
-  const dim3 grid(static_cast<unsigned>(ceil_div(args.m, Tile::BM) * ceil_div(args.n, Tile::BN)),
-                  batch_grid(args.batch));
-  kernel<<<grid, Tile::kThreads, kSmemBytes, args.stream>>>(
-      static_cast<const op_t<M>*>(args.a), static_cast<const op_t<M>*>(args.b),
-      static_cast<TOut*>(args.z), args.batch, args.m, args.n, args.k, args.lda, args.ldz);
-  return cudaGetLastError();
+  return fused::launch_contraction<contract_kernel<M, TOut, PreRounded>, op_t<M>, TOut, Tile::BM, Tile::BN>(
+      args, Tile::kThreads, kSmemBytes);
 }
 
 cudaError_t launch(const ContractArgs& args) {

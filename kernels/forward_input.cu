@@ -129,21 +129,13 @@ std::pair<bool, int64_t> choose(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
-  const auto choice = choose<M>(args);
-  if (choice.second == 0) return cudaErrorNotSupported;
-  return choice.first ? launch_tiles<kernel<M, TIn, Wide>, Wide>(args, args.n * args.ld, choice.second)
-                      : launch_tiles<kernel<M, TIn, Narrow>, Narrow>(args, args.n * args.ld, choice.second);
+  return launch_chosen<kernel<M, TIn, Wide>, Wide, kernel<M, TIn, Narrow>, Narrow>(args, choose<M>(args), args.n * args.ld);
 }
 
 }  // namespace input_pass
 
 int64_t input_pass_smem(const ForwardArgs& args) {
-  int64_t bytes = 0;
-  mma::dispatch_mode(args.mode, [&](auto mode) {
-    bytes = input_pass::choose<decltype(mode)::value>(args).second;
-    return cudaSuccess;
-  });
-  return bytes;
+  return fused::chosen_bytes(args, [&](auto mode) { return input_pass::choose<decltype(mode)::value>(args); });
 }
 
 cudaError_t launch_input_pass(const ForwardArgs& args) {

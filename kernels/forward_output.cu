@@ -246,21 +246,13 @@ std::pair<bool, int64_t> choose(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
-  const auto choice = choose<M>(args);
-  if (choice.second == 0) return cudaErrorNotSupported;
-  return choice.first ? launch_tiles<kernel<M, TIn, Wide>, Wide>(args, args.n * args.ldz, choice.second)
-                      : launch_tiles<kernel<M, TIn, Narrow>, Narrow>(args, args.n * args.ldz, choice.second);
+  return launch_chosen<kernel<M, TIn, Wide>, Wide, kernel<M, TIn, Narrow>, Narrow>(args, choose<M>(args), args.n * args.ldz);
 }
 
 }  // namespace output_pass
 
 int64_t output_pass_smem(const ForwardArgs& args) {
-  int64_t bytes = 0;
-  mma::dispatch_mode(args.mode, [&](auto mode) {
-    bytes = output_pass::choose<decltype(mode)::value>(args).second;
-    return cudaSuccess;
-  });
-  return bytes;
+  return fused::chosen_bytes(args, [&](auto mode) { return output_pass::choose<decltype(mode)::value>(args); });
 }
 
 cudaError_t launch_output_pass(const ForwardArgs& args) {

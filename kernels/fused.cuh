@@ -314,5 +314,36 @@ cudaError_t launch_tiles(const ForwardArgs& args, int64_t positions, int64_t sme
   return cudaGetLastError();
 }
 
+// Launches the tiling a pass's choose_tiling picked ({wide?, bytes}; bytes 0: none fits).
+template <auto WideKernel, class Wide, auto NarrowKernel, class Narrow>
+cudaError_t launch_chosen(const ForwardArgs& args, std::pair<bool, int64_t> choice, int64_t positions) {
+  if (choice.second == 0) return cudaErrorNotSupported;
+  return choice.first ? launch_tiles<WideKernel, Wide>(args, positions, choice.second)
+                      : launch_tiles<NarrowKernel, Narrow>(args, positions, choice.second);
+}
+
+// The shared memory `choose(mode tag)` picks for args.mode (0: none fits).
+template <typename Choose>
+int64_t chosen_bytes(const ForwardArgs& args, Choose&& choose) {
+  int64_t bytes = 0;
+  dispatch_mode(args.mode, [&](auto mode) {
+    bytes = choose(mode).second;
+    return cudaSuccess;
+  });
+  return bytes;
+}
+
+// Launches a contraction kernel (a, b, z, batch, m, n, k, lda, ldz) over BM x BN output tiles.
+template <auto Kernel, typename Op, typename TOut, int BM, int BN>
+cudaError_t launch_contraction(const ContractArgs& args, int threads, int64_t smem_bytes) {
+  const cudaError_t status = allow_smem<Kernel>(smem_bytes);
+  if (status != cudaSuccess) return status;
+  const dim3 grid(static_cast<unsigned>(ceil_div(args.m, BM) * ceil_div(args.n, BN)), batch_grid(args.batch));
+  Kernel<<<grid, threads, smem_bytes, args.stream>>>(static_cast<const Op*>(args.a), static_cast<const Op*>(args.b),
+                                                     static_cast<TOut*>(args.z), args.batch, args.m, args.n, args.k,
+                                                     args.lda, args.ldz);
+  return cudaGetLastError();
+}
+
 }  // namespace fused
 }  // namespace trimul

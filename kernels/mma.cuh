@@ -31,9 +31,6 @@ constexpr int kSlabBytes = 64;
 constexpr int kSlabWords = 16;
 constexpr int kSlabStride = kSlabWords + 4;
 
-template <Mode M>
-constexpr int slab_elems() { return kSlabBytes / static_cast<int>(sizeof(op_t<M>)); }
-
 // Row stride in words of a resident operand holding k_pad (a multiple of 32) values per row.
 template <Mode M>
 __host__ __device__ constexpr int resident_stride(int64_t k_pad) {
@@ -54,28 +51,22 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
   return r;
 }
 
+// INSTR: the mma.sync instruction with its shape and types (the fragment registers are the same).
+#define TRIMUL_MMA_16X8(INSTR)                                                                    \
+  asm volatile(INSTR " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                   \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                    \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+
 template <Mode M>
 __device__ __forceinline__ void mma_16x8(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (M == Mode::bf16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else if constexpr (M == Mode::f16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  if constexpr (M == Mode::bf16)
+    TRIMUL_MMA_16X8("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32");
+  else if constexpr (M == Mode::f16)
+    TRIMUL_MMA_16X8("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32");
+  else
+    TRIMUL_MMA_16X8("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32");
 }
+#undef TRIMUL_MMA_16X8
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint32_t* smem_row) {
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
