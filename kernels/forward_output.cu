@@ -28,6 +28,10 @@ struct Smem {
   }
 };
 
+// contract_tile's loads in flight per thread: kContractH h values x kContractBatch 16-byte vectors
+// of each of its two rows.
+constexpr int kContractBatch = 4, kContractH = 2;
+
 // z[h][m] for the tile's positions straight from a_t / b_t (fp32 FMA), for small N where a
 // separate contraction launch would cost more than this (see kFusedContractionMaxN).
 template <typename Op, class T>
@@ -38,7 +42,7 @@ __device__ void contract_tile(float* z_raw, const ForwardArgs& args, int64_t bat
   const Op* b_t = static_cast<const Op*>(args.b_t);
   // Loads for kH h values x kBatch vectors of each row are in flight at once (16 uint4 of
   // registers): each round of loads is a full L2 round trip, and a small problem is a chain of them.
-  constexpr int kBatch = 4, kH = 2;
+  constexpr int kBatch = kContractBatch, kH = kContractH;
   constexpr int kBatches = ceil_div(kFusedContractionMaxN, kBatch * kVec);
   constexpr int kStep = T::kThreads / T::BM;  // threads sharing a position, each its own h values
   const int m = threadIdx.x % T::BM;
@@ -308,18 +312,23 @@ std::pair<bool, int64_t> choose(const ForwardArgs& args) {
 }
 
 // Shared memory for contract_tile_staged behind a tile's `base` bytes: all H at once where that
-// fits, else as many whole h as fit (keeping two blocks per multiprocessor where base allowed two);
-// 0 (contract_tile, from registers) when z comes from a contraction launch or not even one h fits.
+// fits, else as many whole h as fit (keeping two blocks per multiprocessor where base allowed two).
+// 0 (contract_tile, from registers) when z comes from a contraction launch, or when the staged
+// path would take as many rounds of loads as the register path (each round is a full L2 latency).
 template <Mode M, class T>
 int64_t contract_stage_bytes(const ForwardArgs& args, int64_t base) {
   if (args.z != nullptr) return 0;
-  const int64_t row_stride = ceil_div(args.n * int64_t(sizeof(op_t<M>)), 16) * 16 + 16;
+  constexpr int64_t kVec = 16 / sizeof(op_t<M>);
+  const int64_t row_stride = ceil_div(args.n, kVec) * 16 + 16;
   const int64_t a_rows = std::min<int64_t>(args.n, T::BM / args.ldz + 2);  // distinct i in a tile
   const int64_t per_h = (a_rows + args.n) * row_stride;
   int64_t cap = max_smem_optin() - base;
   if (2 * base + 2048 <= max_smem_per_sm()) cap = std::min(cap, (max_smem_per_sm() - 2048) / 2 - base);
   const int64_t bytes = std::min(per_h * args.h, cap / per_h * per_h);
-  return bytes >= per_h ? bytes : 0;
+  if (bytes < per_h) return 0;
+  const int64_t staged_rounds = ceil_div(args.h, bytes / per_h);
+  const int64_t register_rounds = ceil_div(args.h, kContractH * (T::kThreads / T::BM)) * ceil_div(args.n, kContractBatch * kVec);
+  return staged_rounds < register_rounds ? bytes : 0;
 }
 
 template <Mode M, typename TIn, class T>
