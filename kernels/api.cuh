@@ -72,6 +72,9 @@ struct ForwardArgs {
   void* z;
   Dtype z_dtype;
   int64_t ldz;
+  // Shared memory the output pass's in-pass contraction (z == nullptr) stages a/b rows in; set by
+  // the launch code (0: it reads them straight from global memory).
+  int64_t contract_stage_bytes;
   void* out;              // [B, N, N, C] contiguous, pair_dtype
   cudaStream_t stream;
 };

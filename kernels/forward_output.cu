@@ -28,6 +28,10 @@ struct Smem {
   }
 };
 
+// contract_tile's loads in flight per thread: kContractH h values x kContractBatch 16-byte vectors
+// of each of its two rows.
+constexpr int kContractBatch = 4, kContractH = 2;
+
 // z[h][m] for the tile's positions straight from a_t / b_t (fp32 FMA), for small N where a
 // separate contraction launch would cost more than this (see kFusedContractionMaxN).
 template <typename Op, class T>
@@ -38,7 +42,7 @@ __device__ void contract_tile(float* z_raw, const ForwardArgs& args, int64_t bat
   const Op* b_t = static_cast<const Op*>(args.b_t);
   // Loads for kH h values x kBatch vectors of each row are in flight at once (16 uint4 of
   // registers): each round of loads is a full L2 round trip, and a small problem is a chain of them.
-  constexpr int kBatch = 4, kH = 2;
+  constexpr int kBatch = kContractBatch, kH = kContractH;
   constexpr int kBatches = ceil_div(kFusedContractionMaxN, kBatch * kVec);
   constexpr int kStep = T::kThreads / T::BM;  // threads sharing a position, each its own h values
   const int m = threadIdx.x % T::BM;
@@ -88,6 +92,66 @@ __device__ void contract_tile(float* z_raw, const ForwardArgs& args, int64_t bat
   }
 }
 
+// The same z[h][m] with the tile's a and b rows staged in shared memory first (cp.async, many h
+// at once): a tile's positions share few a rows (one per i) and its b rows (one per j), so the
+// block loads each row once instead of every thread walking its own rows a full L2 round trip at a
+// time. Rows are padded by 16 bytes so lanes reading consecutive b rows hit different banks.
+// `stage` holds args.contract_stage_bytes (>= one h's rows: the host checks).
+template <typename Op, class T>
+__device__ void contract_tile_staged(float* z_raw, uint8_t* stage, const ForwardArgs& args, int64_t batch,
+                                     int64_t q0) {
+  constexpr int kVec = 16 / sizeof(Op);
+  constexpr int kStep = T::kThreads / T::BM;  // threads sharing a position, each its own h values
+  const int n = static_cast<int>(args.n), ldz = static_cast<int>(args.ldz), hidden = static_cast<int>(args.h);
+  const int64_t plane = args.n * args.ld;
+  const int chunks = (n + kVec - 1) / kVec;  // 16-byte chunks per row (zeros past n up to ld)
+  const int row_stride = chunks * 16 + 16;
+  const int i_lo = static_cast<int>(q0 / ldz);
+  const int i_hi = min(n - 1, static_cast<int>((q0 + T::BM - 1) / ldz));
+  const int a_rows = i_hi - i_lo + 1, rows_per_h = a_rows + n;
+  const int group = static_cast<int>(args.contract_stage_bytes / (int64_t(rows_per_h) * row_stride));
+  const Op* a_t = static_cast<const Op*>(args.a_t) + batch * hidden * plane;
+  const Op* b_t = static_cast<const Op*>(args.b_t) + batch * hidden * plane;
+
+  const int m = threadIdx.x % T::BM, part = threadIdx.x / T::BM;
+  const uint32_t q = static_cast<uint32_t>(q0 + m);
+  const uint32_t i = q / static_cast<uint32_t>(ldz), j = q - i * static_cast<uint32_t>(ldz);
+  const bool valid = i < static_cast<uint32_t>(n) && j < static_cast<uint32_t>(n);
+  const int a_off = valid ? (static_cast<int>(i) - i_lo) * row_stride : 0;
+  const int b_off = valid ? (a_rows + static_cast<int>(j)) * row_stride : 0;
+  for (int h0 = 0; h0 < hidden; h0 += group) {
+    const int hs = min(group, hidden - h0);
+    const int per_h = rows_per_h * chunks;
+    for (int c = threadIdx.x; c < hs * per_h; c += T::kThreads) {
+      const int hh = c / per_h, rem = c - hh * per_h;
+      const int r = rem / chunks, ch = rem - r * chunks;
+      const Op* src = (r < a_rows ? a_t + int64_t(i_lo + r) * args.ld : b_t + int64_t(r - a_rows) * args.ld) +
+                      (h0 + hh) * plane + ch * kVec;
+      cp_async16(stage + (hh * rows_per_h + r) * row_stride + ch * 16, src, true);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    for (int hh = part; hh < hs; hh += kStep) {
+      float sum = 0.f;
+      if (valid) {
+        const uint8_t* base = stage + hh * rows_per_h * row_stride;
+        const uint4* a_row = reinterpret_cast<const uint4*>(base + a_off);
+        const uint4* b_row = reinterpret_cast<const uint4*>(base + b_off);
+        for (int v = 0; v < chunks; ++v) {
+          const uint4 av = a_row[v], bv = b_row[v];
+          const Op* ae = reinterpret_cast<const Op*>(&av);
+          const Op* be = reinterpret_cast<const Op*>(&bv);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) sum = fmaf(to_float(ae[e]), to_float(be[e]), sum);
+        }
+      }
+      z_raw[(h0 + hh) * T::BM + m] = sum;
+    }
+    __syncthreads();  // the next group's rows overwrite the stage
+  }
+}
+
 // A block owns BM consecutive positions q = i * ldz + j of one batch's z plane, so z rows load as
 // contiguous runs and small N packs several output rows i into one tile.
 // Two blocks per multiprocessor (one stages while the other multiplies): <= 128 registers.
@@ -104,6 +168,7 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
   float* partial = reinterpret_cast<float*>(stages + kStages * T::BN * kSlabStride);
   int64_t* row_off = reinterpret_cast<int64_t*>(partial + 2 * kParts * T::BM);
   int64_t* out_row = row_off + T::BM;  // element offset of each position's output row
+  uint8_t* contract_stage = reinterpret_cast<uint8_t*>(out_row + T::BM);  // args.contract_stage_bytes
 
   const int64_t n = args.n, hidden = args.h, plane = n * args.ldz;
   const int64_t q0 = (blockIdx.x % q_tiles) * T::BM;
@@ -146,6 +211,8 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
     }
     if (args.z != nullptr) {
       cp_async_wait<kStages - 1>();  // the z group, not the weights behind it
+    } else if (args.contract_stage_bytes > 0) {
+      contract_tile_staged<op_t<M>, T>(z_raw, contract_stage, args, batch, q0);
     } else {
       contract_tile<op_t<M>, T>(z_raw, args, batch, q0);
     }
@@ -244,9 +311,39 @@ std::pair<bool, int64_t> choose(const ForwardArgs& args) {
                       args.batch * ceil_div(args.n * args.ldz, Wide::BM));
 }
 
+// Shared memory for contract_tile_staged behind a tile's `base` bytes: all H at once where that
+// fits, else as many whole h as fit (keeping two blocks per multiprocessor where base allowed two).
+// 0 (contract_tile, from registers) when z comes from a contraction launch, or when the staged
+// path would take as many rounds of loads as the register path (each round is a full L2 latency).
+template <Mode M, class T>
+int64_t contract_stage_bytes(const ForwardArgs& args, int64_t base) {
+  if (args.z != nullptr) return 0;
+  constexpr int64_t kVec = 16 / sizeof(op_t<M>);
+  const int64_t row_stride = ceil_div(args.n, kVec) * 16 + 16;
+  const int64_t a_rows = std::min<int64_t>(args.n, T::BM / args.ldz + 2);  // distinct i in a tile
+  const int64_t per_h = (a_rows + args.n) * row_stride;
+  int64_t cap = max_smem_optin() - base;
+  if (2 * base + 2048 <= max_smem_per_sm()) cap = std::min(cap, (max_smem_per_sm() - 2048) / 2 - base);
+  const int64_t bytes = std::min(per_h * args.h, cap / per_h * per_h);
+  if (bytes < per_h) return 0;
+  const int64_t staged_rounds = ceil_div(args.h, bytes / per_h);
+  const int64_t register_rounds = ceil_div(args.h, kContractH * (T::kThreads / T::BM)) * ceil_div(args.n, kContractBatch * kVec);
+  return staged_rounds < register_rounds ? bytes : 0;
+}
+
+template <Mode M, typename TIn, class T>
+cudaError_t launch_tiling(const ForwardArgs& args, int64_t base) {
+  ForwardArgs staged = args;
+  staged.contract_stage_bytes = contract_stage_bytes<M, T>(args, base);
+  return launch_tiles<kernel<M, TIn, T>, T>(staged, args.n * args.ldz, base + staged.contract_stage_bytes);
+}
+
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
-  return launch_chosen<kernel<M, TIn, Wide>, Wide, kernel<M, TIn, Narrow>, Narrow>(args, choose<M>(args), args.n * args.ldz);
+  const auto choice = choose<M>(args);
+  if (choice.second == 0) return cudaErrorNotSupported;
+  return choice.first ? launch_tiling<M, TIn, Wide>(args, choice.second)
+                      : launch_tiling<M, TIn, Narrow>(args, choice.second);
 }
 
 }  // namespace output_pass
