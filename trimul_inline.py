@@ -551,25 +551,28 @@ def _param_list_eager(layers: "_TriMulLayers"):
 
 def prepare_weights(params, mode: str):
     """The layout the fused kernels stream: fp32 norms and biases; weights in the operand type,
-    k padded to 32 and rows to 128 with zeros; proj/gate rows interleaved (2h = proj, 2h+1 = gate)
-    so each thread's accumulator pair holds both halves of one gated output."""
+    k padded to 32 and rows to 128 with zeros; proj/gate rows in groups of 16 (rows 16g + e = proj
+    and 16g + 8 + e = gate of h = 8g + e), so the input pass's mma fragment rows g and g + 8 hold
+    both halves of one gated output."""
     (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
      out_w, out_b, gate_w, gate_b) = [p.detach() for p in params]
     hidden, pair_dim = pa_w.shape
     c_pad, h_pad, rows_ab = _round_up(pair_dim, 32), _round_up(hidden, 32), _round_up(2 * hidden, 128)
     f32 = dict(device=pa_w.device, dtype=torch.float32)
 
-    def interleaved(proj_w, proj_b, gate_w_, gate_b_):
+    def grouped(proj_w, proj_b, gate_w_, gate_b_):
         w = torch.zeros(rows_ab, c_pad, **f32)
         b = torch.zeros(rows_ab, **f32)
-        w[0:2 * hidden:2, :pair_dim] = proj_w
-        w[1:2 * hidden:2, :pair_dim] = gate_w_
-        b[0:2 * hidden:2] = proj_b
-        b[1:2 * hidden:2] = gate_b_
+        h = torch.arange(hidden, device=pa_w.device)
+        proj_rows = 16 * (h // 8) + h % 8
+        w[proj_rows, :pair_dim] = proj_w.float()
+        w[proj_rows + 8, :pair_dim] = gate_w_.float()
+        b[proj_rows] = proj_b.float()
+        b[proj_rows + 8] = gate_b_.float()
         return w, b
 
-    wa, ba = interleaved(pa_w, pa_b, ga_w, ga_b)
-    wb, bb = interleaved(pb_w, pb_b, gb_w, gb_b)
+    wa, ba = grouped(pa_w, pa_b, ga_w, ga_b)
+    wb, bb = grouped(pb_w, pb_b, gb_w, gb_b)
     rows_c = _round_up(pair_dim, 128)
     w_gate = torch.zeros(rows_c, c_pad, **f32)
     w_gate[:pair_dim, :pair_dim] = gate_w

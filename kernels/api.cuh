@@ -56,7 +56,7 @@ struct ForwardArgs {
   const float* ln_in_b;
   const float* ln_out_w;  // [H]
   const float* ln_out_b;
-  const void* w_in;       // [2 * rows_ab, c_pad]: per half, rows 2h / 2h+1 = proj / gate of h
+  const void* w_in;       // [2 * rows_ab, c_pad]: per half, rows 16g+e / 16g+8+e = proj / gate of h = 8g+e
   const float* b_in;      // [2 * rows_ab] in the same order
   int64_t rows_ab;        // round_up(2H, 128)
   const void* w_gate;     // [round_up(C, 128), c_pad] out_gate

@@ -8,19 +8,31 @@ namespace input_pass {
 using namespace ::trimul::mma;
 using namespace ::trimul::fused;
 
-// Pair rows stay resident (LayerNorm-ed) while the interleaved proj/gate weights stream past in
-// chunks of BN columns (BN/2 hidden channels).
-using Wide = Tiling<4, 2, 2, 8>;    // BM 128, BN 128
-using Narrow = Tiling<2, 4, 2, 4>;  // BM 64, BN 128: for fp32 operands with a wide pair_dim
+// Pair rows stay resident (LayerNorm-ed) while the grouped proj/gate weights stream past in chunks
+// of BN rows (BN/2 hidden channels). The weights are the mma's A operand, so each thread's
+// accumulators hold (proj, gate) of one h at two adjacent positions: the gated pair goes straight
+// to a_t / b_t as one 4- or 8-byte store, with no shared-memory staging or copy-out.
+using Wide = SwappedTiling<2, 4, 4, 4>;    // 128 positions, 128 weight rows (64 h) per chunk
+using Narrow = SwappedTiling<4, 2, 2, 4>;  // 64 positions: for small problems and wide pair_dim
 
 template <Mode M, class T>
 struct Smem {
-  static constexpr int kOutStride = T::BM + 16 / static_cast<int>(sizeof(op_t<M>));
   static int64_t bytes(int64_t c_pad) {
-    return int64_t(T::BM) * resident_stride<M>(c_pad) * 4 + int64_t(kStages) * T::BN * kSlabStride * 4 +
-           int64_t(T::BN / 2) * kOutStride * sizeof(op_t<M>) + T::BM * 4 + T::BM * 8;
+    return int64_t(T::BM) * resident_stride<M>(c_pad) * 4 + int64_t(kStages) * T::BN * kSlabStride * 4 + T::BM * 4 +
+           T::BM * 8;
   }
 };
+
+// Two adjacent operand values (the destination is aligned for both: positions are even).
+template <Mode M>
+__device__ __forceinline__ void store_operand_pair(op_t<M>* dst, float v0, float v1) {
+  if constexpr (M == Mode::bf16)
+    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v0, v1);
+  else if constexpr (M == Mode::f16)
+    *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(v0, v1);
+  else
+    *reinterpret_cast<float2*>(dst) = make_float2(to_operand<M>(v0), to_operand<M>(v1));
+}
 
 // A block owns BM consecutive positions p of one batch's flattened [N, ld] operand plane
 // (f = p / ld, k = p % ld), so each h row of its output is one contiguous run of a_t / b_t and
@@ -30,13 +42,11 @@ template <Mode M, typename TIn, class T>
 __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args, int64_t p_tiles) {
   using Op = op_t<M>;
   constexpr bool kRounded = M == Mode::tf32;  // operands written as TF32 values already
-  constexpr int kOutStride = Smem<M, T>::kOutStride;
   extern __shared__ __align__(16) uint32_t smem[];
   const int a_stride = resident_stride<M>(args.c_pad);
   uint32_t* a_res = smem;
   uint32_t* stages = a_res + T::BM * a_stride;
-  Op* out_stage = reinterpret_cast<Op*>(stages + kStages * T::BN * kSlabStride);
-  float* mask_v = reinterpret_cast<float*>(out_stage + (T::BN / 2) * kOutStride);
+  float* mask_v = reinterpret_cast<float*>(stages + kStages * T::BN * kSlabStride);
   int64_t* row_off = reinterpret_cast<int64_t*>(mask_v + T::BM);
 
   const int64_t n = args.n, plane = n * args.ld;
@@ -71,50 +81,48 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
   // (the stream's first next() synchronises before anyone reads a_res)
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int wm = warp / T::WN, wn = warp % T::WN, g = lane >> 2, t = lane & 3;
+  const int ws = warp / T::WR, wr = warp % T::WR, g = lane >> 2, t = lane & 3;
+  // This thread's positions: 2t, 2t + 1 of each n8 tile. Positions with k in [n, ld) get zeros
+  // (their mask is 0): the contraction reads whole k-slabs.
+  float mask_r[T::NT][2];
+  bool in_plane[T::NT];
+#pragma unroll
+  for (int ni = 0; ni < T::NT; ++ni) {
+    const int m = wr * T::NT * 8 + ni * 8 + 2 * t;
+    mask_r[ni][0] = mask_v[m];
+    mask_r[ni][1] = mask_v[m + 1];
+    in_plane[ni] = p0 + m < plane;  // plane is even, so the pair is wholly in or out
+  }
   const int chunks_per_half = chunks / 2;
-  constexpr int kVec = 16 / sizeof(Op);
-  constexpr int kVecsPerRow = T::BM / kVec;
-
   for (int chunk = 0; chunk < chunks; ++chunk) {
     const int half = chunk / chunks_per_half;  // 0: a, 1: b
     const int64_t w_row0 = int64_t(chunk) * T::BN;
+    const int64_t h_chunk = (w_row0 - half * args.rows_ab) / 2;  // 16 weight rows hold 8 h
     float acc[T::MT][T::NT][4];
-    gemm_streamed<M, T, kRounded>(acc, a_res, a_stride, k_slabs, stream);
-    // Columns come in (proj, gate) pairs, so each thread holds both halves of its outputs. The
-    // previous chunk's copy-out finished before this product's first slab synchronised. Mask
-    // values are read into registers first: out_stage's stores would otherwise force a reload
-    // of them (both live in shared memory) for every output.
 #pragma unroll
     for (int mi = 0; mi < T::MT; ++mi) {
-      const int m0 = wm * T::MT * 16 + mi * 16 + g;
-      const float mask_lo = mask_v[m0], mask_hi = mask_v[m0 + 8];
+      const int64_t r = w_row0 + ws * T::MT * 16 + mi * 16 + g;
+      const float proj_bias = args.b_in[r], gate_bias = args.b_in[r + 8];
 #pragma unroll
       for (int ni = 0; ni < T::NT; ++ni) {
-        const int col = wn * T::NT * 8 + ni * 8 + 2 * t;
-        const float2 bias = *reinterpret_cast<const float2*>(args.b_in + w_row0 + col);  // (proj, gate)
-        const float lo = (acc[mi][ni][0] + bias.x) * gate_sigmoid<M>(acc[mi][ni][1] + bias.y) * mask_lo;
-        const float hi = (acc[mi][ni][2] + bias.x) * gate_sigmoid<M>(acc[mi][ni][3] + bias.y) * mask_hi;
-        out_stage[(col / 2) * kOutStride + m0] = to_operand<M>(lo);
-        out_stage[(col / 2) * kOutStride + m0 + 8] = to_operand<M>(hi);
+        acc[mi][ni][0] = acc[mi][ni][1] = proj_bias;
+        acc[mi][ni][2] = acc[mi][ni][3] = gate_bias;
       }
     }
-    __syncthreads();
-    // Positions with k in [n, ld) get zeros (their mask is 0): the contraction reads whole k-slabs.
-    // Each thread copies one fixed 16-byte column v of out_stage down the rows r, so the
-    // destination pointer only steps by one plane per row.
-    constexpr int kRowsPerPass = T::kThreads / kVecsPerRow;
-    static_assert(T::kThreads % kVecsPerRow == 0 && (T::BN / 2) % kRowsPerPass == 0, "copy-out covers the tile");
-    const int v = threadIdx.x % kVecsPerRow, r0 = threadIdx.x / kVecsPerRow;
-    const int64_t h0 = (w_row0 - half * args.rows_ab) / 2 + r0;
-    const int64_t p = p0 + v * kVec;
-    if (p < plane) {
-      Op* dst = static_cast<Op*>(half ? args.b_t : args.a_t) + (batch * args.h + h0) * plane + p;
-      const int64_t rows_left = args.h - (h0 - r0);  // rows r < this exist
-      const int rows = rows_left < T::BN / 2 ? static_cast<int>(rows_left) : T::BN / 2;
-#pragma unroll 4
-      for (int r = r0; r < rows; r += kRowsPerPass, dst += kRowsPerPass * plane)
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(out_stage + r * kOutStride + v * kVec);
+    gemm_streamed_swapped<M, T, kRounded>(acc, a_res, a_stride, k_slabs, stream);
+    Op* out = static_cast<Op*>(half ? args.b_t : args.a_t) + batch * args.h * plane + p0;
+#pragma unroll
+    for (int mi = 0; mi < T::MT; ++mi) {
+      const int64_t h = h_chunk + (ws * T::MT + mi) * 8 + g;
+      if (h >= args.h) continue;
+      Op* row = out + h * plane;
+#pragma unroll
+      for (int ni = 0; ni < T::NT; ++ni) {
+        if (!in_plane[ni]) continue;
+        const float v0 = acc[mi][ni][0] * gate_sigmoid<M>(acc[mi][ni][2]) * mask_r[ni][0];
+        const float v1 = acc[mi][ni][1] * gate_sigmoid<M>(acc[mi][ni][3]) * mask_r[ni][1];
+        store_operand_pair<M>(row + wr * T::NT * 8 + ni * 8 + 2 * t, v0, v1);
+      }
     }
   }
   stream.drain();

@@ -139,22 +139,28 @@ __device__ __forceinline__ void store_operands(uint32_t* row, int col, const flo
   }
 }
 
-// VECS 16-byte vectors per lane cover a row (C <= 32 * VECS * vec_elems). A vector is wholly
-// inside C or wholly past it (C is a multiple of the vector), so guards are per vector, and the
-// LayerNorm weights each lane needs are the same for every row: loaded once.
+// A row is shared by 2^lanes_log2 lanes of a warp (32 >> lanes_log2 rows side by side), each lane
+// holding VECS 16-byte vectors of it (lane s of a row takes vectors s, s + L, s + 2L, ...: each load
+// instruction reads whole runs of a row). A vector is wholly inside C or wholly past it (C is a
+// multiple of the vector), so guards are per vector, and the LayerNorm weights each lane needs
+// are the same for every row: loaded once. Few lanes per row keep the statistics' shuffle
+// reductions short (log2 L steps instead of 5 per row).
 template <Mode M, typename TIn, int WARPS, int VECS>
 __device__ void stage_rows_vec(uint32_t* a_res, int a_stride, const TIn* __restrict__ pair,
                                const int64_t* row_off, int rows, int c, int c_pad,
-                               const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps) {
+                               const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps,
+                               int lanes_log2) {
   constexpr int V = vec_elems<TIn>();
-  constexpr int kGroup = VECS >= 8 ? 1 : 8 / VECS;  // rows in flight per warp: 8 vectors per lane
-  constexpr bool kHoist = VECS * V <= 8;            // LayerNorm weights in registers when small
+  constexpr int kGroup = VECS >= 8 ? 1 : 8 / VECS;  // rows in flight per lane: 8 vectors per lane
+  constexpr bool kHoist = VECS * V <= 16;           // LayerNorm weights in registers when small
+  const int L = 1 << lanes_log2, slots = 32 >> lanes_log2;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int sub = lane & (L - 1), slot = lane >> lanes_log2;
   bool in_c[VECS];
   float w[kHoist ? VECS : 1][V], b[kHoist ? VECS : 1][V];
 #pragma unroll
   for (int l = 0; l < VECS; ++l) {
-    const int q = (l * 32 + lane) * V;
+    const int q = (l * L + sub) * V;
     in_c[l] = q < c;
     if constexpr (kHoist) {
 #pragma unroll
@@ -164,31 +170,32 @@ __device__ void stage_rows_vec(uint32_t* a_res, int a_stride, const TIn* __restr
       }
     }
   }
-  for (int m0 = warp * kGroup; m0 < rows; m0 += WARPS * kGroup) {
+  const int step = WARPS * kGroup * slots;
+  for (int m0 = warp * kGroup * slots; m0 < rows; m0 += step) {
     uint4 raw[kGroup][VECS];
+    int64_t off[kGroup];
 #pragma unroll
     for (int r = 0; r < kGroup; ++r) {
-      const int m = m0 + r;
-      const int64_t off = m < rows ? row_off[m] : -1;
+      const int m = m0 + r * slots + slot;
+      off[r] = m < rows ? row_off[m] : -1;
 #pragma unroll
       for (int l = 0; l < VECS; ++l)
-        raw[r][l] = (off >= 0 && in_c[l]) ? *reinterpret_cast<const uint4*>(pair + off + (l * 32 + lane) * V)
-                                          : make_uint4(0, 0, 0, 0);
+        raw[r][l] = (off[r] >= 0 && in_c[l]) ? *reinterpret_cast<const uint4*>(pair + off[r] + (l * L + sub) * V)
+                                             : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int r = 0; r < kGroup; ++r) {
-      const int m = m0 + r;
-      if (m >= rows) break;
-      uint32_t* dst = a_res + m * a_stride;
+      // Every lane takes part in the shuffles, whether or not its row exists.
+      const int m = m0 + r * slots + slot;
       float x[VECS][V];
 #pragma unroll
       for (int l = 0; l < VECS; ++l)
 #pragma unroll
         for (int e = 0; e < V; ++e) x[l][e] = to_float(reinterpret_cast<const TIn*>(&raw[r][l])[e]);
-      const bool valid = row_off[m] >= 0;
+      const bool valid = off[r] >= 0;
       float mean = 0.f, rstd = 1.f;
-      if (ln_w != nullptr && valid) {
-        const float shift = __shfl_sync(0xffffffffu, x[0][0], 0);
+      if (ln_w != nullptr) {
+        const float shift = __shfl_sync(0xffffffffu, x[0][0], slot << lanes_log2);
         float sum = 0.f, sum_sq = 0.f;
 #pragma unroll
         for (int l = 0; l < VECS; ++l)
@@ -198,13 +205,19 @@ __device__ void stage_rows_vec(uint32_t* a_res, int a_stride, const TIn* __restr
             sum += d;
             sum_sq += d * d;
           }
-        const float2 stats = shifted_stats(shift, warp_sum(sum), warp_sum(sum_sq), c, eps);
+        for (int offset = L >> 1; offset > 0; offset >>= 1) {
+          sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+          sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
+        }
+        const float2 stats = shifted_stats(shift, sum, sum_sq, c, eps);
         mean = stats.x;
         rstd = stats.y;
       }
+      if (m >= rows) continue;
+      uint32_t* dst = a_res + m * a_stride;
 #pragma unroll
       for (int l = 0; l < VECS; ++l) {
-        const int q = (l * 32 + lane) * V;
+        const int q = (l * L + sub) * V;
         if (q >= c_pad) break;
         float y[V];
 #pragma unroll
@@ -229,15 +242,20 @@ template <Mode M, typename TIn, int WARPS>
 __device__ void stage_rows(bool vectorized, uint32_t* a_res, int a_stride, const TIn* __restrict__ pair,
                            const int64_t* row_off, int rows, int c, int c_pad,
                            const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps) {
-  const int vectors = static_cast<int>(ceil_div(c, 32 * vec_elems<TIn>()));
-  if (vectorized && vectors == 1)
-    stage_rows_vec<M, TIn, WARPS, 1>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps);
-  else if (vectorized && vectors == 2)
-    stage_rows_vec<M, TIn, WARPS, 2>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps);
-  else if (vectorized && vectors == 3)
-    stage_rows_vec<M, TIn, WARPS, 3>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps);
-  else if (vectorized && vectors == 4)
-    stage_rows_vec<M, TIn, WARPS, 4>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps);
+  // L = the smallest power of two lanes per row with at most 4 vectors each, covering c_pad (the
+  // padding is written as zeros); a row has at most 128 vectors (rows_vectorizable).
+  const int vectors = c_pad / vec_elems<TIn>();
+  int lanes_log2 = 0;
+  while ((4 << lanes_log2) < vectors) ++lanes_log2;
+  const int per_lane = static_cast<int>(ceil_div(vectors, 1 << lanes_log2));
+  if (vectorized && per_lane == 1)
+    stage_rows_vec<M, TIn, WARPS, 1>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2);
+  else if (vectorized && per_lane == 2)
+    stage_rows_vec<M, TIn, WARPS, 2>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2);
+  else if (vectorized && per_lane == 3)
+    stage_rows_vec<M, TIn, WARPS, 3>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2);
+  else if (vectorized && per_lane == 4)
+    stage_rows_vec<M, TIn, WARPS, 4>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2);
   else
     stage_rows_scalar<M, TIn, WARPS>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps);
 }

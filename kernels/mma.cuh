@@ -45,6 +45,17 @@ struct Tiling {
   static constexpr int BM = WM * MT * 16, BN = WN * NT * 8;
 };
 
+// The same product with the operands' roles swapped: the streamed rows are the mma's A operand (m16
+// tiles) and the resident rows its B (n8 tiles), so a thread's accumulators hold two adjacent
+// resident rows (positions) of one streamed row: WS x WR warps, each MT m16 tiles of streamed rows
+// and NT n8 tiles of resident rows. BM / BN keep their meaning (resident / streamed rows).
+template <int WS_, int WR_, int MT_, int NT_>
+struct SwappedTiling {
+  static constexpr int WS = WS_, WR = WR_, MT = MT_, NT = NT_;
+  static constexpr int kWarps = WS * WR, kThreads = 32 * kWarps;
+  static constexpr int BM = WR * NT * 8, BN = WS * MT * 16;
+};
+
 __device__ __forceinline__ uint32_t to_tf32(float x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
@@ -296,6 +307,20 @@ __device__ __forceinline__ void gemm_streamed(float (&acc)[T::MT][T::NT][4], con
     const uint32_t* b_warp = stream.next() + (wn * T::NT * 8) * kSlabStride;
     warp_slab<M, T::MT, T::NT, PreRounded>(acc, a_warp + slab * kSlabWords, a_stride, b_warp, kSlabStride,
                                            lane);
+  }
+}
+
+// acc += (the stream's next k_slabs slabs) * Res[BM, k_slabs slabs]^T for a SwappedTiling T: the
+// caller initialises acc (e.g. with the streamed rows' biases).
+template <Mode M, class T, bool PreRounded, class Stream>
+__device__ __forceinline__ void gemm_streamed_swapped(float (&acc)[T::MT][T::NT][4], const uint32_t* res,
+                                                      int res_stride, int k_slabs, Stream& stream) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int ws = warp / T::WR, wr = warp % T::WR;
+  const uint32_t* b_warp = res + (wr * T::NT * 8) * res_stride;
+  for (int slab = 0; slab < k_slabs; ++slab) {
+    const uint32_t* a_warp = stream.next() + (ws * T::MT * 16) * kSlabStride;
+    warp_slab<M, T::MT, T::NT, PreRounded>(acc, a_warp, kSlabStride, b_warp + slab * kSlabWords, res_stride, lane);
   }
 }
 
