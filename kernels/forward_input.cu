@@ -2,6 +2,8 @@
 // writing a_t / b_t straight into the contraction's [B*H, N, ld] layout (both directions).
 #include "fused.cuh"
 
+#include <algorithm>
+
 namespace trimul {
 namespace input_pass {
 
@@ -128,6 +130,145 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
   stream.drain();
 }
 
+// ---- Resident weights (16-bit operands, weights that fit in shared memory) -----------------------
+// One block per multiprocessor holds all proj/gate weights for the whole pass; each warp works
+// alone on tiles of 32 positions (stage + LayerNorm its rows, multiply, store), so there is no
+// weight stream, no block barrier after the weights are in, and warps that wait for their rows
+// overlap with warps that multiply.
+namespace resident {
+
+constexpr int kWarps = 8, kThreads = 32 * kWarps;
+constexpr int kRows = 32;        // positions per warp tile (4 n8 tiles)
+constexpr int kChunkRows = 64;   // weight rows per product (4 m16 tiles, 32 h)
+
+// Weight rows kept per half (a / b): the grouped rows that hold h < H, rounded to whole chunks.
+__host__ __device__ inline int64_t half_rows(int64_t hidden) { return ceil_div(2 * hidden, kChunkRows) * kChunkRows; }
+
+template <Mode M>
+int64_t bytes(const ForwardArgs& args) {
+  const int64_t rows = 2 * half_rows(args.h), stride = resident_stride<M>(args.c_pad);
+  return 4 * (rows * stride + rows + kWarps * (64 + 32 + kRows * stride));
+}
+
+template <Mode M, typename TIn>
+__global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, int64_t tiles_per_batch) {
+  using Op = op_t<M>;
+  extern __shared__ __align__(16) uint32_t smem[];
+  const int stride = resident_stride<M>(args.c_pad);
+  const int half = static_cast<int>(half_rows(args.h));
+  uint32_t* weights = smem;  // rows [0, half): a's, [half, 2 half): b's
+  float* bias = reinterpret_cast<float*>(weights + 2 * half * stride);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint32_t* own = reinterpret_cast<uint32_t*>(bias + 2 * half) + warp * (96 + kRows * stride);
+  int64_t* row_off = reinterpret_cast<int64_t*>(own);
+  float* mask_v = reinterpret_cast<float*>(own + 64);
+  uint32_t* rows = own + 96;
+
+  {
+    const int row_bytes = static_cast<int>(args.c_pad * sizeof(Op)), vectors = row_bytes / 16;
+    const char* w_in = static_cast<const char*>(args.w_in);
+    for (int i = threadIdx.x; i < 2 * half * vectors; i += kThreads) {
+      const int r = i / vectors, v = i - r * vectors;
+      const int64_t src = r < half ? r : r - half + args.rows_ab;
+      cp_async16(weights + r * stride + v * 4, w_in + src * row_bytes + v * 16, true);
+    }
+    cp_async_commit();
+    for (int r = threadIdx.x; r < 2 * half; r += kThreads) bias[r] = args.b_in[r < half ? r : r - half + args.rows_ab];
+    cp_async_wait<0>();
+    __syncthreads();
+  }
+
+  const int64_t n = args.n, plane = n * args.ld, tiles = args.batch * tiles_per_batch;
+  const int g = lane >> 2, t = lane & 3;
+  const int chunks = 2 * half / kChunkRows;
+  const int k_slabs = static_cast<int>(args.c_pad * static_cast<int64_t>(sizeof(Op)) / kSlabBytes);
+  const bool vectorized = rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair);
+  for (int64_t tile = int64_t(blockIdx.x) * kWarps + warp; tile < tiles; tile += int64_t(gridDim.x) * kWarps) {
+    const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kRows;
+    {
+      const int64_t p = p0 + lane;  // plane < 2^32 (checked at launch)
+      const uint32_t f = static_cast<uint32_t>(p) / static_cast<uint32_t>(args.ld);
+      const uint32_t k = static_cast<uint32_t>(p) - f * static_cast<uint32_t>(args.ld);
+      const int64_t row = args.incoming ? k : f, col = args.incoming ? f : k;
+      const bool valid = p < plane && k < n;
+      row_off[lane] = valid ? batch * args.pair_sb + row * args.pair_sr + col * args.pair_sc : -1;
+      mask_v[lane] = valid ? load_mask(args.mask, args.mask_kind,
+                                       batch * args.mask_sb + row * args.mask_sr + col * args.mask_sc)
+                           : 0.f;
+    }
+    __syncwarp();
+    stage_rows<M, TIn, 1>(vectorized, rows, stride, static_cast<const TIn*>(args.pair), row_off, kRows,
+                          static_cast<int>(args.c), static_cast<int>(args.c_pad), args.ln_in_w, args.ln_in_b,
+                          args.eps_in, 0);
+    __syncwarp();
+    float mask_r[4][2];
+    bool in_plane[4];
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+      const int m = ni * 8 + 2 * t;
+      mask_r[ni][0] = mask_v[m];
+      mask_r[ni][1] = mask_v[m + 1];
+      in_plane[ni] = p0 + m < plane;
+    }
+    for (int chunk = 0; chunk < chunks; ++chunk) {
+      const int r0 = chunk * kChunkRows;
+      const int second = r0 >= half;  // b's weights
+      const int64_t h_chunk = (r0 - second * half) / 2;
+      float acc[4][4][4];
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+        const float proj_bias = bias[r0 + mi * 16 + g], gate_bias = bias[r0 + mi * 16 + g + 8];
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) {
+          acc[mi][ni][0] = acc[mi][ni][1] = proj_bias;
+          acc[mi][ni][2] = acc[mi][ni][3] = gate_bias;
+        }
+      }
+      for (int slab = 0; slab < k_slabs; ++slab)
+        warp_slab<M, 4, 4>(acc, weights + r0 * stride + slab * kSlabWords, stride, rows + slab * kSlabWords, stride,
+                           lane);
+      Op* out = static_cast<Op*>(second ? args.b_t : args.a_t) + batch * args.h * plane + p0;
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+        const int64_t h = h_chunk + mi * 8 + g;
+        if (h >= args.h) continue;
+        Op* row = out + h * plane;
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) {
+          if (!in_plane[ni]) continue;
+          const float v0 = acc[mi][ni][0] * gate_sigmoid<M>(acc[mi][ni][2]) * mask_r[ni][0];
+          const float v1 = acc[mi][ni][1] * gate_sigmoid<M>(acc[mi][ni][3]) * mask_r[ni][1];
+          store_operand_pair<M>(row + ni * 8 + 2 * t, v0, v1);
+        }
+      }
+    }
+    __syncwarp();  // the next tile's staging overwrites rows the products read
+  }
+}
+
+// Bytes if this pass runs resident for these sizes, else 0.
+template <Mode M>
+int64_t applicable(const ForwardArgs& args) {
+  if constexpr (M != Mode::bf16 && M != Mode::f16) {
+    return 0;
+  } else {
+    const int64_t b = bytes<M>(args);
+    return b <= max_smem_optin() ? b : 0;
+  }
+}
+
+template <Mode M, typename TIn>
+cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
+  const cudaError_t status = allow_smem<kernel<M, TIn>>(smem_bytes);
+  if (status != cudaSuccess) return status;
+  const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kRows);
+  const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, kWarps));
+  kernel<M, TIn><<<static_cast<unsigned>(blocks), kThreads, smem_bytes, args.stream>>>(args, tiles_per_batch);
+  return cudaGetLastError();
+}
+
+}  // namespace resident
+
 // The tiling this pass uses for these sizes and its shared memory; {false, 0} if none fits.
 template <Mode M>
 std::pair<bool, int64_t> choose(const ForwardArgs& args) {
@@ -137,13 +278,19 @@ std::pair<bool, int64_t> choose(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
+  if constexpr (M == Mode::bf16 || M == Mode::f16)
+    if (const int64_t bytes = resident::applicable<M>(args)) return resident::launch<M, TIn>(args, bytes);
   return launch_chosen<kernel<M, TIn, Wide>, Wide, kernel<M, TIn, Narrow>, Narrow>(args, choose<M>(args), args.n * args.ld);
 }
 
 }  // namespace input_pass
 
 int64_t input_pass_smem(const ForwardArgs& args) {
-  return fused::chosen_bytes(args, [&](auto mode) { return input_pass::choose<decltype(mode)::value>(args); });
+  return fused::chosen_bytes(args, [&](auto mode) {
+    constexpr Mode M = decltype(mode)::value;
+    if (const int64_t bytes = input_pass::resident::applicable<M>(args)) return std::pair<bool, int64_t>{false, bytes};
+    return input_pass::choose<M>(args);
+  });
 }
 
 cudaError_t launch_input_pass(const ForwardArgs& args) {

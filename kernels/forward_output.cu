@@ -305,6 +305,194 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
   stream.drain();
 }
 
+// ---- Resident weights (16-bit operands, z given, H <= 128, weights that fit) --------------------
+// One block per multiprocessor holds out_gate's and out_proj's weights for the whole pass; each
+// warp works alone on tiles of 32 positions: its z values (one position per lane, all of H in
+// registers, so LayerNorm_out needs no shared-memory reduction), its gate rows, both products
+// 32 output channels at a time, and the gated output stored straight from the accumulators.
+namespace resident {
+
+constexpr int kWarps = 8, kThreads = 32 * kWarps;
+constexpr int kRows = 32;     // positions per warp tile (2 m16 tiles)
+constexpr int kChunk = 32;    // output channels per product (4 n8 tiles)
+constexpr int kMaxHidden = 128;
+
+struct Layout {
+  int c_rows, x_stride, z_stride;
+  __host__ __device__ int64_t words_per_warp() const { return 128 + int64_t(kRows) * (x_stride + z_stride); }
+};
+
+template <Mode M>
+__host__ __device__ inline Layout layout(const ForwardArgs& args) {
+  return Layout{static_cast<int>(ceil_div(args.c, kChunk) * kChunk), resident_stride<M>(args.c_pad),
+                resident_stride<M>(args.h_pad)};
+}
+
+template <Mode M>
+int64_t bytes(const ForwardArgs& args) {
+  const Layout l = layout<M>(args);
+  return 4 * (int64_t(l.c_rows) * (l.x_stride + l.z_stride) + 2 * l.c_rows + 2 * args.h_pad +
+              kWarps * l.words_per_warp());
+}
+
+template <Mode M, typename TIn>
+__global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, int64_t tiles_per_batch) {
+  using Op = op_t<M>;
+  extern __shared__ __align__(16) uint32_t smem[];
+  const Layout l = layout<M>(args);
+  uint32_t* w_gate = smem;
+  uint32_t* w_out = w_gate + l.c_rows * l.x_stride;
+  float* gate_bias = reinterpret_cast<float*>(w_out + l.c_rows * l.z_stride);
+  float* out_bias = gate_bias + l.c_rows;
+  float* ln_w = out_bias + l.c_rows;
+  float* ln_b = ln_w + args.h_pad;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint32_t* own = reinterpret_cast<uint32_t*>(ln_b + args.h_pad) + warp * l.words_per_warp();
+  int64_t* row_off = reinterpret_cast<int64_t*>(own);
+  int64_t* out_row = row_off + kRows;
+  uint32_t* x_rows = own + 128;
+  uint32_t* z_rows = x_rows + kRows * l.x_stride;
+
+  {
+    const int x_vectors = static_cast<int>(args.c_pad * sizeof(Op) / 16);
+    const int z_vectors = static_cast<int>(args.h_pad * sizeof(Op) / 16);
+    const char* wg = static_cast<const char*>(args.w_gate);
+    const char* wo = static_cast<const char*>(args.w_out);
+    for (int i = threadIdx.x; i < l.c_rows * x_vectors; i += kThreads) {
+      const int r = i / x_vectors, v = i - r * x_vectors;
+      cp_async16(w_gate + r * l.x_stride + v * 4, wg + (int64_t(r) * x_vectors + v) * 16, true);
+    }
+    for (int i = threadIdx.x; i < l.c_rows * z_vectors; i += kThreads) {
+      const int r = i / z_vectors, v = i - r * z_vectors;
+      cp_async16(w_out + r * l.z_stride + v * 4, wo + (int64_t(r) * z_vectors + v) * 16, true);
+    }
+    cp_async_commit();
+    for (int c = threadIdx.x; c < l.c_rows; c += kThreads) {
+      gate_bias[c] = c < args.c ? args.b_gate[c] : 0.f;
+      out_bias[c] = c < args.c ? args.b_out[c] : 0.f;
+    }
+    for (int h = threadIdx.x; h < args.h_pad; h += kThreads) {
+      ln_w[h] = h < args.h ? args.ln_out_w[h] : 0.f;
+      ln_b[h] = h < args.h ? args.ln_out_b[h] : 0.f;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+  }
+
+  const int64_t n = args.n, hidden = args.h, plane = n * args.ldz, tiles = args.batch * tiles_per_batch;
+  const int g = lane >> 2, t = lane & 3;
+  const int chunks = l.c_rows / kChunk;
+  const int x_slabs = static_cast<int>(args.c_pad * sizeof(Op) / kSlabBytes);
+  const int z_slabs = static_cast<int>(args.h_pad * sizeof(Op) / kSlabBytes);
+  const bool vectorized = rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair);
+  const bool paired = (args.c % 2) == 0;
+  TIn* out = static_cast<TIn*>(args.out);
+  for (int64_t tile = int64_t(blockIdx.x) * kWarps + warp; tile < tiles; tile += int64_t(gridDim.x) * kWarps) {
+    const int64_t batch = tile / tiles_per_batch, q0 = (tile - batch * tiles_per_batch) * kRows;
+    // Lane = position q = i * ldz + j of this batch's z plane (plane < 2^32: checked at launch).
+    const uint32_t q = static_cast<uint32_t>(q0 + lane);
+    const uint32_t i = q / static_cast<uint32_t>(args.ldz), j = q - i * static_cast<uint32_t>(args.ldz);
+    const bool valid = q < plane && i < n && j < n;
+    row_off[lane] = valid ? batch * args.pair_sb + i * args.pair_sr + j * args.pair_sc : -1;
+    out_row[lane] = valid ? ((batch * n + i) * n + j) * args.c : -1;
+    {
+      // All of this position's z in registers (one coalesced 128-byte load per h across the
+      // warp), then its LayerNorm_out row written as operands.
+      const float* z = static_cast<const float*>(args.z) + batch * hidden * plane + q;
+      float zv[kMaxHidden];
+#pragma unroll
+      for (int h = 0; h < kMaxHidden; ++h) zv[h] = (valid && h < hidden) ? z[h * plane] : 0.f;
+      const float shift = zv[0];
+      float sum = 0.f, sum_sq = 0.f;
+#pragma unroll
+      for (int h = 0; h < kMaxHidden; ++h) {
+        const float d = h < hidden ? zv[h] - shift : 0.f;
+        sum += d;
+        sum_sq += d * d;
+      }
+      const float2 stats = shifted_stats(shift, sum, sum_sq, static_cast<int>(hidden), args.eps_out);
+      uint32_t* dst = z_rows + lane * l.z_stride;
+#pragma unroll
+      for (int h0 = 0; h0 < kMaxHidden; h0 += 8) {
+        if (h0 >= args.h_pad) break;
+        float y[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          y[e] = valid ? (zv[h0 + e] - stats.x) * stats.y * ln_w[h0 + e] + ln_b[h0 + e] : 0.f;
+        store_operands<M, 8>(dst, h0, y);
+      }
+    }
+    __syncwarp();
+    stage_rows<M, TIn, 1>(vectorized, x_rows, l.x_stride, static_cast<const TIn*>(args.pair), row_off, kRows,
+                          static_cast<int>(args.c), static_cast<int>(args.c_pad),
+                          args.gate_normalized ? args.ln_in_w : nullptr, args.ln_in_b, args.eps_in, 0);
+    __syncwarp();
+    for (int chunk = 0; chunk < chunks; ++chunk) {
+      const int c0 = chunk * kChunk;
+      float gate[2][4][4], proj[2][4][4];
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        const int c = c0 + ni * 8 + 2 * t;
+        const float gb0 = gate_bias[c], gb1 = gate_bias[c + 1], ob0 = out_bias[c], ob1 = out_bias[c + 1];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          gate[mi][ni][0] = gate[mi][ni][2] = gb0;
+          gate[mi][ni][1] = gate[mi][ni][3] = gb1;
+          proj[mi][ni][0] = proj[mi][ni][2] = ob0;
+          proj[mi][ni][1] = proj[mi][ni][3] = ob1;
+        }
+      }
+      for (int slab = 0; slab < x_slabs; ++slab)
+        warp_slab<M, 2, 4>(gate, x_rows + slab * kSlabWords, l.x_stride, w_gate + c0 * l.x_stride + slab * kSlabWords,
+                           l.x_stride, lane);
+      for (int slab = 0; slab < z_slabs; ++slab)
+        warp_slab<M, 2, 4>(proj, z_rows + slab * kSlabWords, l.z_stride, w_out + c0 * l.z_stride + slab * kSlabWords,
+                           l.z_stride, lane);
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int64_t row_start = out_row[mi * 16 + g + hh * 8];
+          if (row_start < 0) continue;
+          TIn* row = out + row_start;
+#pragma unroll
+          for (int ni = 0; ni < 4; ++ni) {
+            const int c = c0 + ni * 8 + 2 * t;
+            if (c >= args.c) continue;
+            const float v0 = gate_sigmoid<M>(gate[mi][ni][2 * hh]) * proj[mi][ni][2 * hh];
+            const float v1 = gate_sigmoid<M>(gate[mi][ni][2 * hh + 1]) * proj[mi][ni][2 * hh + 1];
+            store_pair(row + c, v0, v1, c + 1 < args.c, paired);
+          }
+        }
+    }
+    __syncwarp();  // the next tile's staging overwrites rows the products read
+  }
+}
+
+// Bytes if this pass runs resident for these sizes, else 0.
+template <Mode M>
+int64_t applicable(const ForwardArgs& args) {
+  if constexpr (M != Mode::bf16 && M != Mode::f16) {
+    return 0;
+  } else {
+    if (args.z == nullptr || args.z_dtype != Dtype::f32 || args.h_pad > kMaxHidden) return 0;
+    const int64_t b = bytes<M>(args);
+    return b <= max_smem_optin() ? b : 0;
+  }
+}
+
+template <Mode M, typename TIn>
+cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
+  const cudaError_t status = allow_smem<kernel<M, TIn>>(smem_bytes);
+  if (status != cudaSuccess) return status;
+  const int64_t tiles_per_batch = ceil_div(args.n * args.ldz, kRows);
+  const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, kWarps));
+  kernel<M, TIn><<<static_cast<unsigned>(blocks), kThreads, smem_bytes, args.stream>>>(args, tiles_per_batch);
+  return cudaGetLastError();
+}
+
+}  // namespace resident
+
 template <Mode M>
 std::pair<bool, int64_t> choose(const ForwardArgs& args) {
   return choose_tiling(Smem<M, Wide>::bytes(args.c_pad, args.h_pad), Smem<M, Narrow>::bytes(args.c_pad, args.h_pad),
@@ -340,6 +528,8 @@ cudaError_t launch_tiling(const ForwardArgs& args, int64_t base) {
 
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
+  if constexpr (M == Mode::bf16 || M == Mode::f16)
+    if (const int64_t bytes = resident::applicable<M>(args)) return resident::launch<M, TIn>(args, bytes);
   const auto choice = choose<M>(args);
   if (choice.second == 0) return cudaErrorNotSupported;
   return choice.first ? launch_tiling<M, TIn, Wide>(args, choice.second)
@@ -349,7 +539,11 @@ cudaError_t launch_mode(const ForwardArgs& args) {
 }  // namespace output_pass
 
 int64_t output_pass_smem(const ForwardArgs& args) {
-  return fused::chosen_bytes(args, [&](auto mode) { return output_pass::choose<decltype(mode)::value>(args); });
+  return fused::chosen_bytes(args, [&](auto mode) {
+    constexpr Mode M = decltype(mode)::value;
+    if (const int64_t bytes = output_pass::resident::applicable<M>(args)) return std::pair<bool, int64_t>{false, bytes};
+    return output_pass::choose<M>(args);
+  });
 }
 
 cudaError_t launch_output_pass(const ForwardArgs& args) {

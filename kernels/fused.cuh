@@ -47,9 +47,9 @@ __device__ __forceinline__ float2 shifted_stats(float shift, float sum, float su
 template <Mode M, typename TIn, int WARPS>
 __device__ void stage_rows_scalar(uint32_t* a_res, int a_stride, const TIn* __restrict__ pair,
                            const int64_t* row_off, int rows, int c, int c_pad,
-                           const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps) {
+                           const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps, int warp) {
   constexpr int kCached = 16;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
   for (int m = warp; m < rows; m += WARPS) {
     uint32_t* dst = a_res + m * a_stride;
     const int64_t off = row_off[m];
@@ -149,12 +149,12 @@ template <Mode M, typename TIn, int WARPS, int VECS>
 __device__ void stage_rows_vec(uint32_t* a_res, int a_stride, const TIn* __restrict__ pair,
                                const int64_t* row_off, int rows, int c, int c_pad,
                                const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps,
-                               int lanes_log2) {
+                               int lanes_log2, int warp) {
   constexpr int V = vec_elems<TIn>();
   constexpr int kGroup = VECS >= 8 ? 1 : 8 / VECS;  // rows in flight per lane: 8 vectors per lane
   constexpr bool kHoist = VECS * V <= 16;           // LayerNorm weights in registers when small
   const int L = 1 << lanes_log2, slots = 32 >> lanes_log2;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
   const int sub = lane & (L - 1), slot = lane >> lanes_log2;
   bool in_c[VECS];
   float w[kHoist ? VECS : 1][V], b[kHoist ? VECS : 1][V];
@@ -238,10 +238,13 @@ __device__ void stage_rows_vec(uint32_t* a_res, int a_stride, const TIn* __restr
   }
 }
 
+// Rows [0, rows) of the operand, staged by WARPS warps of which this is number `warp` (the
+// block's warps, or one warp staging its own rows with WARPS = 1, warp = 0).
 template <Mode M, typename TIn, int WARPS>
 __device__ void stage_rows(bool vectorized, uint32_t* a_res, int a_stride, const TIn* __restrict__ pair,
                            const int64_t* row_off, int rows, int c, int c_pad,
-                           const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps) {
+                           const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps,
+                           int warp = threadIdx.x >> 5) {
   // L = the smallest power of two lanes per row with at most 4 vectors each, covering c_pad (the
   // padding is written as zeros); a row has at most 128 vectors (rows_vectorizable).
   const int vectors = c_pad / vec_elems<TIn>();
@@ -249,15 +252,15 @@ __device__ void stage_rows(bool vectorized, uint32_t* a_res, int a_stride, const
   while ((4 << lanes_log2) < vectors) ++lanes_log2;
   const int per_lane = static_cast<int>(ceil_div(vectors, 1 << lanes_log2));
   if (vectorized && per_lane == 1)
-    stage_rows_vec<M, TIn, WARPS, 1>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2);
+    stage_rows_vec<M, TIn, WARPS, 1>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
   else if (vectorized && per_lane == 2)
-    stage_rows_vec<M, TIn, WARPS, 2>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2);
+    stage_rows_vec<M, TIn, WARPS, 2>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
   else if (vectorized && per_lane == 3)
-    stage_rows_vec<M, TIn, WARPS, 3>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2);
+    stage_rows_vec<M, TIn, WARPS, 3>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
   else if (vectorized && per_lane == 4)
-    stage_rows_vec<M, TIn, WARPS, 4>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2);
+    stage_rows_vec<M, TIn, WARPS, 4>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
   else
-    stage_rows_scalar<M, TIn, WARPS>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps);
+    stage_rows_scalar<M, TIn, WARPS>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, warp);
 }
 
 // Device limits, read once per device (a small forward must not pay driver queries each call).
