@@ -140,6 +140,7 @@ namespace resident {
 constexpr int kWarps = 8, kThreads = 32 * kWarps;
 constexpr int kRows = 32;        // positions per warp tile (4 n8 tiles)
 constexpr int kChunkRows = 64;   // weight rows per product (4 m16 tiles, 32 h)
+constexpr int kMaxSlabs = 4;     // k-slabs per product: pair_dim <= 128 (unrolled: no address math)
 
 // Weight rows kept per half (a / b): the grouped rows that hold h < H, rounded to whole chunks.
 __host__ __device__ inline int64_t half_rows(int64_t hidden) { return ceil_div(2 * hidden, kChunkRows) * kChunkRows; }
@@ -201,13 +202,13 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
                           static_cast<int>(args.c), static_cast<int>(args.c_pad), args.ln_in_w, args.ln_in_b,
                           args.eps_in, 0);
     __syncwarp();
-    float mask_r[4][2];
+    float half_mask[4][2];
     bool in_plane[4];
 #pragma unroll
     for (int ni = 0; ni < 4; ++ni) {
       const int m = ni * 8 + 2 * t;
-      mask_r[ni][0] = mask_v[m];
-      mask_r[ni][1] = mask_v[m + 1];
+      half_mask[ni][0] = 0.5f * mask_v[m];
+      half_mask[ni][1] = 0.5f * mask_v[m + 1];
       in_plane[ni] = p0 + m < plane;
     }
     for (int chunk = 0; chunk < chunks; ++chunk) {
@@ -224,21 +225,22 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
           acc[mi][ni][2] = acc[mi][ni][3] = gate_bias;
         }
       }
-      for (int slab = 0; slab < k_slabs; ++slab)
-        warp_slab<M, 4, 4>(acc, weights + r0 * stride + slab * kSlabWords, stride, rows + slab * kSlabWords, stride,
-                           lane);
-      Op* out = static_cast<Op*>(second ? args.b_t : args.a_t) + batch * args.h * plane + p0;
+      const uint32_t* w_chunk = weights + r0 * stride;
+#pragma unroll
+      for (int slab = 0; slab < kMaxSlabs; ++slab)
+        if (slab < k_slabs)
+          warp_slab<M, 4, 4>(acc, w_chunk + slab * kSlabWords, stride, rows + slab * kSlabWords, stride, lane);
+      // Values for every slot, then predicated stores (branches around each would cost more).
+      Op* out = static_cast<Op*>(second ? args.b_t : args.a_t) + (batch * args.h + h_chunk + g) * plane + p0 + 2 * t;
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi) {
-        const int64_t h = h_chunk + mi * 8 + g;
-        if (h >= args.h) continue;
-        Op* row = out + h * plane;
+        const bool h_ok = h_chunk + mi * 8 + g < args.h;
+        Op* row = out + mi * 8 * plane;
 #pragma unroll
         for (int ni = 0; ni < 4; ++ni) {
-          if (!in_plane[ni]) continue;
-          const float v0 = acc[mi][ni][0] * gate_sigmoid<M>(acc[mi][ni][2]) * mask_r[ni][0];
-          const float v1 = acc[mi][ni][1] * gate_sigmoid<M>(acc[mi][ni][3]) * mask_r[ni][1];
-          store_operand_pair<M>(row + ni * 8 + 2 * t, v0, v1);
+          const float v0 = gated_16bit(acc[mi][ni][0], acc[mi][ni][2], half_mask[ni][0]);
+          const float v1 = gated_16bit(acc[mi][ni][1], acc[mi][ni][3], half_mask[ni][1]);
+          if (h_ok && in_plane[ni]) store_operand_pair<M>(row + ni * 8, v0, v1);
         }
       }
     }
@@ -252,6 +254,7 @@ int64_t applicable(const ForwardArgs& args) {
   if constexpr (M != Mode::bf16 && M != Mode::f16) {
     return 0;
   } else {
+    if (args.c_pad * static_cast<int64_t>(sizeof(op_t<M>)) > kMaxSlabs * kSlabBytes) return 0;
     const int64_t b = bytes<M>(args);
     return b <= max_smem_optin() ? b : 0;
   }

@@ -316,6 +316,7 @@ constexpr int kWarps = 8, kThreads = 32 * kWarps;
 constexpr int kRows = 32;     // positions per warp tile (2 m16 tiles)
 constexpr int kChunk = 32;    // output channels per product (4 n8 tiles)
 constexpr int kMaxHidden = 128;
+constexpr int kMaxSlabs = 4;  // k-slabs per product: pair_dim and hidden <= 128 (unrolled)
 
 struct Layout {
   int c_rows, x_stride, z_stride;
@@ -398,10 +399,17 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
     {
       // All of this position's z in registers (one coalesced 128-byte load per h across the
       // warp), then its LayerNorm_out row written as operands.
-      const float* z = static_cast<const float*>(args.z) + batch * hidden * plane + q;
+      // (invalid lanes read position 0 of the plane, always in bounds; their rows are written as
+      // zeros below whatever it holds)
+      const float* z = static_cast<const float*>(args.z) + batch * hidden * plane + (valid ? q : 0);
       float zv[kMaxHidden];
+      if (hidden == kMaxHidden) {  // the common case without a guard per load
 #pragma unroll
-      for (int h = 0; h < kMaxHidden; ++h) zv[h] = (valid && h < hidden) ? z[h * plane] : 0.f;
+        for (int h = 0; h < kMaxHidden; ++h) zv[h] = z[h * plane];
+      } else {
+#pragma unroll
+        for (int h = 0; h < kMaxHidden; ++h) zv[h] = h < hidden ? z[h * plane] : 0.f;
+      }
       const float shift = zv[0];
       float sum = 0.f, sum_sq = 0.f;
 #pragma unroll
@@ -442,26 +450,32 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
           proj[mi][ni][1] = proj[mi][ni][3] = ob1;
         }
       }
-      for (int slab = 0; slab < x_slabs; ++slab)
-        warp_slab<M, 2, 4>(gate, x_rows + slab * kSlabWords, l.x_stride, w_gate + c0 * l.x_stride + slab * kSlabWords,
-                           l.x_stride, lane);
-      for (int slab = 0; slab < z_slabs; ++slab)
-        warp_slab<M, 2, 4>(proj, z_rows + slab * kSlabWords, l.z_stride, w_out + c0 * l.z_stride + slab * kSlabWords,
-                           l.z_stride, lane);
+#pragma unroll
+      for (int slab = 0; slab < kMaxSlabs; ++slab)
+        if (slab < x_slabs)
+          warp_slab<M, 2, 4>(gate, x_rows + slab * kSlabWords, l.x_stride,
+                             w_gate + c0 * l.x_stride + slab * kSlabWords, l.x_stride, lane);
+#pragma unroll
+      for (int slab = 0; slab < kMaxSlabs; ++slab)
+        if (slab < z_slabs)
+          warp_slab<M, 2, 4>(proj, z_rows + slab * kSlabWords, l.z_stride,
+                             w_out + c0 * l.z_stride + slab * kSlabWords, l.z_stride, lane);
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int64_t row_start = out_row[mi * 16 + g + hh * 8];
-          if (row_start < 0) continue;
-          TIn* row = out + row_start;
+          TIn* row = out + (row_start < 0 ? 0 : row_start) + c0 + 2 * t;
 #pragma unroll
           for (int ni = 0; ni < 4; ++ni) {
             const int c = c0 + ni * 8 + 2 * t;
-            if (c >= args.c) continue;
-            const float v0 = gate_sigmoid<M>(gate[mi][ni][2 * hh]) * proj[mi][ni][2 * hh];
-            const float v1 = gate_sigmoid<M>(gate[mi][ni][2 * hh + 1]) * proj[mi][ni][2 * hh + 1];
-            store_pair(row + c, v0, v1, c + 1 < args.c, paired);
+            const float v0 = gated_16bit(proj[mi][ni][2 * hh], gate[mi][ni][2 * hh], 0.5f);
+            const float v1 = gated_16bit(proj[mi][ni][2 * hh + 1], gate[mi][ni][2 * hh + 1], 0.5f);
+            if (paired) {  // C even: c < C means c + 1 < C; predicated stores
+              if (row_start >= 0 && c < args.c) store_pair(row + ni * 8, v0, v1, true, true);
+            } else if (row_start >= 0 && c < args.c) {
+              store_pair(row + ni * 8, v0, v1, c + 1 < args.c, false);
+            }
           }
         }
     }
@@ -476,6 +490,7 @@ int64_t applicable(const ForwardArgs& args) {
     return 0;
   } else {
     if (args.z == nullptr || args.z_dtype != Dtype::f32 || args.h_pad > kMaxHidden) return 0;
+    if (args.c_pad * static_cast<int64_t>(sizeof(op_t<M>)) > kMaxSlabs * kSlabBytes) return 0;
     const int64_t b = bytes<M>(args);
     return b <= max_smem_optin() ? b : 0;
   }

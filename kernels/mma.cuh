@@ -379,5 +379,14 @@ __device__ __forceinline__ float gate_sigmoid(float x) {
   }
 }
 
+// proj * sigmoid(gate) * (2 * half_scale) on the 16-bit paths, as ps + ps * tanh(gate / 2) with
+// ps = proj * half_scale: one multiply fewer per output than gate_sigmoid's form.
+__device__ __forceinline__ float gated_16bit(float proj, float gate, float half_scale) {
+  float t;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * gate));
+  const float ps = proj * half_scale;
+  return fmaf(ps, t, ps);
+}
+
 }  // namespace mma
 }  // namespace trimul
