@@ -6,7 +6,8 @@ layout of a/b and z what holds the passes near 750-850 µs at (1,1024,128,128)?
 Each probe moves the bytes a pass moves, with no LayerNorm and no products: warps take tiles of 32
 consecutive positions, as the resident passes do.
   copy            read pair, write the same bytes contiguously (the bandwidth ceiling)
-  input h-major   read pair rows, write 2H bf16 values per position into 2H planes (a_t / b_t now)
+  input h-major   read pair rows, write 2H bf16 values per position into 2H planes (a_t / b_t now),
+                  as whole 64-byte runs per store or as the mma epilogue stores (8 planes x 16 bytes)
   input pos-major read pair rows, write the 2H values of a position contiguously
   output h-major  read H fp32 z values per position from H planes (z now) and the pair row, write
                   the C fp32 outputs of the position
@@ -44,7 +45,9 @@ __device__ float read_rows(const float* __restrict__ rows, int c) {
   return s;
 }
 
-// mode 0: input h-major, 1: input position-major.
+// mode 0: input h-major (each store: 32 positions of one plane), 1: input position-major, 2: input
+// h-major stored as the mma epilogue does (lane g, t: 2 positions 2t, 2t+1 of plane g, so one
+// store covers 8 planes x 16 bytes).
 __global__ void input_probe(const float* __restrict__ pair, __nv_bfloat16* __restrict__ out, int64_t positions,
                             int c, int planes, int mode) {
   const int lane = threadIdx.x & 31, warps = blockDim.x / 32;
@@ -58,9 +61,15 @@ __global__ void input_probe(const float* __restrict__ pair, __nv_bfloat16* __res
         out[int64_t(r) * positions + p0 + lane] = __float2bfloat16(s + r);
         out[int64_t(r + 1) * positions + p0 + lane] = __float2bfloat16(s - r);
       }
-    } else {
+    } else if (mode == 1) {
       __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(out + p0 * planes);
       for (int i = lane; i < kTile * planes / 2; i += 32) dst[i] = __floats2bfloat162_rn(s + i, s - i);
+    } else {
+      const int g = lane >> 2, t = lane & 3;
+      for (int r = 0; r < planes; r += 8)
+        for (int ni = 0; ni < kTile / 8; ++ni)
+          *reinterpret_cast<__nv_bfloat162*>(out + int64_t(r + g) * positions + p0 + ni * 8 + 2 * t) =
+              __floats2bfloat162_rn(s + r, s - r);
     }
   }
 }
@@ -173,9 +182,10 @@ def main(argv=None) -> int:
     pair_bytes, ab_bytes, z_bytes = pair.numel() * 4, out_ab.numel() * 2, z.numel() * 4
     rows = [("copy (pair -> contiguous)", 2 * pair_bytes, lambda: module.copy(pair, copy_dst, 4 * sms))]
     for warps in (8, 16):
-        for mode, name in ((0, "h-major"), (1, "pos-major")):
+        for mode, name in ((0, "h-major"), (2, "h-major, mma stores"), (1, "pos-major")):
             rows.append((f"input {name}, {warps} warps/SM", pair_bytes + ab_bytes,
                          lambda m=mode, w=warps: module.input(pair, out_ab, 2 * hidden, m, sms, 32 * w)))
+        for mode, name in ((0, "h-major"), (1, "pos-major")):
             rows.append((f"output {name}, {warps} warps/SM", z_bytes + 2 * pair_bytes,
                          lambda m=mode, w=warps: module.output(z, pair, out, hidden, m, sms, 32 * w)))
     print(f"{torch.cuda.get_device_name()}: positions {positions}, pair_dim {c}, hidden {hidden}")
