@@ -131,6 +131,14 @@ void output(torch::Tensor z, torch::Tensor pair, torch::Tensor out, int64_t hidd
              hidden, mode, blocks, threads, c10::cuda::getCurrentCUDAStream().stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+// A buffer straight from cudaMalloc (never compressible), to compare with the caching allocator's:
+// profile 7 saw the input pass's a/b stores go through the L2 compression unit.
+torch::Tensor raw_buffer(int64_t bytes) {
+  void* ptr = nullptr;
+  TORCH_CHECK(cudaMalloc(&ptr, bytes) == cudaSuccess, "cudaMalloc of ", bytes, " bytes failed");
+  return torch::from_blob(ptr, {bytes}, [](void* p) { cudaFree(p); },
+                          torch::TensorOptions().dtype(torch::kUInt8).device(torch::kCUDA));
+}
 void copy(torch::Tensor src, torch::Tensor dst, int64_t blocks) {
   run_copy(src.data_ptr<float>(), dst.data_ptr<float>(), src.numel(), blocks, c10::cuda::getCurrentCUDAStream().stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -142,7 +150,7 @@ def build():
     toolkit, arch = ti.find_toolkit(), ti.target_arch()
     with ti._torch_cuda_home(toolkit.home):
         return load_inline("trimul_layout_probe", cpp_sources=CPP_SOURCE, cuda_sources=CUDA_SOURCE,
-                           functions=["input", "output", "copy"],
+                           functions=["input", "output", "copy", "raw_buffer"],
                            extra_cflags=[f"-idirafter{d}" for d in toolkit.extra_includes],
                            extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"],
                            extra_ldflags=[f"-L{d}" for d in toolkit.extra_lib_dirs])
@@ -188,6 +196,10 @@ def main(argv=None) -> int:
         for mode, name in ((0, "h-major"), (1, "pos-major")):
             rows.append((f"output {name}, {warps} warps/SM", z_bytes + 2 * pair_bytes,
                          lambda m=mode, w=warps: module.output(z, pair, out, hidden, m, sms, 32 * w)))
+    raw_ab = module.raw_buffer(ab_bytes).view(torch.bfloat16)
+    for mode, name in ((0, "h-major"), (2, "h-major, mma stores")):
+        rows.append((f"input {name}, 8 warps/SM, cudaMalloc'd a/b", pair_bytes + ab_bytes,
+                     lambda m=mode: module.input(pair, raw_ab, 2 * hidden, m, sms, 256)))
     print(f"{torch.cuda.get_device_name()}: positions {positions}, pair_dim {c}, hidden {hidden}")
     for name, moved, fn in rows:
         us = time_us(fn)
