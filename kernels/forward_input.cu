@@ -2,8 +2,6 @@
 // writing a_t / b_t straight into the contraction's [B*H, N, ld] layout (both directions).
 #include "fused.cuh"
 
-#include <algorithm>
-
 namespace trimul {
 namespace input_pass {
 
@@ -24,6 +22,20 @@ struct Smem {
            T::BM * 8;
   }
 };
+
+// Pair-row element offset (-1: no position) and mask value of position p of a batch's flattened
+// [N, ld] operand plane (f = p / ld, k = p % ld; k >= n and p >= plane are padding). plane < 2^32
+// (checked at launch): 32-bit division is a fraction of a 64-bit one's cost.
+__device__ __forceinline__ void locate_position(const ForwardArgs& args, int64_t batch, int64_t p, int64_t plane,
+                                                int64_t& row_off, float& mask) {
+  const uint32_t f = static_cast<uint32_t>(p) / static_cast<uint32_t>(args.ld);
+  const uint32_t k = static_cast<uint32_t>(p) - f * static_cast<uint32_t>(args.ld);
+  const int64_t row = args.incoming ? k : f, col = args.incoming ? f : k;
+  const bool valid = p < plane && k < args.n;
+  row_off = valid ? batch * args.pair_sb + row * args.pair_sr + col * args.pair_sc : -1;
+  mask = valid ? load_mask(args.mask, args.mask_kind, batch * args.mask_sb + row * args.mask_sr + col * args.mask_sc)
+               : 0.f;
+}
 
 // Two adjacent operand values (the destination is aligned for both: positions are even).
 template <Mode M>
@@ -51,7 +63,7 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
   float* mask_v = reinterpret_cast<float*>(stages + kStages * T::BN * kSlabStride);
   int64_t* row_off = reinterpret_cast<int64_t*>(mask_v + T::BM);
 
-  const int64_t n = args.n, plane = n * args.ld;
+  const int64_t plane = args.n * args.ld;
   const int64_t p0 = (blockIdx.x % p_tiles) * T::BM;
   const int64_t batch = blockIdx.x / p_tiles;
 
@@ -63,18 +75,8 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
                                     ChunkedSlabs(static_cast<const char*>(args.w_in), w_ld, T::BN, k_slabs));
   stream.prime();
 
-  for (int m = threadIdx.x; m < T::BM; m += T::kThreads) {
-    // plane < 2^32 (checked at launch): 32-bit division is a fraction of a 64-bit one's cost.
-    const int64_t p = p0 + m;
-    const uint32_t f = static_cast<uint32_t>(p) / static_cast<uint32_t>(args.ld);
-    const uint32_t k = static_cast<uint32_t>(p) - f * static_cast<uint32_t>(args.ld);
-    const int64_t row = args.incoming ? k : f, col = args.incoming ? f : k;
-    const bool valid = p < plane && k < n;
-    row_off[m] = valid ? batch * args.pair_sb + row * args.pair_sr + col * args.pair_sc : -1;
-    mask_v[m] = valid ? load_mask(args.mask, args.mask_kind,
-                                  batch * args.mask_sb + row * args.mask_sr + col * args.mask_sc)
-                      : 0.f;
-  }
+  for (int m = threadIdx.x; m < T::BM; m += T::kThreads)
+    locate_position(args, batch, p0 + m, plane, row_off[m], mask_v[m]);
   __syncthreads();
   stage_rows<M, TIn, T::kWarps>(rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair),
                                 a_res, a_stride, static_cast<const TIn*>(args.pair), row_off, T::BM,
@@ -166,37 +168,23 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
   uint32_t* rows = own + 96;
 
   {
-    const int row_bytes = static_cast<int>(args.c_pad * sizeof(Op)), vectors = row_bytes / 16;
-    const char* w_in = static_cast<const char*>(args.w_in);
-    for (int i = threadIdx.x; i < 2 * half * vectors; i += kThreads) {
-      const int r = i / vectors, v = i - r * vectors;
-      const int64_t src = r < half ? r : r - half + args.rows_ab;
-      cp_async16(weights + r * stride + v * 4, w_in + src * row_bytes + v * 16, true);
-    }
+    const auto source_row = [&](int r) -> int64_t { return r < half ? r : r - half + args.rows_ab; };
+    copy_rows_async<kThreads>(weights, stride, static_cast<const char*>(args.w_in), 2 * half,
+                              static_cast<int>(args.c_pad * sizeof(Op)), source_row);
     cp_async_commit();
-    for (int r = threadIdx.x; r < 2 * half; r += kThreads) bias[r] = args.b_in[r < half ? r : r - half + args.rows_ab];
+    for (int r = threadIdx.x; r < 2 * half; r += kThreads) bias[r] = args.b_in[source_row(r)];
     cp_async_wait<0>();
     __syncthreads();
   }
 
-  const int64_t n = args.n, plane = n * args.ld, tiles = args.batch * tiles_per_batch;
+  const int64_t plane = args.n * args.ld, tiles = args.batch * tiles_per_batch;
   const int g = lane >> 2, t = lane & 3;
   const int chunks = 2 * half / kChunkRows;
   const int k_slabs = static_cast<int>(args.c_pad * static_cast<int64_t>(sizeof(Op)) / kSlabBytes);
   const bool vectorized = rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair);
   for (int64_t tile = int64_t(blockIdx.x) * kWarps + warp; tile < tiles; tile += int64_t(gridDim.x) * kWarps) {
     const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kRows;
-    {
-      const int64_t p = p0 + lane;  // plane < 2^32 (checked at launch)
-      const uint32_t f = static_cast<uint32_t>(p) / static_cast<uint32_t>(args.ld);
-      const uint32_t k = static_cast<uint32_t>(p) - f * static_cast<uint32_t>(args.ld);
-      const int64_t row = args.incoming ? k : f, col = args.incoming ? f : k;
-      const bool valid = p < plane && k < n;
-      row_off[lane] = valid ? batch * args.pair_sb + row * args.pair_sr + col * args.pair_sc : -1;
-      mask_v[lane] = valid ? load_mask(args.mask, args.mask_kind,
-                                       batch * args.mask_sb + row * args.mask_sr + col * args.mask_sc)
-                           : 0.f;
-    }
+    locate_position(args, batch, p0 + lane, plane, row_off[lane], mask_v[lane]);
     __syncwarp();
     stage_rows<M, TIn, 1>(vectorized, rows, stride, static_cast<const TIn*>(args.pair), row_off, kRows,
                           static_cast<int>(args.c), static_cast<int>(args.c_pad), args.ln_in_w, args.ln_in_b,
@@ -262,12 +250,7 @@ int64_t applicable(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
-  const cudaError_t status = allow_smem<kernel<M, TIn>>(smem_bytes);
-  if (status != cudaSuccess) return status;
-  const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kRows);
-  const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, kWarps));
-  kernel<M, TIn><<<static_cast<unsigned>(blocks), kThreads, smem_bytes, args.stream>>>(args, tiles_per_batch);
-  return cudaGetLastError();
+  return launch_persistent<kernel<M, TIn>>(args, args.n * args.ld, kRows, kWarps, kThreads, smem_bytes);
 }
 
 }  // namespace resident

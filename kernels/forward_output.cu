@@ -355,18 +355,10 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
   uint32_t* z_rows = x_rows + kRows * l.x_stride;
 
   {
-    const int x_vectors = static_cast<int>(args.c_pad * sizeof(Op) / 16);
-    const int z_vectors = static_cast<int>(args.h_pad * sizeof(Op) / 16);
-    const char* wg = static_cast<const char*>(args.w_gate);
-    const char* wo = static_cast<const char*>(args.w_out);
-    for (int i = threadIdx.x; i < l.c_rows * x_vectors; i += kThreads) {
-      const int r = i / x_vectors, v = i - r * x_vectors;
-      cp_async16(w_gate + r * l.x_stride + v * 4, wg + (int64_t(r) * x_vectors + v) * 16, true);
-    }
-    for (int i = threadIdx.x; i < l.c_rows * z_vectors; i += kThreads) {
-      const int r = i / z_vectors, v = i - r * z_vectors;
-      cp_async16(w_out + r * l.z_stride + v * 4, wo + (int64_t(r) * z_vectors + v) * 16, true);
-    }
+    const int x_bytes = static_cast<int>(args.c_pad * sizeof(Op)), z_bytes = static_cast<int>(args.h_pad * sizeof(Op));
+    const auto same_row = [](int r) { return int64_t(r); };
+    copy_rows_async<kThreads>(w_gate, l.x_stride, static_cast<const char*>(args.w_gate), l.c_rows, x_bytes, same_row);
+    copy_rows_async<kThreads>(w_out, l.z_stride, static_cast<const char*>(args.w_out), l.c_rows, z_bytes, same_row);
     cp_async_commit();
     for (int c = threadIdx.x; c < l.c_rows; c += kThreads) {
       gate_bias[c] = c < args.c ? args.b_gate[c] : 0.f;
@@ -498,12 +490,7 @@ int64_t applicable(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
-  const cudaError_t status = allow_smem<kernel<M, TIn>>(smem_bytes);
-  if (status != cudaSuccess) return status;
-  const int64_t tiles_per_batch = ceil_div(args.n * args.ldz, kRows);
-  const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, kWarps));
-  kernel<M, TIn><<<static_cast<unsigned>(blocks), kThreads, smem_bytes, args.stream>>>(args, tiles_per_batch);
-  return cudaGetLastError();
+  return launch_persistent<kernel<M, TIn>>(args, args.n * args.ldz, kRows, kWarps, kThreads, smem_bytes);
 }
 
 }  // namespace resident

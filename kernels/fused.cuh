@@ -3,6 +3,8 @@
 #pragma once
 #include "mma.cuh"
 
+#include <algorithm>
+
 namespace trimul {
 namespace fused {
 
@@ -352,6 +354,33 @@ int64_t chosen_bytes(const ForwardArgs& args, Choose&& choose) {
     return cudaSuccess;
   });
   return bytes;
+}
+
+// Rows [0, rows) of row_bytes each (a multiple of 16, also the source pitch) from src row
+// src_row(r) into shared memory at dst + r * dst_stride words, by cp.async across the block's THREADS
+// threads; the caller commits and waits.
+template <int THREADS, typename SrcRow>
+__device__ __forceinline__ void copy_rows_async(uint32_t* dst, int dst_stride, const char* src, int rows,
+                                                int row_bytes, SrcRow src_row) {
+  const int vectors = row_bytes / 16;
+  for (int i = threadIdx.x; i < rows * vectors; i += THREADS) {
+    const int r = i / vectors, v = i - r * vectors;
+    cp_async16(dst + r * dst_stride + v * 4, src + src_row(r) * row_bytes + v * 16, true);
+  }
+}
+
+// Launches a persistent pass kernel (arguments: the forward's args and tiles per batch) over
+// `positions` positions per batch in tiles of tile_rows, `tiles_per_block` tiles in flight per
+// block, as many blocks as there are SMs or tile groups.
+template <auto Kernel>
+cudaError_t launch_persistent(const ForwardArgs& args, int64_t positions, int tile_rows, int tiles_per_block,
+                              int threads, int64_t smem_bytes) {
+  const cudaError_t status = allow_smem<Kernel>(smem_bytes);
+  if (status != cudaSuccess) return status;
+  const int64_t tiles_per_batch = ceil_div(positions, tile_rows);
+  const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, tiles_per_block));
+  Kernel<<<static_cast<unsigned>(blocks), threads, smem_bytes, args.stream>>>(args, tiles_per_batch);
+  return cudaGetLastError();
 }
 
 // Launches a contraction kernel (a, b, z, batch, m, n, k, lda, ldz) over BM x BN output tiles.

@@ -368,12 +368,16 @@ __device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.f, 1.f +
 
 // The gates' sigmoid: one tanh.approx (one MUFU op instead of two; abs error ~2^-11, below bf16
 // and fp16 rounding) on the 16-bit paths, the accurate one for TF32 and fp32-accurate work.
+__device__ __forceinline__ float tanh_approx(float x) {
+  float t;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(x));
+  return t;
+}
+
 template <Mode M>
 __device__ __forceinline__ float gate_sigmoid(float x) {
   if constexpr (M == Mode::bf16 || M == Mode::f16) {
-    float t;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * x));
-    return fmaf(0.5f, t, 0.5f);
+    return fmaf(0.5f, tanh_approx(0.5f * x), 0.5f);
   } else {
     return sigmoid(x);
   }
@@ -382,10 +386,8 @@ __device__ __forceinline__ float gate_sigmoid(float x) {
 // proj * sigmoid(gate) * (2 * half_scale) on the 16-bit paths, as ps + ps * tanh(gate / 2) with
 // ps = proj * half_scale: one multiply fewer per output than gate_sigmoid's form.
 __device__ __forceinline__ float gated_16bit(float proj, float gate, float half_scale) {
-  float t;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * gate));
   const float ps = proj * half_scale;
-  return fmaf(ps, t, ps);
+  return fmaf(ps, tanh_approx(0.5f * gate), ps);
 }
 
 }  // namespace mma
