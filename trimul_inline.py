@@ -111,6 +111,9 @@ VARIANTS = {v.name: v for v in (
             "swizzled smem, 4-buffer cp.async pipeline; bf16/fp16 (the fused forward also feeds it "
             "its TF32-rounded operands at \"high\")",
             dtypes=("bfloat16", "float16"), min_capability=(9, 0), max_capability=(9, 0)),
+    Variant("wgmma_tma", "Hopper wgmma + TMA (sm_90a build): 128x256 tiles, one producer thread issuing "
+            "TMA loads into a 4-stage mbarrier pipeline, two consumer warpgroups of m64n256; bf16/fp16",
+            dtypes=("bfloat16", "float16"), min_capability=(9, 0), max_capability=(9, 0)),
     Variant("bmm", "torch.bmm (cuBLAS) on the same layout; a baseline, not a kernel of ours",
             backend="torch"),
 )}

@@ -1,0 +1,286 @@
+// wgmma_tma — Hopper (sm_90a): 128x256 tiles; one producer thread issues TMA loads (128-byte swizzle,
+// zero fill past the edges) into a 4-stage mbarrier pipeline, two consumer warpgroups each run
+// m64n256k16 (k8 for TF32) on their 64 rows and keep one k-tile of MMAs in flight.
+#include "fused.cuh"
+
+#include <cuda.h>          // CUtensorMap and its enums (the encoder comes from the runtime, no -lcuda)
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+
+namespace trimul {
+namespace contract_wgmma_tma {
+
+constexpr int BM = 128, BN = 256;
+constexpr int kRowBytes = 128;  // bytes of k per tile row: one 128-byte swizzle span
+constexpr int kStages = 4, kConsumers = 2;
+constexpr int kThreads = 128 * (kConsumers + 1);  // warpgroup 0 produces
+constexpr int kATile = BM * kRowBytes, kBTile = BN * kRowBytes, kStageBytes = kATile + kBTile;
+constexpr int kSmemBytes = kStages * kStageBytes + 1024 + 2 * kStages * 8;  // + alignment slack, barriers
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TRIMUL_WGMMA_TMA 1
+__device__ const int kBuiltWithWgmmaTma = 1;
+#else
+__device__ const int kBuiltWithWgmmaTma = 0;
+#endif
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Shared-memory matrix descriptor: K-major rows of 128 bytes, 128-byte swizzle, 8-row groups 1024
+// bytes apart (what TMA's 128-byte swizzle writes).
+__device__ __forceinline__ uint64_t smem_descriptor(const void* tile) {
+  const uint64_t addr = smem_u32(tile);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+#ifdef TRIMUL_WGMMA_TMA
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+#endif
+}
+__device__ __forceinline__ void mbar_init_fence() {
+#ifdef TRIMUL_WGMMA_TMA
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, int bytes) {
+#ifdef TRIMUL_WGMMA_TMA
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+#ifdef TRIMUL_WGMMA_TMA
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+#endif
+}
+// Waits until the barrier's phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+#ifdef TRIMUL_WGMMA_TMA
+  asm volatile(
+      "{\n.reg .pred P1;\nLAB_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+#endif
+}
+// One box of a 3-D tensor map (k element, row, batch) into shared memory; completes on `bar`.
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int k, int row, int batch, uint64_t* bar) {
+#ifdef TRIMUL_WGMMA_TMA
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
+          "r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(batch), "r"(smem_u32(bar))
+      : "memory");
+#endif
+}
+
+// One 32-byte k-step of a 64x256 product. INSTR: the wgmma with its shape and types; TAIL: its
+// scale/transpose immediates (16-bit operands take transpose flags, TF32 does not).
+#define TRIMUL_WGMMA_64X256(INSTR, TAIL)                                                              \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n" INSTR                                   \
+               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "\
+               "%128, %129, p" TAIL ";\n}\n"                                                          \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])\
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+template <typename Op>
+__device__ __forceinline__ void wgmma_64x256_step(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#ifdef TRIMUL_WGMMA_TMA
+  if constexpr (std::is_same<Op, __nv_bfloat16>::value)
+    TRIMUL_WGMMA_64X256("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", ", 1, 1, 0, 0");
+  else if constexpr (std::is_same<Op, float>::value)
+    TRIMUL_WGMMA_64X256("wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32", ", 1, 1");
+  else
+    TRIMUL_WGMMA_64X256("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16", ", 1, 1, 0, 0");
+#endif
+}
+#undef TRIMUL_WGMMA_64X256
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef TRIMUL_WGMMA_TMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef TRIMUL_WGMMA_TMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#ifdef TRIMUL_WGMMA_TMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Stage s of the pipeline is used for the it-th k-tile when s = it % kStages, in round it / kStages:
+// `full[s]` completes once per round when both TMA boxes have landed, `empty[s]` once per round
+// when both consumer warpgroups are done reading it.
+template <typename Op, typename TOut>
+__global__ void __launch_bounds__(kThreads, 1)
+    kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b, TOut* __restrict__ z,
+           int64_t batch, int64_t m, int64_t n, int64_t ldz, int k_tiles) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint64_t* empty = full + kStages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kConsumers);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int64_t tiles_n = ceil_div(n, BN);
+  const int row0 = static_cast<int>((blockIdx.x / tiles_n) * BM), col0 = static_cast<int>((blockIdx.x % tiles_n) * BN);
+  const int warpgroup = threadIdx.x / 128;
+  constexpr int kElemsPerRow = kRowBytes / static_cast<int>(sizeof(Op));
+
+  if (warpgroup == 0) {
+    if (threadIdx.x == 0) {
+      int it = 0;
+      for (int64_t bz = blockIdx.y; bz < batch; bz += gridDim.y)
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+          const int s = it % kStages, round = it / kStages;
+          if (round > 0) mbar_wait(&empty[s], (round - 1) & 1);
+          uint8_t* stage = smem + s * kStageBytes;
+          mbar_expect_tx(&full[s], kStageBytes);
+          tma_load(stage, &map_a, kt * kElemsPerRow, row0, static_cast<int>(bz), &full[s]);
+          tma_load(stage + kATile, &map_b, kt * kElemsPerRow, col0, static_cast<int>(bz), &full[s]);
+        }
+    }
+    return;
+  }
+
+  const int consumer = warpgroup - 1, lane = threadIdx.x & 31, warp4 = (threadIdx.x / 32) & 3;
+  const bool leader = (threadIdx.x & 127) == 0;
+  const bool paired_store = (ldz % 2) == 0;
+  int it = 0;
+  for (int64_t bz = blockIdx.y; bz < batch; bz += gridDim.y) {
+    float acc[128];
+#pragma unroll
+    for (int r = 0; r < 128; ++r) acc[r] = 0.f;
+    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+      const int s = it % kStages;
+      mbar_wait(&full[s], (it / kStages) & 1);
+      const uint8_t* stage = smem + s * kStageBytes;
+      const uint64_t desc_a = smem_descriptor(stage + consumer * 64 * kRowBytes);
+      const uint64_t desc_b = smem_descriptor(stage + kATile);
+      wgmma_fence();
+#pragma unroll
+      for (int step = 0; step < 4; ++step)  // 32 bytes further along k: start address + 2
+        wgmma_64x256_step<Op>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
+      wgmma_commit();
+      // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
+      wgmma_wait<1>();
+      if (kt > 0 && leader) mbar_arrive(&empty[(it - 1) % kStages]);
+    }
+    wgmma_wait<0>();
+    if (k_tiles > 0 && leader) mbar_arrive(&empty[(it - 1) % kStages]);
+
+    // Accumulator layout: per n8 block j, regs 4j..4j+1 = row lane/4, cols 2(lane%4)+{0,1};
+    // regs 4j+2..4j+3 = row lane/4 + 8 (rows of this warp's 16-row slice).
+    TOut* z_mat = z + bz * m * ldz;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t i = row0 + consumer * 64 + warp4 * 16 + (lane >> 2) + half * 8;
+      if (i >= m) continue;
+#pragma unroll
+      for (int j8 = 0; j8 < BN / 8; ++j8) {
+        const int64_t j = col0 + j8 * 8 + 2 * (lane & 3);
+        if (j >= n) continue;
+        mma::store_pair(z_mat + i * ldz + j, acc[4 * j8 + 2 * half], acc[4 * j8 + 2 * half + 1], j + 1 < n,
+                        paired_store);
+      }
+    }
+  }
+}
+
+// Whether this build's device code has wgmma and TMA (sm_90a), this GPU runs them, and the driver
+// hands out the tensor-map encoder.
+inline PFN_cuTensorMapEncodeTiled_v12000 encoder() {
+  static int state = -1;  // -1 unknown, 0 unavailable, 1 available
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  if (state < 0) {
+    int device = 0, major = 0, built = 0;
+    cudaDriverEntryPointQueryResult found{};
+    void* entry = nullptr;
+    const bool ok = cudaGetDevice(&device) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                    major == 9 && cudaMemcpyFromSymbol(&built, kBuiltWithWgmmaTma, sizeof(int)) == cudaSuccess &&
+                    built == 1 &&
+                    cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &entry, 12000, cudaEnableDefault,
+                                                     &found) == cudaSuccess &&
+                    found == cudaDriverEntryPointSuccess && entry != nullptr;
+    fn = ok ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(entry) : nullptr;
+    state = ok ? 1 : 0;
+  }
+  return fn;
+}
+
+template <typename Op>
+constexpr CUtensorMapDataType map_type() {
+  if constexpr (std::is_same<Op, __nv_bfloat16>::value) return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  else if constexpr (std::is_same<Op, __half>::value) return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  else return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+}
+
+// [batch, rows, ld] row-major operand, boxes of (128 bytes of k) x box_rows x 1; zeros past the edges.
+template <typename Op>
+bool make_map(CUtensorMap* map, const void* base, int64_t batch, int64_t rows, int64_t ld, int box_rows) {
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(ld), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(ld * sizeof(Op)),
+                                 static_cast<cuuint64_t>(rows * ld * sizeof(Op))};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(kRowBytes / sizeof(Op)), static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  return encoder()(map, map_type<Op>(), 3, const_cast<void*>(base), dims, strides, box, element_strides,
+                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename Op, typename TOut>
+cudaError_t launch_types(const ContractArgs& args) {
+  CUtensorMap map_a, map_b;
+  if (!make_map<Op>(&map_a, args.a, args.batch, args.m, args.lda, BM) ||
+      !make_map<Op>(&map_b, args.b, args.batch, args.n, args.lda, BN))
+    return cudaErrorInvalidValue;
+  const cudaError_t status = fused::allow_smem<kernel<Op, TOut>>(kSmemBytes);
+  if (status != cudaSuccess) return status;
+  const int k_tiles = static_cast<int>(ceil_div(args.k * static_cast<int64_t>(sizeof(Op)), kRowBytes));
+  const dim3 grid(static_cast<unsigned>(ceil_div(args.m, BM) * ceil_div(args.n, BN)), batch_grid(args.batch));
+  kernel<Op, TOut><<<grid, kThreads, kSmemBytes, args.stream>>>(map_a, map_b, static_cast<TOut*>(args.z), args.batch,
+                                                                args.m, args.n, args.ldz, k_tiles);
+  return cudaGetLastError();
+}
+
+// As the wgmma variant: 16-bit operands, and fp32 ones only as TF32 values already, where TF32 is
+// allowed. TMA wants 16-byte-aligned operands and row pitches (lda is a multiple of 32) and
+// coordinates that fit 32 bits.
+cudaError_t launch(const ContractArgs& args) {
+  const bool tf32 = args.operand == Dtype::f32;
+  if (encoder() == nullptr || (tf32 && (!args.tf32_rounded || args.precision == Precision::highest)))
+    return cudaErrorNotSupported;
+  if (args.batch == 0 || args.m == 0 || args.n == 0) return cudaSuccess;
+  if (args.lda < args.k || args.lda % 32 != 0 || reinterpret_cast<uintptr_t>(args.a) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(args.b) % 16 != 0 || args.m >= (int64_t(1) << 31) ||
+      args.n >= (int64_t(1) << 31) || args.batch >= (int64_t(1) << 31))
+    return cudaErrorNotSupported;
+  return dispatch_out(args.out, [&](auto out_tag) -> cudaError_t {
+    using TOut = typename decltype(out_tag)::type;
+    switch (args.operand) {
+      case Dtype::bf16: return launch_types<__nv_bfloat16, TOut>(args);
+      case Dtype::f16: return launch_types<__half, TOut>(args);
+      case Dtype::f32: return launch_types<float, TOut>(args);
+    }
+    return cudaErrorInvalidValue;
+  });
+}
+
+}  // namespace contract_wgmma_tma
+}  // namespace trimul
+
+TRIMUL_REGISTER_CONTRACTION(wgmma_tma, trimul::contract_wgmma_tma::launch);
