@@ -137,8 +137,11 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
 // overlap with warps that multiply.
 namespace resident {
 
-constexpr int kWarps = 8, kThreads = 32 * kWarps;
-constexpr int kRows = 32;        // positions per warp tile (4 n8 tiles)
+// Warps work in pairs on a tile: both stage its rows, one computes a's outputs, the other b's.
+// The weights take ~140 KB, so a tile's rows fit 8 times beside them: 16 warps (4 per scheduler)
+// where one warp per tile could only have 8.
+constexpr int kWarps = 16, kPairs = kWarps / 2, kThreads = 32 * kWarps;
+constexpr int kRows = 32;        // positions per tile (4 n8 tiles)
 constexpr int kChunkRows = 64;   // weight rows per product (4 m16 tiles, 32 h)
 constexpr int kMaxSlabs = 4;     // k-slabs per product: pair_dim <= 128 (unrolled: no address math)
 
@@ -148,7 +151,7 @@ __host__ __device__ inline int64_t half_rows(int64_t hidden) { return ceil_div(2
 template <Mode M>
 int64_t bytes(const ForwardArgs& args) {
   const int64_t rows = 2 * half_rows(args.h), stride = resident_stride<M>(args.c_pad);
-  return 4 * (rows * stride + rows + kWarps * (64 + 32 + kRows * stride));
+  return 4 * (rows * stride + rows + kPairs * (64 + 32 + kRows * stride));
 }
 
 template <Mode M, typename TIn>
@@ -159,8 +162,10 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
   const int half = static_cast<int>(half_rows(args.h));
   uint32_t* weights = smem;  // rows [0, half): a's, [half, 2 half): b's
   float* bias = reinterpret_cast<float*>(weights + 2 * half * stride);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint32_t* own = reinterpret_cast<uint32_t*>(bias + 2 * half) + warp * (96 + kRows * stride);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, pair = warp >> 1, side = warp & 1;
+  uint32_t* own = reinterpret_cast<uint32_t*>(bias + 2 * half) + pair * (96 + kRows * stride);
+  // The pair's own barrier (id 0 is __syncthreads').
+  auto pair_sync = [pair] { asm volatile("bar.sync %0, 64;\n" ::"r"(pair + 1) : "memory"); };
   int64_t* row_off = reinterpret_cast<int64_t*>(own);
   float* mask_v = reinterpret_cast<float*>(own + 64);
   uint32_t* rows = own + 96;
@@ -184,9 +189,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
   const int chunks = 2 * half / kChunkRows;
   const int k_slabs = static_cast<int>(args.c_pad * static_cast<int64_t>(sizeof(Op)) / kSlabBytes);
   const bool vectorized = rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair);
-  for (int64_t tile = int64_t(blockIdx.x) * kWarps + warp; tile < tiles; tile += int64_t(gridDim.x) * kWarps) {
+  for (int64_t tile = int64_t(blockIdx.x) * kPairs + pair; tile < tiles; tile += int64_t(gridDim.x) * kPairs) {
     const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kRows;
-    {
+    if (side == 0) {
       const int64_t p = p0 + lane;  // plane < 2^32 (checked at launch)
       const uint32_t f = static_cast<uint32_t>(p) / static_cast<uint32_t>(args.ld);
       const uint32_t k = static_cast<uint32_t>(p) - f * static_cast<uint32_t>(args.ld);
@@ -197,11 +202,11 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
                                        batch * args.mask_sb + row * args.mask_sr + col * args.mask_sc)
                            : 0.f;
     }
-    __syncwarp();
-    stage_rows<M, TIn, 1>(vectorized, rows, stride, static_cast<const TIn*>(args.pair), row_off, kRows,
+    pair_sync();
+    stage_rows<M, TIn, 2>(vectorized, rows, stride, static_cast<const TIn*>(args.pair), row_off, kRows,
                           static_cast<int>(args.c), static_cast<int>(args.c_pad), args.ln_in_w, args.ln_in_b,
-                          args.eps_in, 0);
-    __syncwarp();
+                          args.eps_in, side);
+    pair_sync();
     float half_mask[4][2];
     bool in_plane[4];
 #pragma unroll
@@ -211,7 +216,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
       half_mask[ni][1] = 0.5f * mask_v[m + 1];
       in_plane[ni] = p0 + m < plane;
     }
-    for (int chunk = 0; chunk < chunks; ++chunk) {
+    for (int chunk = side * chunks / 2; chunk < (side + 1) * chunks / 2; ++chunk) {  // a's or b's outputs
       const int r0 = chunk * kChunkRows;
       const int second = r0 >= half;  // b's weights
       const int64_t h_chunk = (r0 - second * half) / 2;
@@ -244,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
         }
       }
     }
-    __syncwarp();  // the next tile's staging overwrites rows the products read
+    pair_sync();  // the next tile's staging overwrites rows both products read
   }
 }
 
@@ -265,7 +270,7 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
   const cudaError_t status = allow_smem<kernel<M, TIn>>(smem_bytes);
   if (status != cudaSuccess) return status;
   const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kRows);
-  const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, kWarps));
+  const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, kPairs));
   kernel<M, TIn><<<static_cast<unsigned>(blocks), kThreads, smem_bytes, args.stream>>>(args, tiles_per_batch);
   return cudaGetLastError();
 }
