@@ -260,6 +260,9 @@ int64_t applicable(const ForwardArgs& args) {
     return 0;
   } else {
     if (args.c_pad * static_cast<int64_t>(sizeof(op_t<M>)) > kMaxSlabs * kSlabBytes) return 0;
+    // A problem that does not give every SM's pairs a tile runs faster as the streamed kernel's many
+    // small blocks (each resident block loads all the weights first).
+    if (args.batch * ceil_div(args.n * args.ld, kRows) < sm_count() * kPairs) return 0;
     const int64_t b = bytes<M>(args);
     return b <= max_smem_optin() ? b : 0;
   }
