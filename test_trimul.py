@@ -418,8 +418,10 @@ def _check_model(new, reference, pair, mask, tolerance, seed, label, dtype=torch
     return err
 
 
+# (2, 97, 32, 24): a separate contraction with batch > 1 ("highest" on Hopper: split operands, whose
+# remainder planes sit batch * hidden planes after the TF32 ones).
 SHAPES = [(1, 1, 8, 4), (2, 7, 16, 8), (1, 33, 32, 16), (1, 257, 24, 12), (2, 40, 128, 128),
-          (1, 64, 48, 20), (1, 130, 64, 32)]
+          (1, 64, 48, 20), (1, 130, 64, 32), (2, 97, 32, 24)]
 # "auto" is its own path at N <= 64: the output pass computes the contraction (two launches).
 # 16-bit-only kernels (wgmma) are covered by the half-precision and reduced-precision tests.
 MODEL_KERNELS = FP32_VARIANTS + ["auto"]
@@ -443,11 +445,12 @@ def test_fused_matches_fp64_reference(variant, direction, gate_input, batch, n, 
 @pytest.mark.parametrize("variant, precision", [("mma", "high"), ("mma", "medium"), ("auto", "high"),
                                                 ("auto", "medium"), ("wgmma", "medium")])
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
-# (1, 72, 128, 128): the 16-bit resident-weight passes with hidden = 128 (the output pass's unguarded z
-# loads); (1, 72, 384, 128): the streamed passes with a separate contraction (N > 64) at pair_dim 384.
+# (1, 200, 128, 128): the 16-bit resident-weight passes with hidden = 128 (the output pass's unguarded
+# z loads; big enough to fill every SM, which they require); (1, 72, 128, 128): the streamed passes at
+# the same sizes; (1, 72, 384, 128): the streamed passes with a separate contraction at pair_dim 384.
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 33, 32, 16), (1, 200, 128, 64),
                                                         (2, 64, 384, 128), (1, 72, 128, 128),
-                                                        (1, 72, 384, 128)])
+                                                        (1, 200, 128, 128), (1, 72, 384, 128)])
 def test_fused_reduced_precisions(variant, precision, direction, batch, n, pair_dim, hidden):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)

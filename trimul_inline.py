@@ -118,7 +118,7 @@ VARIANTS = {v.name: v for v in (
             backend="torch"),
 )}
 # kernel="auto" takes the first variant here that supports the call: fastest first.
-AUTO_ORDER = ("wgmma", "mma", "tiled", "naive")
+AUTO_ORDER = ("wgmma_tma", "wgmma", "mma", "tiled", "naive")
 
 
 def _variant_supports(variant: Variant, dtype: torch.dtype, precision: str, capability) -> bool:

@@ -27,6 +27,10 @@ struct ContractArgs {
   Dtype out;      // dtype of z
   Precision precision;
   bool tf32_rounded;  // fp32 a and b hold TF32 values already (the fused input pass writes them so)
+  // 3xTF32 from split operands: a and b hold `batch` planes of TF32 values ("big") followed by
+  // `batch` planes of the remainders (value - big, TF32-rounded), and z = big.big + big.small +
+  // small.big. Only wgmma_tma takes it (the fused forward asks no other kernel).
+  bool split;
   cudaStream_t stream;
 };
 
@@ -69,6 +73,9 @@ struct ForwardArgs {
   void* a_t;
   void* b_t;
   int64_t ld;
+  // tf32x3 with a separate split-operand contraction: elements from a value's TF32 part in a_t /
+  // b_t to its remainder (the remainder planes follow the big ones). 0: values stored whole.
+  int64_t small_offset;
   void* z;
   Dtype z_dtype;
   int64_t ldz;
@@ -98,6 +105,9 @@ bool register_contraction(const char* name, ContractFn fn);
 ContractFn find_contraction(const char* name);
 // Writes up to `capacity` registered names into `names`; returns how many are registered.
 int list_contractions(const char** names, int capacity);
+// Whether the wgmma_tma kernel can run here (sm_90a build, Hopper GPU, tensor-map encoder): the
+// fused forward then lays "highest" operands out split (ContractArgs::split) for it.
+bool wgmma_tma_available();
 
 }  // namespace trimul
 

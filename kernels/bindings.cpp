@@ -129,12 +129,12 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
     TORCH_CHECK_VALUE(w.device() == pair.device() && w.is_contiguous() &&
                           reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
                       "trimul_inline: prepared weights must be contiguous, 16-byte aligned, on pair's device");
-  // "auto": wgmma (sm_90a; 16-bit or TF32 operands) or mma, or for N <= kFusedContractionMaxN the output
+  // "auto": wgmma_tma or wgmma (sm_90a; 16-bit or TF32 operands) or mma, or for N <= kFusedContractionMaxN the output
   // pass contracts itself.
   const bool fuse_contraction = variant == "auto" && pair.size(1) <= trimul::kFusedContractionMaxN;
   std::vector<std::string> kernels{variant};
   if (variant == "auto") {
-    kernels = {"wgmma", "mma"};  // wgmma declines what it does not take (3xTF32, pre-Hopper)
+    kernels = {"wgmma_tma", "wgmma", "mma"};  // each declines what it does not take (3xTF32, pre-Hopper)
   }
   for (const auto& name : kernels)
     TORCH_CHECK_VALUE(name == "bmm" || fuse_contraction || trimul::find_contraction(name.c_str()) != nullptr,
@@ -192,12 +192,19 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   const auto options = pair.options();
   const auto new_out = [&] { return at::empty_like(pair, options.memory_format(at::MemoryFormat::Contiguous)); };
   if (batch == 0 || n == 0) return new_out();
-  // a_t and b_t [B*H, N, ld], filled by the input pass.
+  // "highest" with a separate contraction on Hopper: the input pass splits each operand into its
+  // TF32 part and remainder (twice the planes), so wgmma_tma runs 3xTF32 as three TF32 GEMMs.
+  const bool split = mode == trimul::Mode::tf32x3 && !fuse_contraction &&
+                     (variant == "auto" || variant == "wgmma_tma") && trimul::wgmma_tma_available();
+  if (split) kernels = {"wgmma_tma"};
+  // a_t and b_t [B*H, N, ld] (split: [2, B*H, N, ld]), filled by the input pass.
   const auto input_pass = [&] {
-    std::pair<at::Tensor, at::Tensor> ab{at::empty({batch * hidden, n, args.ld}, options.dtype(op_type)),
-                                         at::empty({batch * hidden, n, args.ld}, options.dtype(op_type))};
+    const int64_t planes = (split ? 2 : 1) * batch * hidden;
+    std::pair<at::Tensor, at::Tensor> ab{at::empty({planes, n, args.ld}, options.dtype(op_type)),
+                                         at::empty({planes, n, args.ld}, options.dtype(op_type))};
     args.a_t = ab.first.data_ptr();
     args.b_t = ab.second.data_ptr();
+    args.small_offset = split ? batch * hidden * n * args.ld : 0;
     check_launch(trimul::launch_input_pass(args), "the input pass");
     return ab;
   };
@@ -230,8 +237,9 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
       contract.out = trimul::Dtype::f32;
       contract.precision = contraction_precision(mode);
       contract.tf32_rounded = mode == trimul::Mode::tf32;
+      contract.split = split;
       contract.stream = args.stream;
-      // The first kernel that takes these operands on this GPU (auto lists wgmma before mma).
+      // The first kernel that takes these operands on this GPU (auto lists the fastest first).
       cudaError_t status = cudaErrorNotSupported;
       std::string used = kernels.back();
       for (const auto& name : kernels) {

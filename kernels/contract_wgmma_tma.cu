@@ -1,6 +1,7 @@
 // wgmma_tma — Hopper (sm_90a): 128x256 tiles; one producer thread issues TMA loads (128-byte swizzle,
 // zero fill past the edges) into a 4-stage mbarrier pipeline, two consumer warpgroups each run
-// m64n256k16 (k8 for TF32) on their 64 rows and keep one k-tile of MMAs in flight.
+// m64n256k16 (k8 for TF32) on their 64 rows and keep one k-tile of MMAs in flight. Also 3xTF32 from
+// split operands (ContractArgs::split): the k loop runs three times, over big.big, big.small, small.big.
 #include "fused.cuh"
 
 #include <cuda.h>          // CUtensorMap and its enums (the encoder comes from the runtime, no -lcuda)
@@ -120,7 +121,7 @@ __device__ __forceinline__ void wgmma_wait() {
 template <typename Op, typename TOut>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b, TOut* __restrict__ z,
-           int64_t batch, int64_t m, int64_t n, int64_t ldz, int k_tiles) {
+           int64_t batch, int64_t m, int64_t n, int64_t ldz, int k_tiles, int segments) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
@@ -143,13 +144,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       int it = 0;
       for (int64_t bz = blockIdx.y; bz < batch; bz += gridDim.y)
-        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        for (int t = 0; t < segments * k_tiles; ++t, ++it) {
           const int s = it % kStages, round = it / kStages;
+          // Segment 0: big.big, 1: big.small, 2: small.big (the small planes are `batch` further on).
+          const int segment = t / k_tiles, kt = t - segment * k_tiles;
+          const int a_plane = static_cast<int>(bz + (segment == 2 ? batch : 0));
+          const int b_plane = static_cast<int>(bz + (segment == 1 ? batch : 0));
           if (round > 0) mbar_wait(&empty[s], (round - 1) & 1);
           uint8_t* stage = smem + s * kStageBytes;
           mbar_expect_tx(&full[s], kStageBytes);
-          tma_load(stage, &map_a, kt * kElemsPerRow, row0, static_cast<int>(bz), &full[s]);
-          tma_load(stage + kATile, &map_b, kt * kElemsPerRow, col0, static_cast<int>(bz), &full[s]);
+          tma_load(stage, &map_a, kt * kElemsPerRow, row0, a_plane, &full[s]);
+          tma_load(stage + kATile, &map_b, kt * kElemsPerRow, col0, b_plane, &full[s]);
         }
     }
     return;
@@ -163,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[128];
 #pragma unroll
     for (int r = 0; r < 128; ++r) acc[r] = 0.f;
-    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+    for (int kt = 0; kt < segments * k_tiles; ++kt, ++it) {
       const int s = it % kStages;
       mbar_wait(&full[s], (it / kStages) & 1);
       const uint8_t* stage = smem + s * kStageBytes;
@@ -245,29 +250,32 @@ bool make_map(CUtensorMap* map, const void* base, int64_t batch, int64_t rows, i
 template <typename Op, typename TOut>
 cudaError_t launch_types(const ContractArgs& args) {
   CUtensorMap map_a, map_b;
-  if (!make_map<Op>(&map_a, args.a, args.batch, args.m, args.lda, BM) ||
-      !make_map<Op>(&map_b, args.b, args.batch, args.n, args.lda, BN))
-    return cudaErrorInvalidValue;
+  const int64_t planes = args.split ? 2 * args.batch : args.batch;
+  if (!make_map<Op>(&map_a, args.a, planes, args.m, args.lda, BM) ||
+      !make_map<Op>(&map_b, args.b, planes, args.n, args.lda, BN))
+    return cudaErrorNotSupported;  // the next kernel in auto's list takes it
   const cudaError_t status = fused::allow_smem<kernel<Op, TOut>>(kSmemBytes);
   if (status != cudaSuccess) return status;
   const int k_tiles = static_cast<int>(ceil_div(args.k * static_cast<int64_t>(sizeof(Op)), kRowBytes));
   const dim3 grid(static_cast<unsigned>(ceil_div(args.m, BM) * ceil_div(args.n, BN)), batch_grid(args.batch));
   kernel<Op, TOut><<<grid, kThreads, kSmemBytes, args.stream>>>(map_a, map_b, static_cast<TOut*>(args.z), args.batch,
-                                                                args.m, args.n, args.ldz, k_tiles);
+                                                                args.m, args.n, args.ldz, k_tiles,
+                                                                args.split ? 3 : 1);
   return cudaGetLastError();
 }
 
 // As the wgmma variant: 16-bit operands, and fp32 ones only as TF32 values already, where TF32 is
-// allowed. TMA wants 16-byte-aligned operands and row pitches (lda is a multiple of 32) and
-// coordinates that fit 32 bits.
+// allowed, or as split operands (3xTF32, any precision). TMA wants 16-byte-aligned operands and row
+// pitches (lda is a multiple of 32) and coordinates that fit 32 bits.
 cudaError_t launch(const ContractArgs& args) {
   const bool tf32 = args.operand == Dtype::f32;
-  if (encoder() == nullptr || (tf32 && (!args.tf32_rounded || args.precision == Precision::highest)))
+  if (encoder() == nullptr || (args.split && !tf32) ||
+      (tf32 && !args.split && (!args.tf32_rounded || args.precision == Precision::highest)))
     return cudaErrorNotSupported;
   if (args.batch == 0 || args.m == 0 || args.n == 0) return cudaSuccess;
   if (args.lda < args.k || args.lda % 32 != 0 || reinterpret_cast<uintptr_t>(args.a) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(args.b) % 16 != 0 || args.m >= (int64_t(1) << 31) ||
-      args.n >= (int64_t(1) << 31) || args.batch >= (int64_t(1) << 31))
+      args.n >= (int64_t(1) << 31) || 2 * args.batch >= (int64_t(1) << 31))
     return cudaErrorNotSupported;
   return dispatch_out(args.out, [&](auto out_tag) -> cudaError_t {
     using TOut = typename decltype(out_tag)::type;
@@ -281,6 +289,9 @@ cudaError_t launch(const ContractArgs& args) {
 }
 
 }  // namespace contract_wgmma_tma
+
+bool wgmma_tma_available() { return contract_wgmma_tma::encoder() != nullptr; }
+
 }  // namespace trimul
 
 TRIMUL_REGISTER_CONTRACTION(wgmma_tma, trimul::contract_wgmma_tma::launch);

@@ -38,14 +38,26 @@ __device__ __forceinline__ void locate_position(const ForwardArgs& args, int64_t
 }
 
 // Two adjacent operand values (the destination is aligned for both: positions are even).
+// tf32x3 with small_offset != 0: the TF32 part here and the remainder small_offset further on,
+// so the contraction needs no splitting of its own (ForwardArgs::small_offset).
 template <Mode M>
-__device__ __forceinline__ void store_operand_pair(op_t<M>* dst, float v0, float v1) {
-  if constexpr (M == Mode::bf16)
+__device__ __forceinline__ void store_operand_pair(op_t<M>* dst, float v0, float v1, int64_t small_offset = 0) {
+  if constexpr (M == Mode::bf16) {
     *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v0, v1);
-  else if constexpr (M == Mode::f16)
+  } else if constexpr (M == Mode::f16) {
     *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(v0, v1);
-  else
+  } else if constexpr (M == Mode::tf32x3) {
+    if (small_offset == 0) {
+      *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+    } else {
+      const float big0 = to_operand<Mode::tf32>(v0), big1 = to_operand<Mode::tf32>(v1);
+      *reinterpret_cast<float2*>(dst) = make_float2(big0, big1);
+      *reinterpret_cast<float2*>(dst + small_offset) =
+          make_float2(to_operand<Mode::tf32>(v0 - big0), to_operand<Mode::tf32>(v1 - big1));
+    }
+  } else {
     *reinterpret_cast<float2*>(dst) = make_float2(to_operand<M>(v0), to_operand<M>(v1));
+  }
 }
 
 // A block owns BM consecutive positions p of one batch's flattened [N, ld] operand plane
@@ -125,7 +137,7 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
         if (!in_plane[ni]) continue;
         const float v0 = acc[mi][ni][0] * gate_sigmoid<M>(acc[mi][ni][2]) * mask_r[ni][0];
         const float v1 = acc[mi][ni][1] * gate_sigmoid<M>(acc[mi][ni][3]) * mask_r[ni][1];
-        store_operand_pair<M>(row + wr * T::NT * 8 + ni * 8 + 2 * t, v0, v1);
+        store_operand_pair<M>(row + wr * T::NT * 8 + ni * 8 + 2 * t, v0, v1, args.small_offset);
       }
     }
   }
@@ -139,8 +151,11 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
 // overlap with warps that multiply.
 namespace resident {
 
-constexpr int kWarps = 8, kThreads = 32 * kWarps;
-constexpr int kRows = 32;        // positions per warp tile (4 n8 tiles)
+// Warps work in pairs on a tile: both stage its rows, one computes a's outputs, the other b's.
+// The weights take ~140 KB, so a tile's rows fit 8 times beside them: 16 warps (4 per scheduler)
+// where one warp per tile could only have 8.
+constexpr int kWarps = 16, kPairs = kWarps / 2, kThreads = 32 * kWarps;
+constexpr int kRows = 32;        // positions per tile (4 n8 tiles)
 constexpr int kChunkRows = 64;   // weight rows per product (4 m16 tiles, 32 h)
 constexpr int kMaxSlabs = 4;     // k-slabs per product: pair_dim <= 128 (unrolled: no address math)
 
@@ -150,7 +165,7 @@ __host__ __device__ inline int64_t half_rows(int64_t hidden) { return ceil_div(2
 template <Mode M>
 int64_t bytes(const ForwardArgs& args) {
   const int64_t rows = 2 * half_rows(args.h), stride = resident_stride<M>(args.c_pad);
-  return 4 * (rows * stride + rows + kWarps * (64 + 32 + kRows * stride));
+  return 4 * (rows * stride + rows + kPairs * (64 + 32 + kRows * stride));
 }
 
 template <Mode M, typename TIn>
@@ -161,8 +176,10 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
   const int half = static_cast<int>(half_rows(args.h));
   uint32_t* weights = smem;  // rows [0, half): a's, [half, 2 half): b's
   float* bias = reinterpret_cast<float*>(weights + 2 * half * stride);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint32_t* own = reinterpret_cast<uint32_t*>(bias + 2 * half) + warp * (96 + kRows * stride);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, pair = warp >> 1, side = warp & 1;
+  uint32_t* own = reinterpret_cast<uint32_t*>(bias + 2 * half) + pair * (96 + kRows * stride);
+  // The pair's own barrier (id 0 is __syncthreads').
+  auto pair_sync = [pair] { asm volatile("bar.sync %0, 64;\n" ::"r"(pair + 1) : "memory"); };
   int64_t* row_off = reinterpret_cast<int64_t*>(own);
   float* mask_v = reinterpret_cast<float*>(own + 64);
   uint32_t* rows = own + 96;
@@ -182,14 +199,14 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
   const int chunks = 2 * half / kChunkRows;
   const int k_slabs = static_cast<int>(args.c_pad * static_cast<int64_t>(sizeof(Op)) / kSlabBytes);
   const bool vectorized = rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair);
-  for (int64_t tile = int64_t(blockIdx.x) * kWarps + warp; tile < tiles; tile += int64_t(gridDim.x) * kWarps) {
+  for (int64_t tile = int64_t(blockIdx.x) * kPairs + pair; tile < tiles; tile += int64_t(gridDim.x) * kPairs) {
     const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kRows;
-    locate_position(args, batch, p0 + lane, plane, row_off[lane], mask_v[lane]);
-    __syncwarp();
-    stage_rows<M, TIn, 1>(vectorized, rows, stride, static_cast<const TIn*>(args.pair), row_off, kRows,
+    if (side == 0) locate_position(args, batch, p0 + lane, plane, row_off[lane], mask_v[lane]);
+    pair_sync();
+    stage_rows<M, TIn, 2>(vectorized, rows, stride, static_cast<const TIn*>(args.pair), row_off, kRows,
                           static_cast<int>(args.c), static_cast<int>(args.c_pad), args.ln_in_w, args.ln_in_b,
-                          args.eps_in, 0);
-    __syncwarp();
+                          args.eps_in, side);
+    pair_sync();
     float half_mask[4][2];
     bool in_plane[4];
 #pragma unroll
@@ -199,7 +216,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
       half_mask[ni][1] = 0.5f * mask_v[m + 1];
       in_plane[ni] = p0 + m < plane;
     }
-    for (int chunk = 0; chunk < chunks; ++chunk) {
+    for (int chunk = side * chunks / 2; chunk < (side + 1) * chunks / 2; ++chunk) {  // a's or b's outputs
       const int r0 = chunk * kChunkRows;
       const int second = r0 >= half;  // b's weights
       const int64_t h_chunk = (r0 - second * half) / 2;
@@ -232,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
         }
       }
     }
-    __syncwarp();  // the next tile's staging overwrites rows the products read
+    pair_sync();  // the next tile's staging overwrites rows both products read
   }
 }
 
@@ -243,6 +260,9 @@ int64_t applicable(const ForwardArgs& args) {
     return 0;
   } else {
     if (args.c_pad * static_cast<int64_t>(sizeof(op_t<M>)) > kMaxSlabs * kSlabBytes) return 0;
+    // A problem that does not give every SM's pairs a tile runs faster as the streamed kernel's many
+    // small blocks (each resident block loads all the weights first).
+    if (args.batch * ceil_div(args.n * args.ld, kRows) < sm_count() * kPairs) return 0;
     const int64_t b = bytes<M>(args);
     return b <= max_smem_optin() ? b : 0;
   }
@@ -250,7 +270,7 @@ int64_t applicable(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
-  return launch_persistent<kernel<M, TIn>>(args, args.n * args.ld, kRows, kWarps, kThreads, smem_bytes);
+  return launch_persistent<kernel<M, TIn>>(args, args.n * args.ld, kRows, kPairs, kThreads, smem_bytes);
 }
 
 }  // namespace resident

@@ -312,15 +312,19 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
 // 32 output channels at a time, and the gated output stored straight from the accumulators.
 namespace resident {
 
-constexpr int kWarps = 8, kThreads = 32 * kWarps;
-constexpr int kRows = 32;     // positions per warp tile (2 m16 tiles)
+// Warps work in pairs on a tile (as the input pass's resident kernel): each LayerNorms half of
+// z's h (their sums meet in shared memory), both stage the gate rows, each computes half of the
+// output channels. 16 warps per SM (4 per scheduler) in the shared memory 8 single warps took.
+constexpr int kWarps = 16, kPairs = kWarps / 2, kThreads = 32 * kWarps;
+constexpr int kRows = 32;     // positions per tile (2 m16 tiles)
 constexpr int kChunk = 32;    // output channels per product (4 n8 tiles)
-constexpr int kMaxHidden = 128;
+constexpr int kMaxHidden = 128, kHalfHidden = kMaxHidden / 2;
 constexpr int kMaxSlabs = 4;  // k-slabs per product: pair_dim and hidden <= 128 (unrolled)
 
 struct Layout {
   int c_rows, x_stride, z_stride;
-  __host__ __device__ int64_t words_per_warp() const { return 128 + int64_t(kRows) * (x_stride + z_stride); }
+  // row_off, out_row (64 words each), the pair's partial sums (128), x rows, z rows
+  __host__ __device__ int64_t words_per_pair() const { return 256 + int64_t(kRows) * (x_stride + z_stride); }
 };
 
 template <Mode M>
@@ -333,7 +337,7 @@ template <Mode M>
 int64_t bytes(const ForwardArgs& args) {
   const Layout l = layout<M>(args);
   return 4 * (int64_t(l.c_rows) * (l.x_stride + l.z_stride) + 2 * l.c_rows + 2 * args.h_pad +
-              kWarps * l.words_per_warp());
+              kPairs * l.words_per_pair());
 }
 
 template <Mode M, typename TIn>
@@ -347,11 +351,13 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
   float* out_bias = gate_bias + l.c_rows;
   float* ln_w = out_bias + l.c_rows;
   float* ln_b = ln_w + args.h_pad;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint32_t* own = reinterpret_cast<uint32_t*>(ln_b + args.h_pad) + warp * l.words_per_warp();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, pair = warp >> 1, side = warp & 1;
+  uint32_t* own = reinterpret_cast<uint32_t*>(ln_b + args.h_pad) + pair * l.words_per_pair();
   int64_t* row_off = reinterpret_cast<int64_t*>(own);
   int64_t* out_row = row_off + kRows;
-  uint32_t* x_rows = own + 128;
+  float2* partial = reinterpret_cast<float2*>(own + 128);  // [side][position]: (sum, sum of squares)
+  uint32_t* x_rows = own + 256;
+  auto pair_sync = [pair] { asm volatile("bar.sync %0, 64;\n" ::"r"(pair + 1) : "memory"); };
   uint32_t* z_rows = x_rows + kRows * l.x_stride;
 
   {
@@ -380,54 +386,64 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
   const bool vectorized = rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair);
   const bool paired = (args.c % 2) == 0;
   TIn* out = static_cast<TIn*>(args.out);
-  for (int64_t tile = int64_t(blockIdx.x) * kWarps + warp; tile < tiles; tile += int64_t(gridDim.x) * kWarps) {
+  for (int64_t tile = int64_t(blockIdx.x) * kPairs + pair; tile < tiles; tile += int64_t(gridDim.x) * kPairs) {
     const int64_t batch = tile / tiles_per_batch, q0 = (tile - batch * tiles_per_batch) * kRows;
     // Lane = position q = i * ldz + j of this batch's z plane (plane < 2^32: checked at launch).
     const uint32_t q = static_cast<uint32_t>(q0 + lane);
     const uint32_t i = q / static_cast<uint32_t>(args.ldz), j = q - i * static_cast<uint32_t>(args.ldz);
     const bool valid = q < plane && i < n && j < n;
-    row_off[lane] = valid ? batch * args.pair_sb + i * args.pair_sr + j * args.pair_sc : -1;
-    out_row[lane] = valid ? ((batch * n + i) * n + j) * args.c : -1;
+    if (side == 0) {
+      row_off[lane] = valid ? batch * args.pair_sb + i * args.pair_sr + j * args.pair_sc : -1;
+      out_row[lane] = valid ? ((batch * n + i) * n + j) * args.c : -1;
+    }
     {
       // All of this position's z in registers (one coalesced 128-byte load per h across the
       // warp), then its LayerNorm_out row written as operands.
       // (invalid lanes read position 0 of the plane, always in bounds; their rows are written as
       // zeros below whatever it holds)
       const float* z = static_cast<const float*>(args.z) + batch * hidden * plane + (valid ? q : 0);
-      float zv[kMaxHidden];
+      const int h_first = side * kHalfHidden;  // this warp's half of h
+      const float* z_half = z + h_first * plane;
+      float zv[kHalfHidden];
       if (hidden == kMaxHidden) {  // the common case without a guard per load
 #pragma unroll
-        for (int h = 0; h < kMaxHidden; ++h) zv[h] = z[h * plane];
+        for (int h = 0; h < kHalfHidden; ++h) zv[h] = z_half[h * plane];
       } else {
 #pragma unroll
-        for (int h = 0; h < kMaxHidden; ++h) zv[h] = h < hidden ? z[h * plane] : 0.f;
+        for (int h = 0; h < kHalfHidden; ++h) zv[h] = h_first + h < hidden ? z_half[h * plane] : 0.f;
       }
-      const float shift = zv[0];
+      const float shift = z[0];  // both halves shift by the position's first value
       float sum = 0.f, sum_sq = 0.f;
 #pragma unroll
-      for (int h = 0; h < kMaxHidden; ++h) {
-        const float d = h < hidden ? zv[h] - shift : 0.f;
+      for (int h = 0; h < kHalfHidden; ++h) {
+        const float d = h_first + h < hidden ? zv[h] - shift : 0.f;
         sum += d;
         sum_sq += d * d;
       }
-      const float2 stats = shifted_stats(shift, sum, sum_sq, static_cast<int>(hidden), args.eps_out);
+      partial[side * kRows + lane] = make_float2(sum, sum_sq);
+      pair_sync();
+      const float2 other = partial[(1 - side) * kRows + lane];
+      const float2 stats =
+          shifted_stats(shift, sum + other.x, sum_sq + other.y, static_cast<int>(hidden), args.eps_out);
       uint32_t* dst = z_rows + lane * l.z_stride;
 #pragma unroll
-      for (int h0 = 0; h0 < kMaxHidden; h0 += 8) {
-        if (h0 >= args.h_pad) break;
+      for (int h0 = 0; h0 < kHalfHidden; h0 += 8) {
+        if (h_first + h0 >= args.h_pad) break;
         float y[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e)
-          y[e] = valid ? (zv[h0 + e] - stats.x) * stats.y * ln_w[h0 + e] + ln_b[h0 + e] : 0.f;
-        store_operands<M, 8>(dst, h0, y);
+        for (int e = 0; e < 8; ++e) {
+          const int h = h_first + h0 + e;
+          y[e] = valid ? (zv[h0 + e] - stats.x) * stats.y * ln_w[h] + ln_b[h] : 0.f;
+        }
+        store_operands<M, 8>(dst, h_first + h0, y);
       }
     }
-    __syncwarp();
-    stage_rows<M, TIn, 1>(vectorized, x_rows, l.x_stride, static_cast<const TIn*>(args.pair), row_off, kRows,
+    pair_sync();  // row_off and both halves of the z rows are in
+    stage_rows<M, TIn, 2>(vectorized, x_rows, l.x_stride, static_cast<const TIn*>(args.pair), row_off, kRows,
                           static_cast<int>(args.c), static_cast<int>(args.c_pad),
-                          args.gate_normalized ? args.ln_in_w : nullptr, args.ln_in_b, args.eps_in, 0);
-    __syncwarp();
-    for (int chunk = 0; chunk < chunks; ++chunk) {
+                          args.gate_normalized ? args.ln_in_w : nullptr, args.ln_in_b, args.eps_in, side);
+    pair_sync();
+    for (int chunk = side; chunk < chunks; chunk += 2) {  // this warp's half of the output channels
       const int c0 = chunk * kChunk;
       float gate[2][4][4], proj[2][4][4];
 #pragma unroll
@@ -471,7 +487,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
           }
         }
     }
-    __syncwarp();  // the next tile's staging overwrites rows the products read
+    pair_sync();  // the next tile's staging overwrites rows both products read
   }
 }
 
@@ -483,6 +499,7 @@ int64_t applicable(const ForwardArgs& args) {
   } else {
     if (args.z == nullptr || args.z_dtype != Dtype::f32 || args.h_pad > kMaxHidden) return 0;
     if (args.c_pad * static_cast<int64_t>(sizeof(op_t<M>)) > kMaxSlabs * kSlabBytes) return 0;
+    if (args.batch * ceil_div(args.n * args.ldz, kRows) < sm_count() * kPairs) return 0;  // as the input pass
     const int64_t b = bytes<M>(args);
     return b <= max_smem_optin() ? b : 0;
   }
@@ -490,7 +507,7 @@ int64_t applicable(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
-  return launch_persistent<kernel<M, TIn>>(args, args.n * args.ldz, kRows, kWarps, kThreads, smem_bytes);
+  return launch_persistent<kernel<M, TIn>>(args, args.n * args.ldz, kRows, kPairs, kThreads, smem_bytes);
 }
 
 }  // namespace resident
