@@ -145,10 +145,10 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
 }
 
 // ---- Resident weights (16-bit operands, weights that fit in shared memory) -----------------------
-// One block per multiprocessor holds all proj/gate weights for the whole pass; each warp works
-// alone on tiles of 32 positions (stage + LayerNorm its rows, multiply, store), so there is no
-// weight stream, no block barrier after the weights are in, and warps that wait for their rows
-// overlap with warps that multiply.
+// One block per multiprocessor holds all proj/gate weights for the whole pass; each pair of warps
+// works on its own tiles of 32 positions (stage + LayerNorm the rows, multiply, store), so there is
+// no weight stream, no block barrier after the weights are in, and pairs that wait for their rows
+// overlap with pairs that multiply.
 namespace resident {
 
 // Warps work in pairs on a tile: both stage its rows, one computes a's outputs, the other b's.

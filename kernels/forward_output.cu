@@ -307,9 +307,9 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
 
 // ---- Resident weights (16-bit operands, z given, H <= 128, weights that fit) --------------------
 // One block per multiprocessor holds out_gate's and out_proj's weights for the whole pass; each
-// warp works alone on tiles of 32 positions: its z values (one position per lane, all of H in
-// registers, so LayerNorm_out needs no shared-memory reduction), its gate rows, both products
-// 32 output channels at a time, and the gated output stored straight from the accumulators.
+// pair of warps works on its own tiles of 32 positions: z values (one position per lane, half of H
+// in each warp's registers), the gate rows, both products 32 output channels at a time, and the
+// gated output stored straight from the accumulators.
 namespace resident {
 
 // Warps work in pairs on a tile (as the input pass's resident kernel): each LayerNorms half of
