@@ -447,10 +447,13 @@ def test_fused_matches_fp64_reference(variant, direction, gate_input, batch, n, 
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 # (1, 200, 128, 128): the 16-bit resident-weight passes with hidden = 128 (the output pass's unguarded
 # z loads; big enough to fill every SM, which they require); (1, 72, 128, 128): the streamed passes at
-# the same sizes; (1, 72, 384, 128): the streamed passes with a separate contraction at pair_dim 384.
+# the same sizes; (1, 72, 384, 128): the streamed passes with a separate contraction at pair_dim 384;
+# (1, 200, 384, 128) and (2, 130, 200, 40): the wgmma input pass (16-bit, pair_dim > 128, a tile for
+# every SM), the second with k-tiles past pair_dim (zero-filled), batch > 1 and h rows past hidden.
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 33, 32, 16), (1, 200, 128, 64),
                                                         (2, 64, 384, 128), (1, 72, 128, 128),
-                                                        (1, 200, 128, 128), (1, 72, 384, 128)])
+                                                        (1, 200, 128, 128), (1, 72, 384, 128),
+                                                        (1, 200, 384, 128), (2, 130, 200, 40)])
 def test_fused_reduced_precisions(variant, precision, direction, batch, n, pair_dim, hidden):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
@@ -633,6 +636,28 @@ def test_unfused_autograd_path_matches_fp64(variant, direction, gate_input, batc
 
 
 PATHS = pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 150, 256, 32), (2, 130, 200, 40)])
+def test_wide_pair_dim_half_precision_inputs(dtype, batch, n, pair_dim, hidden):
+    """bf16 / fp16 pair_repr at pair_dim > 128 on a problem that fills the GPU: the wgmma input pass
+    reads 16-bit rows (on Hopper; the streamed kernel elsewhere)."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, "incoming").double(), g)
+    new = _make_pair(reference, dtype, "incoming", "raw", "auto", pair_dim, hidden)
+    reference.load_state_dict({k: v.to(dtype).double() for k, v in reference.state_dict().items()})
+    pair, mask = random_inputs(batch, n, pair_dim, g)
+    pair = pair.to(dtype)
+    ref = reference.cuda()(pair.double().cuda(), mask.cuda())
+    poison_allocator()
+    with torch.no_grad():
+        out = new(pair.cuda(), mask.cuda())
+    assert out.dtype == dtype
+    err = rel_error(out, ref)
+    assert err < TOLERANCE[dtype], f"{dtype} {(batch, n, pair_dim, hidden)}: error {err} (seed {seed})"
 
 
 @cuda

@@ -2,13 +2,12 @@
 // zero fill past the edges) into a 4-stage mbarrier pipeline, two consumer warpgroups each run
 // m64n256k16 (k8 for TF32) on their 64 rows and keep one k-tile of MMAs in flight. Also 3xTF32 from
 // split operands (ContractArgs::split): the k loop runs three times, over big.big, big.small, small.big.
-#include "fused.cuh"
-
-#include <cuda.h>          // CUtensorMap and its enums (the encoder comes from the runtime, no -lcuda)
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+#include "tma.cuh"
 
 namespace trimul {
 namespace contract_wgmma_tma {
+
+using namespace ::trimul::tma;
 
 constexpr int BM = 128, BN = 256;
 constexpr int kRowBytes = 128;  // bytes of k per tile row: one 128-byte swizzle span
@@ -16,66 +15,6 @@ constexpr int kStages = 4, kConsumers = 2;
 constexpr int kThreads = 128 * (kConsumers + 1);  // warpgroup 0 produces
 constexpr int kATile = BM * kRowBytes, kBTile = BN * kRowBytes, kStageBytes = kATile + kBTile;
 constexpr int kSmemBytes = kStages * kStageBytes + 1024 + 2 * kStages * 8;  // + alignment slack, barriers
-
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define TRIMUL_WGMMA_TMA 1
-__device__ const int kBuiltWithWgmmaTma = 1;
-#else
-__device__ const int kBuiltWithWgmmaTma = 0;
-#endif
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// Shared-memory matrix descriptor: K-major rows of 128 bytes, 128-byte swizzle, 8-row groups 1024
-// bytes apart (what TMA's 128-byte swizzle writes).
-__device__ __forceinline__ uint64_t smem_descriptor(const void* tile) {
-  const uint64_t addr = smem_u32(tile);
-  return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-#ifdef TRIMUL_WGMMA_TMA
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
-#endif
-}
-__device__ __forceinline__ void mbar_init_fence() {
-#ifdef TRIMUL_WGMMA_TMA
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, int bytes) {
-#ifdef TRIMUL_WGMMA_TMA
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-#ifdef TRIMUL_WGMMA_TMA
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-#endif
-}
-// Waits until the barrier's phase with this parity has completed.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
-#ifdef TRIMUL_WGMMA_TMA
-  asm volatile(
-      "{\n.reg .pred P1;\nLAB_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-#endif
-}
-// One box of a 3-D tensor map (k element, row, batch) into shared memory; completes on `bar`.
-__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int k, int row, int batch, uint64_t* bar) {
-#ifdef TRIMUL_WGMMA_TMA
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
-          "r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(batch), "r"(smem_u32(bar))
-      : "memory");
-#endif
-}
 
 // One 32-byte k-step of a 64x256 product. INSTR: the wgmma with its shape and types; TAIL: its
 // scale/transpose immediates (16-bit operands take transpose flags, TF32 does not).
@@ -87,7 +26,7 @@ __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int 
                : "l"(desc_a), "l"(desc_b), "r"(accumulate))
 template <typename Op>
 __device__ __forceinline__ void wgmma_64x256_step(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-#ifdef TRIMUL_WGMMA_TMA
+#ifdef TRIMUL_SM90A
   if constexpr (std::is_same<Op, __nv_bfloat16>::value)
     TRIMUL_WGMMA_64X256("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", ", 1, 1, 0, 0");
   else if constexpr (std::is_same<Op, float>::value)
@@ -99,18 +38,18 @@ __device__ __forceinline__ void wgmma_64x256_step(float (&d)[128], uint64_t desc
 #undef TRIMUL_WGMMA_64X256
 
 __device__ __forceinline__ void wgmma_fence() {
-#ifdef TRIMUL_WGMMA_TMA
+#ifdef TRIMUL_SM90A
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void wgmma_commit() {
-#ifdef TRIMUL_WGMMA_TMA
+#ifdef TRIMUL_SM90A
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #endif
 }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
-#ifdef TRIMUL_WGMMA_TMA
+#ifdef TRIMUL_SM90A
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #endif
 }
@@ -204,34 +143,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// Whether this build's device code has wgmma and TMA (sm_90a), this GPU runs them, and the driver
-// hands out the tensor-map encoder.
-inline PFN_cuTensorMapEncodeTiled_v12000 encoder() {
-  static int state = -1;  // -1 unknown, 0 unavailable, 1 available
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  if (state < 0) {
-    int device = 0, major = 0, built = 0;
-    cudaDriverEntryPointQueryResult found{};
-    void* entry = nullptr;
-    const bool ok = cudaGetDevice(&device) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-                    major == 9 && cudaMemcpyFromSymbol(&built, kBuiltWithWgmmaTma, sizeof(int)) == cudaSuccess &&
-                    built == 1 &&
-                    cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &entry, 12000, cudaEnableDefault,
-                                                     &found) == cudaSuccess &&
-                    found == cudaDriverEntryPointSuccess && entry != nullptr;
-    fn = ok ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(entry) : nullptr;
-    state = ok ? 1 : 0;
-  }
-  return fn;
-}
-
-template <typename Op>
-constexpr CUtensorMapDataType map_type() {
-  if constexpr (std::is_same<Op, __nv_bfloat16>::value) return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  else if constexpr (std::is_same<Op, __half>::value) return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  else return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
-}
 
 // [batch, rows, ld] row-major operand, boxes of (128 bytes of k) x box_rows x 1; zeros past the edges.
 template <typename Op>
@@ -242,7 +153,7 @@ bool make_map(CUtensorMap* map, const void* base, int64_t batch, int64_t rows, i
                                  static_cast<cuuint64_t>(rows * ld * sizeof(Op))};
   const cuuint32_t box[3] = {static_cast<cuuint32_t>(kRowBytes / sizeof(Op)), static_cast<cuuint32_t>(box_rows), 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
-  return encoder()(map, map_type<Op>(), 3, const_cast<void*>(base), dims, strides, box, element_strides,
+  return tensor_map_encoder()(map, map_type<Op>(), 3, const_cast<void*>(base), dims, strides, box, element_strides,
                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
@@ -269,7 +180,7 @@ cudaError_t launch_types(const ContractArgs& args) {
 // pitches (lda is a multiple of 32) and coordinates that fit 32 bits.
 cudaError_t launch(const ContractArgs& args) {
   const bool tf32 = args.operand == Dtype::f32;
-  if (encoder() == nullptr || (args.split && !tf32) ||
+  if (tensor_map_encoder() == nullptr || (args.split && !tf32) ||
       (tf32 && !args.split && (!args.tf32_rounded || args.precision == Precision::highest)))
     return cudaErrorNotSupported;
   if (args.batch == 0 || args.m == 0 || args.n == 0) return cudaSuccess;
@@ -290,7 +201,7 @@ cudaError_t launch(const ContractArgs& args) {
 
 }  // namespace contract_wgmma_tma
 
-bool wgmma_tma_available() { return contract_wgmma_tma::encoder() != nullptr; }
+bool wgmma_tma_available() { return tma::tensor_map_encoder() != nullptr; }
 
 }  // namespace trimul
 

@@ -1,6 +1,6 @@
 // input pass — LayerNorm_in, the four gated projections and the mask in one read of pair_repr,
 // writing a_t / b_t straight into the contraction's [B*H, N, ld] layout (both directions).
-#include "fused.cuh"
+#include "tma.cuh"
 
 namespace trimul {
 namespace input_pass {
@@ -275,6 +275,182 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 
 }  // namespace resident
 
+// ---- wgmma + TMA (16-bit operands, sm_90a, wide pair_dim) --------------------------------------
+// For pair_dim too wide for the resident kernel (the three pair_dim 384 shapes): one block per SM
+// of three warpgroups. One thread of the first streams the grouped proj/gate weights with TMA, 128
+// rows x 128 bytes of k per stage, through a 4-stage mbarrier ring (the weights are the same for
+// every tile, so it runs ahead into the next tile's). The other two warpgroups LayerNorm a tile of
+// 128 positions into 128-byte-swizzled k-tiles (wgmma's B operand, resident for the tile), then
+// each multiplies 64 of every 128 weight rows (A) by them: m64n128k16, accumulators started from
+// the biases. Rows grouped by 16 put a thread's proj and gate of one h at the same two positions,
+// so the gated pair goes straight to a_t / b_t, as in the streamed kernel.
+namespace wgmma_tiles {
+
+using namespace ::trimul::tma;
+
+constexpr int kPositions = 128;  // positions per tile: the wgmma's N
+constexpr int kChunkRows = 128;  // weight rows per stage: 64 per consumer warpgroup (the wgmma's M)
+constexpr int kKBytes = 128;     // bytes of k per k-tile (one swizzle row)
+constexpr int kStages = 4, kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kStageBytes = kChunkRows * kKBytes, kRowTileBytes = kPositions * kKBytes;
+
+__host__ __device__ inline int k_tiles(int64_t c_pad, int op_bytes) {
+  return static_cast<int>(ceil_div(c_pad * op_bytes, kKBytes));
+}
+inline int64_t bytes(const ForwardArgs& args, int op_bytes) {
+  return 1024 + int64_t(k_tiles(args.c_pad, op_bytes)) * kRowTileBytes + int64_t(kStages) * kStageBytes +
+         kPositions * (4 + 8) + 2 * kStages * 8;
+}
+
+template <Mode M, typename TIn>
+__global__ void __launch_bounds__(kThreads, 1)
+    kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch) {
+  using Op = op_t<M>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* rows = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int kt_count = k_tiles(args.c_pad, sizeof(Op));
+  uint8_t* stages = rows + kt_count * kRowTileBytes;
+  float* mask_v = reinterpret_cast<float*>(stages + kStages * kStageBytes);
+  int64_t* row_off = reinterpret_cast<int64_t*>(mask_v + kPositions);
+  uint64_t* full = reinterpret_cast<uint64_t*>(row_off + kPositions);
+  uint64_t* empty = full + kStages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], kConsumers);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int64_t tiles = args.batch * tiles_per_batch;
+  const int chunks = static_cast<int>(2 * args.rows_ab / kChunkRows);
+  constexpr int kElemsPerKTile = kKBytes / static_cast<int>(sizeof(Op));
+  if (threadIdx.x < 128) {  // the producer warpgroup: one thread issues every weight load
+    if (threadIdx.x == 0) {
+      int it = 0;
+      for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x)
+        for (int chunk = 0; chunk < chunks; ++chunk)
+          for (int kt = 0; kt < kt_count; ++kt, ++it) {
+            const int s = it % kStages, round = it / kStages;
+            if (round > 0) mbar_wait(&empty[s], (round - 1) & 1);
+            mbar_expect_tx(&full[s], kStageBytes);
+            tma_load_2d(stages + s * kStageBytes, &map_w, kt * kElemsPerKTile, chunk * kChunkRows, &full[s]);
+          }
+    }
+    return;
+  }
+
+  const int consumer_thread = threadIdx.x - 128, consumer = consumer_thread / 128;
+  const int warp = consumer_thread >> 5, warp4 = warp & 3, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const bool leader = (consumer_thread & 127) == 0;
+  const int64_t plane = args.n * args.ld;
+  const bool vectorized = rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair);
+  // Zeros up to the end of the last k-tile: the weights there are zero (TMA fills past c_pad), but
+  // 0 x stale shared memory could be NaN.
+  const int k_fill = kt_count * kElemsPerKTile;
+  int it = 0;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
+    named_barrier(1, 128 * kConsumers);  // the last tile's products and epilogue are done
+    if (consumer_thread < kPositions)
+      locate_position(args, batch, p0 + consumer_thread, plane, row_off[consumer_thread], mask_v[consumer_thread]);
+    named_barrier(1, 128 * kConsumers);
+    stage_rows_to<M, TIn, 4 * kConsumers>(SwizzledRows{rows, kRowTileBytes}, vectorized,
+                                          static_cast<const TIn*>(args.pair), row_off, kPositions,
+                                          static_cast<int>(args.c), k_fill, args.ln_in_w, args.ln_in_b,
+                                          args.eps_in, warp);
+    fence_proxy_async();  // the rows were written by st.shared; wgmma reads them through the async proxy
+    named_barrier(1, 128 * kConsumers);
+
+    for (int chunk = 0; chunk < chunks; ++chunk) {
+      // This thread's weight row r (proj of h) and r + 8 (gate of the same h), at positions
+      // 8j + 2t, 8j + 2t + 1 of n8 block j.
+      const int64_t r = int64_t(chunk) * kChunkRows + consumer * 64 + warp4 * 16 + g;
+      float acc[64];  // started from the biases (after the last chunk's MMAs: no wgmma is in flight)
+      {
+        const float proj_bias = args.b_in[r], gate_bias = args.b_in[r + 8];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          acc[4 * j] = acc[4 * j + 1] = proj_bias;
+          acc[4 * j + 2] = acc[4 * j + 3] = gate_bias;
+        }
+      }
+      for (int kt = 0; kt < kt_count; ++kt, ++it) {
+        const int s = it % kStages;
+        mbar_wait(&full[s], (it / kStages) & 1);
+        const uint64_t desc_a = smem_descriptor(stages + s * kStageBytes + consumer * 64 * kKBytes);
+        const uint64_t desc_b = smem_descriptor(rows + kt * kRowTileBytes);
+        wgmma_fence();
+#pragma unroll
+        for (int step = 0; step < 4; ++step)  // 32 bytes further along k: start address + 2
+          wgmma_64x128<Op>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
+        wgmma_commit();
+        // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
+        wgmma_wait<1>();
+        if (kt > 0 && leader) mbar_arrive(&empty[(it - 1) % kStages]);
+      }
+      wgmma_wait<0>();
+      if (leader) mbar_arrive(&empty[(it - 1) % kStages]);
+
+      const bool second = r >= args.rows_ab;  // b's rows follow a's
+      const int64_t local = r - (second ? args.rows_ab : 0);
+      const int64_t h = (local >> 4) * 8 + g;
+      if (h >= args.h) continue;
+      Op* out = static_cast<Op*>(second ? args.b_t : args.a_t) + (batch * args.h + h) * plane + p0;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int m = 8 * j + 2 * t;
+        if (p0 + m >= plane) continue;  // plane is even, so the pair is wholly in or out
+        const float v0 = gated_16bit(acc[4 * j], acc[4 * j + 2], 0.5f * mask_v[m]);
+        const float v1 = gated_16bit(acc[4 * j + 1], acc[4 * j + 3], 0.5f * mask_v[m + 1]);
+        store_operand_pair<M>(out + m, v0, v1);
+      }
+    }
+  }
+}
+
+// Bytes if this kernel takes these sizes, else 0: 16-bit operands, pair_dim wider than the resident
+// kernel takes, a problem that gives every SM a tile, an sm_90a build on Hopper.
+template <Mode M>
+int64_t applicable(const ForwardArgs& args) {
+  if constexpr (M != Mode::bf16 && M != Mode::f16) {
+    return 0;
+  } else {
+    if (args.c_pad * static_cast<int64_t>(sizeof(op_t<M>)) <= resident::kMaxSlabs * kSlabBytes) return 0;
+    if (args.batch * ceil_div(args.n * args.ld, kPositions) < sm_count()) return 0;
+    if (tensor_map_encoder() == nullptr || 2 * args.rows_ab >= (int64_t(1) << 31)) return 0;
+    const int64_t b = bytes(args, sizeof(op_t<M>));
+    return b <= max_smem_optin() ? b : 0;
+  }
+}
+
+template <Mode M, typename TIn>
+cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
+  using Op = op_t<M>;
+  // The grouped proj/gate weights [2 * rows_ab, c_pad]: boxes of 128 bytes of k x 128 rows, zeros
+  // past c_pad.
+  CUtensorMap map_w;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(args.c_pad), static_cast<cuuint64_t>(2 * args.rows_ab)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(args.c_pad * sizeof(Op))};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kKBytes / sizeof(Op)), static_cast<cuuint32_t>(kChunkRows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  if (tensor_map_encoder()(&map_w, map_type<Op>(), 2, const_cast<void*>(args.w_in), dims, strides, box,
+                           element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return cudaErrorNotSupported;
+  const cudaError_t status = allow_smem<kernel<M, TIn>>(smem_bytes);
+  if (status != cudaSuccess) return status;
+  const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
+  const int64_t blocks = std::min<int64_t>(sm_count(), args.batch * tiles_per_batch);
+  kernel<M, TIn><<<static_cast<unsigned>(blocks), kThreads, smem_bytes, args.stream>>>(args, map_w, tiles_per_batch);
+  return cudaGetLastError();
+}
+
+}  // namespace wgmma_tiles
+
 // The tiling this pass uses for these sizes and its shared memory; {false, 0} if none fits.
 template <Mode M>
 std::pair<bool, int64_t> choose(const ForwardArgs& args) {
@@ -284,8 +460,13 @@ std::pair<bool, int64_t> choose(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
-  if constexpr (M == Mode::bf16 || M == Mode::f16)
+  if constexpr (M == Mode::bf16 || M == Mode::f16) {
     if (const int64_t bytes = resident::applicable<M>(args)) return resident::launch<M, TIn>(args, bytes);
+    if (const int64_t bytes = wgmma_tiles::applicable<M>(args)) {
+      const cudaError_t status = wgmma_tiles::launch<M, TIn>(args, bytes);
+      if (status != cudaErrorNotSupported) return status;  // else the streamed kernel takes it
+    }
+  }
   return launch_chosen<kernel<M, TIn, Wide>, Wide, kernel<M, TIn, Narrow>, Narrow>(args, choose<M>(args), args.n * args.ld);
 }
 
@@ -295,6 +476,7 @@ int64_t input_pass_smem(const ForwardArgs& args) {
   return fused::chosen_bytes(args, [&](auto mode) {
     constexpr Mode M = decltype(mode)::value;
     if (const int64_t bytes = input_pass::resident::applicable<M>(args)) return std::pair<bool, int64_t>{false, bytes};
+    // (the wgmma kernel may take the pass instead; the streamed kernel's smem is what must fit)
     return input_pass::choose<M>(args);
   });
 }

@@ -43,20 +43,85 @@ __device__ __forceinline__ float2 shifted_stats(float shift, float sum, float su
   return make_float2(shift + mean_shifted, rsqrtf(var + eps));
 }
 
+template <Mode M, int V>
+__device__ __forceinline__ void store_operands(uint32_t* row, int col, const float (&y)[V]) {
+  using Op = op_t<M>;
+  Op packed[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) packed[e] = to_operand<M>(y[e]);
+  Op* dst = reinterpret_cast<Op*>(row) + col;
+  if constexpr (V * sizeof(Op) == 16) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(packed);
+  } else if constexpr (V * sizeof(Op) == 8) {
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(packed);
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) dst[e] = packed[e];
+  }
+}
+
+// Where staged rows go. PlainRows: row m at base + m * stride (32-bit words), elements in order.
+struct PlainRows {
+  uint32_t* base;
+  int stride;
+  template <Mode M, int V>
+  __device__ __forceinline__ void store(int m, int col, const float (&y)[V]) const {
+    store_operands<M, V>(base + m * stride, col, y);
+  }
+  template <Mode M>
+  __device__ __forceinline__ void store1(int m, int col, float v) const {
+    store_operand<M>(base + m * stride, col, v);
+  }
+};
+
+// SwizzledRows: wgmma's K-major operand layout with the 128-byte swizzle: k-tile kt (128 bytes of
+// every row) at base + kt * tile_bytes, row m's 128 bytes at m * 128 in it, 16-byte chunk c of the
+// row at chunk c ^ (m % 8). base is 1024-byte aligned, tile_bytes = rows * 128. A store of V
+// elements at a multiple of V stays inside one 16-byte chunk.
+struct SwizzledRows {
+  uint8_t* base;
+  int tile_bytes;
+  template <typename Op>
+  __device__ __forceinline__ Op* at(int m, int col) const {
+    const int byte = col * static_cast<int>(sizeof(Op)), in_row = byte & 127;
+    return reinterpret_cast<Op*>(base + (byte >> 7) * tile_bytes + m * 128 +
+                                 ((((in_row >> 4) ^ (m & 7)) << 4) | (in_row & 15)));
+  }
+  template <Mode M, int V>
+  __device__ __forceinline__ void store(int m, int col, const float (&y)[V]) const {
+    using Op = op_t<M>;
+    Op packed[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) packed[e] = to_operand<M>(y[e]);
+    Op* dst = at<Op>(m, col);
+    if constexpr (V * sizeof(Op) == 16) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(packed);
+    } else if constexpr (V * sizeof(Op) == 8) {
+      *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(packed);
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) *at<Op>(m, col + e) = packed[e];
+    }
+  }
+  template <Mode M>
+  __device__ __forceinline__ void store1(int m, int col, float v) const {
+    *at<op_t<M>>(m, col) = to_operand<M>(v);
+  }
+};
+
 // Resident operand rows [0, rows): row m = LayerNorm(pair row at element offset row_off[m]) when
 // ln_w is given, else the raw row; zeros past C and for rows whose row_off is negative. One warp
 // per row; rows up to 512 channels stay in registers between the statistics and the write.
-template <Mode M, typename TIn, int WARPS>
-__device__ void stage_rows_scalar(uint32_t* a_res, int a_stride, const TIn* __restrict__ pair,
+template <Mode M, typename TIn, int WARPS, class Dst>
+__device__ void stage_rows_scalar(Dst dst, const TIn* __restrict__ pair,
                            const int64_t* row_off, int rows, int c, int c_pad,
                            const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps, int warp) {
   constexpr int kCached = 16;
   const int lane = threadIdx.x & 31;
   for (int m = warp; m < rows; m += WARPS) {
-    uint32_t* dst = a_res + m * a_stride;
     const int64_t off = row_off[m];
     if (off < 0) {
-      for (int q = lane; q < c_pad; q += 32) store_operand<M>(dst, q, 0.f);
+      for (int q = lane; q < c_pad; q += 32) dst.template store1<M>(m, q, 0.f);
       continue;
     }
     const TIn* x = pair + off;
@@ -85,7 +150,7 @@ __device__ void stage_rows_scalar(uint32_t* a_res, int a_stride, const TIn* __re
         if (q >= c_pad) break;
         float y = 0.f;
         if (q < c) y = ln_w != nullptr ? (v[j] - stats.x) * stats.y * ln_w[q] + ln_b[q] : v[j];
-        store_operand<M>(dst, q, y);
+        dst.template store1<M>(m, q, y);
       }
     } else {
       float2 stats = make_float2(0.f, 1.f);
@@ -104,7 +169,7 @@ __device__ void stage_rows_scalar(uint32_t* a_res, int a_stride, const TIn* __re
           const float v = to_float(x[q]);
           y = ln_w != nullptr ? (v - stats.x) * stats.y * ln_w[q] + ln_b[q] : v;
         }
-        store_operand<M>(dst, q, y);
+        dst.template store1<M>(m, q, y);
       }
     }
   }
@@ -124,31 +189,14 @@ __host__ __device__ inline bool rows_vectorizable(int64_t c, int64_t sb, int64_t
          reinterpret_cast<uintptr_t>(base) % 16 == 0 && c <= 32 * v * kMaxRowVectors;
 }
 
-template <Mode M, int V>
-__device__ __forceinline__ void store_operands(uint32_t* row, int col, const float (&y)[V]) {
-  using Op = op_t<M>;
-  Op packed[V];
-#pragma unroll
-  for (int e = 0; e < V; ++e) packed[e] = to_operand<M>(y[e]);
-  Op* dst = reinterpret_cast<Op*>(row) + col;
-  if constexpr (V * sizeof(Op) == 16) {
-    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(packed);
-  } else if constexpr (V * sizeof(Op) == 8) {
-    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(packed);
-  } else {
-#pragma unroll
-    for (int e = 0; e < V; ++e) dst[e] = packed[e];
-  }
-}
-
 // A row is shared by 2^lanes_log2 lanes of a warp (32 >> lanes_log2 rows side by side), each lane
 // holding VECS 16-byte vectors of it (lane s of a row takes vectors s, s + L, s + 2L, ...: each load
 // instruction reads whole runs of a row). A vector is wholly inside C or wholly past it (C is a
 // multiple of the vector), so guards are per vector, and the LayerNorm weights each lane needs
 // are the same for every row: loaded once. Few lanes per row keep the statistics' shuffle
 // reductions short (log2 L steps instead of 5 per row).
-template <Mode M, typename TIn, int WARPS, int VECS>
-__device__ void stage_rows_vec(uint32_t* a_res, int a_stride, const TIn* __restrict__ pair,
+template <Mode M, typename TIn, int WARPS, int VECS, class Dst>
+__device__ void stage_rows_vec(Dst dst, const TIn* __restrict__ pair,
                                const int64_t* row_off, int rows, int c, int c_pad,
                                const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps,
                                int lanes_log2, int warp) {
@@ -216,7 +264,6 @@ __device__ void stage_rows_vec(uint32_t* a_res, int a_stride, const TIn* __restr
         rstd = stats.y;
       }
       if (m >= rows) continue;
-      uint32_t* dst = a_res + m * a_stride;
 #pragma unroll
       for (int l = 0; l < VECS; ++l) {
         const int q = (l * L + sub) * V;
@@ -234,19 +281,18 @@ __device__ void stage_rows_vec(uint32_t* a_res, int a_stride, const TIn* __restr
           }
           y[e] = (valid && in_c[l]) ? (x[l][e] - mean) * rstd * scale + offset : 0.f;
         }
-        store_operands<M, V>(dst, q, y);
+        dst.template store<M, V>(m, q, y);
       }
     }
   }
 }
 
-// Rows [0, rows) of the operand, staged by WARPS warps of which this is number `warp` (the
-// block's warps, or one warp staging its own rows with WARPS = 1, warp = 0).
-template <Mode M, typename TIn, int WARPS>
-__device__ void stage_rows(bool vectorized, uint32_t* a_res, int a_stride, const TIn* __restrict__ pair,
-                           const int64_t* row_off, int rows, int c, int c_pad,
-                           const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps,
-                           int warp = threadIdx.x >> 5) {
+// Rows [0, rows) of the operand into `dst`, staged by WARPS warps of which this is number `warp`
+// (the block's warps, or one warp staging its own rows with WARPS = 1, warp = 0).
+template <Mode M, typename TIn, int WARPS, class Dst>
+__device__ void stage_rows_to(Dst dst, bool vectorized, const TIn* __restrict__ pair, const int64_t* row_off,
+                              int rows, int c, int c_pad, const float* __restrict__ ln_w,
+                              const float* __restrict__ ln_b, float eps, int warp = threadIdx.x >> 5) {
   // L = the smallest power of two lanes per row with at most 4 vectors each, covering c_pad (the
   // padding is written as zeros); a row has at most 128 vectors (rows_vectorizable).
   const int vectors = c_pad / vec_elems<TIn>();
@@ -254,15 +300,25 @@ __device__ void stage_rows(bool vectorized, uint32_t* a_res, int a_stride, const
   while ((4 << lanes_log2) < vectors) ++lanes_log2;
   const int per_lane = static_cast<int>(ceil_div(vectors, 1 << lanes_log2));
   if (vectorized && per_lane == 1)
-    stage_rows_vec<M, TIn, WARPS, 1>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
+    stage_rows_vec<M, TIn, WARPS, 1>(dst, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
   else if (vectorized && per_lane == 2)
-    stage_rows_vec<M, TIn, WARPS, 2>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
+    stage_rows_vec<M, TIn, WARPS, 2>(dst, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
   else if (vectorized && per_lane == 3)
-    stage_rows_vec<M, TIn, WARPS, 3>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
+    stage_rows_vec<M, TIn, WARPS, 3>(dst, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
   else if (vectorized && per_lane == 4)
-    stage_rows_vec<M, TIn, WARPS, 4>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
+    stage_rows_vec<M, TIn, WARPS, 4>(dst, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
   else
-    stage_rows_scalar<M, TIn, WARPS>(a_res, a_stride, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, warp);
+    stage_rows_scalar<M, TIn, WARPS>(dst, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, warp);
+}
+
+// The same into plain rows a_res + m * a_stride.
+template <Mode M, typename TIn, int WARPS>
+__device__ void stage_rows(bool vectorized, uint32_t* a_res, int a_stride, const TIn* __restrict__ pair,
+                           const int64_t* row_off, int rows, int c, int c_pad,
+                           const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps,
+                           int warp = threadIdx.x >> 5) {
+  stage_rows_to<M, TIn, WARPS>(PlainRows{a_res, a_stride}, vectorized, pair, row_off, rows, c, c_pad, ln_w, ln_b,
+                               eps, warp);
 }
 
 // Device limits, read once per device (a small forward must not pay driver queries each call).

@@ -1,0 +1,174 @@
+// tma.cuh — Hopper (sm_90a) building blocks shared by the TMA kernels: mbarriers, TMA box loads,
+// 128-byte-swizzle shared-memory descriptors for wgmma, the wgmma fences, and the driver's
+// tensor-map encoder. Without sm_90a device code the instructions compile away and
+// tensor_map_encoder() returns nullptr, so the kernels decline at launch.
+#pragma once
+#include "fused.cuh"
+
+#include <cuda.h>          // CUtensorMap and its enums (the encoder comes from the runtime, no -lcuda)
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+
+namespace trimul {
+namespace tma {
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TRIMUL_SM90A 1
+__device__ const int kBuiltWithSm90a = 1;
+#else
+__device__ const int kBuiltWithSm90a = 0;
+#endif
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Shared-memory matrix descriptor: K-major rows of 128 bytes, 128-byte swizzle, 8-row groups 1024
+// bytes apart (what TMA's 128-byte swizzle writes).
+__device__ __forceinline__ uint64_t smem_descriptor(const void* tile) {
+  const uint64_t addr = smem_u32(tile);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+#ifdef TRIMUL_SM90A
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+#endif
+}
+__device__ __forceinline__ void mbar_init_fence() {
+#ifdef TRIMUL_SM90A
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, int bytes) {
+#ifdef TRIMUL_SM90A
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+#ifdef TRIMUL_SM90A
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+#endif
+}
+// Waits until the barrier's phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+#ifdef TRIMUL_SM90A
+  asm volatile(
+      "{\n.reg .pred P1;\nLAB_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+#endif
+}
+// One box of a 3-D tensor map (k element, row, batch) into shared memory; completes on `bar`.
+__device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int k, int row, int batch, uint64_t* bar) {
+#ifdef TRIMUL_SM90A
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
+          "r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(k), "r"(row), "r"(batch), "r"(smem_u32(bar))
+      : "memory");
+#endif
+}
+
+// One box of a 2-D tensor map (column element, row) into shared memory; completes on `bar`.
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int col, int row, uint64_t* bar) {
+#ifdef TRIMUL_SM90A
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::
+          "r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(smem_u32(bar))
+      : "memory");
+#endif
+}
+// Generic-proxy shared-memory writes (st.shared) made visible to the async proxy (wgmma operands).
+__device__ __forceinline__ void fence_proxy_async() {
+#ifdef TRIMUL_SM90A
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// Barrier among `threads` threads of the block (a multiple of 32) on named barrier `id` (1..15).
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef TRIMUL_SM90A
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef TRIMUL_SM90A
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#ifdef TRIMUL_SM90A
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// m64n128k16 on 16-bit operands from shared memory (both K-major): 64 accumulators per thread,
+// overwritten when accumulate is 0 (no register writes before a product: those serialize wgmma).
+template <typename Op>
+__device__ __forceinline__ void wgmma_64x128(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#ifdef TRIMUL_SM90A
+#define TRIMUL_WGMMA_64X128(INSTR)                                                                     \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" INSTR                                  \
+               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
+               "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, " \
+               "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, " \
+               "%55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"          \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),       \
+                 "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),   \
+                 "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),             \
+                 "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),             \
+                 "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),             \
+                 "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),             \
+                 "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),             \
+                 "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),             \
+                 "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),             \
+                 "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),             \
+                 "+f"(d[62]), "+f"(d[63])                                                                  \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+  if constexpr (std::is_same<Op, __nv_bfloat16>::value)
+    TRIMUL_WGMMA_64X128("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16");
+  else
+    TRIMUL_WGMMA_64X128("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16");
+#undef TRIMUL_WGMMA_64X128
+#endif
+}
+
+// The driver's tensor-map encoder when this build's device code has wgmma and TMA (sm_90a) and
+// this GPU runs them (capability 9.x); else nullptr. No -lcuda: the runtime hands out the entry.
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static int state = -1;  // -1 unknown, 0 unavailable, 1 available
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  if (state < 0) {
+    int device = 0, major = 0, built = 0;
+    cudaDriverEntryPointQueryResult found{};
+    void* entry = nullptr;
+    const bool ok = cudaGetDevice(&device) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                    major == 9 && cudaMemcpyFromSymbol(&built, kBuiltWithSm90a, sizeof(int)) == cudaSuccess &&
+                    built == 1 &&
+                    cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &entry, 12000, cudaEnableDefault,
+                                                     &found) == cudaSuccess &&
+                    found == cudaDriverEntryPointSuccess && entry != nullptr;
+    fn = ok ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(entry) : nullptr;
+    state = ok ? 1 : 0;
+  }
+  return fn;
+}
+
+// The tensor-map element type of an operand type.
+template <typename Op>
+constexpr CUtensorMapDataType map_type() {
+  if constexpr (std::is_same<Op, __nv_bfloat16>::value) return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  else if constexpr (std::is_same<Op, __half>::value) return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  else return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+}
+
+}  // namespace tma
+}  // namespace trimul
