@@ -37,23 +37,6 @@ __device__ __forceinline__ void wgmma_64x256_step(float (&d)[128], uint64_t desc
 }
 #undef TRIMUL_WGMMA_64X256
 
-__device__ __forceinline__ void wgmma_fence() {
-#ifdef TRIMUL_SM90A
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wgmma_commit() {
-#ifdef TRIMUL_SM90A
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-#ifdef TRIMUL_SM90A
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-#endif
-}
-
 // Stage s of the pipeline is used for the it-th k-tile when s = it % kStages, in round it / kStages:
 // `full[s]` completes once per round when both TMA boxes have landed, `empty[s]` once per round
 // when both consumer warpgroups are done reading it.
@@ -65,14 +48,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
   uint64_t* empty = full + kStages;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumers);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
+  init_ring(full, empty, kStages, kConsumers);
 
   const int64_t tiles_n = ceil_div(n, BN);
   const int row0 = static_cast<int>((blockIdx.x / tiles_n) * BM), col0 = static_cast<int>((blockIdx.x % tiles_n) * BN);

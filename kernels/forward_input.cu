@@ -315,14 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int64_t* row_off = reinterpret_cast<int64_t*>(mask_v + kPositions);
   uint64_t* full = reinterpret_cast<uint64_t*>(row_off + kPositions);
   uint64_t* empty = full + kStages;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], kConsumers);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
+  init_ring(full, empty, kStages, kConsumers);
 
   const int64_t tiles = args.batch * tiles_per_batch;
   const int chunks = static_cast<int>(2 * args.rows_ab / kChunkRows);
@@ -383,11 +376,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(&full[s], (it / kStages) & 1);
         const uint64_t desc_a = smem_descriptor(stages + s * kStageBytes + consumer * 64 * kKBytes);
         const uint64_t desc_b = smem_descriptor(rows + kt * kRowTileBytes);
-        wgmma_fence();
-#pragma unroll
-        for (int step = 0; step < 4; ++step)  // 32 bytes further along k: start address + 2
-          wgmma_64x128<Op>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
-        wgmma_commit();
+        wgmma_k_tile_64x128<Op>(acc, desc_a, desc_b);
         // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
         wgmma_wait<1>();
         if (kt > 0 && leader) mbar_arrive(&empty[(it - 1) % kStages]);

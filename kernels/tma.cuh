@@ -60,6 +60,19 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
       : "memory");
 #endif
 }
+// A ring of `stages` buffers between one TMA-issuing thread and `consumers` consumer warpgroups:
+// full[s] completes when stage s's boxes have landed (one arrival with the byte count), empty[s]
+// when every consumer is done reading it. Initialised by thread 0; the whole block waits for it.
+__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int stages, int consumers) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], consumers);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+}
 // One box of a 3-D tensor map (k element, row, batch) into shared memory; completes on `bar`.
 __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int k, int row, int batch, uint64_t* bar) {
 #ifdef TRIMUL_SM90A
@@ -109,50 +122,64 @@ __device__ __forceinline__ void wgmma_wait() {
 #endif
 }
 
-// m64n128k16 on 16-bit operands from shared memory (both K-major): 64 accumulators per thread,
-// overwritten when accumulate is 0 (no register writes before a product: those serialize wgmma).
+// One 32-byte k-step of a 64x128 product from shared memory (both operands K-major): k16 for
+// 16-bit operands, k8 for TF32; 64 accumulators per thread, overwritten when accumulate is 0. INSTR is the wgmma
+// instruction with its shape and types; TAIL its scale/transpose immediates (16-bit operands take
+// transpose flags, TF32 does not).
+#define TRIMUL_WGMMA_64X128(INSTR, TAIL)                                                              \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" INSTR                                    \
+               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "\
+               "%64, %65, p" TAIL ";\n}\n"                                                             \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])\
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+
 template <typename Op>
 __device__ __forceinline__ void wgmma_64x128(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
 #ifdef TRIMUL_SM90A
-#define TRIMUL_WGMMA_64X128(INSTR)                                                                     \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" INSTR                                  \
-               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "  \
-               "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, " \
-               "%37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, " \
-               "%55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"          \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),       \
-                 "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),   \
-                 "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),             \
-                 "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),             \
-                 "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),             \
-                 "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),             \
-                 "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),             \
-                 "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),             \
-                 "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),             \
-                 "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),             \
-                 "+f"(d[62]), "+f"(d[63])                                                                  \
-               : "l"(desc_a), "l"(desc_b), "r"(accumulate))
   if constexpr (std::is_same<Op, __nv_bfloat16>::value)
-    TRIMUL_WGMMA_64X128("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16");
+    TRIMUL_WGMMA_64X128("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", ", 1, 1, 0, 0");
+  else if constexpr (std::is_same<Op, float>::value)
+    TRIMUL_WGMMA_64X128("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32", ", 1, 1");
   else
-    TRIMUL_WGMMA_64X128("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16");
-#undef TRIMUL_WGMMA_64X128
+    TRIMUL_WGMMA_64X128("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16", ", 1, 1, 0, 0");
 #endif
 }
+#undef TRIMUL_WGMMA_64X128
 
-// The driver's tensor-map encoder when this build's device code has wgmma and TMA (sm_90a) and
-// this GPU runs them (capability 9.x); else nullptr. No -lcuda: the runtime hands out the entry.
+// One 128-byte k-tile of a 64x128 product (four k-steps, 32 bytes further along k each: start
+// address + 2 in the descriptors), committed as one wgmma group.
+template <typename Op>
+__device__ __forceinline__ void wgmma_k_tile_64x128(float (&acc)[64], uint64_t desc_a, uint64_t desc_b) {
+  wgmma_fence();
+#pragma unroll
+  for (int step = 0; step < 4; ++step) wgmma_64x128<Op>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
+  wgmma_commit();
+}
+
+// Whether this build's device code has the sm_90a instructions (wgmma, TMA) and this GPU runs them.
+inline bool sm90a_ready() {
+  static int cached = -1;
+  if (cached < 0) {
+    int device = 0, major = 0, built = 0;
+    cached = cudaGetDevice(&device) == cudaSuccess &&
+                     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                     major == 9 && cudaMemcpyFromSymbol(&built, kBuiltWithSm90a, sizeof(int)) == cudaSuccess &&
+                     built == 1
+                 ? 1
+                 : 0;
+  }
+  return cached == 1;
+}
+
+// The driver's tensor-map encoder where sm90a_ready(), else nullptr. No -lcuda: the runtime hands
+// out the entry point.
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static int state = -1;  // -1 unknown, 0 unavailable, 1 available
   static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
   if (state < 0) {
-    int device = 0, major = 0, built = 0;
     cudaDriverEntryPointQueryResult found{};
     void* entry = nullptr;
-    const bool ok = cudaGetDevice(&device) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-                    major == 9 && cudaMemcpyFromSymbol(&built, kBuiltWithSm90a, sizeof(int)) == cudaSuccess &&
-                    built == 1 &&
+    const bool ok = sm90a_ready() &&
                     cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &entry, 12000, cudaEnableDefault,
                                                      &found) == cudaSuccess &&
                     found == cudaDriverEntryPointSuccess && entry != nullptr;
