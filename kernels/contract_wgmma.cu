@@ -41,7 +41,7 @@ contract_kernel(const Op* __restrict__ a, const Op* __restrict__ b, TOut* __rest
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int64_t tiles_n = ceil_div(n, BN);
   const int64_t row0 = (blockIdx.x / tiles_n) * BM, col0 = (blockIdx.x % tiles_n) * BN;
-  const int warpgroup = threadIdx.x / 128, lane = threadIdx.x & 31, warp4 = (threadIdx.x / 32) & 3;
+  const int warpgroup = threadIdx.x / 128;
   const int64_t ld_bytes = lda * static_cast<int64_t>(sizeof(Op));
   const int k_tiles = static_cast<int>(ceil_div(k * static_cast<int64_t>(sizeof(Op)), kRowBytes));
   const bool paired_store = (ldz % 2) == 0;
@@ -77,21 +77,7 @@ contract_kernel(const Op* __restrict__ a, const Op* __restrict__ b, TOut* __rest
     mma::cp_async_wait<0>();
     __syncthreads();  // the next batch's prologue reuses the buffers
 
-    // Accumulator layout: per n8 block j, regs 4j..4j+1 = row lane/4, cols 2(lane%4)+{0,1};
-    // regs 4j+2..4j+3 = row lane/4 + 8 (rows of this warp's 16-row slice).
-    TOut* z_mat = z + bz * m * ldz;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t i = row0 + warpgroup * 64 + warp4 * 16 + (lane >> 2) + half * 8;
-      if (i >= m) continue;
-#pragma unroll
-      for (int j8 = 0; j8 < BN / 8; ++j8) {
-        const int64_t j = col0 + j8 * 8 + 2 * (lane & 3);
-        if (j >= n) continue;
-        mma::store_pair(z_mat + i * ldz + j, acc[4 * j8 + 2 * half], acc[4 * j8 + 2 * half + 1], j + 1 < n,
-                        paired_store);
-      }
-    }
+    store_accumulators<BN>(z + bz * m * ldz, acc, row0 + warpgroup * 64, col0, m, n, ldz, paired_store);
   }
 }
 
@@ -108,14 +94,8 @@ cudaError_t launch(const ContractArgs& args) {
     return cudaErrorNotSupported;
   if (args.batch == 0 || args.m == 0 || args.n == 0) return cudaSuccess;
   if (args.lda < args.k) return cudaErrorNotSupported;  // rows are read up to their padded length
-  return dispatch_out(args.out, [&](auto out_tag) -> cudaError_t {
-    using TOut = typename decltype(out_tag)::type;
-    switch (args.operand) {
-      case Dtype::bf16: return launch_types<__nv_bfloat16, TOut>(args);
-      case Dtype::f16: return launch_types<__half, TOut>(args);
-      case Dtype::f32: return launch_types<float, TOut>(args);
-    }
-    return cudaErrorInvalidValue;
+  return dispatch_dtypes(args.operand, args.out, [&](auto op_tag, auto out_tag) {
+    return launch_types<typename decltype(op_tag)::type, typename decltype(out_tag)::type>(args);
   });
 }
 

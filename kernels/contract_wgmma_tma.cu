@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  const int consumer = warpgroup - 1, lane = threadIdx.x & 31, warp4 = (threadIdx.x / 32) & 3;
+  const int consumer = warpgroup - 1;
   const bool leader = (threadIdx.x & 127) == 0;
   const bool paired_store = (ldz % 2) == 0;
   int it = 0;
@@ -101,45 +101,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<0>();
     if (k_tiles > 0 && leader) mbar_arrive(&empty[(it - 1) % kStages]);
 
-    // Accumulator layout: per n8 block j, regs 4j..4j+1 = row lane/4, cols 2(lane%4)+{0,1};
-    // regs 4j+2..4j+3 = row lane/4 + 8 (rows of this warp's 16-row slice).
-    TOut* z_mat = z + bz * m * ldz;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t i = row0 + consumer * 64 + warp4 * 16 + (lane >> 2) + half * 8;
-      if (i >= m) continue;
-#pragma unroll
-      for (int j8 = 0; j8 < BN / 8; ++j8) {
-        const int64_t j = col0 + j8 * 8 + 2 * (lane & 3);
-        if (j >= n) continue;
-        mma::store_pair(z_mat + i * ldz + j, acc[4 * j8 + 2 * half], acc[4 * j8 + 2 * half + 1], j + 1 < n,
-                        paired_store);
-      }
-    }
+    store_accumulators<BN>(z + bz * m * ldz, acc, row0 + consumer * 64, col0, m, n, ldz, paired_store);
   }
-}
-
-
-// [batch, rows, ld] row-major operand, boxes of (128 bytes of k) x box_rows x 1; zeros past the edges.
-template <typename Op>
-bool make_map(CUtensorMap* map, const void* base, int64_t batch, int64_t rows, int64_t ld, int box_rows) {
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(ld), static_cast<cuuint64_t>(rows),
-                              static_cast<cuuint64_t>(batch)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(ld * sizeof(Op)),
-                                 static_cast<cuuint64_t>(rows * ld * sizeof(Op))};
-  const cuuint32_t box[3] = {static_cast<cuuint32_t>(kRowBytes / sizeof(Op)), static_cast<cuuint32_t>(box_rows), 1};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
-  return tensor_map_encoder()(map, map_type<Op>(), 3, const_cast<void*>(base), dims, strides, box, element_strides,
-                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 template <typename Op, typename TOut>
 cudaError_t launch_types(const ContractArgs& args) {
   CUtensorMap map_a, map_b;
   const int64_t planes = args.split ? 2 * args.batch : args.batch;
-  if (!make_map<Op>(&map_a, args.a, planes, args.m, args.lda, BM) ||
-      !make_map<Op>(&map_b, args.b, planes, args.n, args.lda, BN))
+  if (!encode_kmajor_map<Op>(&map_a, args.a, planes, args.m, args.lda, BM) ||
+      !encode_kmajor_map<Op>(&map_b, args.b, planes, args.n, args.lda, BN))
     return cudaErrorNotSupported;  // the next kernel in auto's list takes it
   const cudaError_t status = fused::allow_smem<kernel<Op, TOut>>(kSmemBytes);
   if (status != cudaSuccess) return status;
@@ -164,14 +135,8 @@ cudaError_t launch(const ContractArgs& args) {
       reinterpret_cast<uintptr_t>(args.b) % 16 != 0 || args.m >= (int64_t(1) << 31) ||
       args.n >= (int64_t(1) << 31) || 2 * args.batch >= (int64_t(1) << 31))
     return cudaErrorNotSupported;
-  return dispatch_out(args.out, [&](auto out_tag) -> cudaError_t {
-    using TOut = typename decltype(out_tag)::type;
-    switch (args.operand) {
-      case Dtype::bf16: return launch_types<__nv_bfloat16, TOut>(args);
-      case Dtype::f16: return launch_types<__half, TOut>(args);
-      case Dtype::f32: return launch_types<float, TOut>(args);
-    }
-    return cudaErrorInvalidValue;
+  return dispatch_dtypes(args.operand, args.out, [&](auto op_tag, auto out_tag) {
+    return launch_types<typename decltype(op_tag)::type, typename decltype(out_tag)::type>(args);
   });
 }
 

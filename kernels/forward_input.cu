@@ -260,11 +260,7 @@ int64_t applicable(const ForwardArgs& args) {
     return 0;
   } else {
     if (args.c_pad * static_cast<int64_t>(sizeof(op_t<M>)) > kMaxSlabs * kSlabBytes) return 0;
-    // A problem that does not give every SM's pairs a tile runs faster as the streamed kernel's many
-    // small blocks (each resident block loads all the weights first).
-    if (args.batch * ceil_div(args.n * args.ld, kRows) < sm_count() * kPairs) return 0;
-    const int64_t b = bytes<M>(args);
-    return b <= max_smem_optin() ? b : 0;
+    return persistent_bytes(args.batch * ceil_div(args.n * args.ld, kRows), kPairs, bytes<M>(args));
   }
 }
 
@@ -409,10 +405,9 @@ int64_t applicable(const ForwardArgs& args) {
     return 0;
   } else {
     if (args.c_pad * static_cast<int64_t>(sizeof(op_t<M>)) <= resident::kMaxSlabs * kSlabBytes) return 0;
-    if (args.batch * ceil_div(args.n * args.ld, kPositions) < sm_count()) return 0;
     if (tensor_map_encoder() == nullptr || 2 * args.rows_ab >= (int64_t(1) << 31)) return 0;
-    const int64_t b = bytes(args, sizeof(op_t<M>));
-    return b <= max_smem_optin() ? b : 0;
+    return persistent_bytes(args.batch * ceil_div(args.n * args.ld, kPositions), 1,
+                            bytes(args, sizeof(op_t<M>)));
   }
 }
 
@@ -422,13 +417,7 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
   // The grouped proj/gate weights [2 * rows_ab, c_pad]: boxes of 128 bytes of k x 128 rows, zeros
   // past c_pad.
   CUtensorMap map_w;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(args.c_pad), static_cast<cuuint64_t>(2 * args.rows_ab)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(args.c_pad * sizeof(Op))};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kKBytes / sizeof(Op)), static_cast<cuuint32_t>(kChunkRows)};
-  const cuuint32_t element_strides[2] = {1, 1};
-  if (tensor_map_encoder()(&map_w, map_type<Op>(), 2, const_cast<void*>(args.w_in), dims, strides, box,
-                           element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+  if (!encode_kmajor_map<Op>(&map_w, args.w_in, 0, 2 * args.rows_ab, args.c_pad, kChunkRows))
     return cudaErrorNotSupported;
   const cudaError_t status = allow_smem<kernel<M, TIn>>(smem_bytes);
   if (status != cudaSuccess) return status;

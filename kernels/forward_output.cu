@@ -499,9 +499,7 @@ int64_t applicable(const ForwardArgs& args) {
   } else {
     if (args.z == nullptr || args.z_dtype != Dtype::f32 || args.h_pad > kMaxHidden) return 0;
     if (args.c_pad * static_cast<int64_t>(sizeof(op_t<M>)) > kMaxSlabs * kSlabBytes) return 0;
-    if (args.batch * ceil_div(args.n * args.ldz, kRows) < sm_count() * kPairs) return 0;  // as the input pass
-    const int64_t b = bytes<M>(args);
-    return b <= max_smem_optin() ? b : 0;
+    return persistent_bytes(args.batch * ceil_div(args.n * args.ldz, kRows), kPairs, bytes<M>(args));
   }
 }
 

@@ -89,18 +89,12 @@ struct SwizzledRows {
   }
   template <Mode M, int V>
   __device__ __forceinline__ void store(int m, int col, const float (&y)[V]) const {
-    using Op = op_t<M>;
-    Op packed[V];
-#pragma unroll
-    for (int e = 0; e < V; ++e) packed[e] = to_operand<M>(y[e]);
-    Op* dst = at<Op>(m, col);
-    if constexpr (V * sizeof(Op) == 16) {
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(packed);
-    } else if constexpr (V * sizeof(Op) == 8) {
-      *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(packed);
+    constexpr int kBytes = V * static_cast<int>(sizeof(op_t<M>));
+    if constexpr (kBytes == 16 || kBytes == 8) {  // one vector store inside one 16-byte chunk
+      store_operands<M, V>(reinterpret_cast<uint32_t*>(at<op_t<M>>(m, col)), 0, y);
     } else {
 #pragma unroll
-      for (int e = 0; e < V; ++e) *at<Op>(m, col + e) = packed[e];
+      for (int e = 0; e < V; ++e) store1<M>(m, col + e, y[e]);
     }
   }
   template <Mode M>
@@ -334,6 +328,13 @@ inline int64_t device_attribute(cudaDeviceAttr attr, int slot) {
 inline int64_t max_smem_optin() { return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 0); }
 inline int64_t max_smem_per_sm() { return device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, 1); }
 inline int64_t sm_count() { return device_attribute(cudaDevAttrMultiProcessorCount, 2); }
+
+// `bytes` if a persistent pass (one block per SM working through tiles) has at least `slots_per_sm`
+// tiles for every SM and its shared memory fits; else 0. Smaller problems run faster as a
+// streamed kernel's many small blocks (each persistent block first loads its weights).
+inline int64_t persistent_bytes(int64_t tiles, int slots_per_sm, int64_t bytes) {
+  return tiles >= sm_count() * slots_per_sm && bytes <= max_smem_optin() ? bytes : 0;
+}
 
 // Which of a pass's two tilings to launch and its shared memory: {wide?, bytes}, bytes 0 when
 // neither fits. Two blocks per multiprocessor overlap one block's staging with the other's

@@ -156,6 +156,28 @@ __device__ __forceinline__ void wgmma_k_tile_64x128(float (&acc)[64], uint64_t d
   wgmma_commit();
 }
 
+// Stores a warpgroup's 64 x BN accumulator tile into z (row pitch ldz) at rows row0.., cols col0..,
+// skipping rows >= m and cols >= n. wgmma's layout: per n8 block j, regs 4j, 4j + 1 = row lane / 4
+// of this warp's 16-row slice, cols 2 (lane % 4) + {0, 1}; regs 4j + 2, 4j + 3 = row lane / 4 + 8.
+// (Index: the caller's tile-origin type, so the index arithmetic is the caller's own.)
+template <int BN, typename Index, typename TOut>
+__device__ __forceinline__ void store_accumulators(TOut* z_mat, const float (&acc)[BN / 2], Index row0, Index col0,
+                                                   int64_t m, int64_t n, int64_t ldz, bool paired_store) {
+  const int lane = threadIdx.x & 31, warp4 = (threadIdx.x / 32) & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t i = row0 + warp4 * 16 + (lane >> 2) + half * 8;
+    if (i >= m) continue;
+#pragma unroll
+    for (int j8 = 0; j8 < BN / 8; ++j8) {
+      const int64_t j = col0 + j8 * 8 + 2 * (lane & 3);
+      if (j >= n) continue;
+      mma::store_pair(z_mat + i * ldz + j, acc[4 * j8 + 2 * half], acc[4 * j8 + 2 * half + 1], j + 1 < n,
+                      paired_store);
+    }
+  }
+}
+
 // Whether this build's device code has the sm_90a instructions (wgmma, TMA) and this GPU runs them.
 inline bool sm90a_ready() {
   static int cached = -1;
@@ -195,6 +217,24 @@ constexpr CUtensorMapDataType map_type() {
   if constexpr (std::is_same<Op, __nv_bfloat16>::value) return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   else if constexpr (std::is_same<Op, __half>::value) return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   else return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+}
+
+
+// A K-major operand [planes][rows][cols] (planes = 0: a 2-D map [rows][cols]) of row pitch
+// `cols` elements, read as boxes of 128 bytes of k x box_rows (x 1 plane) into the 128-byte
+// swizzle wgmma reads; zeros past the edges. False where the driver refuses it.
+template <typename Op>
+bool encode_kmajor_map(CUtensorMap* map, const void* base, int64_t planes, int64_t rows, int64_t cols,
+                       int box_rows) {
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(planes)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols * sizeof(Op)),
+                                 static_cast<cuuint64_t>(rows * cols * sizeof(Op))};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(128 / sizeof(Op)), static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  return tensor_map_encoder()(map, map_type<Op>(), planes == 0 ? 2 : 3, const_cast<void*>(base), dims, strides,
+                              box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 }  // namespace tma
