@@ -638,6 +638,24 @@ def test_unfused_autograd_path_matches_fp64(variant, direction, gate_input, batc
 PATHS = pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 
 
+def _half_input_error(variant, dtype, fused, shape, direction, seed):
+    """Relative error of ModelNew on bf16 / fp16 pair_repr against the fp64 reference, which sees
+    the same rounded parameters and inputs as the kernel does (outputs poisoned first)."""
+    batch, n, pair_dim, hidden = shape
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, direction).double(), g)
+    new = _make_pair(reference, dtype, direction, "raw", variant, pair_dim, hidden)
+    reference.load_state_dict({k: v.to(dtype).double() for k, v in reference.state_dict().items()})
+    pair, mask = random_inputs(batch, n, pair_dim, g)
+    pair = pair.to(dtype)
+    ref = reference.cuda()(pair.double().cuda(), mask.cuda())
+    poison_allocator()
+    with torch.set_grad_enabled(not fused):
+        out = new(pair.cuda(), mask.cuda())
+    assert out.dtype == dtype
+    return rel_error(out, ref)
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 150, 256, 32), (2, 130, 200, 40)])
@@ -645,18 +663,7 @@ def test_wide_pair_dim_half_precision_inputs(dtype, batch, n, pair_dim, hidden):
     """bf16 / fp16 pair_repr at pair_dim > 128 on a problem that fills the GPU: the wgmma input pass
     reads 16-bit rows (on Hopper; the streamed kernel elsewhere)."""
     seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(pair_dim, hidden, "incoming").double(), g)
-    new = _make_pair(reference, dtype, "incoming", "raw", "auto", pair_dim, hidden)
-    reference.load_state_dict({k: v.to(dtype).double() for k, v in reference.state_dict().items()})
-    pair, mask = random_inputs(batch, n, pair_dim, g)
-    pair = pair.to(dtype)
-    ref = reference.cuda()(pair.double().cuda(), mask.cuda())
-    poison_allocator()
-    with torch.no_grad():
-        out = new(pair.cuda(), mask.cuda())
-    assert out.dtype == dtype
-    err = rel_error(out, ref)
+    err = _half_input_error("auto", dtype, True, (batch, n, pair_dim, hidden), "incoming", seed)
     assert err < TOLERANCE[dtype], f"{dtype} {(batch, n, pair_dim, hidden)}: error {err} (seed {seed})"
 
 
@@ -667,19 +674,7 @@ def test_wide_pair_dim_half_precision_inputs(dtype, batch, n, pair_dim, hidden):
 @pytest.mark.parametrize("n", [45, 200])
 def test_model_half_precision_inputs(variant, dtype, fused, n):
     seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(32, 16, "outgoing").double(), g)
-    new = _make_pair(reference, dtype, "outgoing", "raw", variant, 32, 16)
-    # The fp64 reference sees the same rounded parameters and inputs as the kernel does.
-    reference.load_state_dict({k: v.to(dtype).double() for k, v in reference.state_dict().items()})
-    pair, mask = random_inputs(2, n, 32, g)
-    pair = pair.to(dtype)
-    ref = reference.cuda()(pair.double().cuda(), mask.cuda())
-    poison_allocator()
-    with torch.set_grad_enabled(not fused):
-        out = new(pair.cuda(), mask.cuda())
-    assert out.dtype == dtype
-    err = rel_error(out, ref)
+    err = _half_input_error(variant, dtype, fused, (2, n, 32, 16), "outgoing", seed)
     assert err < TOLERANCE[dtype], f"{variant} {dtype}: error {err} (seed {seed})"
 
 
