@@ -2,6 +2,9 @@
 // writing a_t / b_t straight into the contraction's [B*H, N, ld] layout (both directions).
 #include "tma.cuh"
 
+#include <cstdlib>
+#include <cstring>
+
 namespace trimul {
 namespace input_pass {
 
@@ -271,114 +274,215 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 
 }  // namespace resident
 
-// ---- wgmma + TMA (16-bit operands, sm_90a, wide pair_dim) --------------------------------------
-// For pair_dim too wide for the resident kernel (the three pair_dim 384 shapes): one block per SM
-// of three warpgroups. One thread of the first streams the grouped proj/gate weights with TMA, 128
-// rows x 128 bytes of k per stage, through a 4-stage mbarrier ring (the weights are the same for
-// every tile, so it runs ahead into the next tile's). The other two warpgroups LayerNorm a tile of
-// 128 positions into 128-byte-swizzled k-tiles (wgmma's B operand, resident for the tile), then
-// each multiplies 64 of every 128 weight rows (A) by them: m64n128k16, accumulators started from
-// the biases. Rows grouped by 16 put a thread's proj and gate of one h at the same two positions,
-// so the gated pair goes straight to a_t / b_t, as in the streamed kernel.
+// ---- wgmma + TMA, warp-specialized (sm_90a) ----------------------------------------------------
+// One block per SM of 16 warps (4 per scheduler: 128 registers each) with three jobs, so that loading a tile's rows (DRAM latency),
+// multiplying (tensor cores) and storing overlap instead of taking turns:
+// - the producer warp: one thread streams the grouped proj/gate weights with TMA, 128 rows x 128
+//   bytes of k per stage, through an mbarrier ring running ahead into the next tile's weights; or,
+//   where all of them fit in the ring, loads them once (they are the same for every tile);
+// - 7 stager warps LayerNorm a tile's 128 positions into 128-byte-swizzled k-tiles (wgmma's B
+//   operand), into one of two row buffers while the MMA warps multiply the other;
+// - two MMA warpgroups each multiply 64 of every 128 weight rows (A) by the staged tile: m64n128
+//   (k16 for 16-bit operands, k8 for TF32), accumulators started from the biases. Rows grouped by
+//   16 put a thread's proj and gate of one h at the same two positions, so the gated pair goes
+//   straight to a_t / b_t, as in the streamed kernel.
+// Where two row buffers do not fit (TF32 at pair_dim 384) there is one: staging and products then
+// take turns, as in the first (v7a) version of this kernel.
 namespace wgmma_tiles {
 
 using namespace ::trimul::tma;
 
 constexpr int kPositions = 128;  // positions per tile: the wgmma's N
-constexpr int kChunkRows = 128;  // weight rows per stage: 64 per consumer warpgroup (the wgmma's M)
+constexpr int kChunkRows = 128;  // weight rows per stage: 64 per MMA warpgroup (the wgmma's M)
 constexpr int kKBytes = 128;     // bytes of k per k-tile (one swizzle row)
-constexpr int kStages = 4, kConsumers = 2;
-constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kMmaGroups = 2, kStagerWarps = 7;
+constexpr int kMmaThreads = 128 * kMmaGroups, kStagerThreads = 32 * kStagerWarps;
+constexpr int kThreads = kMmaThreads + kStagerThreads + 32;  // + the producer warp
 constexpr int kStageBytes = kChunkRows * kKBytes, kRowTileBytes = kPositions * kKBytes;
+constexpr int kMaxStages = 8;
+constexpr int kStagingLoads = 12;  // 16-byte loads in flight per stager lane
 
 __host__ __device__ inline int k_tiles(int64_t c_pad, int op_bytes) {
   return static_cast<int>(ceil_div(c_pad * op_bytes, kKBytes));
 }
-inline int64_t bytes(const ForwardArgs& args, int op_bytes) {
-  return 1024 + int64_t(k_tiles(args.c_pad, op_bytes)) * kRowTileBytes + int64_t(kStages) * kStageBytes +
-         kPositions * (4 + 8) + 2 * kStages * 8;
+// Shared memory for `buffers` row buffers and `stages` weight stages, from a 1024-byte boundary.
+__host__ __device__ inline int64_t plan_bytes(int kt_count, int buffers, int stages) {
+  return int64_t(buffers) * kt_count * kRowTileBytes + int64_t(stages) * kStageBytes + buffers * kPositions * 4 +
+         kPositions * 8 + 2 * (stages + buffers) * 8;
+}
+
+struct Plan {
+  int buffers = 0, stages = 0;
+  int64_t bytes = 0;  // to request at launch; 0: this kernel does not take the problem
+};
+
+// The proj/gate product of one h at one position, gated and masked (tanh.approx on 16-bit paths),
+// from the position's scale: gate_scale(mask), computed once per position by the stagers.
+template <Mode M>
+__device__ __forceinline__ float gate_scale(float mask) {
+  return M == Mode::bf16 || M == Mode::f16 ? 0.5f * mask : mask;
+}
+template <Mode M>
+__device__ __forceinline__ float gated(float proj, float gate, float scale) {
+  if constexpr (M == Mode::bf16 || M == Mode::f16) return gated_16bit(proj, gate, scale);
+  else return proj * gate_sigmoid<M>(gate) * scale;
+}
+
+__device__ __forceinline__ uint32_t dynamic_smem_size() {
+  uint32_t size;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(size));
+  return size;
 }
 
 template <Mode M, typename TIn>
 __global__ void __launch_bounds__(kThreads, 1)
-    kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch) {
+    kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch, int buffers,
+           int stages) {
   using Op = op_t<M>;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* rows = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // (offset from smem_raw, not an integer round trip: the compiler then knows every pointer below
+  // is shared memory and emits LDS/STS instead of generic loads that wait like global ones)
+  uint8_t* rows = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const int kt_count = k_tiles(args.c_pad, sizeof(Op));
-  uint8_t* stages = rows + kt_count * kRowTileBytes;
-  float* mask_v = reinterpret_cast<float*>(stages + kStages * kStageBytes);
-  int64_t* row_off = reinterpret_cast<int64_t*>(mask_v + kPositions);
-  uint64_t* full = reinterpret_cast<uint64_t*>(row_off + kPositions);
-  uint64_t* empty = full + kStages;
-  init_ring(full, empty, kStages, kConsumers);
+  // The host leaves no slack for realignment where the plan would not fit with it (a dynamic
+  // shared-memory base is 1024-byte aligned in practice); a base that is not must not go unnoticed.
+  if ((rows - smem_raw) + plan_bytes(kt_count, buffers, stages) > dynamic_smem_size()) __trap();
+  const int buffer_bytes = kt_count * kRowTileBytes;
+  uint8_t* weights = rows + buffers * buffer_bytes;
+  float* mask_v = reinterpret_cast<float*>(weights + stages * kStageBytes);  // [buffers][kPositions]
+  int64_t* row_off = reinterpret_cast<int64_t*>(mask_v + buffers * kPositions);
+  uint64_t* w_full = reinterpret_cast<uint64_t*>(row_off + kPositions);
+  uint64_t* w_empty = w_full + stages;
+  uint64_t* rows_full = w_empty + stages;
+  uint64_t* rows_empty = rows_full + buffers;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(&w_full[s], 1);
+      mbar_init(&w_empty[s], kMmaGroups);
+    }
+    for (int b = 0; b < buffers; ++b) {
+      mbar_init(&rows_full[b], kStagerThreads);
+      mbar_init(&rows_empty[b], kMmaThreads);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();  // the last block-wide barrier: the three roles part here
 
-  const int64_t tiles = args.batch * tiles_per_batch;
+  const int64_t tiles = args.batch * tiles_per_batch, plane = args.n * args.ld;
   const int chunks = static_cast<int>(2 * args.rows_ab / kChunkRows);
+  const int w_tiles = chunks * kt_count;  // weight stages per tile, chunk-major
+  const bool resident = w_tiles <= stages;
   constexpr int kElemsPerKTile = kKBytes / static_cast<int>(sizeof(Op));
-  if (threadIdx.x < 128) {  // the producer warpgroup: one thread issues every weight load
-    if (threadIdx.x == 0) {
-      int it = 0;
-      for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x)
-        for (int chunk = 0; chunk < chunks; ++chunk)
-          for (int kt = 0; kt < kt_count; ++kt, ++it) {
-            const int s = it % kStages, round = it / kStages;
-            if (round > 0) mbar_wait(&empty[s], (round - 1) & 1);
-            mbar_expect_tx(&full[s], kStageBytes);
-            tma_load_2d(stages + s * kStageBytes, &map_w, kt * kElemsPerKTile, chunk * kChunkRows, &full[s]);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+  if (warp == kThreads / 32 - 1) {  // the producer
+    if (lane != 0) return;
+    if (resident) {
+      for (int i = 0; i < w_tiles; ++i) {
+        mbar_expect_tx(&w_full[i], kStageBytes);
+        tma_load_2d(weights + i * kStageBytes, &map_w, (i % kt_count) * kElemsPerKTile, (i / kt_count) * kChunkRows,
+                    &w_full[i]);
+      }
+      return;
+    }
+    int s = 0, round = 0;
+    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x)
+      for (int chunk = 0; chunk < chunks; ++chunk)
+        for (int kt = 0; kt < kt_count; ++kt) {
+          if (round > 0) mbar_wait(&w_empty[s], (round - 1) & 1);
+          mbar_expect_tx(&w_full[s], kStageBytes);
+          tma_load_2d(weights + s * kStageBytes, &map_w, kt * kElemsPerKTile, chunk * kChunkRows, &w_full[s]);
+          if (++s == stages) {
+            s = 0;
+            ++round;
           }
+        }
+    return;
+  }
+
+  if (threadIdx.x >= kMmaThreads) {  // a stager
+    const int stager = threadIdx.x - kMmaThreads;
+    const bool vectorized = rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair);
+    // Zeros up to the end of the last k-tile: the weights there are zero (TMA fills past c_pad),
+    // but 0 x stale shared memory could be NaN.
+    const int k_fill = kt_count * kElemsPerKTile;
+    int buf = 0, round = 0;
+    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      if (round > 0) mbar_wait(&rows_empty[buf], (round - 1) & 1);
+      const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
+      named_barrier(1, kStagerThreads);  // every stager is done with the last tile's row_off
+      if (stager < kPositions) {
+        float mask;
+        locate_position(args, batch, p0 + stager, plane, row_off[stager], mask);
+        mask_v[buf * kPositions + stager] = gate_scale<M>(mask);
+      }
+      named_barrier(1, kStagerThreads);
+      stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(
+          SwizzledRows{rows + buf * buffer_bytes, kRowTileBytes}, vectorized, static_cast<const TIn*>(args.pair),
+          row_off, kPositions, static_cast<int>(args.c), k_fill, args.ln_in_w, args.ln_in_b, args.eps_in,
+          stager >> 5);
+      fence_proxy_async();  // st.shared writes, read by wgmma through the async proxy
+      mbar_arrive(&rows_full[buf]);
+      if (++buf == buffers) {
+        buf = 0;
+        ++round;
+      }
     }
     return;
   }
 
-  const int consumer_thread = threadIdx.x - 128, consumer = consumer_thread / 128;
-  const int warp = consumer_thread >> 5, warp4 = warp & 3, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const bool leader = (consumer_thread & 127) == 0;
-  const int64_t plane = args.n * args.ld;
-  const bool vectorized = rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair);
-  // Zeros up to the end of the last k-tile: the weights there are zero (TMA fills past c_pad), but
-  // 0 x stale shared memory could be NaN.
-  const int k_fill = kt_count * kElemsPerKTile;
-  int it = 0;
+  // An MMA thread.
+  const int consumer = warp >> 2, warp4 = warp & 3, g = lane >> 2, t = lane & 3;
+  const bool leader = (threadIdx.x & 127) == 0;
+  // Ring positions kept as counters and phase bits (stages and buffers are launch arguments:
+  // a division per k-tile would cost more than the k-tile's bookkeeping).
+  int stage = 0, buf = 0;
+  uint32_t stage_phase = 0, buf_phase = 0;
+  // This thread's weight row of chunk c: c * kChunkRows + row_in_chunk (proj of h), + 8 (its gate).
+  const int row_in_chunk = consumer * 64 + warp4 * 16 + g;
+  // The next chunk's biases are loaded before this chunk's epilogue, so their latency hides there.
+  float proj_bias = args.b_in[row_in_chunk], gate_bias = args.b_in[row_in_chunk + 8];
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
-    named_barrier(1, 128 * kConsumers);  // the last tile's products and epilogue are done
-    if (consumer_thread < kPositions)
-      locate_position(args, batch, p0 + consumer_thread, plane, row_off[consumer_thread], mask_v[consumer_thread]);
-    named_barrier(1, 128 * kConsumers);
-    stage_rows_to<M, TIn, 4 * kConsumers>(SwizzledRows{rows, kRowTileBytes}, vectorized,
-                                          static_cast<const TIn*>(args.pair), row_off, kPositions,
-                                          static_cast<int>(args.c), k_fill, args.ln_in_w, args.ln_in_b,
-                                          args.eps_in, warp);
-    fence_proxy_async();  // the rows were written by st.shared; wgmma reads them through the async proxy
-    named_barrier(1, 128 * kConsumers);
-
+    const int in_plane = static_cast<int>(std::min<int64_t>(plane - p0, kPositions));  // even: plane is
+    const uint8_t* tile_rows = rows + buf * buffer_bytes;
+    const float* scale_t = mask_v + buf * kPositions;
+    mbar_wait(&rows_full[buf], buf_phase);
     for (int chunk = 0; chunk < chunks; ++chunk) {
       // This thread's weight row r (proj of h) and r + 8 (gate of the same h), at positions
       // 8j + 2t, 8j + 2t + 1 of n8 block j.
-      const int64_t r = int64_t(chunk) * kChunkRows + consumer * 64 + warp4 * 16 + g;
+      const int64_t r = int64_t(chunk) * kChunkRows + row_in_chunk;
       float acc[64];  // started from the biases (after the last chunk's MMAs: no wgmma is in flight)
-      {
-        const float proj_bias = args.b_in[r], gate_bias = args.b_in[r + 8];
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          acc[4 * j] = acc[4 * j + 1] = proj_bias;
-          acc[4 * j + 2] = acc[4 * j + 3] = gate_bias;
-        }
+      for (int j = 0; j < 16; ++j) {
+        acc[4 * j] = acc[4 * j + 1] = proj_bias;
+        acc[4 * j + 2] = acc[4 * j + 3] = gate_bias;
       }
-      for (int kt = 0; kt < kt_count; ++kt, ++it) {
-        const int s = it % kStages;
-        mbar_wait(&full[s], (it / kStages) & 1);
-        const uint64_t desc_a = smem_descriptor(stages + s * kStageBytes + consumer * 64 * kKBytes);
-        const uint64_t desc_b = smem_descriptor(rows + kt * kRowTileBytes);
+      int held = -1;  // the stage the k-tile before this one read
+      for (int kt = 0; kt < kt_count; ++kt) {
+        const int s = resident ? chunk * kt_count + kt : stage;
+        mbar_wait(&w_full[s], resident ? 0u : stage_phase);
+        const uint64_t desc_a = smem_descriptor(weights + s * kStageBytes + consumer * 64 * kKBytes);
+        const uint64_t desc_b = smem_descriptor(tile_rows + kt * kRowTileBytes);
         wgmma_k_tile_64x128<Op>(acc, desc_a, desc_b);
         // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
         wgmma_wait<1>();
-        if (kt > 0 && leader) mbar_arrive(&empty[(it - 1) % kStages]);
+        if (!resident) {
+          if (held >= 0 && leader) mbar_arrive(&w_empty[held]);
+          held = stage;
+          if (++stage == stages) {
+            stage = 0;
+            stage_phase ^= 1u;
+          }
+        }
       }
       wgmma_wait<0>();
-      if (leader) mbar_arrive(&empty[(it - 1) % kStages]);
+      if (held >= 0 && leader) mbar_arrive(&w_empty[held]);
+      {
+        const int64_t next = chunk + 1 < chunks ? r + kChunkRows : row_in_chunk;  // (the next tile's first)
+        proj_bias = args.b_in[next];
+        gate_bias = args.b_in[next + 8];
+      }
 
       const bool second = r >= args.rows_ab;  // b's rows follow a's
       const int64_t local = r - (second ? args.rows_ab : 0);
@@ -388,42 +492,61 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const int m = 8 * j + 2 * t;
-        if (p0 + m >= plane) continue;  // plane is even, so the pair is wholly in or out
-        const float v0 = gated_16bit(acc[4 * j], acc[4 * j + 2], 0.5f * mask_v[m]);
-        const float v1 = gated_16bit(acc[4 * j + 1], acc[4 * j + 3], 0.5f * mask_v[m + 1]);
-        store_operand_pair<M>(out + m, v0, v1);
+        const float2 scale = *reinterpret_cast<const float2*>(scale_t + m);
+        const float v0 = gated<M>(acc[4 * j], acc[4 * j + 2], scale.x);
+        const float v1 = gated<M>(acc[4 * j + 1], acc[4 * j + 3], scale.y);
+        if (m < in_plane) store_operand_pair<M>(out + m, v0, v1);
       }
+    }
+    mbar_arrive(&rows_empty[buf]);  // this thread's products on these rows are done, its masks read
+    if (++buf == buffers) {
+      buf = 0;
+      buf_phase ^= 1u;
     }
   }
 }
 
-// Bytes if this kernel takes these sizes, else 0: 16-bit operands, pair_dim wider than the resident
-// kernel takes, a problem that gives every SM a tile, an sm_90a build on Hopper.
+// The buffers, stages and bytes this kernel would take these sizes with (bytes 0: it does not):
+// an sm_90a build on Hopper, bf16 / fp16 / TF32 operands, a problem that gives every SM a tile.
+// Two row buffers where they fit (staging overlaps the products), with every weight stage
+// resident where those fit too, else a ring of 4 down to 2 stages.
 template <Mode M>
-int64_t applicable(const ForwardArgs& args) {
-  if constexpr (M != Mode::bf16 && M != Mode::f16) {
-    return 0;
+Plan plan(const ForwardArgs& args) {
+  if constexpr (M == Mode::tf32x3) {
+    return Plan{};
   } else {
-    if (args.c_pad * static_cast<int64_t>(sizeof(op_t<M>)) <= resident::kMaxSlabs * kSlabBytes) return 0;
-    if (tensor_map_encoder() == nullptr || 2 * args.rows_ab >= (int64_t(1) << 31)) return 0;
-    return persistent_bytes(args.batch * ceil_div(args.n * args.ld, kPositions), 1,
-                            bytes(args, sizeof(op_t<M>)));
+    if (tensor_map_encoder() == nullptr || 2 * args.rows_ab >= (int64_t(1) << 31)) return Plan{};
+    const int kt = k_tiles(args.c_pad, sizeof(op_t<M>));
+    const int w_tiles = static_cast<int>(2 * args.rows_ab / kChunkRows) * kt;
+    const int64_t limit = max_smem_optin();
+    for (int buffers = 2; buffers >= 1; --buffers) {
+      int stages = 0;
+      if (w_tiles <= kMaxStages && plan_bytes(kt, buffers, w_tiles) <= limit) stages = w_tiles;
+      for (int s = 4; s >= 2 && stages == 0; --s)
+        if (plan_bytes(kt, buffers, s) <= limit) stages = s;
+      if (stages == 0) continue;
+      const int64_t bytes = plan_bytes(kt, buffers, stages);
+      if (persistent_bytes(args.batch * ceil_div(args.n * args.ld, kPositions), 1, bytes) == 0) return Plan{};
+      return Plan{buffers, stages, std::min(bytes + 1023, limit)};  // slack to realign the base where it fits
+    }
+    return Plan{};
   }
 }
 
 template <Mode M, typename TIn>
-cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
+cudaError_t launch(const ForwardArgs& args, const Plan& plan) {
   using Op = op_t<M>;
   // The grouped proj/gate weights [2 * rows_ab, c_pad]: boxes of 128 bytes of k x 128 rows, zeros
   // past c_pad.
   CUtensorMap map_w;
   if (!encode_kmajor_map<Op>(&map_w, args.w_in, 0, 2 * args.rows_ab, args.c_pad, kChunkRows))
     return cudaErrorNotSupported;
-  const cudaError_t status = allow_smem<kernel<M, TIn>>(smem_bytes);
+  const cudaError_t status = allow_smem<kernel<M, TIn>>(plan.bytes);
   if (status != cudaSuccess) return status;
   const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
   const int64_t blocks = std::min<int64_t>(sm_count(), args.batch * tiles_per_batch);
-  kernel<M, TIn><<<static_cast<unsigned>(blocks), kThreads, smem_bytes, args.stream>>>(args, map_w, tiles_per_batch);
+  kernel<M, TIn><<<static_cast<unsigned>(blocks), kThreads, plan.bytes, args.stream>>>(
+      args, map_w, tiles_per_batch, plan.buffers, plan.stages);
   return cudaGetLastError();
 }
 
@@ -436,14 +559,27 @@ std::pair<bool, int64_t> choose(const ForwardArgs& args) {
                       args.batch * ceil_div(args.n * args.ld, Wide::BM));
 }
 
+// Which kernel may take the pass (TRIMUL_INPUT_PASS=streamed|resident|wgmma: only that one where
+// it applies, for measuring one against another; unset: wgmma, then resident, then streamed).
+inline const char* forced_input_kernel() {
+  const char* forced = std::getenv("TRIMUL_INPUT_PASS");
+  return forced != nullptr && forced[0] != '\0' ? forced : nullptr;
+}
+
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
-  if constexpr (M == Mode::bf16 || M == Mode::f16) {
-    if (const int64_t bytes = resident::applicable<M>(args)) return resident::launch<M, TIn>(args, bytes);
-    if (const int64_t bytes = wgmma_tiles::applicable<M>(args)) {
-      const cudaError_t status = wgmma_tiles::launch<M, TIn>(args, bytes);
-      if (status != cudaErrorNotSupported) return status;  // else the streamed kernel takes it
+  const char* forced = forced_input_kernel();
+  const auto allowed = [forced](const char* name) { return forced == nullptr || std::strcmp(forced, name) == 0; };
+  if (allowed("wgmma")) {
+    const wgmma_tiles::Plan plan = wgmma_tiles::plan<M>(args);
+    if (plan.bytes != 0) {
+      const cudaError_t status = wgmma_tiles::launch<M, TIn>(args, plan);
+      if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
     }
+  }
+  if constexpr (M == Mode::bf16 || M == Mode::f16) {
+    if (allowed("resident"))
+      if (const int64_t bytes = resident::applicable<M>(args)) return resident::launch<M, TIn>(args, bytes);
   }
   return launch_chosen<kernel<M, TIn, Wide>, Wide, kernel<M, TIn, Narrow>, Narrow>(args, choose<M>(args), args.n * args.ld);
 }

@@ -189,13 +189,13 @@ __host__ __device__ inline bool rows_vectorizable(int64_t c, int64_t sb, int64_t
 // multiple of the vector), so guards are per vector, and the LayerNorm weights each lane needs
 // are the same for every row: loaded once. Few lanes per row keep the statistics' shuffle
 // reductions short (log2 L steps instead of 5 per row).
-template <Mode M, typename TIn, int WARPS, int VECS, class Dst>
+template <Mode M, typename TIn, int WARPS, int VECS, int IN_FLIGHT, class Dst>
 __device__ void stage_rows_vec(Dst dst, const TIn* __restrict__ pair,
                                const int64_t* row_off, int rows, int c, int c_pad,
                                const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps,
                                int lanes_log2, int warp) {
   constexpr int V = vec_elems<TIn>();
-  constexpr int kGroup = VECS >= 8 ? 1 : 8 / VECS;  // rows in flight per lane: 8 vectors per lane
+  constexpr int kGroup = VECS >= IN_FLIGHT ? 1 : IN_FLIGHT / VECS;  // rows in flight per lane
   constexpr bool kHoist = VECS * V <= 16;           // LayerNorm weights in registers when small
   const int L = 1 << lanes_log2, slots = 32 >> lanes_log2;
   const int lane = threadIdx.x & 31;
@@ -282,8 +282,10 @@ __device__ void stage_rows_vec(Dst dst, const TIn* __restrict__ pair,
 }
 
 // Rows [0, rows) of the operand into `dst`, staged by WARPS warps of which this is number `warp`
-// (the block's warps, or one warp staging its own rows with WARPS = 1, warp = 0).
-template <Mode M, typename TIn, int WARPS, class Dst>
+// (the block's warps, or one warp staging its own rows with WARPS = 1, warp = 0). IN_FLIGHT:
+// 16-byte loads each lane keeps in flight (more registers, more bytes on the way per warp: warps
+// that only stage can afford more than warps that also multiply).
+template <Mode M, typename TIn, int WARPS, int IN_FLIGHT = 8, class Dst>
 __device__ void stage_rows_to(Dst dst, bool vectorized, const TIn* __restrict__ pair, const int64_t* row_off,
                               int rows, int c, int c_pad, const float* __restrict__ ln_w,
                               const float* __restrict__ ln_b, float eps, int warp = threadIdx.x >> 5) {
@@ -294,13 +296,13 @@ __device__ void stage_rows_to(Dst dst, bool vectorized, const TIn* __restrict__ 
   while ((4 << lanes_log2) < vectors) ++lanes_log2;
   const int per_lane = static_cast<int>(ceil_div(vectors, 1 << lanes_log2));
   if (vectorized && per_lane == 1)
-    stage_rows_vec<M, TIn, WARPS, 1>(dst, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
+    stage_rows_vec<M, TIn, WARPS, 1, IN_FLIGHT>(dst, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
   else if (vectorized && per_lane == 2)
-    stage_rows_vec<M, TIn, WARPS, 2>(dst, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
+    stage_rows_vec<M, TIn, WARPS, 2, IN_FLIGHT>(dst, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
   else if (vectorized && per_lane == 3)
-    stage_rows_vec<M, TIn, WARPS, 3>(dst, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
+    stage_rows_vec<M, TIn, WARPS, 3, IN_FLIGHT>(dst, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
   else if (vectorized && per_lane == 4)
-    stage_rows_vec<M, TIn, WARPS, 4>(dst, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
+    stage_rows_vec<M, TIn, WARPS, 4, IN_FLIGHT>(dst, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
   else
     stage_rows_scalar<M, TIn, WARPS>(dst, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, warp);
 }
