@@ -465,36 +465,45 @@ def test_fused_reduced_precisions(variant, precision, direction, batch, n, pair_
         assert err > 1e-6
 
 
-INPUT_PASS_KERNELS = {"wgmma": "input_pass::wgmma_tiles::kernel<", "resident": "input_pass::resident::kernel<",
-                      "streamed": "input_pass::kernel<"}
+# Kernel names (as the profiler shows them) of each fused pass's kernels, by pinned name.
+PASS_KERNELS = {"input": {"wgmma": "input_pass::wgmma_tiles::kernel<", "resident": "input_pass::resident::kernel<",
+                          "streamed": "input_pass::kernel<"},
+                "output": {"wgmma": "output_pass::wgmma_tiles::kernel<", "resident": "output_pass::resident::kernel<",
+                           "streamed": "output_pass::kernel<"}}
 
 
 @cuda
-@pytest.mark.parametrize("kernel, precision", [("wgmma", "medium"), ("resident", "medium"),
-                                               ("streamed", "medium"), ("wgmma", "high"),
-                                               ("streamed", "high")])
-@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 200, 128, 128), (2, 130, 200, 40)])
-def test_every_input_pass_kernel_matches_fp64(monkeypatch, kernel, precision, batch, n, pair_dim, hidden):
-    """TRIMUL_INPUT_PASS pins the input pass to one kernel. auto runs only the first that applies
-    (wgmma on Hopper), so this keeps the others checked there too, and profiles the call to be
-    sure the pinned kernel is the one that ran (the resident one takes pair_dim <= 128 only)."""
+@pytest.mark.parametrize("fused_pass, kernel, precision", [
+    ("input", "wgmma", "medium"), ("input", "resident", "medium"), ("input", "streamed", "medium"),
+    ("input", "wgmma", "high"), ("input", "streamed", "high"),
+    ("output", "wgmma", "medium"), ("output", "resident", "medium"), ("output", "streamed", "medium"),
+    ("output", "wgmma", "high"), ("output", "streamed", "high")])
+# (1, 200, 384, 128): the output pass's wgmma kernel with one row buffer and streamed weights.
+@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 200, 128, 128), (2, 130, 200, 40), (1, 200, 384, 128)])
+def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precision, batch, n, pair_dim, hidden):
+    """TRIMUL_INPUT_PASS / TRIMUL_OUTPUT_PASS pin a fused pass to one kernel. auto runs only the
+    first that applies (on Hopper the input pass's wgmma kernel; the output pass's wgmma kernel
+    only when pinned), so this keeps every kernel checked against fp64, and profiles the call to be
+    sure the pinned kernel is the one that ran."""
     if kernel == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma input pass needs an sm_90a GPU")
+        pytest.skip("the wgmma passes need an sm_90a GPU")
     if kernel == "resident" and pair_dim > 128:
-        pytest.skip("the resident input pass takes pair_dim <= 128")
-    monkeypatch.setenv("TRIMUL_INPUT_PASS", kernel)
+        pytest.skip("the resident passes take pair_dim <= 128")
+    if (fused_pass, kernel, precision) == ("output", "wgmma", "high") and pair_dim > 128:
+        pytest.skip("TF32 rows at pair_dim > 128 do not fit the output pass's wgmma kernel")
+    monkeypatch.setenv("TRIMUL_INPUT_PASS" if fused_pass == "input" else "TRIMUL_OUTPUT_PASS", kernel)
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(pair_dim, hidden, "outgoing", "raw").double(), g)
     new = _make_new(reference, torch.float32, "auto", precision)
     pair, mask = random_inputs(batch, n, pair_dim, g)
-    _check_model(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed, f"{kernel} {precision}")
+    _check_model(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed, f"{fused_pass} {kernel} {precision}")
     from torch.profiler import ProfilerActivity, profile
     with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         new(pair.float().cuda(), mask.cuda())
         torch.cuda.synchronize()
-    names = [e.key for e in prof.key_averages() if "input_pass" in e.key]
-    assert len(names) == 1 and INPUT_PASS_KERNELS[kernel] in names[0], names
+    names = [e.key for e in prof.key_averages() if f"{fused_pass}_pass" in e.key]
+    assert len(names) == 1 and PASS_KERNELS[fused_pass][kernel] in names[0], names
 
 
 @cuda

@@ -311,10 +311,7 @@ __host__ __device__ inline int64_t plan_bytes(int kt_count, int buffers, int sta
          kPositions * 8 + 2 * (stages + buffers) * 8;
 }
 
-struct Plan {
-  int buffers = 0, stages = 0;
-  int64_t bytes = 0;  // to request at launch; 0: this kernel does not take the problem
-};
+using Plan = PassPlan;
 
 // The proj/gate product of one h at one position, gated and masked (tanh.approx on 16-bit paths),
 // from the position's scale: gate_scale(mask), computed once per position by the stagers.
@@ -326,12 +323,6 @@ template <Mode M>
 __device__ __forceinline__ float gated(float proj, float gate, float scale) {
   if constexpr (M == Mode::bf16 || M == Mode::f16) return gated_16bit(proj, gate, scale);
   else return proj * gate_sigmoid<M>(gate) * scale;
-}
-
-__device__ __forceinline__ uint32_t dynamic_smem_size() {
-  uint32_t size;
-  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(size));
-  return size;
 }
 
 template <Mode M, typename TIn>
@@ -355,18 +346,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* w_empty = w_full + stages;
   uint64_t* rows_full = w_empty + stages;
   uint64_t* rows_empty = rows_full + buffers;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      mbar_init(&w_full[s], 1);
-      mbar_init(&w_empty[s], kMmaGroups);
-    }
-    for (int b = 0; b < buffers; ++b) {
-      mbar_init(&rows_full[b], kStagerThreads);
-      mbar_init(&rows_empty[b], kMmaThreads);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();  // the last block-wide barrier: the three roles part here
+  init_pass_barriers(w_full, w_empty, stages, rows_full, rows_empty, buffers, kMmaGroups, kStagerThreads);
+  // (the last block-wide barrier: the three roles part here)
 
   const int64_t tiles = args.batch * tiles_per_batch, plane = args.n * args.ld;
   const int chunks = static_cast<int>(2 * args.rows_ab / kChunkRows);
@@ -507,9 +488,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // The buffers, stages and bytes this kernel would take these sizes with (bytes 0: it does not):
-// an sm_90a build on Hopper, bf16 / fp16 / TF32 operands, a problem that gives every SM a tile.
-// Two row buffers where they fit (staging overlaps the products), with every weight stage
-// resident where those fit too, else a ring of 4 down to 2 stages.
+// an sm_90a build on Hopper, bf16 / fp16 / TF32 operands, a problem that gives every SM a tile
+// (plan_pass says how buffers and stages are chosen).
 template <Mode M>
 Plan plan(const ForwardArgs& args) {
   if constexpr (M == Mode::tf32x3) {
@@ -518,18 +498,8 @@ Plan plan(const ForwardArgs& args) {
     if (tensor_map_encoder() == nullptr || 2 * args.rows_ab >= (int64_t(1) << 31)) return Plan{};
     const int kt = k_tiles(args.c_pad, sizeof(op_t<M>));
     const int w_tiles = static_cast<int>(2 * args.rows_ab / kChunkRows) * kt;
-    const int64_t limit = max_smem_optin();
-    for (int buffers = 2; buffers >= 1; --buffers) {
-      int stages = 0;
-      if (w_tiles <= kMaxStages && plan_bytes(kt, buffers, w_tiles) <= limit) stages = w_tiles;
-      for (int s = 4; s >= 2 && stages == 0; --s)
-        if (plan_bytes(kt, buffers, s) <= limit) stages = s;
-      if (stages == 0) continue;
-      const int64_t bytes = plan_bytes(kt, buffers, stages);
-      if (persistent_bytes(args.batch * ceil_div(args.n * args.ld, kPositions), 1, bytes) == 0) return Plan{};
-      return Plan{buffers, stages, std::min(bytes + 1023, limit)};  // slack to realign the base where it fits
-    }
-    return Plan{};
+    return plan_pass([kt](int buffers, int stages) { return plan_bytes(kt, buffers, stages); }, w_tiles, kMaxStages,
+                     args.batch * ceil_div(args.n * args.ld, kPositions));
   }
 }
 

@@ -1,9 +1,11 @@
 // output pass — LayerNorm_out over h of the contraction result (fp32 statistics), out_proj + bias,
 // the output gate sigmoid(out_gate(pair or LayerNorm_in(pair))) and their product, written once in
 // the input dtype.
-#include "fused.cuh"
+#include "tma.cuh"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 namespace trimul {
 namespace output_pass {
@@ -510,6 +512,344 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 
 }  // namespace resident
 
+// ---- wgmma + TMA, warp-specialized (sm_90a) ----------------------------------------------------
+// NOT YET RUN ON A GPU (written 2026-12-01 after the session's device time was spent): only
+// TRIMUL_OUTPUT_PASS=wgmma launches it; auto does not. The input pass's v8a design applied to this
+// pass: one block per SM of 16 warps,
+// - the producer warp streams out_gate's and out_proj's rows with TMA, per chunk of 128 output
+//   channels out_gate's k-tiles then out_proj's (or loads them all once where they fit);
+// - 7 stager warps write each tile's 128 positions into one of two row buffers: LayerNorm_out(z)
+//   (z is h-major: four lanes per position, a quarter of h each in registers, statistics by
+//   shuffles) and the gate's source rows (pair or LayerNorm_in(pair)), both 128-byte swizzled;
+// - two MMA warpgroups each take 64 of every chunk's 128 channels (the weights are A) for one half
+//   of the tile's positions at a time (m64n64): the gate product first, its sigmoid kept as packed
+//   fp16 pairs (16 registers), then out_proj in the same accumulators, and the product of the two
+//   stored per channel. (Streamed weights pass twice per tile, once per half.)
+namespace wgmma_tiles {
+
+using namespace ::trimul::tma;
+
+constexpr int kPositions = 128;  // positions per tile: the wgmma's N
+constexpr int kChunkRows = 128;  // output channels per chunk: 64 per MMA warpgroup (the wgmma's M)
+constexpr int kKBytes = 128;     // bytes of k per k-tile (one swizzle row)
+constexpr int kMmaGroups = 2, kStagerWarps = 7;
+constexpr int kMmaThreads = 128 * kMmaGroups, kStagerThreads = 32 * kStagerWarps;
+constexpr int kThreads = kMmaThreads + kStagerThreads + 32;  // + the producer warp
+constexpr int kStageBytes = kChunkRows * kKBytes, kRowTileBytes = kPositions * kKBytes;
+constexpr int kMaxStages = 8;
+constexpr int kStagingLoads = 8;  // 16-byte loads in flight per stager lane (gate rows)
+constexpr int kZLanes = 4;         // lanes per position in the z LayerNorm
+constexpr int kMaxHPad = 128;      // h_pad this kernel takes: a quarter in one lane's registers
+
+__host__ __device__ inline int k_tiles(int64_t cols, int op_bytes) {
+  return static_cast<int>(ceil_div(cols * op_bytes, kKBytes));
+}
+// Shared memory from a 1024-byte boundary: per buffer the gate-row and z k-tiles and the
+// positions' output offsets; the weight stages; the stagers' pair-row offsets; the barriers.
+__host__ __device__ inline int64_t plan_bytes(int kt_x, int kt_z, int buffers, int stages) {
+  return int64_t(buffers) * ((kt_x + kt_z) * int64_t(kRowTileBytes) + kPositions * 8) +
+         int64_t(stages) * kStageBytes + kPositions * 8 + 2 * (stages + buffers) * 8;
+}
+
+using Plan = PassPlan;
+
+// LayerNorm_out over h of z for the tile's positions, into swizzled rows [0, fill) of h (zeros at
+// h >= hidden and for positions whose row_off is negative). kZLanes lanes share a position, each
+// holding a contiguous quarter of [0, fill) in registers, so one load instruction reads 32 bytes
+// of each of four h planes, and the rows are written with 16-byte stores.
+template <Mode M>
+__device__ void stage_z_rows(SwizzledRows dst, const float* __restrict__ z_tile, int64_t plane, int hidden, int fill,
+                             const int64_t* row_off, const float* __restrict__ ln_w, const float* __restrict__ ln_b,
+                             float eps, int warp) {
+  constexpr int kPerLane = kMaxHPad / kZLanes;
+  constexpr int kSlots = 32 / kZLanes;                        // positions per warp per round
+  constexpr int V = 16 / static_cast<int>(sizeof(op_t<M>));  // elements per 16-byte store
+  const int lane = threadIdx.x & 31, sub = lane % kZLanes, slot = lane / kZLanes;
+  const int per_lane = fill / kZLanes;  // a multiple of V: fill is whole 128-byte k-tiles
+  const int h0 = sub * per_lane;
+  for (int m0 = warp * kSlots; m0 < kPositions; m0 += kStagerWarps * kSlots) {
+    const int m = m0 + slot;
+    const bool valid = row_off[m] >= 0;
+    float v[kPerLane];
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) {
+      const int h = h0 + e;
+      v[e] = (valid && e < per_lane && h < hidden) ? z_tile[int64_t(h) * plane + m] : 0.f;
+    }
+    // Statistics around the position's first value (h = 0, held by the group's first lane).
+    const float shift = __shfl_sync(0xffffffffu, v[0], lane & ~(kZLanes - 1));
+    float sum = 0.f, sum_sq = 0.f;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) {
+      const float d = (e < per_lane && h0 + e < hidden) ? v[e] - shift : 0.f;
+      sum += d;
+      sum_sq += d * d;
+    }
+#pragma unroll
+    for (int offset = 1; offset < kZLanes; offset <<= 1) {
+      sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+      sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
+    }
+    const float2 stats = shifted_stats(shift, sum, sum_sq, hidden, eps);
+#pragma unroll
+    for (int e0 = 0; e0 < kPerLane; e0 += V) {
+      if (e0 >= per_lane) break;
+      float y[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const int h = h0 + e0 + e;
+        y[e] = (valid && h < hidden) ? (v[e0 + e] - stats.x) * stats.y * ln_w[h] + ln_b[h] : 0.f;
+      }
+      dst.template store<M, V>(m, h0 + e0, y);
+    }
+  }
+}
+
+// The weight ring as the MMA warps see it: stage index and phase bit of the next k-tile. With
+// every stage resident the caller points `stage` at the k-tiles it wants (they never change).
+struct WeightRing {
+  uint64_t* full;
+  uint64_t* empty;
+  uint8_t* base;
+  int stages;
+  bool resident;
+  int stage = 0;
+  uint32_t phase = 0;
+};
+
+// acc += the weights' next `count` k-tiles (this warpgroup's 64 rows of each) x 64 positions of
+// the rows' k-tiles (starting at b_tiles).
+template <typename Op>
+__device__ __forceinline__ void multiply_k_tiles(float (&acc)[32], WeightRing& ring, int consumer,
+                                                 const uint8_t* b_tiles, int count, bool leader) {
+  int held = -1;  // the stage the k-tile before this one read
+  for (int kt = 0; kt < count; ++kt) {
+    const int s = ring.stage;
+    mbar_wait(&ring.full[s], ring.resident ? 0u : ring.phase);
+    const uint64_t desc_a = smem_descriptor(ring.base + s * kStageBytes + consumer * 64 * kKBytes);
+    const uint64_t desc_b = smem_descriptor(b_tiles + kt * kRowTileBytes);
+    wgmma_k_tile_64x64<Op>(acc, desc_a, desc_b);
+    // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
+    wgmma_wait<1>();
+    if (!ring.resident && held >= 0 && leader) mbar_arrive(&ring.empty[held]);
+    held = s;
+    if (++ring.stage == ring.stages) {
+      ring.stage = 0;
+      ring.phase ^= 1u;
+    }
+  }
+  wgmma_wait<0>();
+  if (!ring.resident && held >= 0 && leader) mbar_arrive(&ring.empty[held]);
+}
+
+// One weight k-tile into stage `slot`: k-tile i of chunk `chunk`, out_gate's k-tiles first, then
+// out_proj's.
+__device__ __forceinline__ void load_weight_tile(uint8_t* weights, uint64_t* full, int slot, int chunk, int i,
+                                                 int kt_x, int elems, const CUtensorMap* map_gate,
+                                                 const CUtensorMap* map_out) {
+  mbar_expect_tx(&full[slot], kStageBytes);
+  if (i < kt_x)
+    tma_load_2d(weights + slot * kStageBytes, map_gate, i * elems, chunk * kChunkRows, &full[slot]);
+  else
+    tma_load_2d(weights + slot * kStageBytes, map_out, (i - kt_x) * elems, chunk * kChunkRows, &full[slot]);
+}
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ float2 unpack_half2(uint32_t bits) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+}
+
+template <Mode M, typename TIn>
+__global__ void __launch_bounds__(kThreads, 1)
+    kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_gate,
+           const __grid_constant__ CUtensorMap map_out, int64_t tiles_per_batch, int buffers, int stages) {
+  using Op = op_t<M>;
+  extern __shared__ uint8_t smem_raw[];
+  // (an offset from smem_raw keeps the compiler aware that these are shared-memory pointers)
+  uint8_t* rows = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const int kt_x = k_tiles(args.c_pad, sizeof(Op)), kt_z = k_tiles(args.h_pad, sizeof(Op));
+  if ((rows - smem_raw) + plan_bytes(kt_x, kt_z, buffers, stages) > dynamic_smem_size()) __trap();
+  const int buffer_bytes = (kt_x + kt_z) * kRowTileBytes;  // gate-row k-tiles, then z's
+  uint8_t* weights = rows + buffers * buffer_bytes;
+  int64_t* out_rows = reinterpret_cast<int64_t*>(weights + stages * kStageBytes);  // [buffers][kPositions]
+  int64_t* row_off = out_rows + buffers * kPositions;
+  uint64_t* w_full = reinterpret_cast<uint64_t*>(row_off + kPositions);
+  uint64_t* w_empty = w_full + stages;
+  uint64_t* rows_full = w_empty + stages;
+  uint64_t* rows_empty = rows_full + buffers;
+  init_pass_barriers(w_full, w_empty, stages, rows_full, rows_empty, buffers, kMmaGroups, kStagerThreads);
+  // (the last block-wide barrier: the three roles part here)
+
+  const int64_t tiles = args.batch * tiles_per_batch, plane = args.n * args.ldz;
+  const int chunks = static_cast<int>(ceil_div(args.c, kChunkRows));
+  const int per_chunk = kt_x + kt_z, w_tiles = chunks * per_chunk;
+  const bool resident = w_tiles <= stages;
+  constexpr int kElemsPerKTile = kKBytes / static_cast<int>(sizeof(Op));
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+  if (warp == kThreads / 32 - 1) {  // the producer
+    if (lane != 0) return;
+    if (resident) {
+      for (int w = 0; w < w_tiles; ++w)
+        load_weight_tile(weights, w_full, w, w / per_chunk, w % per_chunk, kt_x, kElemsPerKTile, &map_gate, &map_out);
+      return;
+    }
+    int s = 0, round = 0;  // streamed: each chunk's k-tiles once per half of the positions
+    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x)
+      for (int chunk = 0; chunk < chunks; ++chunk)
+        for (int half = 0; half < 2; ++half)
+          for (int i = 0; i < per_chunk; ++i) {
+            if (round > 0) mbar_wait(&w_empty[s], (round - 1) & 1);
+            load_weight_tile(weights, w_full, s, chunk, i, kt_x, kElemsPerKTile, &map_gate, &map_out);
+            if (++s == stages) {
+              s = 0;
+              ++round;
+            }
+          }
+    return;
+  }
+
+  if (threadIdx.x >= kMmaThreads) {  // a stager
+    const int stager = threadIdx.x - kMmaThreads, stager_warp = stager >> 5;
+    const bool vectorized = rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair);
+    // Zeros up to the end of the last k-tiles: the weights there are zero (TMA fills past c_pad /
+    // h_pad), but 0 x stale shared memory could be NaN.
+    const int x_fill = kt_x * kElemsPerKTile, z_fill = kt_z * kElemsPerKTile;
+    const float* z_all = static_cast<const float*>(args.z);
+    const uint32_t n = static_cast<uint32_t>(args.n), ldz = static_cast<uint32_t>(args.ldz);
+    int buf = 0, round = 0;
+    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      if (round > 0) mbar_wait(&rows_empty[buf], (round - 1) & 1);
+      const int64_t batch = tile / tiles_per_batch, q0 = (tile - batch * tiles_per_batch) * kPositions;
+      named_barrier(1, kStagerThreads);  // every stager is done with the last tile's row_off
+      if (stager < kPositions) {
+        // plane < 2^32 (checked at launch): 32-bit division.
+        const int64_t q = q0 + stager;
+        const uint32_t i = static_cast<uint32_t>(q) / ldz, j = static_cast<uint32_t>(q) - i * ldz;
+        const bool valid = q < plane && i < n && j < n;
+        row_off[stager] = valid ? batch * args.pair_sb + i * args.pair_sr + j * args.pair_sc : -1;
+        out_rows[buf * kPositions + stager] = valid ? ((batch * args.n + i) * args.n + j) * args.c : -1;
+      }
+      named_barrier(1, kStagerThreads);
+      uint8_t* x_rows = rows + buf * buffer_bytes;
+      stage_z_rows<M>(SwizzledRows{x_rows + kt_x * kRowTileBytes, kRowTileBytes},
+                      z_all + batch * args.h * plane + q0, plane, static_cast<int>(args.h), z_fill, row_off,
+                      args.ln_out_w, args.ln_out_b, args.eps_out, stager_warp);
+      stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(
+          SwizzledRows{x_rows, kRowTileBytes}, vectorized, static_cast<const TIn*>(args.pair), row_off, kPositions,
+          static_cast<int>(args.c), x_fill, args.gate_normalized ? args.ln_in_w : nullptr, args.ln_in_b,
+          args.eps_in, stager_warp);
+      fence_proxy_async();  // st.shared writes, read by wgmma through the async proxy
+      mbar_arrive(&rows_full[buf]);
+      if (++buf == buffers) {
+        buf = 0;
+        ++round;
+      }
+    }
+    return;
+  }
+
+  // An MMA thread: output channels c and c + 8 of each chunk, at positions 8j + 2t, 8j + 2t + 1 of
+  // each half of the tile. Halves of 64 positions (m64n64) keep the gate's accumulators and its
+  // packed sigmoid (32 + 16 registers) next to each other without spilling.
+  const int consumer = warp >> 2, warp4 = warp & 3, g = lane >> 2, t = lane & 3;
+  const bool leader = (threadIdx.x & 127) == 0;
+  constexpr int kHalfBytes = 64 * kKBytes;  // 64 swizzled rows: a 1024-byte multiple
+  WeightRing ring{w_full, w_empty, weights, stages, resident};
+  int buf = 0;
+  uint32_t buf_phase = 0;
+  TIn* out = static_cast<TIn*>(args.out);
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const uint8_t* x_rows = rows + buf * buffer_bytes;
+    const uint8_t* z_rows = x_rows + kt_x * kRowTileBytes;
+    const int64_t* tile_out = out_rows + buf * kPositions;
+    mbar_wait(&rows_full[buf], buf_phase);
+    for (int chunk = 0; chunk < chunks; ++chunk) {
+      const int c = chunk * kChunkRows + consumer * 64 + warp4 * 16 + g;
+      const bool c_ok = c < args.c, c8_ok = c + 8 < args.c;
+      const float gate_bias = c_ok ? args.b_gate[c] : 0.f, gate_bias8 = c8_ok ? args.b_gate[c + 8] : 0.f;
+      const float out_bias = c_ok ? args.b_out[c] : 0.f, out_bias8 = c8_ok ? args.b_out[c + 8] : 0.f;
+      for (int half = 0; half < 2; ++half) {
+        if (resident) ring.stage = chunk * per_chunk;  // the chunk's k-tiles, again for each half
+        float acc[32];  // (written only while no wgmma is in flight)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          acc[4 * j] = acc[4 * j + 1] = gate_bias;
+          acc[4 * j + 2] = acc[4 * j + 3] = gate_bias8;
+        }
+        multiply_k_tiles<Op>(acc, ring, consumer, x_rows + half * kHalfBytes, kt_x, leader);
+        uint32_t gate[16];  // sigmoid of the gate as fp16 pairs: [2j] channel c, [2j + 1] channel c + 8
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          gate[2 * j] = pack_half2(gate_sigmoid<M>(acc[4 * j]), gate_sigmoid<M>(acc[4 * j + 1]));
+          gate[2 * j + 1] = pack_half2(gate_sigmoid<M>(acc[4 * j + 2]), gate_sigmoid<M>(acc[4 * j + 3]));
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          acc[4 * j] = acc[4 * j + 1] = out_bias;
+          acc[4 * j + 2] = acc[4 * j + 3] = out_bias8;
+        }
+        multiply_k_tiles<Op>(acc, ring, consumer, z_rows + half * kHalfBytes, kt_z, leader);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float2 gc = unpack_half2(gate[2 * j]), gc8 = unpack_half2(gate[2 * j + 1]);
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int64_t row = tile_out[half * 64 + 8 * j + 2 * t + e];
+            if (row < 0) continue;
+            if (c_ok) out[row + c] = from_float<TIn>(acc[4 * j + e] * (e ? gc.y : gc.x));
+            if (c8_ok) out[row + c + 8] = from_float<TIn>(acc[4 * j + 2 + e] * (e ? gc8.y : gc8.x));
+          }
+        }
+      }
+    }
+    mbar_arrive(&rows_empty[buf]);  // this thread's products on these rows are done
+    if (++buf == buffers) {
+      buf = 0;
+      buf_phase ^= 1u;
+    }
+  }
+}
+
+// The buffers, stages and bytes this kernel would take these sizes with (bytes 0: it does not):
+// z from a separate contraction (fp32), h_pad <= 128, bf16 / fp16 / TF32 operands, an sm_90a build
+// on Hopper, a problem that gives every SM a tile (plan_pass says how buffers and stages are chosen).
+template <Mode M>
+Plan plan(const ForwardArgs& args) {
+  if constexpr (M == Mode::tf32x3) {
+    return Plan{};
+  } else {
+    if (args.z == nullptr || args.z_dtype != Dtype::f32 || args.h_pad > kMaxHPad) return Plan{};
+    if (tensor_map_encoder() == nullptr) return Plan{};
+    const int kt_x = k_tiles(args.c_pad, sizeof(op_t<M>)), kt_z = k_tiles(args.h_pad, sizeof(op_t<M>));
+    const int w_tiles = static_cast<int>(ceil_div(args.c, kChunkRows)) * (kt_x + kt_z);
+    return plan_pass([kt_x, kt_z](int buffers, int stages) { return plan_bytes(kt_x, kt_z, buffers, stages); },
+                     w_tiles, kMaxStages, args.batch * ceil_div(args.n * args.ldz, kPositions));
+  }
+}
+
+template <Mode M, typename TIn>
+cudaError_t launch(const ForwardArgs& args, const Plan& plan) {
+  using Op = op_t<M>;
+  const int64_t rows = ceil_div(args.c, kChunkRows) * kChunkRows;  // w_gate / w_out rows (zero past C)
+  CUtensorMap map_gate, map_out;
+  if (!encode_kmajor_map<Op>(&map_gate, args.w_gate, 0, rows, args.c_pad, kChunkRows) ||
+      !encode_kmajor_map<Op>(&map_out, args.w_out, 0, rows, args.h_pad, kChunkRows))
+    return cudaErrorNotSupported;
+  const cudaError_t status = allow_smem<kernel<M, TIn>>(plan.bytes);
+  if (status != cudaSuccess) return status;
+  const int64_t tiles_per_batch = ceil_div(args.n * args.ldz, kPositions);
+  const int64_t blocks = std::min<int64_t>(sm_count(), args.batch * tiles_per_batch);
+  kernel<M, TIn><<<static_cast<unsigned>(blocks), kThreads, plan.bytes, args.stream>>>(
+      args, map_gate, map_out, tiles_per_batch, plan.buffers, plan.stages);
+  return cudaGetLastError();
+}
+
+}  // namespace wgmma_tiles
+
 template <Mode M>
 std::pair<bool, int64_t> choose(const ForwardArgs& args) {
   return choose_tiling(Smem<M, Wide>::bytes(args.c_pad, args.h_pad), Smem<M, Narrow>::bytes(args.c_pad, args.h_pad),
@@ -543,10 +883,28 @@ cudaError_t launch_tiling(const ForwardArgs& args, int64_t base) {
   return launch_tiles<kernel<M, TIn, T>, T>(staged, args.n * args.ldz, base + staged.contract_stage_bytes);
 }
 
+// Which kernel may take the pass (TRIMUL_OUTPUT_PASS=streamed|resident|wgmma: only that one where
+// it applies; unset: resident, then streamed. The wgmma kernel runs only when asked for: it has
+// not been run on a GPU yet).
+inline const char* forced_output_kernel() {
+  const char* forced = std::getenv("TRIMUL_OUTPUT_PASS");
+  return forced != nullptr && forced[0] != '\0' ? forced : nullptr;
+}
+
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
+  const char* forced = forced_output_kernel();
+  const auto allowed = [forced](const char* name) { return forced == nullptr || std::strcmp(forced, name) == 0; };
+  if (forced != nullptr && std::strcmp(forced, "wgmma") == 0) {
+    const wgmma_tiles::Plan plan = wgmma_tiles::plan<M>(args);
+    if (plan.bytes != 0) {
+      const cudaError_t status = wgmma_tiles::launch<M, TIn>(args, plan);
+      if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
+    }
+  }
   if constexpr (M == Mode::bf16 || M == Mode::f16)
-    if (const int64_t bytes = resident::applicable<M>(args)) return resident::launch<M, TIn>(args, bytes);
+    if (allowed("resident"))
+      if (const int64_t bytes = resident::applicable<M>(args)) return resident::launch<M, TIn>(args, bytes);
   const auto choice = choose<M>(args);
   if (choice.second == 0) return cudaErrorNotSupported;
   return choice.first ? launch_tiling<M, TIn, Wide>(args, choice.second)

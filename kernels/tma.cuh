@@ -73,6 +73,27 @@ __device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int s
   }
   __syncthreads();
 }
+// The barriers of a warp-specialized pass (the wgmma input and output passes): a weight ring of
+// `stages` (full: one producer arrival with the byte count; empty: one per MMA warpgroup) and
+// `buffers` row buffers (full: every stager thread; empty: every MMA thread). The whole block
+// waits for them; the roles part after this.
+__device__ __forceinline__ void init_pass_barriers(uint64_t* w_full, uint64_t* w_empty, int stages,
+                                                   uint64_t* rows_full, uint64_t* rows_empty, int buffers,
+                                                   int mma_groups, int stager_threads) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(&w_full[s], 1);
+      mbar_init(&w_empty[s], mma_groups);
+    }
+    for (int b = 0; b < buffers; ++b) {
+      mbar_init(&rows_full[b], stager_threads);
+      mbar_init(&rows_empty[b], 128 * mma_groups);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+}
+
 // One box of a 3-D tensor map (k element, row, batch) into shared memory; completes on `bar`.
 __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int k, int row, int batch, uint64_t* bar) {
 #ifdef TRIMUL_SM90A
@@ -146,6 +167,35 @@ __device__ __forceinline__ void wgmma_64x128(float (&d)[64], uint64_t desc_a, ui
 }
 #undef TRIMUL_WGMMA_64X128
 
+// The same for a 64x64 product: 32 accumulators per thread, in the same layout per n8 block.
+#define TRIMUL_WGMMA_64X64(INSTR, TAIL)                                                               \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" INSTR                                    \
+               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
+               "%32, %33, p" TAIL ";\n}\n"                                                             \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+
+template <typename Op>
+__device__ __forceinline__ void wgmma_64x64(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#ifdef TRIMUL_SM90A
+  if constexpr (std::is_same<Op, __nv_bfloat16>::value)
+    TRIMUL_WGMMA_64X64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", ", 1, 1, 0, 0");
+  else if constexpr (std::is_same<Op, float>::value)
+    TRIMUL_WGMMA_64X64("wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32", ", 1, 1");
+  else
+    TRIMUL_WGMMA_64X64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", ", 1, 1, 0, 0");
+#endif
+}
+#undef TRIMUL_WGMMA_64X64
+
+template <typename Op>
+__device__ __forceinline__ void wgmma_k_tile_64x64(float (&acc)[32], uint64_t desc_a, uint64_t desc_b) {
+  wgmma_fence();
+#pragma unroll
+  for (int step = 0; step < 4; ++step) wgmma_64x64<Op>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
+  wgmma_commit();
+}
+
 // One 128-byte k-tile of a 64x128 product (four k-steps, 32 bytes further along k each: start
 // address + 2 in the descriptors), committed as one wgmma group.
 template <typename Op>
@@ -176,6 +226,13 @@ __device__ __forceinline__ void store_accumulators(TOut* z_mat, const float (&ac
                       paired_store);
     }
   }
+}
+
+// Bytes of dynamic shared memory this launch was given.
+__device__ __forceinline__ uint32_t dynamic_smem_size() {
+  uint32_t size;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(size));
+  return size;
 }
 
 // Whether this build's device code has the sm_90a instructions (wgmma, TMA) and this GPU runs them.
@@ -209,6 +266,33 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     state = ok ? 1 : 0;
   }
   return fn;
+}
+
+// Row buffers and weight stages of a warp-specialized pass, and the bytes to request.
+struct PassPlan {
+  int buffers = 0, stages = 0;
+  int64_t bytes = 0;  // to request at launch; 0: the kernel does not take the problem
+};
+
+// Two row buffers where they fit (staging overlaps the products), with all `w_tiles` weight
+// stages resident where those fit too (at most max_stages), else a ring of 4 down to 2 stages;
+// one buffer where two do not fit. bytes(buffers, stages) is the kernel's need from a 1024-byte
+// boundary; the request adds slack to realign the base where that fits. None unless `tiles`
+// give every SM one.
+template <class Bytes>
+PassPlan plan_pass(Bytes bytes, int w_tiles, int max_stages, int64_t tiles) {
+  const int64_t limit = fused::max_smem_optin();
+  for (int buffers = 2; buffers >= 1; --buffers) {
+    int stages = 0;
+    if (w_tiles <= max_stages && bytes(buffers, w_tiles) <= limit) stages = w_tiles;
+    for (int s = 4; s >= 2 && stages == 0; --s)
+      if (bytes(buffers, s) <= limit) stages = s;
+    if (stages == 0) continue;
+    const int64_t need = bytes(buffers, stages);
+    if (fused::persistent_bytes(tiles, 1, need) == 0) return PassPlan{};
+    return PassPlan{buffers, stages, std::min(need + 1023, limit)};
+  }
+  return PassPlan{};
 }
 
 // The tensor-map element type of an operand type.
