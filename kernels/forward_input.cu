@@ -275,8 +275,9 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 }  // namespace resident
 
 // ---- wgmma + TMA, warp-specialized (sm_90a) ----------------------------------------------------
-// One block per SM of 16 warps (4 per scheduler: 128 registers each) with three jobs, so that loading a tile's rows (DRAM latency),
-// multiplying (tensor cores) and storing overlap instead of taking turns:
+// One block per SM of 16 warps (4 per scheduler: 128 registers each) with three jobs, so that
+// loading a tile's rows (DRAM latency), multiplying (tensor cores) and storing overlap instead of
+// taking turns:
 // - the producer warp: one thread streams the grouped proj/gate weights with TMA, 128 rows x 128
 //   bytes of k per stage, through an mbarrier ring running ahead into the next tile's weights; or,
 //   where all of them fit in the ring, loads them once (they are the same for every tile);
@@ -340,8 +341,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if ((rows - smem_raw) + plan_bytes(kt_count, buffers, stages) > dynamic_smem_size()) __trap();
   const int buffer_bytes = kt_count * kRowTileBytes;
   uint8_t* weights = rows + buffers * buffer_bytes;
-  float* mask_v = reinterpret_cast<float*>(weights + stages * kStageBytes);  // [buffers][kPositions]
-  int64_t* row_off = reinterpret_cast<int64_t*>(mask_v + buffers * kPositions);
+  // [buffers][kPositions]: each position's gate_scale(mask), written by the stagers
+  float* scale_v = reinterpret_cast<float*>(weights + stages * kStageBytes);
+  int64_t* row_off = reinterpret_cast<int64_t*>(scale_v + buffers * kPositions);
   uint64_t* w_full = reinterpret_cast<uint64_t*>(row_off + kPositions);
   uint64_t* w_empty = w_full + stages;
   uint64_t* rows_full = w_empty + stages;
@@ -395,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (stager < kPositions) {
         float mask;
         locate_position(args, batch, p0 + stager, plane, row_off[stager], mask);
-        mask_v[buf * kPositions + stager] = gate_scale<M>(mask);
+        scale_v[buf * kPositions + stager] = gate_scale<M>(mask);
       }
       named_barrier(1, kStagerThreads);
       stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(
@@ -427,7 +429,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
     const int in_plane = static_cast<int>(std::min<int64_t>(plane - p0, kPositions));  // even: plane is
     const uint8_t* tile_rows = rows + buf * buffer_bytes;
-    const float* scale_t = mask_v + buf * kPositions;
+    const float* scale_t = scale_v + buf * kPositions;
     mbar_wait(&rows_full[buf], buf_phase);
     for (int chunk = 0; chunk < chunks; ++chunk) {
       // This thread's weight row r (proj of h) and r + 8 (gate of the same h), at positions
