@@ -289,6 +289,10 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 //   straight to a_t / b_t, as in the streamed kernel.
 // Where two row buffers do not fit (TF32 at pair_dim 384) there is one: staging and products then
 // take turns, as in the first (v7a) version of this kernel.
+// "highest" (3xTF32, NOT YET RUN ON A GPU: only TRIMUL_INPUT_PASS=wgmma launches it): the stagers
+// write each row's TF32 part and remainder as two planes, each MMA warpgroup splits its 64 rows of
+// every weight stage the same way (the TF32 part in place, the remainder into its own scratch), and
+// each k-tile is three products: small.big + big.small + big.big.
 namespace wgmma_tiles {
 
 using namespace ::trimul::tma;
@@ -306,10 +310,31 @@ constexpr int kStagingLoads = 12;  // 16-byte loads in flight per stager lane
 __host__ __device__ inline int k_tiles(int64_t c_pad, int op_bytes) {
   return static_cast<int>(ceil_div(c_pad * op_bytes, kKBytes));
 }
-// Shared memory for `buffers` row buffers and `stages` weight stages, from a 1024-byte boundary.
-__host__ __device__ inline int64_t plan_bytes(int kt_count, int buffers, int stages) {
-  return int64_t(buffers) * kt_count * kRowTileBytes + int64_t(stages) * kStageBytes + buffers * kPositions * 4 +
-         kPositions * 8 + 2 * (stages + buffers) * 8;
+constexpr int kGroupRowBytes = 64 * kKBytes;  // an MMA warpgroup's 64 rows of a weight stage
+
+// Shared memory for `buffers` row buffers of `planes` planes (2: split operands) and `stages`
+// weight stages (plus, split, two remainder scratch slots per MMA warpgroup), from a 1024-byte
+// boundary.
+__host__ __device__ inline int64_t plan_bytes(int kt_count, int buffers, int stages, int planes = 1) {
+  return int64_t(buffers) * planes * kt_count * kRowTileBytes + int64_t(stages) * kStageBytes +
+         (planes == 2 ? 2 * kMmaGroups * kGroupRowBytes : 0) + buffers * kPositions * 4 + kPositions * 8 +
+         2 * (stages + buffers) * 8;
+}
+
+// Splits 64 rows of fp32 weights (a warpgroup's part of a stage) into their TF32 parts, in place,
+// and the TF32-rounded remainders at `small`: elementwise, so the swizzle TMA wrote carries over
+// (both are 1024-byte aligned). `thread`: 0..127 of the warpgroup.
+__device__ __forceinline__ void split_weight_rows(uint8_t* big, uint8_t* small, int thread) {
+  float4* hi = reinterpret_cast<float4*>(big);
+  float4* lo = reinterpret_cast<float4*>(small);
+  for (int v = thread; v < kGroupRowBytes / 16; v += 128) {
+    const float4 w = hi[v];
+    const float4 b = make_float4(to_operand<Mode::tf32>(w.x), to_operand<Mode::tf32>(w.y), to_operand<Mode::tf32>(w.z),
+                                 to_operand<Mode::tf32>(w.w));
+    hi[v] = b;
+    lo[v] = make_float4(to_operand<Mode::tf32>(w.x - b.x), to_operand<Mode::tf32>(w.y - b.y),
+                        to_operand<Mode::tf32>(w.z - b.z), to_operand<Mode::tf32>(w.w - b.w));
+  }
 }
 
 using Plan = PassPlan;
@@ -331,6 +356,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch, int buffers,
            int stages) {
   using Op = op_t<M>;
+  constexpr bool kSplit = M == Mode::tf32x3;
+  constexpr int kPlanes = kSplit ? 2 : 1;
   extern __shared__ uint8_t smem_raw[];
   // (offset from smem_raw, not an integer round trip: the compiler then knows every pointer below
   // is shared memory and emits LDS/STS instead of generic loads that wait like global ones)
@@ -338,11 +365,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int kt_count = k_tiles(args.c_pad, sizeof(Op));
   // The host leaves no slack for realignment where the plan would not fit with it (a dynamic
   // shared-memory base is 1024-byte aligned in practice); a base that is not must not go unnoticed.
-  if ((rows - smem_raw) + plan_bytes(kt_count, buffers, stages) > dynamic_smem_size()) __trap();
-  const int buffer_bytes = kt_count * kRowTileBytes;
+  if ((rows - smem_raw) + plan_bytes(kt_count, buffers, stages, kPlanes) > dynamic_smem_size()) __trap();
+  const int buffer_bytes = kPlanes * kt_count * kRowTileBytes;  // (split: the TF32 parts, then the remainders)
   uint8_t* weights = rows + buffers * buffer_bytes;
+  uint8_t* scratch = weights + stages * kStageBytes;  // split: [kMmaGroups][2] remainder rows
   // [buffers][kPositions]: each position's gate_scale(mask), written by the stagers
-  float* scale_v = reinterpret_cast<float*>(weights + stages * kStageBytes);
+  float* scale_v = reinterpret_cast<float*>(scratch + (kSplit ? 2 * kMmaGroups * kGroupRowBytes : 0));
   int64_t* row_off = reinterpret_cast<int64_t*>(scale_v + buffers * kPositions);
   uint64_t* w_full = reinterpret_cast<uint64_t*>(row_off + kPositions);
   uint64_t* w_empty = w_full + stages;
@@ -400,10 +428,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         scale_v[buf * kPositions + stager] = gate_scale<M>(mask);
       }
       named_barrier(1, kStagerThreads);
-      stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(
-          SwizzledRows{rows + buf * buffer_bytes, kRowTileBytes}, vectorized, static_cast<const TIn*>(args.pair),
-          row_off, kPositions, static_cast<int>(args.c), k_fill, args.ln_in_w, args.ln_in_b, args.eps_in,
-          stager >> 5);
+      const SwizzledRows big{rows + buf * buffer_bytes, kRowTileBytes};
+      if constexpr (kSplit)
+        stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(
+            SplitSwizzledRows{big, SwizzledRows{big.base + kt_count * kRowTileBytes, kRowTileBytes}}, vectorized,
+            static_cast<const TIn*>(args.pair), row_off, kPositions, static_cast<int>(args.c), k_fill, args.ln_in_w,
+            args.ln_in_b, args.eps_in, stager >> 5);
+      else
+        stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(
+            big, vectorized, static_cast<const TIn*>(args.pair), row_off, kPositions, static_cast<int>(args.c),
+            k_fill, args.ln_in_w, args.ln_in_b, args.eps_in, stager >> 5);
       fence_proxy_async();  // st.shared writes, read by wgmma through the async proxy
       mbar_arrive(&rows_full[buf]);
       if (++buf == buffers) {
@@ -445,11 +479,33 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kt = 0; kt < kt_count; ++kt) {
         const int s = resident ? chunk * kt_count + kt : stage;
         mbar_wait(&w_full[s], resident ? 0u : stage_phase);
-        const uint64_t desc_a = smem_descriptor(weights + s * kStageBytes + consumer * 64 * kKBytes);
+        uint8_t* group_rows = weights + s * kStageBytes + consumer * kGroupRowBytes;
+        const uint64_t desc_a = smem_descriptor(group_rows);
         const uint64_t desc_b = smem_descriptor(tile_rows + kt * kRowTileBytes);
-        wgmma_k_tile_64x128<Op>(acc, desc_a, desc_b);
+        if constexpr (kSplit) {
+          // This k-tile's weight remainders (the previous k-tile's products are done: see below).
+          uint8_t* small = scratch + (consumer * 2 + (kt & 1)) * kGroupRowBytes;
+          split_weight_rows(group_rows, small, threadIdx.x & 127);
+          fence_proxy_async();
+          named_barrier(2 + consumer, 128);  // the warpgroup's split is complete before its wgmmas
+          const uint64_t desc_a_small = smem_descriptor(small);
+          const uint64_t desc_b_small = smem_descriptor(tile_rows + (kt_count + kt) * kRowTileBytes);
+          wgmma_fence();
+#pragma unroll
+          for (int step = 0; step < 4; ++step) {
+            wgmma_64x128<Op>(acc, desc_a_small + 2 * step, desc_b + 2 * step, 1);
+            wgmma_64x128<Op>(acc, desc_a + 2 * step, desc_b_small + 2 * step, 1);
+            wgmma_64x128<Op>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
+          }
+          wgmma_commit();
+        } else {
+          wgmma_k_tile_64x128<Op>(acc, desc_a, desc_b);
+        }
         // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
-        wgmma_wait<1>();
+        // (Split: all of them, so that the next split's generic stores overlap no wgmma: ptxas
+        // otherwise serializes the products, C7514.)
+        if constexpr (kSplit) wgmma_wait<0>();
+        else wgmma_wait<1>();
         if (!resident) {
           if (held >= 0 && leader) mbar_arrive(&w_empty[held]);
           held = stage;
@@ -478,7 +534,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float2 scale = *reinterpret_cast<const float2*>(scale_t + m);
         const float v0 = gated<M>(acc[4 * j], acc[4 * j + 2], scale.x);
         const float v1 = gated<M>(acc[4 * j + 1], acc[4 * j + 3], scale.y);
-        if (m < in_plane) store_operand_pair<M>(out + m, v0, v1);
+        if (m < in_plane) {
+          if constexpr (kSplit) store_operand_pair<M>(out + m, v0, v1, args.small_offset);
+          else store_operand_pair<M>(out + m, v0, v1);
+        }
       }
     }
     mbar_arrive(&rows_empty[buf]);  // this thread's products on these rows are done, its masks read
@@ -494,15 +553,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 // (plan_pass says how buffers and stages are chosen).
 template <Mode M>
 Plan plan(const ForwardArgs& args) {
-  if constexpr (M == Mode::tf32x3) {
-    return Plan{};
-  } else {
-    if (tensor_map_encoder() == nullptr || 2 * args.rows_ab >= (int64_t(1) << 31)) return Plan{};
-    const int kt = k_tiles(args.c_pad, sizeof(op_t<M>));
-    const int w_tiles = static_cast<int>(2 * args.rows_ab / kChunkRows) * kt;
+  if (tensor_map_encoder() == nullptr || 2 * args.rows_ab >= (int64_t(1) << 31)) return Plan{};
+  const int kt = k_tiles(args.c_pad, sizeof(op_t<M>));
+  const int w_tiles = static_cast<int>(2 * args.rows_ab / kChunkRows) * kt;
+  const int64_t tiles = args.batch * ceil_div(args.n * args.ld, kPositions);
+  if constexpr (M == Mode::tf32x3)  // split in place per load: never resident
+    return plan_pass([kt](int buffers, int stages) { return plan_bytes(kt, buffers, stages, 2); }, w_tiles, 0, tiles);
+  else
     return plan_pass([kt](int buffers, int stages) { return plan_bytes(kt, buffers, stages); }, w_tiles, kMaxStages,
-                     args.batch * ceil_div(args.n * args.ld, kPositions));
-  }
+                     tiles);
 }
 
 template <Mode M, typename TIn>
@@ -542,7 +601,8 @@ template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
   const char* forced = forced_input_kernel();
   const auto allowed = [forced](const char* name) { return forced == nullptr || std::strcmp(forced, name) == 0; };
-  if (allowed("wgmma")) {
+  // ("highest" on the wgmma kernel has not been run on a GPU yet: only when pinned)
+  if (allowed("wgmma") && (M != Mode::tf32x3 || forced != nullptr)) {
     const wgmma_tiles::Plan plan = wgmma_tiles::plan<M>(args);
     if (plan.bytes != 0) {
       const cudaError_t status = wgmma_tiles::launch<M, TIn>(args, plan);

@@ -103,6 +103,29 @@ struct SwizzledRows {
   }
 };
 
+// Split rows for 3xTF32 on wgmma: each value's TF32 part in `big`, its TF32-rounded remainder in
+// `small` (the same swizzled layout), whatever mode the caller names.
+struct SplitSwizzledRows {
+  SwizzledRows big, small;
+  template <Mode M, int V>
+  __device__ __forceinline__ void store(int m, int col, const float (&y)[V]) const {
+    float hi[V], lo[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      hi[e] = to_operand<Mode::tf32>(y[e]);
+      lo[e] = y[e] - hi[e];
+    }
+    big.template store<Mode::tf32, V>(m, col, hi);
+    small.template store<Mode::tf32, V>(m, col, lo);
+  }
+  template <Mode M>
+  __device__ __forceinline__ void store1(int m, int col, float v) const {
+    const float hi = to_operand<Mode::tf32>(v);
+    big.template store1<Mode::tf32>(m, col, hi);
+    small.template store1<Mode::tf32>(m, col, v - hi);
+  }
+};
+
 // Resident operand rows [0, rows): row m = LayerNorm(pair row at element offset row_off[m]) when
 // ln_w is given, else the raw row; zeros past C and for rows whose row_off is negative. One warp
 // per row; rows up to 512 channels stay in registers between the statistics and the write.
