@@ -518,24 +518,27 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 // pass: one block per SM of 16 warps,
 // - the producer warp streams out_gate's and out_proj's rows with TMA, per chunk of 128 output
 //   channels out_gate's k-tiles then out_proj's (or loads them all once where they fit);
-// - 7 stager warps write each tile's 128 positions into one of two row buffers: LayerNorm_out(z)
+// - 7 stager warps write each tile's positions (128, or 64 where 128 leave room for one row
+//   buffer only) into one of two row buffers: LayerNorm_out(z)
 //   (z is h-major: four lanes per position, a quarter of h each in registers, statistics by
 //   shuffles) and the gate's source rows (pair or LayerNorm_in(pair)), both 128-byte swizzled;
 // - two MMA warpgroups each take 64 of every chunk's 128 channels (the weights are A) for one half
 //   of the tile's positions at a time (m64n64): the gate product first, its sigmoid kept as packed
 //   fp16 pairs (16 registers), then out_proj in the same accumulators, and the product of the two
-//   stored per channel. (Streamed weights pass twice per tile, once per half.)
+//   stored per channel. (Streamed weights pass once per 64 positions.)
 namespace wgmma_tiles {
 
 using namespace ::trimul::tma;
 
-constexpr int kPositions = 128;  // positions per tile: the wgmma's N
+// Positions per tile P: 128 (two m64n64 halves) where two row buffers fit, else 64 (one half: a
+// pair_dim 384 tile's rows then fit twice, or TF32 rows once); a template parameter.
 constexpr int kChunkRows = 128;  // output channels per chunk: 64 per MMA warpgroup (the wgmma's M)
 constexpr int kKBytes = 128;     // bytes of k per k-tile (one swizzle row)
 constexpr int kMmaGroups = 2, kStagerWarps = 7;
 constexpr int kMmaThreads = 128 * kMmaGroups, kStagerThreads = 32 * kStagerWarps;
 constexpr int kThreads = kMmaThreads + kStagerThreads + 32;  // + the producer warp
-constexpr int kStageBytes = kChunkRows * kKBytes, kRowTileBytes = kPositions * kKBytes;
+constexpr int kStageBytes = kChunkRows * kKBytes;
+constexpr int kHalf = 64;  // positions per m64n64 product
 constexpr int kMaxStages = 8;
 constexpr int kStagingLoads = 8;  // 16-byte loads in flight per stager lane (gate rows)
 constexpr int kZLanes = 4;         // lanes per position in the z LayerNorm
@@ -544,20 +547,24 @@ constexpr int kMaxHPad = 128;      // h_pad this kernel takes: a quarter in one 
 __host__ __device__ inline int k_tiles(int64_t cols, int op_bytes) {
   return static_cast<int>(ceil_div(cols * op_bytes, kKBytes));
 }
-// Shared memory from a 1024-byte boundary: per buffer the gate-row and z k-tiles and the
-// positions' output offsets; the weight stages; the stagers' pair-row offsets; the barriers.
-__host__ __device__ inline int64_t plan_bytes(int kt_x, int kt_z, int buffers, int stages) {
-  return int64_t(buffers) * ((kt_x + kt_z) * int64_t(kRowTileBytes) + kPositions * 8) +
-         int64_t(stages) * kStageBytes + kPositions * 8 + 2 * (stages + buffers) * 8;
+// Shared memory from a 1024-byte boundary for tiles of `positions`: per buffer the gate-row and z
+// k-tiles (positions x 128 bytes each) and the positions' output offsets; the weight stages; the
+// stagers' pair-row offsets; the barriers.
+__host__ __device__ inline int64_t plan_bytes(int kt_x, int kt_z, int buffers, int stages, int positions) {
+  return int64_t(buffers) * ((kt_x + kt_z) * int64_t(positions) * kKBytes + positions * 8) +
+         int64_t(stages) * kStageBytes + positions * 8 + 2 * (stages + buffers) * 8;
 }
 
-using Plan = PassPlan;
+struct Plan {
+  PassPlan ring;
+  int positions = 0;
+};
 
 // LayerNorm_out over h of z for the tile's positions, into swizzled rows [0, fill) of h (zeros at
 // h >= hidden and for positions whose row_off is negative). kZLanes lanes share a position, each
 // holding a contiguous quarter of [0, fill) in registers, so one load instruction reads 32 bytes
 // of each of four h planes, and the rows are written with 16-byte stores.
-template <Mode M>
+template <Mode M, int P>
 __device__ void stage_z_rows(SwizzledRows dst, const float* __restrict__ z_tile, int64_t plane, int hidden, int fill,
                              const int64_t* row_off, const float* __restrict__ ln_w, const float* __restrict__ ln_b,
                              float eps, int warp) {
@@ -567,7 +574,7 @@ __device__ void stage_z_rows(SwizzledRows dst, const float* __restrict__ z_tile,
   const int lane = threadIdx.x & 31, sub = lane % kZLanes, slot = lane / kZLanes;
   const int per_lane = fill / kZLanes;  // a multiple of V: fill is whole 128-byte k-tiles
   const int h0 = sub * per_lane;
-  for (int m0 = warp * kSlots; m0 < kPositions; m0 += kStagerWarps * kSlots) {
+  for (int m0 = warp * kSlots; m0 < P; m0 += kStagerWarps * kSlots) {
     const int m = m0 + slot;
     const bool valid = row_off[m] >= 0;
     float v[kPerLane];
@@ -618,16 +625,16 @@ struct WeightRing {
 };
 
 // acc += the weights' next `count` k-tiles (this warpgroup's 64 rows of each) x 64 positions of
-// the rows' k-tiles (starting at b_tiles).
+// the rows' k-tiles (starting at b_tiles, tile_bytes apart).
 template <typename Op>
 __device__ __forceinline__ void multiply_k_tiles(float (&acc)[32], WeightRing& ring, int consumer,
-                                                 const uint8_t* b_tiles, int count, bool leader) {
+                                                 const uint8_t* b_tiles, int tile_bytes, int count, bool leader) {
   int held = -1;  // the stage the k-tile before this one read
   for (int kt = 0; kt < count; ++kt) {
     const int s = ring.stage;
     mbar_wait(&ring.full[s], ring.resident ? 0u : ring.phase);
     const uint64_t desc_a = smem_descriptor(ring.base + s * kStageBytes + consumer * 64 * kKBytes);
-    const uint64_t desc_b = smem_descriptor(b_tiles + kt * kRowTileBytes);
+    const uint64_t desc_b = smem_descriptor(b_tiles + kt * tile_bytes);
     wgmma_k_tile_64x64<Op>(acc, desc_a, desc_b);
     // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
     wgmma_wait<1>();
@@ -662,21 +669,22 @@ __device__ __forceinline__ float2 unpack_half2(uint32_t bits) {
   return __half22float2(*reinterpret_cast<const __half2*>(&bits));
 }
 
-template <Mode M, typename TIn>
+template <Mode M, typename TIn, int P>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_gate,
            const __grid_constant__ CUtensorMap map_out, int64_t tiles_per_batch, int buffers, int stages) {
   using Op = op_t<M>;
+  constexpr int kRowTileBytes = P * kKBytes;
   extern __shared__ uint8_t smem_raw[];
   // (an offset from smem_raw keeps the compiler aware that these are shared-memory pointers)
   uint8_t* rows = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const int kt_x = k_tiles(args.c_pad, sizeof(Op)), kt_z = k_tiles(args.h_pad, sizeof(Op));
-  if ((rows - smem_raw) + plan_bytes(kt_x, kt_z, buffers, stages) > dynamic_smem_size()) __trap();
+  if ((rows - smem_raw) + plan_bytes(kt_x, kt_z, buffers, stages, P) > dynamic_smem_size()) __trap();
   const int buffer_bytes = (kt_x + kt_z) * kRowTileBytes;  // gate-row k-tiles, then z's
   uint8_t* weights = rows + buffers * buffer_bytes;
-  int64_t* out_rows = reinterpret_cast<int64_t*>(weights + stages * kStageBytes);  // [buffers][kPositions]
-  int64_t* row_off = out_rows + buffers * kPositions;
-  uint64_t* w_full = reinterpret_cast<uint64_t*>(row_off + kPositions);
+  int64_t* out_rows = reinterpret_cast<int64_t*>(weights + stages * kStageBytes);  // [buffers][P]
+  int64_t* row_off = out_rows + buffers * P;
+  uint64_t* w_full = reinterpret_cast<uint64_t*>(row_off + P);
   uint64_t* w_empty = w_full + stages;
   uint64_t* rows_full = w_empty + stages;
   uint64_t* rows_empty = rows_full + buffers;
@@ -700,7 +708,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int s = 0, round = 0;  // streamed: each chunk's k-tiles once per half of the positions
     for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x)
       for (int chunk = 0; chunk < chunks; ++chunk)
-        for (int half = 0; half < 2; ++half)
+        for (int half = 0; half < P / kHalf; ++half)
           for (int i = 0; i < per_chunk; ++i) {
             if (round > 0) mbar_wait(&w_empty[s], (round - 1) & 1);
             load_weight_tile(weights, w_full, s, chunk, i, kt_x, kElemsPerKTile, &map_gate, &map_out);
@@ -723,23 +731,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     int buf = 0, round = 0;
     for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       if (round > 0) mbar_wait(&rows_empty[buf], (round - 1) & 1);
-      const int64_t batch = tile / tiles_per_batch, q0 = (tile - batch * tiles_per_batch) * kPositions;
+      const int64_t batch = tile / tiles_per_batch, q0 = (tile - batch * tiles_per_batch) * P;
       named_barrier(1, kStagerThreads);  // every stager is done with the last tile's row_off
-      if (stager < kPositions) {
+      if (stager < P) {
         // plane < 2^32 (checked at launch): 32-bit division.
         const int64_t q = q0 + stager;
         const uint32_t i = static_cast<uint32_t>(q) / ldz, j = static_cast<uint32_t>(q) - i * ldz;
         const bool valid = q < plane && i < n && j < n;
         row_off[stager] = valid ? batch * args.pair_sb + i * args.pair_sr + j * args.pair_sc : -1;
-        out_rows[buf * kPositions + stager] = valid ? ((batch * args.n + i) * args.n + j) * args.c : -1;
+        out_rows[buf * P + stager] = valid ? ((batch * args.n + i) * args.n + j) * args.c : -1;
       }
       named_barrier(1, kStagerThreads);
       uint8_t* x_rows = rows + buf * buffer_bytes;
-      stage_z_rows<M>(SwizzledRows{x_rows + kt_x * kRowTileBytes, kRowTileBytes},
+      stage_z_rows<M, P>(SwizzledRows{x_rows + kt_x * kRowTileBytes, kRowTileBytes},
                       z_all + batch * args.h * plane + q0, plane, static_cast<int>(args.h), z_fill, row_off,
                       args.ln_out_w, args.ln_out_b, args.eps_out, stager_warp);
       stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(
-          SwizzledRows{x_rows, kRowTileBytes}, vectorized, static_cast<const TIn*>(args.pair), row_off, kPositions,
+          SwizzledRows{x_rows, kRowTileBytes}, vectorized, static_cast<const TIn*>(args.pair), row_off, P,
           static_cast<int>(args.c), x_fill, args.gate_normalized ? args.ln_in_w : nullptr, args.ln_in_b,
           args.eps_in, stager_warp);
       fence_proxy_async();  // st.shared writes, read by wgmma through the async proxy
@@ -757,7 +765,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // packed sigmoid (32 + 16 registers) next to each other without spilling.
   const int consumer = warp >> 2, warp4 = warp & 3, g = lane >> 2, t = lane & 3;
   const bool leader = (threadIdx.x & 127) == 0;
-  constexpr int kHalfBytes = 64 * kKBytes;  // 64 swizzled rows: a 1024-byte multiple
+  constexpr int kHalfBytes = kHalf * kKBytes;  // 64 swizzled rows: a 1024-byte multiple
   WeightRing ring{w_full, w_empty, weights, stages, resident};
   int buf = 0;
   uint32_t buf_phase = 0;
@@ -765,14 +773,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const uint8_t* x_rows = rows + buf * buffer_bytes;
     const uint8_t* z_rows = x_rows + kt_x * kRowTileBytes;
-    const int64_t* tile_out = out_rows + buf * kPositions;
+    const int64_t* tile_out = out_rows + buf * P;
     mbar_wait(&rows_full[buf], buf_phase);
     for (int chunk = 0; chunk < chunks; ++chunk) {
       const int c = chunk * kChunkRows + consumer * 64 + warp4 * 16 + g;
       const bool c_ok = c < args.c, c8_ok = c + 8 < args.c;
       const float gate_bias = c_ok ? args.b_gate[c] : 0.f, gate_bias8 = c8_ok ? args.b_gate[c + 8] : 0.f;
       const float out_bias = c_ok ? args.b_out[c] : 0.f, out_bias8 = c8_ok ? args.b_out[c + 8] : 0.f;
-      for (int half = 0; half < 2; ++half) {
+      for (int half = 0; half < P / kHalf; ++half) {
         if (resident) ring.stage = chunk * per_chunk;  // the chunk's k-tiles, again for each half
         float acc[32];  // (written only while no wgmma is in flight)
 #pragma unroll
@@ -780,7 +788,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           acc[4 * j] = acc[4 * j + 1] = gate_bias;
           acc[4 * j + 2] = acc[4 * j + 3] = gate_bias8;
         }
-        multiply_k_tiles<Op>(acc, ring, consumer, x_rows + half * kHalfBytes, kt_x, leader);
+        multiply_k_tiles<Op>(acc, ring, consumer, x_rows + half * kHalfBytes, kRowTileBytes, kt_x, leader);
         uint32_t gate[16];  // sigmoid of the gate as fp16 pairs: [2j] channel c, [2j + 1] channel c + 8
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -792,13 +800,13 @@ __global__ void __launch_bounds__(kThreads, 1)
           acc[4 * j] = acc[4 * j + 1] = out_bias;
           acc[4 * j + 2] = acc[4 * j + 3] = out_bias8;
         }
-        multiply_k_tiles<Op>(acc, ring, consumer, z_rows + half * kHalfBytes, kt_z, leader);
+        multiply_k_tiles<Op>(acc, ring, consumer, z_rows + half * kHalfBytes, kRowTileBytes, kt_z, leader);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const float2 gc = unpack_half2(gate[2 * j]), gc8 = unpack_half2(gate[2 * j + 1]);
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int64_t row = tile_out[half * 64 + 8 * j + 2 * t + e];
+            const int64_t row = tile_out[half * kHalf + 8 * j + 2 * t + e];
             if (row < 0) continue;
             if (c_ok) out[row + c] = from_float<TIn>(acc[4 * j + e] * (e ? gc.y : gc.x));
             if (c8_ok) out[row + c + 8] = from_float<TIn>(acc[4 * j + 2 + e] * (e ? gc8.y : gc8.x));
@@ -826,9 +834,30 @@ Plan plan(const ForwardArgs& args) {
     if (tensor_map_encoder() == nullptr) return Plan{};
     const int kt_x = k_tiles(args.c_pad, sizeof(op_t<M>)), kt_z = k_tiles(args.h_pad, sizeof(op_t<M>));
     const int w_tiles = static_cast<int>(ceil_div(args.c, kChunkRows)) * (kt_x + kt_z);
-    return plan_pass([kt_x, kt_z](int buffers, int stages) { return plan_bytes(kt_x, kt_z, buffers, stages); },
-                     w_tiles, kMaxStages, args.batch * ceil_div(args.n * args.ldz, kPositions));
+    const auto ring = [&](int positions) {
+      return plan_pass(
+          [=](int buffers, int stages) { return plan_bytes(kt_x, kt_z, buffers, stages, positions); }, w_tiles,
+          kMaxStages, args.batch * ceil_div(args.n * args.ldz, positions));
+    };
+    // 128 positions with two buffers, else 64 with two (the weights then stream as often: once per
+    // 64 positions either way), else whichever fits with one.
+    const PassPlan wide = ring(128), narrow = ring(64);
+    if (wide.buffers == 2 || (wide.bytes != 0 && narrow.buffers != 2)) return Plan{wide, 128};
+    if (narrow.bytes != 0) return Plan{narrow, 64};
+    return Plan{};
   }
+}
+
+template <Mode M, typename TIn, int P>
+cudaError_t launch_positions(const ForwardArgs& args, const PassPlan& ring, const CUtensorMap& map_gate,
+                             const CUtensorMap& map_out) {
+  const cudaError_t status = allow_smem<kernel<M, TIn, P>>(ring.bytes);
+  if (status != cudaSuccess) return status;
+  const int64_t tiles_per_batch = ceil_div(args.n * args.ldz, P);
+  const int64_t blocks = std::min<int64_t>(sm_count(), args.batch * tiles_per_batch);
+  kernel<M, TIn, P><<<static_cast<unsigned>(blocks), kThreads, ring.bytes, args.stream>>>(
+      args, map_gate, map_out, tiles_per_batch, ring.buffers, ring.stages);
+  return cudaGetLastError();
 }
 
 template <Mode M, typename TIn>
@@ -839,13 +868,8 @@ cudaError_t launch(const ForwardArgs& args, const Plan& plan) {
   if (!encode_kmajor_map<Op>(&map_gate, args.w_gate, 0, rows, args.c_pad, kChunkRows) ||
       !encode_kmajor_map<Op>(&map_out, args.w_out, 0, rows, args.h_pad, kChunkRows))
     return cudaErrorNotSupported;
-  const cudaError_t status = allow_smem<kernel<M, TIn>>(plan.bytes);
-  if (status != cudaSuccess) return status;
-  const int64_t tiles_per_batch = ceil_div(args.n * args.ldz, kPositions);
-  const int64_t blocks = std::min<int64_t>(sm_count(), args.batch * tiles_per_batch);
-  kernel<M, TIn><<<static_cast<unsigned>(blocks), kThreads, plan.bytes, args.stream>>>(
-      args, map_gate, map_out, tiles_per_batch, plan.buffers, plan.stages);
-  return cudaGetLastError();
+  return plan.positions == 128 ? launch_positions<M, TIn, 128>(args, plan.ring, map_gate, map_out)
+                               : launch_positions<M, TIn, 64>(args, plan.ring, map_gate, map_out);
 }
 
 }  // namespace wgmma_tiles
@@ -897,7 +921,7 @@ cudaError_t launch_mode(const ForwardArgs& args) {
   const auto allowed = [forced](const char* name) { return forced == nullptr || std::strcmp(forced, name) == 0; };
   if (forced != nullptr && std::strcmp(forced, "wgmma") == 0) {
     const wgmma_tiles::Plan plan = wgmma_tiles::plan<M>(args);
-    if (plan.bytes != 0) {
+    if (plan.positions != 0) {
       const cudaError_t status = wgmma_tiles::launch<M, TIn>(args, plan);
       if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
     }
