@@ -321,21 +321,6 @@ __host__ __device__ inline int64_t plan_bytes(int kt_count, int buffers, int sta
          2 * (stages + buffers) * 8;
 }
 
-// Splits 64 rows of fp32 weights (a warpgroup's part of a stage) into their TF32 parts, in place,
-// and the TF32-rounded remainders at `small`: elementwise, so the swizzle TMA wrote carries over
-// (both are 1024-byte aligned). `thread`: 0..127 of the warpgroup.
-__device__ __forceinline__ void split_weight_rows(uint8_t* big, uint8_t* small, int thread) {
-  float4* hi = reinterpret_cast<float4*>(big);
-  float4* lo = reinterpret_cast<float4*>(small);
-  for (int v = thread; v < kGroupRowBytes / 16; v += 128) {
-    const float4 w = hi[v];
-    const float4 b = make_float4(to_operand<Mode::tf32>(w.x), to_operand<Mode::tf32>(w.y), to_operand<Mode::tf32>(w.z),
-                                 to_operand<Mode::tf32>(w.w));
-    hi[v] = b;
-    lo[v] = make_float4(to_operand<Mode::tf32>(w.x - b.x), to_operand<Mode::tf32>(w.y - b.y),
-                        to_operand<Mode::tf32>(w.z - b.z), to_operand<Mode::tf32>(w.w - b.w));
-  }
-}
 
 using Plan = PassPlan;
 
@@ -483,21 +468,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint64_t desc_a = smem_descriptor(group_rows);
         const uint64_t desc_b = smem_descriptor(tile_rows + kt * kRowTileBytes);
         if constexpr (kSplit) {
-          // This k-tile's weight remainders (the previous k-tile's products are done: see below).
-          uint8_t* small = scratch + (consumer * 2 + (kt & 1)) * kGroupRowBytes;
-          split_weight_rows(group_rows, small, threadIdx.x & 127);
-          fence_proxy_async();
-          named_barrier(2 + consumer, 128);  // the warpgroup's split is complete before its wgmmas
-          const uint64_t desc_a_small = smem_descriptor(small);
-          const uint64_t desc_b_small = smem_descriptor(tile_rows + (kt_count + kt) * kRowTileBytes);
-          wgmma_fence();
-#pragma unroll
-          for (int step = 0; step < 4; ++step) {
-            wgmma_64x128<Op>(acc, desc_a_small + 2 * step, desc_b + 2 * step, 1);
-            wgmma_64x128<Op>(acc, desc_a + 2 * step, desc_b_small + 2 * step, 1);
-            wgmma_64x128<Op>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
-          }
-          wgmma_commit();
+          // (the previous k-tile's products are done: see below)
+          split_k_tile(acc, group_rows, scratch + (consumer * 2 + (kt & 1)) * kGroupRowBytes, desc_b,
+                       smem_descriptor(tile_rows + (kt_count + kt) * kRowTileBytes), 2 + consumer);
         } else {
           wgmma_k_tile_64x128<Op>(acc, desc_a, desc_b);
         }

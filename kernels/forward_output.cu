@@ -523,9 +523,11 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 //   (z is h-major: four lanes per position, a quarter of h each in registers, statistics by
 //   shuffles) and the gate's source rows (pair or LayerNorm_in(pair)), both 128-byte swizzled;
 // - two MMA warpgroups each take 64 of every chunk's 128 channels (the weights are A) for one half
-//   of the tile's positions at a time (m64n64): the gate product first, its sigmoid kept as packed
-//   fp16 pairs (16 registers), then out_proj in the same accumulators, and the product of the two
-//   stored per channel. (Streamed weights pass once per 64 positions.)
+//   of the tile's positions at a time (m64n64): the gate product first, its sigmoid kept in 32
+//   registers, then out_proj in the same accumulators, and the product of the two stored per
+//   channel. (Streamed weights pass once per 64 positions.)
+// "highest" (split 3xTF32): both row sets as TF32 parts and remainders, the weights split per
+// stage by each MMA warpgroup, three products per k-step, as in the input pass's wgmma kernel.
 namespace wgmma_tiles {
 
 using namespace ::trimul::tma;
@@ -550,9 +552,14 @@ __host__ __device__ inline int k_tiles(int64_t cols, int op_bytes) {
 // Shared memory from a 1024-byte boundary for tiles of `positions`: per buffer the gate-row and z
 // k-tiles (positions x 128 bytes each) and the positions' output offsets; the weight stages; the
 // stagers' pair-row offsets; the barriers.
-__host__ __device__ inline int64_t plan_bytes(int kt_x, int kt_z, int buffers, int stages, int positions) {
-  return int64_t(buffers) * ((kt_x + kt_z) * int64_t(positions) * kKBytes + positions * 8) +
-         int64_t(stages) * kStageBytes + positions * 8 + 2 * (stages + buffers) * 8;
+// Split operands ("highest"): two planes per buffer (TF32 parts, then remainders) and a weight
+// remainder scratch of 64 rows per MMA warpgroup.
+constexpr int kGroupRowBytes = 64 * kKBytes;
+__host__ __device__ inline int64_t plan_bytes(int kt_x, int kt_z, int buffers, int stages, int positions,
+                                              int planes = 1) {
+  return int64_t(buffers) * (planes * (kt_x + kt_z) * int64_t(positions) * kKBytes + positions * 8) +
+         int64_t(stages) * kStageBytes + (planes == 2 ? kMmaGroups * kGroupRowBytes : 0) + positions * 8 +
+         2 * (stages + buffers) * 8;
 }
 
 struct Plan {
@@ -564,8 +571,8 @@ struct Plan {
 // h >= hidden and for positions whose row_off is negative). kZLanes lanes share a position, each
 // holding a contiguous quarter of [0, fill) in registers, so one load instruction reads 32 bytes
 // of each of four h planes, and the rows are written with 16-byte stores.
-template <Mode M, int P>
-__device__ void stage_z_rows(SwizzledRows dst, const float* __restrict__ z_tile, int64_t plane, int hidden, int fill,
+template <Mode M, int P, class Dst>
+__device__ void stage_z_rows(Dst dst, const float* __restrict__ z_tile, int64_t plane, int hidden, int fill,
                              const int64_t* row_off, const float* __restrict__ ln_w, const float* __restrict__ ln_b,
                              float eps, int warp) {
   constexpr int kPerLane = kMaxHPad / kZLanes;
@@ -578,10 +585,11 @@ __device__ void stage_z_rows(SwizzledRows dst, const float* __restrict__ z_tile,
     const int m = m0 + slot;
     const bool valid = row_off[m] >= 0;
     float v[kPerLane];
-#pragma unroll
+    const float* src = z_tile + int64_t(h0) * plane + m;  // (one running pointer: 32 precomputed
+#pragma unroll                                            // 64-bit addresses would spill)
     for (int e = 0; e < kPerLane; ++e) {
-      const int h = h0 + e;
-      v[e] = (valid && e < per_lane && h < hidden) ? z_tile[int64_t(h) * plane + m] : 0.f;
+      v[e] = (valid && e < per_lane && h0 + e < hidden) ? *src : 0.f;
+      src += plane;
     }
     // Statistics around the position's first value (h = 0, held by the group's first lane).
     const float shift = __shfl_sync(0xffffffffu, v[0], lane & ~(kZLanes - 1));
@@ -626,18 +634,28 @@ struct WeightRing {
 
 // acc += the weights' next `count` k-tiles (this warpgroup's 64 rows of each) x 64 positions of
 // the rows' k-tiles (starting at b_tiles, tile_bytes apart).
-template <typename Op>
+// Split ("highest"): `small_rows` = the rows' remainder plane (same k-tile offsets), `scratch` =
+// this warpgroup's weight remainders; each k-tile's weights are split first and multiplied as
+// small.big + big.small + big.big, all done before the next split (see the input pass).
+template <typename Op, bool kSplit>
 __device__ __forceinline__ void multiply_k_tiles(float (&acc)[32], WeightRing& ring, int consumer,
-                                                 const uint8_t* b_tiles, int tile_bytes, int count, bool leader) {
+                                                 const uint8_t* b_tiles, int tile_bytes, int count, bool leader,
+                                                 const uint8_t* small_rows = nullptr, uint8_t* scratch = nullptr) {
   int held = -1;  // the stage the k-tile before this one read
   for (int kt = 0; kt < count; ++kt) {
     const int s = ring.stage;
     mbar_wait(&ring.full[s], ring.resident ? 0u : ring.phase);
-    const uint64_t desc_a = smem_descriptor(ring.base + s * kStageBytes + consumer * 64 * kKBytes);
+    uint8_t* group_rows = ring.base + s * kStageBytes + consumer * kGroupRowBytes;
+    const uint64_t desc_a = smem_descriptor(group_rows);
     const uint64_t desc_b = smem_descriptor(b_tiles + kt * tile_bytes);
-    wgmma_k_tile_64x64<Op>(acc, desc_a, desc_b);
-    // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
-    wgmma_wait<1>();
+    if constexpr (kSplit) {
+      split_k_tile(acc, group_rows, scratch, desc_b, smem_descriptor(small_rows + kt * tile_bytes), 2 + consumer);
+      wgmma_wait<0>();  // (the next split overwrites the scratch)
+    } else {
+      wgmma_k_tile_64x64<Op>(acc, desc_a, desc_b);
+      // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
+      wgmma_wait<1>();
+    }
     if (!ring.resident && held >= 0 && leader) mbar_arrive(&ring.empty[held]);
     held = s;
     if (++ring.stage == ring.stages) {
@@ -661,28 +679,24 @@ __device__ __forceinline__ void load_weight_tile(uint8_t* weights, uint64_t* ful
     tma_load_2d(weights + slot * kStageBytes, map_out, (i - kt_x) * elems, chunk * kChunkRows, &full[slot]);
 }
 
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-__device__ __forceinline__ float2 unpack_half2(uint32_t bits) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&bits));
-}
-
 template <Mode M, typename TIn, int P>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_gate,
            const __grid_constant__ CUtensorMap map_out, int64_t tiles_per_batch, int buffers, int stages) {
   using Op = op_t<M>;
+  constexpr bool kSplit = M == Mode::tf32x3;
+  constexpr int kPlanes = kSplit ? 2 : 1;
   constexpr int kRowTileBytes = P * kKBytes;
   extern __shared__ uint8_t smem_raw[];
   // (an offset from smem_raw keeps the compiler aware that these are shared-memory pointers)
   uint8_t* rows = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const int kt_x = k_tiles(args.c_pad, sizeof(Op)), kt_z = k_tiles(args.h_pad, sizeof(Op));
-  if ((rows - smem_raw) + plan_bytes(kt_x, kt_z, buffers, stages, P) > dynamic_smem_size()) __trap();
-  const int buffer_bytes = (kt_x + kt_z) * kRowTileBytes;  // gate-row k-tiles, then z's
+  if ((rows - smem_raw) + plan_bytes(kt_x, kt_z, buffers, stages, P, kPlanes) > dynamic_smem_size()) __trap();
+  // Per buffer: gate-row k-tiles, then z's (split: that plane of TF32 parts, then the remainders').
+  const int plane_bytes = (kt_x + kt_z) * kRowTileBytes, buffer_bytes = kPlanes * plane_bytes;
   uint8_t* weights = rows + buffers * buffer_bytes;
-  int64_t* out_rows = reinterpret_cast<int64_t*>(weights + stages * kStageBytes);  // [buffers][P]
+  uint8_t* scratch = weights + stages * kStageBytes;  // split: [kMmaGroups] weight remainder rows
+  int64_t* out_rows = reinterpret_cast<int64_t*>(scratch + (kSplit ? kMmaGroups * kGroupRowBytes : 0));  // [buffers][P]
   int64_t* row_off = out_rows + buffers * P;
   uint64_t* w_full = reinterpret_cast<uint64_t*>(row_off + P);
   uint64_t* w_empty = w_full + stages;
@@ -743,13 +757,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       named_barrier(1, kStagerThreads);
       uint8_t* x_rows = rows + buf * buffer_bytes;
-      stage_z_rows<M, P>(SwizzledRows{x_rows + kt_x * kRowTileBytes, kRowTileBytes},
-                      z_all + batch * args.h * plane + q0, plane, static_cast<int>(args.h), z_fill, row_off,
-                      args.ln_out_w, args.ln_out_b, args.eps_out, stager_warp);
-      stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(
-          SwizzledRows{x_rows, kRowTileBytes}, vectorized, static_cast<const TIn*>(args.pair), row_off, P,
-          static_cast<int>(args.c), x_fill, args.gate_normalized ? args.ln_in_w : nullptr, args.ln_in_b,
-          args.eps_in, stager_warp);
+      const SwizzledRows x_dst{x_rows, kRowTileBytes}, z_dst{x_rows + kt_x * kRowTileBytes, kRowTileBytes};
+      const float* z_tile = z_all + batch * args.h * plane + q0;
+      const float* gate_ln = args.gate_normalized ? args.ln_in_w : nullptr;
+      if constexpr (kSplit) {
+        const SwizzledRows x_small{x_dst.base + plane_bytes, kRowTileBytes}, z_small{z_dst.base + plane_bytes, kRowTileBytes};
+        stage_z_rows<M, P>(SplitSwizzledRows{z_dst, z_small}, z_tile, plane, static_cast<int>(args.h), z_fill,
+                           row_off, args.ln_out_w, args.ln_out_b, args.eps_out, stager_warp);
+        stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(
+            SplitSwizzledRows{x_dst, x_small}, vectorized, static_cast<const TIn*>(args.pair), row_off, P,
+            static_cast<int>(args.c), x_fill, gate_ln, args.ln_in_b, args.eps_in, stager_warp);
+      } else {
+        stage_z_rows<M, P>(z_dst, z_tile, plane, static_cast<int>(args.h), z_fill, row_off, args.ln_out_w,
+                           args.ln_out_b, args.eps_out, stager_warp);
+        stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(x_dst, vectorized, static_cast<const TIn*>(args.pair),
+                                                           row_off, P, static_cast<int>(args.c), x_fill, gate_ln,
+                                                           args.ln_in_b, args.eps_in, stager_warp);
+      }
       fence_proxy_async();  // st.shared writes, read by wgmma through the async proxy
       mbar_arrive(&rows_full[buf]);
       if (++buf == buffers) {
@@ -761,11 +785,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // An MMA thread: output channels c and c + 8 of each chunk, at positions 8j + 2t, 8j + 2t + 1 of
-  // each half of the tile. Halves of 64 positions (m64n64) keep the gate's accumulators and its
-  // packed sigmoid (32 + 16 registers) next to each other without spilling.
+  // each half of the tile. Halves of 64 positions (m64n64) keep the gate's sigmoid and the
+  // accumulators (32 + 32 registers) side by side without spilling.
   const int consumer = warp >> 2, warp4 = warp & 3, g = lane >> 2, t = lane & 3;
   const bool leader = (threadIdx.x & 127) == 0;
   constexpr int kHalfBytes = kHalf * kKBytes;  // 64 swizzled rows: a 1024-byte multiple
+  uint8_t* group_scratch = scratch + consumer * kGroupRowBytes;
   WeightRing ring{w_full, w_empty, weights, stages, resident};
   int buf = 0;
   uint32_t buf_phase = 0;
@@ -788,28 +813,26 @@ __global__ void __launch_bounds__(kThreads, 1)
           acc[4 * j] = acc[4 * j + 1] = gate_bias;
           acc[4 * j + 2] = acc[4 * j + 3] = gate_bias8;
         }
-        multiply_k_tiles<Op>(acc, ring, consumer, x_rows + half * kHalfBytes, kRowTileBytes, kt_x, leader);
-        uint32_t gate[16];  // sigmoid of the gate as fp16 pairs: [2j] channel c, [2j + 1] channel c + 8
+        multiply_k_tiles<Op, kSplit>(acc, ring, consumer, x_rows + half * kHalfBytes, kRowTileBytes, kt_x, leader,
+                                     x_rows + plane_bytes + half * kHalfBytes, group_scratch);
+        float gate[32];  // sigmoid of the gate, in the accumulators' layout
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          gate[2 * j] = pack_half2(gate_sigmoid<M>(acc[4 * j]), gate_sigmoid<M>(acc[4 * j + 1]));
-          gate[2 * j + 1] = pack_half2(gate_sigmoid<M>(acc[4 * j + 2]), gate_sigmoid<M>(acc[4 * j + 3]));
-        }
+        for (int i = 0; i < 32; ++i) gate[i] = gate_sigmoid<M>(acc[i]);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           acc[4 * j] = acc[4 * j + 1] = out_bias;
           acc[4 * j + 2] = acc[4 * j + 3] = out_bias8;
         }
-        multiply_k_tiles<Op>(acc, ring, consumer, z_rows + half * kHalfBytes, kRowTileBytes, kt_z, leader);
+        multiply_k_tiles<Op, kSplit>(acc, ring, consumer, z_rows + half * kHalfBytes, kRowTileBytes, kt_z, leader,
+                                     z_rows + plane_bytes + half * kHalfBytes, group_scratch);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float2 gc = unpack_half2(gate[2 * j]), gc8 = unpack_half2(gate[2 * j + 1]);
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int64_t row = tile_out[half * kHalf + 8 * j + 2 * t + e];
             if (row < 0) continue;
-            if (c_ok) out[row + c] = from_float<TIn>(acc[4 * j + e] * (e ? gc.y : gc.x));
-            if (c8_ok) out[row + c + 8] = from_float<TIn>(acc[4 * j + 2 + e] * (e ? gc8.y : gc8.x));
+            if (c_ok) out[row + c] = from_float<TIn>(acc[4 * j + e] * gate[4 * j + e]);
+            if (c8_ok) out[row + c + 8] = from_float<TIn>(acc[4 * j + 2 + e] * gate[4 * j + 2 + e]);
           }
         }
       }
@@ -827,17 +850,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 // on Hopper, a problem that gives every SM a tile (plan_pass says how buffers and stages are chosen).
 template <Mode M>
 Plan plan(const ForwardArgs& args) {
-  if constexpr (M == Mode::tf32x3) {
-    return Plan{};
-  } else {
+  {
     if (args.z == nullptr || args.z_dtype != Dtype::f32 || args.h_pad > kMaxHPad) return Plan{};
     if (tensor_map_encoder() == nullptr) return Plan{};
     const int kt_x = k_tiles(args.c_pad, sizeof(op_t<M>)), kt_z = k_tiles(args.h_pad, sizeof(op_t<M>));
     const int w_tiles = static_cast<int>(ceil_div(args.c, kChunkRows)) * (kt_x + kt_z);
+    constexpr int kPlanes = M == Mode::tf32x3 ? 2 : 1;
+    const int max_stages = M == Mode::tf32x3 ? 0 : kMaxStages;  // split in place per load: never resident
     const auto ring = [&](int positions) {
       return plan_pass(
-          [=](int buffers, int stages) { return plan_bytes(kt_x, kt_z, buffers, stages, positions); }, w_tiles,
-          kMaxStages, args.batch * ceil_div(args.n * args.ldz, positions));
+          [=](int buffers, int stages) { return plan_bytes(kt_x, kt_z, buffers, stages, positions, kPlanes); },
+          w_tiles, max_stages, args.batch * ceil_div(args.n * args.ldz, positions));
     };
     // 128 positions with two buffers, else 64 with two (the weights then stream as often: once per
     // 64 positions either way), else whichever fits with one.
