@@ -2,9 +2,6 @@
 // writing a_t / b_t straight into the contraction's [B*H, N, ld] layout (both directions).
 #include "tma.cuh"
 
-#include <cstdlib>
-#include <cstring>
-
 namespace trimul {
 namespace input_pass {
 
@@ -296,31 +293,20 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 namespace wgmma_tiles {
 
 using namespace ::trimul::tma;
+using namespace ::trimul::tma::ws;
 
 constexpr int kPositions = 128;  // positions per tile: the wgmma's N
-constexpr int kChunkRows = 128;  // weight rows per stage: 64 per MMA warpgroup (the wgmma's M)
-constexpr int kKBytes = 128;     // bytes of k per k-tile (one swizzle row)
-constexpr int kMmaGroups = 2, kStagerWarps = 7;
-constexpr int kMmaThreads = 128 * kMmaGroups, kStagerThreads = 32 * kStagerWarps;
-constexpr int kThreads = kMmaThreads + kStagerThreads + 32;  // + the producer warp
-constexpr int kStageBytes = kChunkRows * kKBytes, kRowTileBytes = kPositions * kKBytes;
-constexpr int kMaxStages = 8;
+constexpr int kRowTileBytes = kPositions * kKBytes;
 constexpr int kStagingLoads = 12;  // 16-byte loads in flight per stager lane
 
-__host__ __device__ inline int k_tiles(int64_t c_pad, int op_bytes) {
-  return static_cast<int>(ceil_div(c_pad * op_bytes, kKBytes));
-}
-constexpr int kGroupRowBytes = 64 * kKBytes;  // an MMA warpgroup's 64 rows of a weight stage
-
 // Shared memory for `buffers` row buffers of `planes` planes (2: split operands) and `stages`
-// weight stages (plus, split, two remainder scratch slots per MMA warpgroup), from a 1024-byte
+// weight stages (plus, split, a weight remainder scratch per MMA warpgroup), from a 1024-byte
 // boundary.
 __host__ __device__ inline int64_t plan_bytes(int kt_count, int buffers, int stages, int planes = 1) {
   return int64_t(buffers) * planes * kt_count * kRowTileBytes + int64_t(stages) * kStageBytes +
-         (planes == 2 ? 2 * kMmaGroups * kGroupRowBytes : 0) + buffers * kPositions * 4 + kPositions * 8 +
+         (planes == 2 ? kMmaGroups * kGroupRowBytes : 0) + buffers * kPositions * 4 + kPositions * 8 +
          2 * (stages + buffers) * 8;
 }
-
 
 using Plan = PassPlan;
 
@@ -353,9 +339,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if ((rows - smem_raw) + plan_bytes(kt_count, buffers, stages, kPlanes) > dynamic_smem_size()) __trap();
   const int buffer_bytes = kPlanes * kt_count * kRowTileBytes;  // (split: the TF32 parts, then the remainders)
   uint8_t* weights = rows + buffers * buffer_bytes;
-  uint8_t* scratch = weights + stages * kStageBytes;  // split: [kMmaGroups][2] remainder rows
+  uint8_t* scratch = weights + stages * kStageBytes;  // split: [kMmaGroups] weight remainder rows
   // [buffers][kPositions]: each position's gate_scale(mask), written by the stagers
-  float* scale_v = reinterpret_cast<float*>(scratch + (kSplit ? 2 * kMmaGroups * kGroupRowBytes : 0));
+  float* scale_v = reinterpret_cast<float*>(scratch + (kSplit ? kMmaGroups * kGroupRowBytes : 0));
   int64_t* row_off = reinterpret_cast<int64_t*>(scale_v + buffers * kPositions);
   uint64_t* w_full = reinterpret_cast<uint64_t*>(row_off + kPositions);
   uint64_t* w_empty = w_full + stages;
@@ -444,6 +430,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int row_in_chunk = consumer * 64 + warp4 * 16 + g;
   // The next chunk's biases are loaded before this chunk's epilogue, so their latency hides there.
   float proj_bias = args.b_in[row_in_chunk], gate_bias = args.b_in[row_in_chunk + 8];
+  uint8_t* group_scratch = scratch + consumer * kGroupRowBytes;  // split: this warpgroup's remainders
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
     const int in_plane = static_cast<int>(std::min<int64_t>(plane - p0, kPositions));  // even: plane is
@@ -455,11 +442,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // 8j + 2t, 8j + 2t + 1 of n8 block j.
       const int64_t r = int64_t(chunk) * kChunkRows + row_in_chunk;
       float acc[64];  // started from the biases (after the last chunk's MMAs: no wgmma is in flight)
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        acc[4 * j] = acc[4 * j + 1] = proj_bias;
-        acc[4 * j + 2] = acc[4 * j + 3] = gate_bias;
-      }
+      start_accumulators(acc, proj_bias, gate_bias);
       int held = -1;  // the stage the k-tile before this one read
       for (int kt = 0; kt < kt_count; ++kt) {
         const int s = resident ? chunk * kt_count + kt : stage;
@@ -467,13 +450,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         uint8_t* group_rows = weights + s * kStageBytes + consumer * kGroupRowBytes;
         const uint64_t desc_a = smem_descriptor(group_rows);
         const uint64_t desc_b = smem_descriptor(tile_rows + kt * kRowTileBytes);
-        if constexpr (kSplit) {
-          // (the previous k-tile's products are done: see below)
-          split_k_tile(acc, group_rows, scratch + (consumer * 2 + (kt & 1)) * kGroupRowBytes, desc_b,
+        if constexpr (kSplit)  // (the previous k-tile's products are done: see below)
+          split_k_tile(acc, group_rows, group_scratch, desc_b,
                        smem_descriptor(tile_rows + (kt_count + kt) * kRowTileBytes), 2 + consumer);
-        } else {
+        else
           wgmma_k_tile_64x128<Op>(acc, desc_a, desc_b);
-        }
         // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
         // (Split: all of them, so that the next split's generic stores overlap no wgmma: ptxas
         // otherwise serializes the products, C7514.)
@@ -563,19 +544,13 @@ std::pair<bool, int64_t> choose(const ForwardArgs& args) {
                       args.batch * ceil_div(args.n * args.ld, Wide::BM));
 }
 
-// Which kernel may take the pass (TRIMUL_INPUT_PASS=streamed|resident|wgmma: only that one where
-// it applies, for measuring one against another; unset: wgmma, then resident, then streamed).
-inline const char* forced_input_kernel() {
-  const char* forced = std::getenv("TRIMUL_INPUT_PASS");
-  return forced != nullptr && forced[0] != '\0' ? forced : nullptr;
-}
-
+// Which kernel takes the pass: wgmma, then resident, then streamed, the first that applies; with
+// TRIMUL_INPUT_PASS set, only the one it names where that applies (pinned_kernel).
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
-  const char* forced = forced_input_kernel();
-  const auto allowed = [forced](const char* name) { return forced == nullptr || std::strcmp(forced, name) == 0; };
+  const char* pinned = pinned_kernel("TRIMUL_INPUT_PASS");
   // ("highest" on the wgmma kernel has not been run on a GPU yet: only when pinned)
-  if (allowed("wgmma") && (M != Mode::tf32x3 || forced != nullptr)) {
+  if (pin_allows(pinned, "wgmma") && (M != Mode::tf32x3 || pinned != nullptr)) {
     const wgmma_tiles::Plan plan = wgmma_tiles::plan<M>(args);
     if (plan.bytes != 0) {
       const cudaError_t status = wgmma_tiles::launch<M, TIn>(args, plan);
@@ -583,7 +558,7 @@ cudaError_t launch_mode(const ForwardArgs& args) {
     }
   }
   if constexpr (M == Mode::bf16 || M == Mode::f16) {
-    if (allowed("resident"))
+    if (pin_allows(pinned, "resident"))
       if (const int64_t bytes = resident::applicable<M>(args)) return resident::launch<M, TIn>(args, bytes);
   }
   return launch_chosen<kernel<M, TIn, Wide>, Wide, kernel<M, TIn, Narrow>, Narrow>(args, choose<M>(args), args.n * args.ld);

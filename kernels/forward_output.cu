@@ -4,8 +4,6 @@
 #include "tma.cuh"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 namespace trimul {
 namespace output_pass {
@@ -531,30 +529,20 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 namespace wgmma_tiles {
 
 using namespace ::trimul::tma;
+using namespace ::trimul::tma::ws;  // (a weight chunk: 128 output channels, 64 per MMA warpgroup)
 
 // Positions per tile P: 128 (two m64n64 halves) where two row buffers fit, else 64 (one half: a
 // pair_dim 384 tile's rows then fit twice, or TF32 rows once); a template parameter.
-constexpr int kChunkRows = 128;  // output channels per chunk: 64 per MMA warpgroup (the wgmma's M)
-constexpr int kKBytes = 128;     // bytes of k per k-tile (one swizzle row)
-constexpr int kMmaGroups = 2, kStagerWarps = 7;
-constexpr int kMmaThreads = 128 * kMmaGroups, kStagerThreads = 32 * kStagerWarps;
-constexpr int kThreads = kMmaThreads + kStagerThreads + 32;  // + the producer warp
-constexpr int kStageBytes = kChunkRows * kKBytes;
 constexpr int kHalf = 64;  // positions per m64n64 product
-constexpr int kMaxStages = 8;
 constexpr int kStagingLoads = 8;  // 16-byte loads in flight per stager lane (gate rows)
 constexpr int kZLanes = 4;         // lanes per position in the z LayerNorm
 constexpr int kMaxHPad = 128;      // h_pad this kernel takes: a quarter in one lane's registers
 
-__host__ __device__ inline int k_tiles(int64_t cols, int op_bytes) {
-  return static_cast<int>(ceil_div(cols * op_bytes, kKBytes));
-}
 // Shared memory from a 1024-byte boundary for tiles of `positions`: per buffer the gate-row and z
 // k-tiles (positions x 128 bytes each) and the positions' output offsets; the weight stages; the
 // stagers' pair-row offsets; the barriers.
 // Split operands ("highest"): two planes per buffer (TF32 parts, then remainders) and a weight
 // remainder scratch of 64 rows per MMA warpgroup.
-constexpr int kGroupRowBytes = 64 * kKBytes;
 __host__ __device__ inline int64_t plan_bytes(int kt_x, int kt_z, int buffers, int stages, int positions,
                                               int planes = 1) {
   return int64_t(buffers) * (planes * (kt_x + kt_z) * int64_t(positions) * kKBytes + positions * 8) +
@@ -808,21 +796,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int half = 0; half < P / kHalf; ++half) {
         if (resident) ring.stage = chunk * per_chunk;  // the chunk's k-tiles, again for each half
         float acc[32];  // (written only while no wgmma is in flight)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          acc[4 * j] = acc[4 * j + 1] = gate_bias;
-          acc[4 * j + 2] = acc[4 * j + 3] = gate_bias8;
-        }
+        start_accumulators(acc, gate_bias, gate_bias8);
         multiply_k_tiles<Op, kSplit>(acc, ring, consumer, x_rows + half * kHalfBytes, kRowTileBytes, kt_x, leader,
                                      x_rows + plane_bytes + half * kHalfBytes, group_scratch);
         float gate[32];  // sigmoid of the gate, in the accumulators' layout
 #pragma unroll
         for (int i = 0; i < 32; ++i) gate[i] = gate_sigmoid<M>(acc[i]);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          acc[4 * j] = acc[4 * j + 1] = out_bias;
-          acc[4 * j + 2] = acc[4 * j + 3] = out_bias8;
-        }
+        start_accumulators(acc, out_bias, out_bias8);
         multiply_k_tiles<Op, kSplit>(acc, ring, consumer, z_rows + half * kHalfBytes, kRowTileBytes, kt_z, leader,
                                      z_rows + plane_bytes + half * kHalfBytes, group_scratch);
 #pragma unroll
@@ -850,25 +830,23 @@ __global__ void __launch_bounds__(kThreads, 1)
 // on Hopper, a problem that gives every SM a tile (plan_pass says how buffers and stages are chosen).
 template <Mode M>
 Plan plan(const ForwardArgs& args) {
-  {
-    if (args.z == nullptr || args.z_dtype != Dtype::f32 || args.h_pad > kMaxHPad) return Plan{};
-    if (tensor_map_encoder() == nullptr) return Plan{};
-    const int kt_x = k_tiles(args.c_pad, sizeof(op_t<M>)), kt_z = k_tiles(args.h_pad, sizeof(op_t<M>));
-    const int w_tiles = static_cast<int>(ceil_div(args.c, kChunkRows)) * (kt_x + kt_z);
-    constexpr int kPlanes = M == Mode::tf32x3 ? 2 : 1;
-    const int max_stages = M == Mode::tf32x3 ? 0 : kMaxStages;  // split in place per load: never resident
-    const auto ring = [&](int positions) {
-      return plan_pass(
-          [=](int buffers, int stages) { return plan_bytes(kt_x, kt_z, buffers, stages, positions, kPlanes); },
-          w_tiles, max_stages, args.batch * ceil_div(args.n * args.ldz, positions));
-    };
-    // 128 positions with two buffers, else 64 with two (the weights then stream as often: once per
-    // 64 positions either way), else whichever fits with one.
-    const PassPlan wide = ring(128), narrow = ring(64);
-    if (wide.buffers == 2 || (wide.bytes != 0 && narrow.buffers != 2)) return Plan{wide, 128};
-    if (narrow.bytes != 0) return Plan{narrow, 64};
-    return Plan{};
-  }
+  if (args.z == nullptr || args.z_dtype != Dtype::f32 || args.h_pad > kMaxHPad) return Plan{};
+  if (tensor_map_encoder() == nullptr) return Plan{};
+  const int kt_x = k_tiles(args.c_pad, sizeof(op_t<M>)), kt_z = k_tiles(args.h_pad, sizeof(op_t<M>));
+  const int w_tiles = static_cast<int>(ceil_div(args.c, kChunkRows)) * (kt_x + kt_z);
+  constexpr int kPlanes = M == Mode::tf32x3 ? 2 : 1;
+  const int max_stages = M == Mode::tf32x3 ? 0 : kMaxStages;  // split in place per load: never resident
+  const auto ring = [&](int positions) {
+    return plan_pass(
+        [=](int buffers, int stages) { return plan_bytes(kt_x, kt_z, buffers, stages, positions, kPlanes); },
+        w_tiles, max_stages, args.batch * ceil_div(args.n * args.ldz, positions));
+  };
+  // 128 positions with two buffers, else 64 with two (the weights then stream as often: once per
+  // 64 positions either way), else whichever fits with one.
+  const PassPlan wide = ring(128), narrow = ring(64);
+  if (wide.buffers == 2 || (wide.bytes != 0 && narrow.buffers != 2)) return Plan{wide, 128};
+  if (narrow.bytes != 0) return Plan{narrow, 64};
+  return Plan{};
 }
 
 template <Mode M, typename TIn, int P>
@@ -930,19 +908,13 @@ cudaError_t launch_tiling(const ForwardArgs& args, int64_t base) {
   return launch_tiles<kernel<M, TIn, T>, T>(staged, args.n * args.ldz, base + staged.contract_stage_bytes);
 }
 
-// Which kernel may take the pass (TRIMUL_OUTPUT_PASS=streamed|resident|wgmma: only that one where
-// it applies; unset: resident, then streamed. The wgmma kernel runs only when asked for: it has
-// not been run on a GPU yet).
-inline const char* forced_output_kernel() {
-  const char* forced = std::getenv("TRIMUL_OUTPUT_PASS");
-  return forced != nullptr && forced[0] != '\0' ? forced : nullptr;
-}
-
+// Which kernel takes the pass: resident, then streamed, the first that applies; with
+// TRIMUL_OUTPUT_PASS set, only the one it names where that applies (pinned_kernel). The wgmma
+// kernel runs only when pinned: it has not been run on a GPU yet.
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
-  const char* forced = forced_output_kernel();
-  const auto allowed = [forced](const char* name) { return forced == nullptr || std::strcmp(forced, name) == 0; };
-  if (forced != nullptr && std::strcmp(forced, "wgmma") == 0) {
+  const char* pinned = pinned_kernel("TRIMUL_OUTPUT_PASS");
+  if (pinned != nullptr && pin_allows(pinned, "wgmma")) {
     const wgmma_tiles::Plan plan = wgmma_tiles::plan<M>(args);
     if (plan.positions != 0) {
       const cudaError_t status = wgmma_tiles::launch<M, TIn>(args, plan);
@@ -950,7 +922,7 @@ cudaError_t launch_mode(const ForwardArgs& args) {
     }
   }
   if constexpr (M == Mode::bf16 || M == Mode::f16)
-    if (allowed("resident"))
+    if (pin_allows(pinned, "resident"))
       if (const int64_t bytes = resident::applicable<M>(args)) return resident::launch<M, TIn>(args, bytes);
   const auto choice = choose<M>(args);
   if (choice.second == 0) return cudaErrorNotSupported;

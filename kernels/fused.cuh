@@ -4,6 +4,8 @@
 #include "mma.cuh"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 namespace trimul {
 namespace fused {
@@ -107,22 +109,23 @@ struct SwizzledRows {
 // `small` (the same swizzled layout), whatever mode the caller names.
 struct SplitSwizzledRows {
   SwizzledRows big, small;
+  // (both halves are rounded here and stored as the plain fp32 they already are)
   template <Mode M, int V>
   __device__ __forceinline__ void store(int m, int col, const float (&y)[V]) const {
     float hi[V], lo[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       hi[e] = to_operand<Mode::tf32>(y[e]);
-      lo[e] = y[e] - hi[e];
+      lo[e] = to_operand<Mode::tf32>(y[e] - hi[e]);
     }
-    big.template store<Mode::tf32, V>(m, col, hi);
-    small.template store<Mode::tf32, V>(m, col, lo);
+    big.template store<Mode::tf32x3, V>(m, col, hi);
+    small.template store<Mode::tf32x3, V>(m, col, lo);
   }
   template <Mode M>
   __device__ __forceinline__ void store1(int m, int col, float v) const {
     const float hi = to_operand<Mode::tf32>(v);
-    big.template store1<Mode::tf32>(m, col, hi);
-    small.template store1<Mode::tf32>(m, col, v - hi);
+    big.template store1<Mode::tf32x3>(m, col, hi);
+    small.template store1<Mode::tf32x3>(m, col, to_operand<Mode::tf32>(v - hi));
   }
 };
 
@@ -406,6 +409,18 @@ cudaError_t allow_smem(int64_t bytes) {
   status = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (status == cudaSuccess && device < kMaxDevices) allowed[device] = bytes;
   return status;
+}
+
+// A pass's kernel pinned by the environment variable `variable` (TRIMUL_INPUT_PASS /
+// TRIMUL_OUTPUT_PASS: wgmma, resident or streamed), read at each launch so a running process can
+// switch; nullptr when unset or empty.
+inline const char* pinned_kernel(const char* variable) {
+  const char* pinned = std::getenv(variable);
+  return pinned != nullptr && pinned[0] != '\0' ? pinned : nullptr;
+}
+// Whether kernel `name` may take the pass: nothing pinned, or this one.
+inline bool pin_allows(const char* pinned, const char* name) {
+  return pinned == nullptr || std::strcmp(pinned, name) == 0;
 }
 
 // Launches a pass kernel of tiling T (arguments: the forward's args and the tiles per batch) over

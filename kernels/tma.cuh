@@ -60,15 +60,21 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
       : "memory");
 #endif
 }
+// `count` full/empty barrier pairs with these arrival counts (by one thread, before the fence).
+__device__ __forceinline__ void init_barrier_pairs(uint64_t* full, int full_arrivals, uint64_t* empty,
+                                                   int empty_arrivals, int count) {
+  for (int s = 0; s < count; ++s) {
+    mbar_init(&full[s], full_arrivals);
+    mbar_init(&empty[s], empty_arrivals);
+  }
+}
+
 // A ring of `stages` buffers between one TMA-issuing thread and `consumers` consumer warpgroups:
 // full[s] completes when stage s's boxes have landed (one arrival with the byte count), empty[s]
 // when every consumer is done reading it. Initialised by thread 0; the whole block waits for it.
 __device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int stages, int consumers) {
   if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], consumers);
-    }
+    init_barrier_pairs(full, 1, empty, consumers, stages);
     mbar_init_fence();
   }
   __syncthreads();
@@ -81,14 +87,8 @@ __device__ __forceinline__ void init_pass_barriers(uint64_t* w_full, uint64_t* w
                                                    uint64_t* rows_full, uint64_t* rows_empty, int buffers,
                                                    int mma_groups, int stager_threads) {
   if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      mbar_init(&w_full[s], 1);
-      mbar_init(&w_empty[s], mma_groups);
-    }
-    for (int b = 0; b < buffers; ++b) {
-      mbar_init(&rows_full[b], stager_threads);
-      mbar_init(&rows_empty[b], 128 * mma_groups);
-    }
+    init_barrier_pairs(w_full, 1, w_empty, mma_groups, stages);
+    init_barrier_pairs(rows_full, stager_threads, rows_empty, 128 * mma_groups, buffers);
     mbar_init_fence();
   }
   __syncthreads();
@@ -245,6 +245,17 @@ __device__ __forceinline__ void split_tf32_rows(uint8_t* big, uint8_t* small, in
   }
 }
 
+// Starts a 64 x N wgmma accumulator tile from per-row values: rows lane / 4 of the warp's slice
+// (regs 4j, 4j + 1 of each n8 block j) get `row`, the rows 8 further (4j + 2, 4j + 3) `row8`.
+template <int ACC>
+__device__ __forceinline__ void start_accumulators(float (&acc)[ACC], float row, float row8) {
+#pragma unroll
+  for (int j = 0; j < ACC / 4; ++j) {
+    acc[4 * j] = acc[4 * j + 1] = row;
+    acc[4 * j + 2] = acc[4 * j + 3] = row8;
+  }
+}
+
 // One k-tile of 3xTF32 from split operands ("highest" in the wgmma passes): this warpgroup's 64
 // fp32 weight rows at `weights` are split (TF32 part in place, remainder at `small`), then
 // small.big + big.small + big.big per k8 step against the rows' TF32 parts (desc_b) and
@@ -312,6 +323,25 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   }
   return fn;
 }
+
+// The layout the warp-specialized wgmma passes share: one block per SM of 16 warps (4 per
+// scheduler, 128 registers each): two MMA warpgroups, 7 stager warps, one producer warp; weight
+// stages of 128 rows x 128 bytes of k (64 rows per MMA warpgroup, the wgmma's M).
+namespace ws {
+constexpr int kKBytes = 128;     // bytes of k per k-tile (one swizzle row)
+constexpr int kChunkRows = 128;  // weight rows per stage
+constexpr int kMmaGroups = 2, kStagerWarps = 7;
+constexpr int kMmaThreads = 128 * kMmaGroups, kStagerThreads = 32 * kStagerWarps;
+constexpr int kThreads = kMmaThreads + kStagerThreads + 32;  // + the producer warp
+constexpr int kStageBytes = kChunkRows * kKBytes;
+constexpr int kGroupRowBytes = 64 * kKBytes;  // an MMA warpgroup's rows of a stage
+constexpr int kMaxStages = 8;                 // resident weights: at most this many stages
+
+// 128-byte k-tiles in `cols` operands of op_bytes each.
+__host__ __device__ inline int k_tiles(int64_t cols, int op_bytes) {
+  return static_cast<int>(ceil_div(cols * op_bytes, kKBytes));
+}
+}  // namespace ws
 
 // Row buffers and weight stages of a warp-specialized pass, and the bytes to request.
 struct PassPlan {
