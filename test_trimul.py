@@ -476,21 +476,25 @@ PASS_KERNELS = {"input": {"wgmma": "input_pass::wgmma_tiles::kernel<", "resident
 @pytest.mark.parametrize("fused_pass, kernel, precision", [
     ("input", "wgmma", "medium"), ("input", "resident", "medium"), ("input", "streamed", "medium"),
     ("input", "wgmma", "high"), ("input", "streamed", "high"), ("input", "wgmma", "highest"),
+    ("input", "streamed", "highest"),
     ("output", "wgmma", "medium"), ("output", "resident", "medium"), ("output", "streamed", "medium"),
-    ("output", "wgmma", "high"), ("output", "streamed", "high"), ("output", "wgmma", "highest")])
+    ("output", "wgmma", "high"), ("output", "streamed", "high"), ("output", "wgmma", "highest"),
+    ("output", "streamed", "highest")])
 # (1, 200, 384, 128): the output pass's wgmma kernel with 64-position tiles and streamed weights
-# (two row buffers at bf16, one at TF32).
-@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 200, 128, 128), (2, 130, 200, 40), (1, 200, 384, 128)])
+# (two row buffers at bf16, one at TF32). (2, 97, 32, 24): fewer weight k-tiles than ring stages
+# (split weights must stream anyway: they are split in place).
+@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 200, 128, 128), (2, 130, 200, 40), (1, 200, 384, 128),
+                                                        (2, 97, 32, 24)])
 def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precision, batch, n, pair_dim, hidden):
     """TRIMUL_INPUT_PASS / TRIMUL_OUTPUT_PASS pin a fused pass to one kernel. auto runs only the
-    first that applies (on Hopper the input pass's wgmma kernel, except at "highest"; the output
-    pass's wgmma kernel only when pinned), so this keeps every kernel checked against fp64, and
+    first that applies (on Hopper the input pass's wgmma kernel; the output pass's wgmma kernel at
+    pair_dim > 128 except at "highest"), so this keeps every kernel checked against fp64, and
     profiles the call to be sure the pinned kernel is the one that ran. "highest" at N=200 runs the
     split-operand contraction, so the input pass writes both planes."""
     if kernel == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma passes need an sm_90a GPU")
-    if kernel == "resident" and pair_dim > 128:
-        pytest.skip("the resident passes take pair_dim <= 128")
+    if kernel == "resident" and (pair_dim > 128 or n < 128):
+        pytest.skip("the resident passes take pair_dim <= 128 and enough positions for every SM's warp pairs")
     if kernel == "wgmma" and precision == "highest" and pair_dim > 128:
         pytest.skip("split TF32 rows at pair_dim > 128 do not fit the wgmma passes")
     monkeypatch.setenv("TRIMUL_INPUT_PASS" if fused_pass == "input" else "TRIMUL_OUTPUT_PASS", kernel)

@@ -286,7 +286,7 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 //   straight to a_t / b_t, as in the streamed kernel.
 // Where two row buffers do not fit (TF32 at pair_dim 384) there is one: staging and products then
 // take turns, as in the first (v7a) version of this kernel.
-// "highest" (3xTF32, NOT YET RUN ON A GPU: only TRIMUL_INPUT_PASS=wgmma launches it): the stagers
+// "highest" (3xTF32, pair_dim <= 128; first in auto since it measured faster, NOTES v9): the stagers
 // write each row's TF32 part and remainder as two planes, each MMA warpgroup splits its 64 rows of
 // every weight stage the same way (the TF32 part in place, the remainder into its own scratch), and
 // each k-tile is three products: small.big + big.small + big.big.
@@ -353,7 +353,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t tiles = args.batch * tiles_per_batch, plane = args.n * args.ld;
   const int chunks = static_cast<int>(2 * args.rows_ab / kChunkRows);
   const int w_tiles = chunks * kt_count;  // weight stages per tile, chunk-major
-  const bool resident = w_tiles <= stages;
+  // Split weights are split in place per load, so a stage read twice would have lost its
+  // remainder: never resident (a ring with more stages than k-tiles still streams).
+  const bool resident = !kSplit && w_tiles <= stages;
   constexpr int kElemsPerKTile = kKBytes / static_cast<int>(sizeof(Op));
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
@@ -549,8 +551,7 @@ std::pair<bool, int64_t> choose(const ForwardArgs& args) {
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
   const char* pinned = pinned_kernel("TRIMUL_INPUT_PASS");
-  // ("highest" on the wgmma kernel has not been run on a GPU yet: only when pinned)
-  if (pin_allows(pinned, "wgmma") && (M != Mode::tf32x3 || pinned != nullptr)) {
+  if (pin_allows(pinned, "wgmma")) {
     const wgmma_tiles::Plan plan = wgmma_tiles::plan<M>(args);
     if (plan.bytes != 0) {
       const cudaError_t status = wgmma_tiles::launch<M, TIn>(args, plan);

@@ -511,9 +511,8 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 }  // namespace resident
 
 // ---- wgmma + TMA, warp-specialized (sm_90a) ----------------------------------------------------
-// NOT YET RUN ON A GPU (written 2026-12-01 after the session's device time was spent): only
-// TRIMUL_OUTPUT_PASS=wgmma launches it; auto does not. The input pass's v8a design applied to this
-// pass: one block per SM of 16 warps,
+// First in auto at pair_dim > 128 only (output_wgmma_first says why). The input pass's v8a design
+// applied to this pass: one block per SM of 16 warps,
 // - the producer warp streams out_gate's and out_proj's rows with TMA, per chunk of 128 output
 //   channels out_gate's k-tiles then out_proj's (or loads them all once where they fit);
 // - 7 stager warps write each tile's positions (128, or 64 where 128 leave room for one row
@@ -696,7 +695,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t tiles = args.batch * tiles_per_batch, plane = args.n * args.ldz;
   const int chunks = static_cast<int>(ceil_div(args.c, kChunkRows));
   const int per_chunk = kt_x + kt_z, w_tiles = chunks * per_chunk;
-  const bool resident = w_tiles <= stages;
+  // Split weights are split in place per load, so a stage read twice would have lost its
+  // remainder: never resident (a ring with more stages than k-tiles still streams).
+  const bool resident = !kSplit && w_tiles <= stages;
   constexpr int kElemsPerKTile = kKBytes / static_cast<int>(sizeof(Op));
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
@@ -908,13 +909,20 @@ cudaError_t launch_tiling(const ForwardArgs& args, int64_t base) {
   return launch_tiles<kernel<M, TIn, T>, T>(staged, args.n * args.ldz, base + staged.contract_stage_bytes);
 }
 
-// Which kernel takes the pass: resident, then streamed, the first that applies; with
-// TRIMUL_OUTPUT_PASS set, only the one it names where that applies (pinned_kernel). The wgmma
-// kernel runs only when pinned: it has not been run on a GPU yet.
+// Which kernel takes the pass: wgmma (pair_dim > 128, not split), resident, then streamed, the
+// first that applies; with TRIMUL_OUTPUT_PASS set, only the one it names where that applies
+// (pinned_kernel). The wgmma kernel is first only where it measured faster (2026-12-01, H200,
+// NOTES v9): at pair_dim 384 (e.g. (1,1024,384,128) medium 2787 -> 2213 µs, high 6340 -> 3960),
+// not at pair_dim 128 (medium 685 -> 1123, high 1240 -> 1513) nor split (1976 -> 2688).
+template <Mode M>
+bool output_wgmma_first(const ForwardArgs& args) {
+  return M != Mode::tf32x3 && args.c > 128;
+}
+
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
   const char* pinned = pinned_kernel("TRIMUL_OUTPUT_PASS");
-  if (pinned != nullptr && pin_allows(pinned, "wgmma")) {
+  if (pin_allows(pinned, "wgmma") && (pinned != nullptr || output_wgmma_first<M>(args))) {
     const wgmma_tiles::Plan plan = wgmma_tiles::plan<M>(args);
     if (plan.positions != 0) {
       const cudaError_t status = wgmma_tiles::launch<M, TIn>(args, plan);
