@@ -556,7 +556,8 @@ def prepare_weights(params, mode: str):
     """The layout the fused kernels stream: fp32 norms and biases; weights in the operand type,
     k padded to 32 and rows to 128 with zeros; proj/gate rows in groups of 16 (rows 16g + e = proj
     and 16g + 8 + e = gate of h = 8g + e), so the input pass's mma fragment rows g and g + 8 hold
-    both halves of one gated output."""
+    both halves of one gated output. LayerNorm_out's weight and bias are folded into out_proj's
+    weight and bias (its own entries stay in the list for the sizes only)."""
     (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
      out_w, out_b, gate_w, gate_b) = [p.detach() for p in params]
     hidden, pair_dim = pa_w.shape
@@ -579,8 +580,11 @@ def prepare_weights(params, mode: str):
     rows_c = _round_up(pair_dim, 128)
     w_gate = torch.zeros(rows_c, c_pad, **f32)
     w_gate[:pair_dim, :pair_dim] = gate_w
+    # LayerNorm_out's affine folded into out_proj (the kernels only normalize z): W diag(w) and
+    # b_out + W b, the latter in fp64 so no TF32 matmul rounds it.
     w_out = torch.zeros(rows_c, h_pad, **f32)
-    w_out[:pair_dim, :hidden] = out_w
+    w_out[:pair_dim, :hidden] = out_w.float() * ln_out_w.float()
+    out_b = (out_b.double() + out_w.double() @ ln_out_b.double()).float()
     operand = _MODE_OPERAND[mode]
     as_f32 = lambda t: t.to(**f32).contiguous()
     # TF32 operands go in as TF32 values, so the kernels feed the mma their bits unconverted.

@@ -58,8 +58,7 @@ struct ForwardArgs {
   float eps_in, eps_out;
   const float* ln_in_w;   // [C]
   const float* ln_in_b;
-  const float* ln_out_w;  // [H]
-  const float* ln_out_b;
+  // (LayerNorm_out's weight and bias are folded into w_out / b_out: the kernels only normalize z)
   const void* w_in;       // [2 * rows_ab, c_pad]: per half, rows 16g+e / 16g+8+e = proj / gate of h = 8g+e
   const float* b_in;      // [2 * rows_ab] in the same order
   int64_t rows_ab;        // round_up(2H, 128)

@@ -113,7 +113,8 @@ trimul::Precision contraction_precision(trimul::Mode mode) {
 
 // The whole forward: input pass -> contraction (the named variant, or "auto") -> output pass.
 // `weights` are the host-prepared tensors (see ForwardArgs): ln_in_w, ln_in_b, ln_out_w, ln_out_b,
-// w_in, b_in, w_gate, b_gate, w_out, b_out. Sizes must pass fused_fits.
+// w_in, b_in, w_gate, b_gate, w_out, b_out (ln_out_* are folded into w_out / b_out already and only
+// give hidden's size here). Sizes must pass fused_fits.
 at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
                    const std::string& variant, int64_t mode_code, bool incoming, bool gate_normalized,
                    double eps_in, double eps_out) {
@@ -167,8 +168,6 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   args.eps_out = static_cast<float>(eps_out);
   args.ln_in_w = weights[0].data_ptr<float>();
   args.ln_in_b = weights[1].data_ptr<float>();
-  args.ln_out_w = weights[2].data_ptr<float>();
-  args.ln_out_b = weights[3].data_ptr<float>();
   args.w_in = weights[4].data_ptr();
   args.b_in = weights[5].data_ptr<float>();
   args.rows_ab = weights[4].size(0) / 2;

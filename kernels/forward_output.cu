@@ -247,9 +247,7 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         const int h = h0 + e;
-        y[e] = (valid && h < hidden)
-                   ? (z_raw[h * T::BM + m] - stats.x) * stats.y * args.ln_out_w[h] + args.ln_out_b[h]
-                   : 0.f;
+        y[e] = (valid && h < hidden) ? (z_raw[h * T::BM + m] - stats.x) * stats.y : 0.f;
       }
       store_operands<M, V>(dst, h0, y);
     }
@@ -336,8 +334,7 @@ __host__ __device__ inline Layout layout(const ForwardArgs& args) {
 template <Mode M>
 int64_t bytes(const ForwardArgs& args) {
   const Layout l = layout<M>(args);
-  return 4 * (int64_t(l.c_rows) * (l.x_stride + l.z_stride) + 2 * l.c_rows + 2 * args.h_pad +
-              kPairs * l.words_per_pair());
+  return 4 * (int64_t(l.c_rows) * (l.x_stride + l.z_stride) + 2 * l.c_rows + kPairs * l.words_per_pair());
 }
 
 template <Mode M, typename TIn>
@@ -349,10 +346,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
   uint32_t* w_out = w_gate + l.c_rows * l.x_stride;
   float* gate_bias = reinterpret_cast<float*>(w_out + l.c_rows * l.z_stride);
   float* out_bias = gate_bias + l.c_rows;
-  float* ln_w = out_bias + l.c_rows;
-  float* ln_b = ln_w + args.h_pad;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, pair = warp >> 1, side = warp & 1;
-  uint32_t* own = reinterpret_cast<uint32_t*>(ln_b + args.h_pad) + pair * l.words_per_pair();
+  uint32_t* own = reinterpret_cast<uint32_t*>(out_bias + l.c_rows) + pair * l.words_per_pair();
   int64_t* row_off = reinterpret_cast<int64_t*>(own);
   int64_t* out_row = row_off + kRows;
   float2* partial = reinterpret_cast<float2*>(own + 128);  // [side][position]: (sum, sum of squares)
@@ -369,10 +364,6 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
     for (int c = threadIdx.x; c < l.c_rows; c += kThreads) {
       gate_bias[c] = c < args.c ? args.b_gate[c] : 0.f;
       out_bias[c] = c < args.c ? args.b_out[c] : 0.f;
-    }
-    for (int h = threadIdx.x; h < args.h_pad; h += kThreads) {
-      ln_w[h] = h < args.h ? args.ln_out_w[h] : 0.f;
-      ln_b[h] = h < args.h ? args.ln_out_b[h] : 0.f;
     }
     cp_async_wait<0>();
     __syncthreads();
@@ -433,7 +424,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
           const int h = h_first + h0 + e;
-          y[e] = valid ? (zv[h0 + e] - stats.x) * stats.y * ln_w[h] + ln_b[h] : 0.f;
+          y[e] = (valid && h < hidden) ? (zv[h0 + e] - stats.x) * stats.y : 0.f;
         }
         store_operands<M, 8>(dst, h_first + h0, y);
       }
@@ -554,13 +545,14 @@ struct Plan {
   int positions = 0;
 };
 
-// LayerNorm_out over h of z for the tile's positions, into swizzled rows [0, fill) of h (zeros at
+// LayerNorm_out over h of z (normalized only: its affine is folded into out_proj) for the tile's
+// positions, into swizzled rows [0, fill) of h (zeros at
 // h >= hidden and for positions whose row_off is negative). kZLanes lanes share a position, each
 // holding a contiguous quarter of [0, fill) in registers, so one load instruction reads 32 bytes
 // of each of four h planes, and the rows are written with 16-byte stores.
 template <Mode M, int P, class Dst>
 __device__ void stage_z_rows(Dst dst, const float* __restrict__ z_tile, int64_t plane, int hidden, int fill,
-                             const int64_t* row_off, const float* __restrict__ ln_w, const float* __restrict__ ln_b,
+                             const int64_t* row_off,
                              float eps, int warp) {
   constexpr int kPerLane = kMaxHPad / kZLanes;
   constexpr int kSlots = 32 / kZLanes;                        // positions per warp per round
@@ -600,7 +592,7 @@ __device__ void stage_z_rows(Dst dst, const float* __restrict__ z_tile, int64_t 
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         const int h = h0 + e0 + e;
-        y[e] = (valid && h < hidden) ? (v[e0 + e] - stats.x) * stats.y * ln_w[h] + ln_b[h] : 0.f;
+        y[e] = (valid && h < hidden) ? (v[e0 + e] - stats.x) * stats.y : 0.f;
       }
       dst.template store<M, V>(m, h0 + e0, y);
     }
@@ -752,13 +744,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kSplit) {
         const SwizzledRows x_small{x_dst.base + plane_bytes, kRowTileBytes}, z_small{z_dst.base + plane_bytes, kRowTileBytes};
         stage_z_rows<M, P>(SplitSwizzledRows{z_dst, z_small}, z_tile, plane, static_cast<int>(args.h), z_fill,
-                           row_off, args.ln_out_w, args.ln_out_b, args.eps_out, stager_warp);
+                           row_off, args.eps_out, stager_warp);
         stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(
             SplitSwizzledRows{x_dst, x_small}, vectorized, static_cast<const TIn*>(args.pair), row_off, P,
             static_cast<int>(args.c), x_fill, gate_ln, args.ln_in_b, args.eps_in, stager_warp);
       } else {
-        stage_z_rows<M, P>(z_dst, z_tile, plane, static_cast<int>(args.h), z_fill, row_off, args.ln_out_w,
-                           args.ln_out_b, args.eps_out, stager_warp);
+        stage_z_rows<M, P>(z_dst, z_tile, plane, static_cast<int>(args.h), z_fill, row_off, args.eps_out,
+                           stager_warp);
         stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(x_dst, vectorized, static_cast<const TIn*>(args.pair),
                                                            row_off, P, static_cast<int>(args.c), x_fill, gate_ln,
                                                            args.ln_in_b, args.eps_in, stager_warp);
