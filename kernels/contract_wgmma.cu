@@ -70,7 +70,7 @@ contract_kernel(const Op* __restrict__ a, const Op* __restrict__ b, TOut* __rest
       const uint8_t* buf = smem + (kt % kBuffers) * 2 * kTileBytes;
       const uint64_t desc_a = smem_descriptor(buf + warpgroup * 64 * 128);
       const uint64_t desc_b = smem_descriptor(buf + kTileBytes);
-      wgmma_k_tile_64x128<Op>(acc, desc_a, desc_b);
+      wgmma_k_tile<Op>(acc, desc_a, desc_b);
       wgmma_wait<1>();
     }
     wgmma_wait<0>();

@@ -27,12 +27,7 @@ constexpr int kSmemBytes = kStages * kStageBytes + 1024 + 2 * kStages * 8;  // +
 template <typename Op>
 __device__ __forceinline__ void wgmma_64x256_step(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int accumulate) {
 #ifdef TRIMUL_SM90A
-  if constexpr (std::is_same<Op, __nv_bfloat16>::value)
-    TRIMUL_WGMMA_64X256("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", ", 1, 1, 0, 0");
-  else if constexpr (std::is_same<Op, float>::value)
-    TRIMUL_WGMMA_64X256("wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32", ", 1, 1");
-  else
-    TRIMUL_WGMMA_64X256("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16", ", 1, 1, 0, 0");
+  TRIMUL_WGMMA_FOR_OP(TRIMUL_WGMMA_64X256, 256)
 #endif
 }
 #undef TRIMUL_WGMMA_64X256

@@ -369,17 +369,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       return;
     }
-    int s = 0, round = 0;
+    FillRing ring{w_empty, stages};
     for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x)
       for (int chunk = 0; chunk < chunks; ++chunk)
         for (int kt = 0; kt < kt_count; ++kt) {
-          if (round > 0) mbar_wait(&w_empty[s], (round - 1) & 1);
+          ring.wait_free();
+          const int s = ring.slot;
           mbar_expect_tx(&w_full[s], kStageBytes);
           tma_load_2d(weights + s * kStageBytes, &map_w, kt * kElemsPerKTile, chunk * kChunkRows, &w_full[s]);
-          if (++s == stages) {
-            s = 0;
-            ++round;
-          }
+          ring.advance();
         }
     return;
   }
@@ -390,9 +388,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Zeros up to the end of the last k-tile: the weights there are zero (TMA fills past c_pad),
     // but 0 x stale shared memory could be NaN.
     const int k_fill = kt_count * kElemsPerKTile;
-    int buf = 0, round = 0;
+    FillRing ring{rows_empty, buffers};
     for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      if (round > 0) mbar_wait(&rows_empty[buf], (round - 1) & 1);
+      ring.wait_free();
+      const int buf = ring.slot;
       const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
       named_barrier(1, kStagerThreads);  // every stager is done with the last tile's row_off
       if (stager < kPositions) {
@@ -413,10 +412,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             k_fill, args.ln_in_w, args.ln_in_b, args.eps_in, stager >> 5);
       fence_proxy_async();  // st.shared writes, read by wgmma through the async proxy
       mbar_arrive(&rows_full[buf]);
-      if (++buf == buffers) {
-        buf = 0;
-        ++round;
-      }
+      ring.advance();
     }
     return;
   }
@@ -456,7 +452,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           split_k_tile(acc, group_rows, group_scratch, desc_b,
                        smem_descriptor(tile_rows + (kt_count + kt) * kRowTileBytes), 2 + consumer);
         else
-          wgmma_k_tile_64x128<Op>(acc, desc_a, desc_b);
+          wgmma_k_tile<Op>(acc, desc_a, desc_b);
         // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
         // (Split: all of them, so that the next split's generic stores overlap no wgmma: ptxas
         // otherwise serializes the products, C7514.)

@@ -631,7 +631,7 @@ __device__ __forceinline__ void multiply_k_tiles(float (&acc)[32], WeightRing& r
       split_k_tile(acc, group_rows, scratch, desc_b, smem_descriptor(small_rows + kt * tile_bytes), 2 + consumer);
       wgmma_wait<0>();  // (the next split overwrites the scratch)
     } else {
-      wgmma_k_tile_64x64<Op>(acc, desc_a, desc_b);
+      wgmma_k_tile<Op>(acc, desc_a, desc_b);
       // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
       wgmma_wait<1>();
     }
@@ -700,17 +700,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         load_weight_tile(weights, w_full, w, w / per_chunk, w % per_chunk, kt_x, kElemsPerKTile, &map_gate, &map_out);
       return;
     }
-    int s = 0, round = 0;  // streamed: each chunk's k-tiles once per half of the positions
+    FillRing ring{w_empty, stages};  // streamed: each chunk's k-tiles once per half of the positions
     for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x)
       for (int chunk = 0; chunk < chunks; ++chunk)
         for (int half = 0; half < P / kHalf; ++half)
           for (int i = 0; i < per_chunk; ++i) {
-            if (round > 0) mbar_wait(&w_empty[s], (round - 1) & 1);
-            load_weight_tile(weights, w_full, s, chunk, i, kt_x, kElemsPerKTile, &map_gate, &map_out);
-            if (++s == stages) {
-              s = 0;
-              ++round;
-            }
+            ring.wait_free();
+            load_weight_tile(weights, w_full, ring.slot, chunk, i, kt_x, kElemsPerKTile, &map_gate, &map_out);
+            ring.advance();
           }
     return;
   }
@@ -723,9 +720,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int x_fill = kt_x * kElemsPerKTile, z_fill = kt_z * kElemsPerKTile;
     const float* z_all = static_cast<const float*>(args.z);
     const uint32_t n = static_cast<uint32_t>(args.n), ldz = static_cast<uint32_t>(args.ldz);
-    int buf = 0, round = 0;
+    FillRing ring{rows_empty, buffers};
     for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      if (round > 0) mbar_wait(&rows_empty[buf], (round - 1) & 1);
+      ring.wait_free();
+      const int buf = ring.slot;
       const int64_t batch = tile / tiles_per_batch, q0 = (tile - batch * tiles_per_batch) * P;
       named_barrier(1, kStagerThreads);  // every stager is done with the last tile's row_off
       if (stager < P) {
@@ -757,10 +755,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       fence_proxy_async();  // st.shared writes, read by wgmma through the async proxy
       mbar_arrive(&rows_full[buf]);
-      if (++buf == buffers) {
-        buf = 0;
-        ++round;
-      }
+      ring.advance();
     }
     return;
   }

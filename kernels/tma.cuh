@@ -94,6 +94,24 @@ __device__ __forceinline__ void init_pass_barriers(uint64_t* w_full, uint64_t* w
   __syncthreads();
 }
 
+// The filling side of an mbarrier ring of `count` slots (the weight stages for the producer, the
+// row buffers for the stagers): wait_free() until the consumers of slot `slot` arrived on
+// empty[slot] in the last round (nothing to wait for in the first), fill it, then advance().
+struct FillRing {
+  uint64_t* empty;
+  int count;
+  int slot = 0, round = 0;
+  __device__ __forceinline__ void wait_free() const {
+    if (round > 0) mbar_wait(&empty[slot], (round - 1) & 1);
+  }
+  __device__ __forceinline__ void advance() {
+    if (++slot == count) {
+      slot = 0;
+      ++round;
+    }
+  }
+};
+
 // One box of a 3-D tensor map (k element, row, batch) into shared memory; completes on `bar`.
 __device__ __forceinline__ void tma_load(void* dst, const CUtensorMap* map, int k, int row, int batch, uint64_t* bar) {
 #ifdef TRIMUL_SM90A
@@ -143,6 +161,17 @@ __device__ __forceinline__ void wgmma_wait() {
 #endif
 }
 
+// The wgmma instruction of shape m64n<N> for operand type Op (k16 for 16-bit operands, k8 for
+// TF32), through MACRO(INSTR, TAIL): TAIL holds the scale/transpose immediates (16-bit operands
+// take transpose flags, TF32 does not).
+#define TRIMUL_WGMMA_FOR_OP(MACRO, N)                                                      \
+  if constexpr (std::is_same<Op, __nv_bfloat16>::value)                                    \
+    MACRO("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16", ", 1, 1, 0, 0");     \
+  else if constexpr (std::is_same<Op, float>::value)                                       \
+    MACRO("wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32", ", 1, 1");            \
+  else                                                                                     \
+    MACRO("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16", ", 1, 1, 0, 0");
+
 // One 32-byte k-step of a 64x128 product from shared memory (both operands K-major): k16 for
 // 16-bit operands, k8 for TF32; 64 accumulators per thread, overwritten when accumulate is 0. INSTR is the wgmma
 // instruction with its shape and types; TAIL its scale/transpose immediates (16-bit operands take
@@ -157,12 +186,7 @@ __device__ __forceinline__ void wgmma_wait() {
 template <typename Op>
 __device__ __forceinline__ void wgmma_64x128(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
 #ifdef TRIMUL_SM90A
-  if constexpr (std::is_same<Op, __nv_bfloat16>::value)
-    TRIMUL_WGMMA_64X128("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", ", 1, 1, 0, 0");
-  else if constexpr (std::is_same<Op, float>::value)
-    TRIMUL_WGMMA_64X128("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32", ", 1, 1");
-  else
-    TRIMUL_WGMMA_64X128("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16", ", 1, 1, 0, 0");
+  TRIMUL_WGMMA_FOR_OP(TRIMUL_WGMMA_64X128, 128)
 #endif
 }
 #undef TRIMUL_WGMMA_64X128
@@ -178,31 +202,23 @@ __device__ __forceinline__ void wgmma_64x128(float (&d)[64], uint64_t desc_a, ui
 template <typename Op>
 __device__ __forceinline__ void wgmma_64x64(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
 #ifdef TRIMUL_SM90A
-  if constexpr (std::is_same<Op, __nv_bfloat16>::value)
-    TRIMUL_WGMMA_64X64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", ", 1, 1, 0, 0");
-  else if constexpr (std::is_same<Op, float>::value)
-    TRIMUL_WGMMA_64X64("wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32", ", 1, 1");
-  else
-    TRIMUL_WGMMA_64X64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", ", 1, 1, 0, 0");
+  TRIMUL_WGMMA_FOR_OP(TRIMUL_WGMMA_64X64, 64)
 #endif
 }
 #undef TRIMUL_WGMMA_64X64
 
-template <typename Op>
-__device__ __forceinline__ void wgmma_k_tile_64x64(float (&acc)[32], uint64_t desc_a, uint64_t desc_b) {
+// One 128-byte k-tile of a 64xN product, N = 2 x the accumulators per thread (64 or 128): four
+// k-steps, 32 bytes further along k each (start address + 2 in the descriptors), committed as one
+// wgmma group.
+template <typename Op, int kAcc>
+__device__ __forceinline__ void wgmma_k_tile(float (&acc)[kAcc], uint64_t desc_a, uint64_t desc_b) {
+  static_assert(kAcc == 32 || kAcc == 64, "m64n64 or m64n128");
   wgmma_fence();
 #pragma unroll
-  for (int step = 0; step < 4; ++step) wgmma_64x64<Op>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
-  wgmma_commit();
-}
-
-// One 128-byte k-tile of a 64x128 product (four k-steps, 32 bytes further along k each: start
-// address + 2 in the descriptors), committed as one wgmma group.
-template <typename Op>
-__device__ __forceinline__ void wgmma_k_tile_64x128(float (&acc)[64], uint64_t desc_a, uint64_t desc_b) {
-  wgmma_fence();
-#pragma unroll
-  for (int step = 0; step < 4; ++step) wgmma_64x128<Op>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
+  for (int step = 0; step < 4; ++step) {
+    if constexpr (kAcc == 64) wgmma_64x128<Op>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
+    else wgmma_64x64<Op>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
+  }
   wgmma_commit();
 }
 
