@@ -488,15 +488,13 @@ PASS_KERNELS = {"input": {"wgmma": "input_pass::wgmma_tiles::kernel<", "resident
 def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precision, batch, n, pair_dim, hidden):
     """TRIMUL_INPUT_PASS / TRIMUL_OUTPUT_PASS pin a fused pass to one kernel. auto runs only the
     first that applies (on Hopper the input pass's wgmma kernel; the output pass's wgmma kernel at
-    pair_dim > 128 except at "highest"), so this keeps every kernel checked against fp64, and
+    pair_dim > 128), so this keeps every kernel checked against fp64, and
     profiles the call to be sure the pinned kernel is the one that ran. "highest" at N=200 runs the
     split-operand contraction, so the input pass writes both planes."""
     if kernel == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma passes need an sm_90a GPU")
     if kernel == "resident" and (pair_dim > 128 or n < 128):
         pytest.skip("the resident passes take pair_dim <= 128 and enough positions for every SM's warp pairs")
-    if kernel == "wgmma" and precision == "highest" and pair_dim > 128:
-        pytest.skip("split TF32 rows at pair_dim > 128 do not fit the wgmma passes")
     monkeypatch.setenv("TRIMUL_INPUT_PASS" if fused_pass == "input" else "TRIMUL_OUTPUT_PASS", kernel)
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
@@ -509,6 +507,41 @@ def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precisi
         torch.cuda.synchronize()
     names = [e.key for e in prof.key_averages() if f"{fused_pass}_pass" in e.key]
     assert len(names) == 1 and PASS_KERNELS[fused_pass][kernel] in names[0], names
+
+
+@cuda
+@pytest.mark.parametrize("ln_scale, weight_scale, pair_scale", [(1e-4, 1e4, 1e5), (1e3, 1e-3, 1e-4), (1.0, 1.0, 1.0)])
+@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 200, 384, 128), (2, 97, 32, 24)])
+def test_highest_wgmma_passes_hold_at_extreme_scales(monkeypatch, ln_scale, weight_scale, pair_scale, batch, n,
+                                                      pair_dim, hidden):
+    """The wgmma passes multiply "highest" as fp16x3 with power-of-two scalings (ForwardArgs::
+    w_in_f16x3): chosen from the parameters for the LayerNorm-ed rows, per position for out_gate's
+    raw rows. LayerNorm weights and projections far from 1, and inputs past fp16's range (2e5) or
+    deep in its subnormals, must neither overflow nor lose the remainders (the products stay O(1))."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma")
+    monkeypatch.setenv("TRIMUL_OUTPUT_PASS", "wgmma")
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, "outgoing", "raw").double(), g)
+    with torch.no_grad():
+        for ln in (reference.layer_norm_in, reference.layer_norm_out):
+            ln.weight.mul_(ln_scale)
+            ln.bias.mul_(ln_scale)
+        for layer in (reference.proj_a, reference.gate_a, reference.proj_b, reference.gate_b, reference.out_proj):
+            layer.weight.mul_(weight_scale)
+        reference.out_gate.weight.div_(pair_scale)
+    new = _make_new(reference, torch.float32, "auto", "highest")
+    pair, mask = random_inputs(batch, n, pair_dim, g)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _check_model(new, reference, pair * pair_scale, mask, FUSED_TOLERANCE["highest"], seed,
+                     f"scales {ln_scale} {weight_scale} {pair_scale}")
+        torch.cuda.synchronize()
+    for fused_pass in ("input", "output"):
+        names = [e.key for e in prof.key_averages() if f"{fused_pass}_pass" in e.key]
+        assert len(names) == 1 and PASS_KERNELS[fused_pass]["wgmma"] in names[0], names
 
 
 @cuda

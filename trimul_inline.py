@@ -17,6 +17,7 @@ import glob
 import hashlib
 import importlib.machinery
 import importlib.util
+import math
 import os
 import re
 import shutil
@@ -557,7 +558,8 @@ def prepare_weights(params, mode: str):
     k padded to 32 and rows to 128 with zeros; proj/gate rows in groups of 16 (rows 16g + e = proj
     and 16g + 8 + e = gate of h = 8g + e), so the input pass's mma fragment rows g and g + 8 hold
     both halves of one gated output. LayerNorm_out's weight and bias are folded into out_proj's
-    weight and bias (its own entries stay in the list for the sizes only)."""
+    weight and bias (its own entries stay in the list for the sizes only). The "highest" mode
+    (tf32x3) adds the wgmma input pass's fp16x3 operands (_f16x3_input_weights)."""
     (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
      out_w, out_b, gate_w, gate_b) = [p.detach() for p in params]
     hidden, pair_dim = pa_w.shape
@@ -589,9 +591,49 @@ def prepare_weights(params, mode: str):
     as_f32 = lambda t: t.to(**f32).contiguous()
     # TF32 operands go in as TF32 values, so the kernels feed the mma their bits unconverted.
     as_operand = (lambda t: _round_to_tf32(t)) if mode == "tf32" else (lambda t: t.to(operand))
-    return [as_f32(ln_in_w), as_f32(ln_in_b), as_f32(ln_out_w), as_f32(ln_out_b),
-            as_operand(torch.cat([wa, wb])), torch.cat([ba, bb]), as_operand(w_gate),
-            as_f32(gate_b), as_operand(w_out), as_f32(out_b)]
+    w_in = torch.cat([wa, wb])
+    prepared = [as_f32(ln_in_w), as_f32(ln_in_b), as_f32(ln_out_w), as_f32(ln_out_b),
+                as_operand(w_in), torch.cat([ba, bb]), as_operand(w_gate),
+                as_f32(gate_b), as_operand(w_out), as_f32(out_b)]
+    if mode == "tf32x3":
+        prepared += _f16x3_weights(w_in, w_gate, w_out, ln_in_w.float(), ln_in_b.float(), pair_dim, hidden)
+    return prepared
+
+
+def _power_of_two_to_4096(bound: torch.Tensor) -> torch.Tensor:
+    """The exponent e (a tensor: no host sync) with bound * 2^e in (2^11, 2^12], kept in [-60, 60]."""
+    return (12 - torch.ceil(torch.log2(bound.clamp_min(2.0 ** -60)))).clamp(-60, 60)
+
+
+def _f16x3_split(w: torch.Tensor):
+    """w (fp32 [rows, k_pad]) times 2^t as the wgmma passes' fp16x3 operand: per row [hi | lo | hi]
+    in fp16, each segment round_up(k_pad, 64) wide; and t."""
+    rows, k_pad = w.shape
+    segment = _round_up(k_pad, 64)
+    t = _power_of_two_to_4096(w.abs().amax())
+    scaled = w * torch.exp2(t)
+    hi = scaled.half()
+    lo = (scaled - hi.float()).half()
+    split = torch.zeros(rows, 3 * segment, device=w.device, dtype=torch.float16)
+    for start, part in ((0, hi), (segment, lo), (2 * segment, hi)):
+        split[:, start:start + k_pad] = part
+    return split, t
+
+
+def _f16x3_weights(w_in, w_gate, w_out, ln_w, ln_b, pair_dim: int, hidden: int):
+    """The "highest" wgmma passes' operands (ForwardArgs::w_in_f16x3 .. f16x3_scales): the three
+    weight matrices split, and the F16x3Scale factors. A LayerNorm-ed entry is at most sqrt(K) in
+    magnitude before its affine (|x_hat| <= sqrt(K - 1)), so the input rows' bound is sqrt(C) max|w| +
+    max|b| and z's sqrt(H): the scales take both operands' largest possible values to at most 2^12,
+    so no fp16 value overflows (65504) and remainders of all but negligible values stay normal.
+    out_gate's source rows have no such bound: the kernel scales each on its own."""
+    w_in16, t_in = _f16x3_split(w_in)
+    w_gate16, t_gate = _f16x3_split(w_gate)
+    w_out16, t_out = _f16x3_split(w_out)
+    s_in = _power_of_two_to_4096(math.sqrt(pair_dim) * ln_w.abs().amax() + ln_b.abs().amax())
+    s_z = _power_of_two_to_4096(torch.tensor(math.sqrt(hidden), device=w_in.device))
+    exponents = torch.stack([s_in, s_in + t_in, -(s_in + t_in), -t_gate, s_z, s_z + t_out, -(s_z + t_out)])
+    return [w_in16, w_gate16, w_out16, torch.exp2(exponents).float().contiguous()]
 
 
 def _round_to_tf32(t: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,19 @@ enum class Mode : int { bf16 = 0, f16 = 1, tf32 = 2, tf32x3 = 3 };
 // Mask element types the kernels read directly (no conversion pass on the host).
 enum class MaskKind : int { u8 = 0, i32 = 1, i64 = 2, f32 = 3, bf16 = 4, f16 = 5 };
 
+// The factors in ForwardArgs::f16x3_scales: s_in, t_in, t_gate, s_z, t_out are the exponents of
+// the input rows (LayerNorm_in(pair)), w_in, w_gate, the z rows (LayerNorm_out(z)) and w_out.
+enum F16x3Scale : int {
+  kInRows = 0,   // 2^s_in
+  kInUp,         // 2^(s_in + t_in): the input pass's biases into the accumulators' scale
+  kInDown,       // 2^-(s_in + t_in): the accumulators back
+  kGateDown,     // 2^-t_gate (times each position's own 2^-s: F16SplitScaledRows)
+  kZRows,        // 2^s_z
+  kOutUp,        // 2^(s_z + t_out)
+  kOutDown,      // 2^-(s_z + t_out)
+  kF16x3Scales
+};
+
 // Everything the fused forward reads and writes. Weights are prepared on the host: in the
 // operand type of `mode`, rows padded to a multiple of 128 and k padded to a multiple of 32 (both
 // zero-filled), so the kernels stream them with no bounds checks.
@@ -67,6 +80,17 @@ struct ForwardArgs {
   const void* w_out;      // [round_up(C, 128), h_pad] out_proj
   const float* b_out;     // [C]
   int64_t c_pad, h_pad;   // round_up(C, 32), round_up(H, 32)
+  // "highest" in the wgmma passes multiplies fp16x3: hi.hi + hi.lo + lo.hi of fp16 splits (about
+  // 3xTF32's accuracy at the fp16 tensor-core rate). Each weight matrix, times a power of two 2^t,
+  // as [rows, 3 * round_up(k_pad, 64)] fp16 with per row [hi | lo | hi] (the products hi.hi,
+  // hi.lo, lo.hi against the rows' [hi | hi | lo]); nullptr where not prepared (other modes: the
+  // wgmma passes then decline "highest"). The rows are scaled by powers of two as well, so that
+  // both operands' largest magnitudes sit near 2^12: no fp16 value overflows and remainders keep
+  // their bits (F16x3Scale lists the factors; out_gate's rows are scaled per position).
+  const void* w_in_f16x3;    // [2 * rows_ab, 3 * round_up(c_pad, 64)]
+  const void* w_gate_f16x3;  // [round_up(C, 128), 3 * round_up(c_pad, 64)]
+  const void* w_out_f16x3;   // [round_up(C, 128), 3 * round_up(h_pad, 64)]
+  const float* f16x3_scales; // [kF16x3Scales]
   // Work buffers: a_t, b_t [B*H, N, ld] in the operand type; z [B*H, N, ldz] in z_dtype. With
   // z == nullptr the output pass computes z itself from a_t and b_t (small N: one launch fewer).
   void* a_t;

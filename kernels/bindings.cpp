@@ -114,7 +114,9 @@ trimul::Precision contraction_precision(trimul::Mode mode) {
 // The whole forward: input pass -> contraction (the named variant, or "auto") -> output pass.
 // `weights` are the host-prepared tensors (see ForwardArgs): ln_in_w, ln_in_b, ln_out_w, ln_out_b,
 // w_in, b_in, w_gate, b_gate, w_out, b_out (ln_out_* are folded into w_out / b_out already and only
-// give hidden's size here). Sizes must pass fused_fits.
+// give hidden's size here), and in the "highest" mode w_in_f16x3, w_gate_f16x3, w_out_f16x3 and
+// f16x3_scales (ForwardArgs).
+// Sizes must pass fused_fits.
 at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
                    const std::string& variant, int64_t mode_code, bool incoming, bool gate_normalized,
                    double eps_in, double eps_out) {
@@ -124,8 +126,10 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   TORCH_CHECK_VALUE(mask.device() == pair.device() && mask.dim() == 3 &&
                         mask.sizes().equals(pair.sizes().slice(0, 3)),
                     "trimul_inline: mask must be (B, N, N) on pair's device");
-  TORCH_CHECK_VALUE(weights.size() == 10, "trimul_inline: forward takes 10 prepared weights");
   TORCH_CHECK_VALUE(mode_code >= 0 && mode_code <= 3, "trimul_inline: mode code ", mode_code);
+  const bool f16x3_weights = static_cast<trimul::Mode>(mode_code) == trimul::Mode::tf32x3;
+  TORCH_CHECK_VALUE(weights.size() == (f16x3_weights ? 14u : 10u), "trimul_inline: forward takes ",
+                    f16x3_weights ? 14 : 10, " prepared weights in this mode, got ", weights.size());
   for (const auto& w : weights)
     TORCH_CHECK_VALUE(w.device() == pair.device() && w.is_contiguous() &&
                           reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
@@ -180,6 +184,20 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   TORCH_CHECK_VALUE(args.c_pad == round_up(c, 32) && args.h_pad == round_up(hidden, 32) &&
                         args.rows_ab == round_up(2 * hidden, 128) && weights[6].size(1) == args.c_pad,
                     "trimul_inline: prepared weights do not match pair_dim ", c, " / hidden ", hidden);
+  if (f16x3_weights) {
+    const auto is_f16x3 = [](const at::Tensor& w, int64_t rows, int64_t k_pad) {
+      return w.scalar_type() == at::kHalf && w.dim() == 2 && w.size(0) == rows && w.size(1) == 3 * round_up(k_pad, 64);
+    };
+    const int64_t rows_c = round_up(c, 128);
+    TORCH_CHECK_VALUE(is_f16x3(weights[10], 2 * args.rows_ab, args.c_pad) && is_f16x3(weights[11], rows_c, args.c_pad) &&
+                          is_f16x3(weights[12], rows_c, args.h_pad) && weights[13].scalar_type() == at::kFloat &&
+                          weights[13].numel() == trimul::kF16x3Scales,
+                      "trimul_inline: prepared fp16x3 weights do not match pair_dim ", c, " / hidden ", hidden);
+    args.w_in_f16x3 = weights[10].data_ptr();
+    args.w_gate_f16x3 = weights[11].data_ptr();
+    args.w_out_f16x3 = weights[12].data_ptr();
+    args.f16x3_scales = weights[13].data_ptr<float>();
+  }
   args.ld = round_up(n, 32);
   args.ldz = round_up(n, 4);
   args.z_dtype = trimul::Dtype::f32;

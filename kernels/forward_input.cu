@@ -286,10 +286,11 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 //   straight to a_t / b_t, as in the streamed kernel.
 // Where two row buffers do not fit (TF32 at pair_dim 384) there is one: staging and products then
 // take turns, as in the first (v7a) version of this kernel.
-// "highest" (3xTF32, pair_dim <= 128; first in auto since it measured faster, NOTES v9): the stagers
-// write each row's TF32 part and remainder as two planes, each MMA warpgroup splits its 64 rows of
-// every weight stage the same way (the TF32 part in place, the remainder into its own scratch), and
-// each k-tile is three products: small.big + big.small + big.big.
+// "highest" multiplies fp16x3 (ForwardArgs::w_in_f16x3): the stagers write each row, scaled by 2^s_in,
+// as its fp16 part and fp16 remainder (two planes); the prepared weights hold [hi | lo | hi] per
+// row, so a chunk is three k-segments against the rows' [hi | hi | lo]: hi.hi + hi.lo + lo.hi,
+// about 3xTF32's accuracy at twice its tensor-core rate and half its shared memory (NOTES v11).
+// a_t / b_t still get TF32 parts and remainders for the split contraction.
 namespace wgmma_tiles {
 
 using namespace ::trimul::tma;
@@ -300,12 +301,10 @@ constexpr int kRowTileBytes = kPositions * kKBytes;
 constexpr int kStagingLoads = 12;  // 16-byte loads in flight per stager lane
 
 // Shared memory for `buffers` row buffers of `planes` planes (2: split operands) and `stages`
-// weight stages (plus, split, a weight remainder scratch per MMA warpgroup), from a 1024-byte
-// boundary.
+// weight stages, from a 1024-byte boundary.
 __host__ __device__ inline int64_t plan_bytes(int kt_count, int buffers, int stages, int planes = 1) {
   return int64_t(buffers) * planes * kt_count * kRowTileBytes + int64_t(stages) * kStageBytes +
-         (planes == 2 ? kMmaGroups * kGroupRowBytes : 0) + buffers * kPositions * 4 + kPositions * 8 +
-         2 * (stages + buffers) * 8;
+         buffers * kPositions * 4 + kPositions * 8 + 2 * (stages + buffers) * 8;
 }
 
 using Plan = PassPlan;
@@ -326,9 +325,9 @@ template <Mode M, typename TIn>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch, int buffers,
            int stages) {
-  using Op = op_t<M>;
+  using Op = pass_op_t<M>;
   constexpr bool kSplit = M == Mode::tf32x3;
-  constexpr int kPlanes = kSplit ? 2 : 1;
+  constexpr int kPlanes = kRowPlanes<M>, kSegs = kSegments<M>;
   extern __shared__ uint8_t smem_raw[];
   // (offset from smem_raw, not an integer round trip: the compiler then knows every pointer below
   // is shared memory and emits LDS/STS instead of generic loads that wait like global ones)
@@ -337,11 +336,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The host leaves no slack for realignment where the plan would not fit with it (a dynamic
   // shared-memory base is 1024-byte aligned in practice); a base that is not must not go unnoticed.
   if ((rows - smem_raw) + plan_bytes(kt_count, buffers, stages, kPlanes) > dynamic_smem_size()) __trap();
-  const int buffer_bytes = kPlanes * kt_count * kRowTileBytes;  // (split: the TF32 parts, then the remainders)
+  const int buffer_bytes = kPlanes * kt_count * kRowTileBytes;  // (split: the fp16 parts, then the remainders)
   uint8_t* weights = rows + buffers * buffer_bytes;
-  uint8_t* scratch = weights + stages * kStageBytes;  // split: [kMmaGroups] weight remainder rows
-  // [buffers][kPositions]: each position's gate_scale(mask), written by the stagers
-  float* scale_v = reinterpret_cast<float*>(scratch + (kSplit ? kMmaGroups * kGroupRowBytes : 0));
+  // [buffers][kPositions]: each position's gate_scale(mask) (split: times 2^-(s_in+t_in)), by the stagers
+  float* scale_v = reinterpret_cast<float*>(weights + stages * kStageBytes);
   int64_t* row_off = reinterpret_cast<int64_t*>(scale_v + buffers * kPositions);
   uint64_t* w_full = reinterpret_cast<uint64_t*>(row_off + kPositions);
   uint64_t* w_empty = w_full + stages;
@@ -352,10 +350,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int64_t tiles = args.batch * tiles_per_batch, plane = args.n * args.ld;
   const int chunks = static_cast<int>(2 * args.rows_ab / kChunkRows);
-  const int w_tiles = chunks * kt_count;  // weight stages per tile, chunk-major
-  // Split weights are split in place per load, so a stage read twice would have lost its
-  // remainder: never resident (a ring with more stages than k-tiles still streams).
-  const bool resident = !kSplit && w_tiles <= stages;
+  const int chunk_tiles = kSegs * kt_count;  // weight k-tiles per chunk
+  const int w_tiles = chunks * chunk_tiles;    // weight stages per tile, chunk-major
+  const bool resident = w_tiles <= stages;
   constexpr int kElemsPerKTile = kKBytes / static_cast<int>(sizeof(Op));
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
@@ -364,15 +361,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (resident) {
       for (int i = 0; i < w_tiles; ++i) {
         mbar_expect_tx(&w_full[i], kStageBytes);
-        tma_load_2d(weights + i * kStageBytes, &map_w, (i % kt_count) * kElemsPerKTile, (i / kt_count) * kChunkRows,
-                    &w_full[i]);
+        tma_load_2d(weights + i * kStageBytes, &map_w, (i % chunk_tiles) * kElemsPerKTile,
+                    (i / chunk_tiles) * kChunkRows, &w_full[i]);
       }
       return;
     }
     FillRing ring{w_empty, stages};
     for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x)
       for (int chunk = 0; chunk < chunks; ++chunk)
-        for (int kt = 0; kt < kt_count; ++kt) {
+        for (int kt = 0; kt < chunk_tiles; ++kt) {
           ring.wait_free();
           const int s = ring.slot;
           mbar_expect_tx(&w_full[s], kStageBytes);
@@ -388,6 +385,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Zeros up to the end of the last k-tile: the weights there are zero (TMA fills past c_pad),
     // but 0 x stale shared memory could be NaN.
     const int k_fill = kt_count * kElemsPerKTile;
+    float row_scale = 1.f, down = 1.f;  // split: 2^s_in, 2^-(s_in+t_in)
+    if constexpr (kSplit) {
+      row_scale = args.f16x3_scales[kInRows];
+      down = args.f16x3_scales[kInDown];
+    }
     FillRing ring{rows_empty, buffers};
     for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       ring.wait_free();
@@ -397,13 +399,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (stager < kPositions) {
         float mask;
         locate_position(args, batch, p0 + stager, plane, row_off[stager], mask);
-        scale_v[buf * kPositions + stager] = gate_scale<M>(mask);
+        scale_v[buf * kPositions + stager] = kSplit ? gate_scale<M>(mask) * down : gate_scale<M>(mask);
       }
       named_barrier(1, kStagerThreads);
       const SwizzledRows big{rows + buf * buffer_bytes, kRowTileBytes};
       if constexpr (kSplit)
         stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(
-            SplitSwizzledRows{big, SwizzledRows{big.base + kt_count * kRowTileBytes, kRowTileBytes}}, vectorized,
+            F16SplitSwizzledRows{big, SwizzledRows{big.base + kt_count * kRowTileBytes, kRowTileBytes}, row_scale},
+            vectorized,
             static_cast<const TIn*>(args.pair), row_off, kPositions, static_cast<int>(args.c), k_fill, args.ln_in_w,
             args.ln_in_b, args.eps_in, stager >> 5);
       else
@@ -427,8 +430,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // This thread's weight row of chunk c: c * kChunkRows + row_in_chunk (proj of h), + 8 (its gate).
   const int row_in_chunk = consumer * 64 + warp4 * 16 + g;
   // The next chunk's biases are loaded before this chunk's epilogue, so their latency hides there.
-  float proj_bias = args.b_in[row_in_chunk], gate_bias = args.b_in[row_in_chunk + 8];
-  uint8_t* group_scratch = scratch + consumer * kGroupRowBytes;  // split: this warpgroup's remainders
+  // (Split: times 2^(s_in+t_in), the scale of the accumulators' products; see ForwardArgs.)
+  const float up = kSplit ? args.f16x3_scales[kInUp] : 1.f;
+  float proj_bias = args.b_in[row_in_chunk] * up, gate_bias = args.b_in[row_in_chunk + 8] * up;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
     const int in_plane = static_cast<int>(std::min<int64_t>(plane - p0, kPositions));  // even: plane is
@@ -442,22 +446,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       float acc[64];  // started from the biases (after the last chunk's MMAs: no wgmma is in flight)
       start_accumulators(acc, proj_bias, gate_bias);
       int held = -1;  // the stage the k-tile before this one read
-      for (int kt = 0; kt < kt_count; ++kt) {
-        const int s = resident ? chunk * kt_count + kt : stage;
+      for (int kt = 0; kt < chunk_tiles; ++kt) {
+        const int s = resident ? chunk * chunk_tiles + kt : stage;
         mbar_wait(&w_full[s], resident ? 0u : stage_phase);
-        uint8_t* group_rows = weights + s * kStageBytes + consumer * kGroupRowBytes;
-        const uint64_t desc_a = smem_descriptor(group_rows);
-        const uint64_t desc_b = smem_descriptor(tile_rows + kt * kRowTileBytes);
-        if constexpr (kSplit)  // (the previous k-tile's products are done: see below)
-          split_k_tile(acc, group_rows, group_scratch, desc_b,
-                       smem_descriptor(tile_rows + (kt_count + kt) * kRowTileBytes), 2 + consumer);
-        else
-          wgmma_k_tile<Op>(acc, desc_a, desc_b);
+        // The rows' k-tile: split, segments hi.hi, hi.lo, lo.hi against the [hi | hi | lo] k-tiles,
+        // the remainders' plane kt_count k-tiles after the fp16 parts'.
+        const int row_kt = kSplit && kt >= kt_count ? kt - kt_count : kt;
+        const uint64_t desc_a = smem_descriptor(weights + s * kStageBytes + consumer * kGroupRowBytes);
+        const uint64_t desc_b = smem_descriptor(tile_rows + row_kt * kRowTileBytes);
+        wgmma_k_tile<Op>(acc, desc_a, desc_b);
         // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
-        // (Split: all of them, so that the next split's generic stores overlap no wgmma: ptxas
-        // otherwise serializes the products, C7514.)
-        if constexpr (kSplit) wgmma_wait<0>();
-        else wgmma_wait<1>();
+        wgmma_wait<1>();
         if (!resident) {
           if (held >= 0 && leader) mbar_arrive(&w_empty[held]);
           held = stage;
@@ -471,21 +470,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (held >= 0 && leader) mbar_arrive(&w_empty[held]);
       {
         const int64_t next = chunk + 1 < chunks ? r + kChunkRows : row_in_chunk;  // (the next tile's first)
-        proj_bias = args.b_in[next];
-        gate_bias = args.b_in[next + 8];
+        proj_bias = args.b_in[next] * up;
+        gate_bias = args.b_in[next + 8] * up;
       }
 
       const bool second = r >= args.rows_ab;  // b's rows follow a's
       const int64_t local = r - (second ? args.rows_ab : 0);
       const int64_t h = (local >> 4) * 8 + g;
       if (h >= args.h) continue;
-      Op* out = static_cast<Op*>(second ? args.b_t : args.a_t) + (batch * args.h + h) * plane + p0;
+      op_t<M>* out = static_cast<op_t<M>*>(second ? args.b_t : args.a_t) + (batch * args.h + h) * plane + p0;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const int m = 8 * j + 2 * t;
-        const float2 scale = *reinterpret_cast<const float2*>(scale_t + m);
-        const float v0 = gated<M>(acc[4 * j], acc[4 * j + 2], scale.x);
-        const float v1 = gated<M>(acc[4 * j + 1], acc[4 * j + 3], scale.y);
+        const float2 scale = *reinterpret_cast<const float2*>(scale_t + m);  // (split: proj's 2^-(s_in+t_in) in it)
+        float gate0 = acc[4 * j + 2], gate1 = acc[4 * j + 3];
+        if constexpr (kSplit) {
+          gate0 *= args.f16x3_scales[kInDown];
+          gate1 *= args.f16x3_scales[kInDown];
+        }
+        const float v0 = gated<M>(acc[4 * j], gate0, scale.x);
+        const float v1 = gated<M>(acc[4 * j + 1], gate1, scale.y);
         if (m < in_plane) {
           if constexpr (kSplit) store_operand_pair<M>(out + m, v0, v1, args.small_offset);
           else store_operand_pair<M>(out + m, v0, v1);
@@ -506,23 +510,23 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <Mode M>
 Plan plan(const ForwardArgs& args) {
   if (tensor_map_encoder() == nullptr || 2 * args.rows_ab >= (int64_t(1) << 31)) return Plan{};
-  const int kt = k_tiles(args.c_pad, sizeof(op_t<M>));
-  const int w_tiles = static_cast<int>(2 * args.rows_ab / kChunkRows) * kt;
+  if (M == Mode::tf32x3 && (args.w_in_f16x3 == nullptr || args.f16x3_scales == nullptr)) return Plan{};
+  const int kt = k_tiles(args.c_pad, sizeof(pass_op_t<M>));
+  const int w_tiles = static_cast<int>(2 * args.rows_ab / kChunkRows) * kSegments<M> * kt;
   const int64_t tiles = args.batch * ceil_div(args.n * args.ld, kPositions);
-  if constexpr (M == Mode::tf32x3)  // split in place per load: never resident
-    return plan_pass([kt](int buffers, int stages) { return plan_bytes(kt, buffers, stages, 2); }, w_tiles, 0, tiles);
-  else
-    return plan_pass([kt](int buffers, int stages) { return plan_bytes(kt, buffers, stages); }, w_tiles, kMaxStages,
-                     tiles);
+  return plan_pass([kt](int buffers, int stages) { return plan_bytes(kt, buffers, stages, kRowPlanes<M>); }, w_tiles,
+                   kMaxStages, tiles);
 }
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args, const Plan& plan) {
-  using Op = op_t<M>;
-  // The grouped proj/gate weights [2 * rows_ab, c_pad]: boxes of 128 bytes of k x 128 rows, zeros
-  // past c_pad.
+  using Op = pass_op_t<M>;
+  // The grouped proj/gate weights [2 * rows_ab, c_pad] (split: [2 * rows_ab, 3 segments of whole
+  // k-tiles]): boxes of 128 bytes of k x 128 rows, zeros past the row.
+  const bool split = M == Mode::tf32x3;
+  const int64_t cols = split ? kSegments<M> * k_tiles(args.c_pad, sizeof(Op)) * (kKBytes / sizeof(Op)) : args.c_pad;
   CUtensorMap map_w;
-  if (!encode_kmajor_map<Op>(&map_w, args.w_in, 0, 2 * args.rows_ab, args.c_pad, kChunkRows))
+  if (!encode_kmajor_map<Op>(&map_w, split ? args.w_in_f16x3 : args.w_in, 0, 2 * args.rows_ab, cols, kChunkRows))
     return cudaErrorNotSupported;
   const cudaError_t status = allow_smem<kernel<M, TIn>>(plan.bytes);
   if (status != cudaSuccess) return status;

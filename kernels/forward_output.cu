@@ -514,8 +514,11 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 //   of the tile's positions at a time (m64n64): the gate product first, its sigmoid kept in 32
 //   registers, then out_proj in the same accumulators, and the product of the two stored per
 //   channel. (Streamed weights pass once per 64 positions.)
-// "highest" (split 3xTF32): both row sets as TF32 parts and remainders, the weights split per
-// stage by each MMA warpgroup, three products per k-step, as in the input pass's wgmma kernel.
+// "highest" multiplies fp16x3 as the input pass's wgmma kernel does (ForwardArgs::w_gate_f16x3):
+// both row sets as fp16 parts and remainders, each GEMM three k-segments against the prepared
+// [hi | lo | hi] weights. z's rows (normalized: at most sqrt(H) in magnitude) take one scale; the
+// gate's source rows, of no known range, each take their own (F16SplitScaledRows), which the
+// epilogue undoes per position before the biases.
 namespace wgmma_tiles {
 
 using namespace ::trimul::tma;
@@ -531,14 +534,15 @@ constexpr int kMaxHPad = 128;      // h_pad this kernel takes: a quarter in one 
 // Shared memory from a 1024-byte boundary for tiles of `positions`: per buffer the gate-row and z
 // k-tiles (positions x 128 bytes each) and the positions' output offsets; the weight stages; the
 // stagers' pair-row offsets; the barriers.
-// Split operands ("highest"): two planes per buffer (TF32 parts, then remainders) and a weight
-// remainder scratch of 64 rows per MMA warpgroup.
+// Split operands ("highest"): two planes per buffer (fp16 parts, then remainders) and each
+// position's scale-back factor for the gate.
 __host__ __device__ inline int64_t plan_bytes(int kt_x, int kt_z, int buffers, int stages, int positions,
                                               int planes = 1) {
-  return int64_t(buffers) * (planes * (kt_x + kt_z) * int64_t(positions) * kKBytes + positions * 8) +
-         int64_t(stages) * kStageBytes + (planes == 2 ? kMmaGroups * kGroupRowBytes : 0) + positions * 8 +
-         2 * (stages + buffers) * 8;
+  return int64_t(buffers) * (planes * (kt_x + kt_z) * int64_t(positions) * kKBytes + positions * 8 +
+                             (planes == 2 ? positions * 4 : 0)) +
+         int64_t(stages) * kStageBytes + positions * 8 + 2 * (stages + buffers) * 8;
 }
+
 
 struct Plan {
   PassPlan ring;
@@ -613,28 +617,24 @@ struct WeightRing {
 
 // acc += the weights' next `count` k-tiles (this warpgroup's 64 rows of each) x 64 positions of
 // the rows' k-tiles (starting at b_tiles, tile_bytes apart).
-// Split ("highest"): `small_rows` = the rows' remainder plane (same k-tile offsets), `scratch` =
-// this warpgroup's weight remainders; each k-tile's weights are split first and multiplied as
-// small.big + big.small + big.big, all done before the next split (see the input pass).
+// Split ("highest", fp16x3): 3 x count weight k-tiles ([hi | lo | hi]) against the rows' fp16
+// parts twice, then their remainders (`small_rows`, the same k-tile offsets).
 template <typename Op, bool kSplit>
 __device__ __forceinline__ void multiply_k_tiles(float (&acc)[32], WeightRing& ring, int consumer,
                                                  const uint8_t* b_tiles, int tile_bytes, int count, bool leader,
-                                                 const uint8_t* small_rows = nullptr, uint8_t* scratch = nullptr) {
+                                                 const uint8_t* small_rows = nullptr) {
   int held = -1;  // the stage the k-tile before this one read
-  for (int kt = 0; kt < count; ++kt) {
+  const int total = kSplit ? 3 * count : count;
+  for (int kt = 0; kt < total; ++kt) {
     const int s = ring.stage;
     mbar_wait(&ring.full[s], ring.resident ? 0u : ring.phase);
-    uint8_t* group_rows = ring.base + s * kStageBytes + consumer * kGroupRowBytes;
-    const uint64_t desc_a = smem_descriptor(group_rows);
-    const uint64_t desc_b = smem_descriptor(b_tiles + kt * tile_bytes);
-    if constexpr (kSplit) {
-      split_k_tile(acc, group_rows, scratch, desc_b, smem_descriptor(small_rows + kt * tile_bytes), 2 + consumer);
-      wgmma_wait<0>();  // (the next split overwrites the scratch)
-    } else {
-      wgmma_k_tile<Op>(acc, desc_a, desc_b);
-      // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
-      wgmma_wait<1>();
-    }
+    const uint64_t desc_a = smem_descriptor(ring.base + s * kStageBytes + consumer * kGroupRowBytes);
+    const uint8_t* rows_kt = b_tiles + kt * tile_bytes;
+    if constexpr (kSplit)
+      if (kt >= count) rows_kt = kt < 2 * count ? rows_kt - count * tile_bytes : small_rows + (kt - 2 * count) * tile_bytes;
+    wgmma_k_tile<Op>(acc, desc_a, smem_descriptor(rows_kt));
+    // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
+    wgmma_wait<1>();
     if (!ring.resident && held >= 0 && leader) mbar_arrive(&ring.empty[held]);
     held = s;
     if (++ring.stage == ring.stages) {
@@ -662,22 +662,22 @@ template <Mode M, typename TIn, int P>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_gate,
            const __grid_constant__ CUtensorMap map_out, int64_t tiles_per_batch, int buffers, int stages) {
-  using Op = op_t<M>;
+  using Op = pass_op_t<M>;
   constexpr bool kSplit = M == Mode::tf32x3;
-  constexpr int kPlanes = kSplit ? 2 : 1;
+  constexpr int kPlanes = kRowPlanes<M>, kSegs = kSegments<M>;
   constexpr int kRowTileBytes = P * kKBytes;
   extern __shared__ uint8_t smem_raw[];
   // (an offset from smem_raw keeps the compiler aware that these are shared-memory pointers)
   uint8_t* rows = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const int kt_x = k_tiles(args.c_pad, sizeof(Op)), kt_z = k_tiles(args.h_pad, sizeof(Op));
   if ((rows - smem_raw) + plan_bytes(kt_x, kt_z, buffers, stages, P, kPlanes) > dynamic_smem_size()) __trap();
-  // Per buffer: gate-row k-tiles, then z's (split: that plane of TF32 parts, then the remainders').
+  // Per buffer: gate-row k-tiles, then z's (split: that plane of fp16 parts, then the remainders').
   const int plane_bytes = (kt_x + kt_z) * kRowTileBytes, buffer_bytes = kPlanes * plane_bytes;
   uint8_t* weights = rows + buffers * buffer_bytes;
-  uint8_t* scratch = weights + stages * kStageBytes;  // split: [kMmaGroups] weight remainder rows
-  int64_t* out_rows = reinterpret_cast<int64_t*>(scratch + (kSplit ? kMmaGroups * kGroupRowBytes : 0));  // [buffers][P]
+  int64_t* out_rows = reinterpret_cast<int64_t*>(weights + stages * kStageBytes);  // [buffers][P]
   int64_t* row_off = out_rows + buffers * P;
-  uint64_t* w_full = reinterpret_cast<uint64_t*>(row_off + P);
+  float* pos_down = reinterpret_cast<float*>(row_off + P);  // split: [buffers][P], each gate row's scale back
+  uint64_t* w_full = reinterpret_cast<uint64_t*>(pos_down + (kSplit ? buffers * P : 0));
   uint64_t* w_empty = w_full + stages;
   uint64_t* rows_full = w_empty + stages;
   uint64_t* rows_empty = rows_full + buffers;
@@ -686,10 +686,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int64_t tiles = args.batch * tiles_per_batch, plane = args.n * args.ldz;
   const int chunks = static_cast<int>(ceil_div(args.c, kChunkRows));
-  const int per_chunk = kt_x + kt_z, w_tiles = chunks * per_chunk;
-  // Split weights are split in place per load, so a stage read twice would have lost its
-  // remainder: never resident (a ring with more stages than k-tiles still streams).
-  const bool resident = !kSplit && w_tiles <= stages;
+  const int per_chunk = kSegs * (kt_x + kt_z), w_tiles = chunks * per_chunk;
+  const bool resident = w_tiles <= stages;
   constexpr int kElemsPerKTile = kKBytes / static_cast<int>(sizeof(Op));
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
@@ -697,7 +695,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane != 0) return;
     if (resident) {
       for (int w = 0; w < w_tiles; ++w)
-        load_weight_tile(weights, w_full, w, w / per_chunk, w % per_chunk, kt_x, kElemsPerKTile, &map_gate, &map_out);
+        load_weight_tile(weights, w_full, w, w / per_chunk, w % per_chunk, kSegs * kt_x, kElemsPerKTile, &map_gate,
+                         &map_out);
       return;
     }
     FillRing ring{w_empty, stages};  // streamed: each chunk's k-tiles once per half of the positions
@@ -706,7 +705,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int half = 0; half < P / kHalf; ++half)
           for (int i = 0; i < per_chunk; ++i) {
             ring.wait_free();
-            load_weight_tile(weights, w_full, ring.slot, chunk, i, kt_x, kElemsPerKTile, &map_gate, &map_out);
+            load_weight_tile(weights, w_full, ring.slot, chunk, i, kSegs * kt_x, kElemsPerKTile, &map_gate, &map_out);
             ring.advance();
           }
     return;
@@ -741,11 +740,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float* gate_ln = args.gate_normalized ? args.ln_in_w : nullptr;
       if constexpr (kSplit) {
         const SwizzledRows x_small{x_dst.base + plane_bytes, kRowTileBytes}, z_small{z_dst.base + plane_bytes, kRowTileBytes};
-        stage_z_rows<M, P>(SplitSwizzledRows{z_dst, z_small}, z_tile, plane, static_cast<int>(args.h), z_fill,
-                           row_off, args.eps_out, stager_warp);
-        stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(
-            SplitSwizzledRows{x_dst, x_small}, vectorized, static_cast<const TIn*>(args.pair), row_off, P,
-            static_cast<int>(args.c), x_fill, gate_ln, args.ln_in_b, args.eps_in, stager_warp);
+        stage_z_rows<M, P>(F16SplitSwizzledRows{z_dst, z_small, args.f16x3_scales[kZRows]}, z_tile, plane,
+                           static_cast<int>(args.h), z_fill, row_off, args.eps_out, stager_warp);
+        const F16SplitScaledRows x_split{F16SplitSwizzledRows{x_dst, x_small, 1.f}, pos_down + buf * P,
+                                         args.f16x3_scales[kGateDown]};
+        stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(x_split, vectorized, static_cast<const TIn*>(args.pair),
+                                                           row_off, P, static_cast<int>(args.c), x_fill, gate_ln,
+                                                           args.ln_in_b, args.eps_in, stager_warp);
       } else {
         stage_z_rows<M, P>(z_dst, z_tile, plane, static_cast<int>(args.h), z_fill, row_off, args.eps_out,
                            stager_warp);
@@ -766,7 +767,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int consumer = warp >> 2, warp4 = warp & 3, g = lane >> 2, t = lane & 3;
   const bool leader = (threadIdx.x & 127) == 0;
   constexpr int kHalfBytes = kHalf * kKBytes;  // 64 swizzled rows: a 1024-byte multiple
-  uint8_t* group_scratch = scratch + consumer * kGroupRowBytes;
   WeightRing ring{w_full, w_empty, weights, stages, resident};
   int buf = 0;
   uint32_t buf_phase = 0;
@@ -775,24 +775,42 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint8_t* x_rows = rows + buf * buffer_bytes;
     const uint8_t* z_rows = x_rows + kt_x * kRowTileBytes;
     const int64_t* tile_out = out_rows + buf * P;
+    const float* tile_down = pos_down + buf * P;  // (split)
     mbar_wait(&rows_full[buf], buf_phase);
     for (int chunk = 0; chunk < chunks; ++chunk) {
       const int c = chunk * kChunkRows + consumer * 64 + warp4 * 16 + g;
       const bool c_ok = c < args.c, c8_ok = c + 8 < args.c;
       const float gate_bias = c_ok ? args.b_gate[c] : 0.f, gate_bias8 = c8_ok ? args.b_gate[c + 8] : 0.f;
-      const float out_bias = c_ok ? args.b_out[c] : 0.f, out_bias8 = c8_ok ? args.b_out[c + 8] : 0.f;
+      // (split: out_proj's products are 2^(s_z + t_out) times too large, the biases to match)
+      const float out_up = kSplit ? args.f16x3_scales[kOutUp] : 1.f;
+      const float out_bias = c_ok ? args.b_out[c] * out_up : 0.f, out_bias8 = c8_ok ? args.b_out[c + 8] * out_up : 0.f;
       for (int half = 0; half < P / kHalf; ++half) {
         if (resident) ring.stage = chunk * per_chunk;  // the chunk's k-tiles, again for each half
         float acc[32];  // (written only while no wgmma is in flight)
-        start_accumulators(acc, gate_bias, gate_bias8);
+        if constexpr (kSplit) start_accumulators(acc, 0.f, 0.f);  // (the biases after each position's scale)
+        else start_accumulators(acc, gate_bias, gate_bias8);
         multiply_k_tiles<Op, kSplit>(acc, ring, consumer, x_rows + half * kHalfBytes, kRowTileBytes, kt_x, leader,
-                                     x_rows + plane_bytes + half * kHalfBytes, group_scratch);
+                                     x_rows + plane_bytes + half * kHalfBytes);
         float gate[32];  // sigmoid of the gate, in the accumulators' layout
+        if constexpr (kSplit) {
+          // Each position's gate row was scaled on its own: back by its factor (times 2^-t_gate),
+          // then the bias; and out_proj's scale back folded in.
+          const float out_down = args.f16x3_scales[kOutDown];
 #pragma unroll
-        for (int i = 0; i < 32; ++i) gate[i] = gate_sigmoid<M>(acc[i]);
+          for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float down = tile_down[half * kHalf + 8 * j + 2 * t + e];
+              gate[4 * j + e] = gate_sigmoid<M>(fmaf(acc[4 * j + e], down, gate_bias)) * out_down;
+              gate[4 * j + 2 + e] = gate_sigmoid<M>(fmaf(acc[4 * j + 2 + e], down, gate_bias8)) * out_down;
+            }
+        } else {
+#pragma unroll
+          for (int i = 0; i < 32; ++i) gate[i] = gate_sigmoid<M>(acc[i]);
+        }
         start_accumulators(acc, out_bias, out_bias8);
         multiply_k_tiles<Op, kSplit>(acc, ring, consumer, z_rows + half * kHalfBytes, kRowTileBytes, kt_z, leader,
-                                     z_rows + plane_bytes + half * kHalfBytes, group_scratch);
+                                     z_rows + plane_bytes + half * kHalfBytes);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -816,18 +834,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 // The buffers, stages and bytes this kernel would take these sizes with (bytes 0: it does not):
 // z from a separate contraction (fp32), h_pad <= 128, bf16 / fp16 / TF32 operands, an sm_90a build
 // on Hopper, a problem that gives every SM a tile (plan_pass says how buffers and stages are chosen).
-template <Mode M>
+template <Mode M, typename TIn>
 Plan plan(const ForwardArgs& args) {
   if (args.z == nullptr || args.z_dtype != Dtype::f32 || args.h_pad > kMaxHPad) return Plan{};
   if (tensor_map_encoder() == nullptr) return Plan{};
-  const int kt_x = k_tiles(args.c_pad, sizeof(op_t<M>)), kt_z = k_tiles(args.h_pad, sizeof(op_t<M>));
-  const int w_tiles = static_cast<int>(ceil_div(args.c, kChunkRows)) * (kt_x + kt_z);
-  constexpr int kPlanes = M == Mode::tf32x3 ? 2 : 1;
-  const int max_stages = M == Mode::tf32x3 ? 0 : kMaxStages;  // split in place per load: never resident
+  // Split: the prepared fp16x3 weights, and rows the stagers' vectorized path takes (only it
+  // scales rows one by one).
+  if (M == Mode::tf32x3 &&
+      (args.w_gate_f16x3 == nullptr || args.w_out_f16x3 == nullptr || args.f16x3_scales == nullptr ||
+       !fused::rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair)))
+    return Plan{};
+  const int kt_x = k_tiles(args.c_pad, sizeof(pass_op_t<M>)), kt_z = k_tiles(args.h_pad, sizeof(pass_op_t<M>));
+  const int w_tiles = static_cast<int>(ceil_div(args.c, kChunkRows)) * kSegments<M> * (kt_x + kt_z);
   const auto ring = [&](int positions) {
     return plan_pass(
-        [=](int buffers, int stages) { return plan_bytes(kt_x, kt_z, buffers, stages, positions, kPlanes); },
-        w_tiles, max_stages, args.batch * ceil_div(args.n * args.ldz, positions));
+        [=](int buffers, int stages) { return plan_bytes(kt_x, kt_z, buffers, stages, positions, kRowPlanes<M>); },
+        w_tiles, kMaxStages, args.batch * ceil_div(args.n * args.ldz, positions));
   };
   // 128 positions with two buffers, else 64 with two (the weights then stream as often: once per
   // 64 positions either way), else whichever fits with one.
@@ -851,11 +873,16 @@ cudaError_t launch_positions(const ForwardArgs& args, const PassPlan& ring, cons
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args, const Plan& plan) {
-  using Op = op_t<M>;
+  using Op = pass_op_t<M>;
   const int64_t rows = ceil_div(args.c, kChunkRows) * kChunkRows;  // w_gate / w_out rows (zero past C)
+  // (split: the fp16x3 weights, three segments of whole k-tiles per row)
+  const bool split = M == Mode::tf32x3;
+  const auto cols = [&](int64_t k_pad) {
+    return split ? kSegments<M> * k_tiles(k_pad, sizeof(Op)) * (kKBytes / sizeof(Op)) : k_pad;
+  };
   CUtensorMap map_gate, map_out;
-  if (!encode_kmajor_map<Op>(&map_gate, args.w_gate, 0, rows, args.c_pad, kChunkRows) ||
-      !encode_kmajor_map<Op>(&map_out, args.w_out, 0, rows, args.h_pad, kChunkRows))
+  if (!encode_kmajor_map<Op>(&map_gate, split ? args.w_gate_f16x3 : args.w_gate, 0, rows, cols(args.c_pad), kChunkRows) ||
+      !encode_kmajor_map<Op>(&map_out, split ? args.w_out_f16x3 : args.w_out, 0, rows, cols(args.h_pad), kChunkRows))
     return cudaErrorNotSupported;
   return plan.positions == 128 ? launch_positions<M, TIn, 128>(args, plan.ring, map_gate, map_out)
                                : launch_positions<M, TIn, 64>(args, plan.ring, map_gate, map_out);
@@ -896,21 +923,21 @@ cudaError_t launch_tiling(const ForwardArgs& args, int64_t base) {
   return launch_tiles<kernel<M, TIn, T>, T>(staged, args.n * args.ldz, base + staged.contract_stage_bytes);
 }
 
-// Which kernel takes the pass: wgmma (pair_dim > 128, not split), resident, then streamed, the
-// first that applies; with TRIMUL_OUTPUT_PASS set, only the one it names where that applies
-// (pinned_kernel). The wgmma kernel is first only where it measured faster (2026-12-01, H200,
-// NOTES v9): at pair_dim 384 (e.g. (1,1024,384,128) medium 2787 -> 2213 µs, high 6340 -> 3960),
-// not at pair_dim 128 (medium 685 -> 1123, high 1240 -> 1513) nor split (1976 -> 2688).
+// Which kernel takes the pass: wgmma (pair_dim > 128), resident, then streamed, the first that
+// applies; with TRIMUL_OUTPUT_PASS set, only the one it names where that applies (pinned_kernel).
+// The wgmma kernel is first only where it measured faster (2026-12-01, H200, NOTES v9): at
+// pair_dim 384 (e.g. (1,1024,384,128) medium 2787 -> 2213 µs, high 6340 -> 3960), not at pair_dim
+// 128 (medium 685 -> 1123, high 1240 -> 1513).
 template <Mode M>
 bool output_wgmma_first(const ForwardArgs& args) {
-  return M != Mode::tf32x3 && args.c > 128;
+  return args.c > 128;
 }
 
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
   const char* pinned = pinned_kernel("TRIMUL_OUTPUT_PASS");
   if (pin_allows(pinned, "wgmma") && (pinned != nullptr || output_wgmma_first<M>(args))) {
-    const wgmma_tiles::Plan plan = wgmma_tiles::plan<M>(args);
+    const wgmma_tiles::Plan plan = wgmma_tiles::plan<M, TIn>(args);
     if (plan.positions != 0) {
       const cudaError_t status = wgmma_tiles::launch<M, TIn>(args, plan);
       if (status != cudaErrorNotSupported) return status;  // else another kernel takes it

@@ -64,6 +64,7 @@ __device__ __forceinline__ void store_operands(uint32_t* row, int col, const flo
 
 // Where staged rows go. PlainRows: row m at base + m * stride (32-bit words), elements in order.
 struct PlainRows {
+  static constexpr bool kRowScaled = false;  // (see F16SplitScaledRows)
   uint32_t* base;
   int stride;
   template <Mode M, int V>
@@ -81,6 +82,7 @@ struct PlainRows {
 // row at chunk c ^ (m % 8). base is 1024-byte aligned, tile_bytes = rows * 128. A store of V
 // elements at a multiple of V stays inside one 16-byte chunk.
 struct SwizzledRows {
+  static constexpr bool kRowScaled = false;
   uint8_t* base;
   int tile_bytes;
   template <typename Op>
@@ -105,27 +107,61 @@ struct SwizzledRows {
   }
 };
 
-// Split rows for 3xTF32 on wgmma: each value's TF32 part in `big`, its TF32-rounded remainder in
-// `small` (the same swizzled layout), whatever mode the caller names.
-struct SplitSwizzledRows {
-  SwizzledRows big, small;
-  // (both halves are rounded here and stored as the plain fp32 they already are)
+// Split rows for fp16x3 on wgmma: each value times `scale` (a power of two) as its fp16 part in
+// `hi` and the fp16-rounded remainder in `lo` (the same swizzled layout).
+struct F16SplitSwizzledRows {
+  static constexpr bool kRowScaled = false;
+  SwizzledRows hi, lo;
+  float scale;
   template <Mode M, int V>
   __device__ __forceinline__ void store(int m, int col, const float (&y)[V]) const {
-    float hi[V], lo[V];
+    float h[V], l[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      hi[e] = to_operand<Mode::tf32>(y[e]);
-      lo[e] = to_operand<Mode::tf32>(y[e] - hi[e]);
+      const float v = y[e] * scale;
+      h[e] = __half2float(__float2half_rn(v));
+      l[e] = v - h[e];  // exact in fp32; rounded to fp16 by the store
     }
-    big.template store<Mode::tf32x3, V>(m, col, hi);
-    small.template store<Mode::tf32x3, V>(m, col, lo);
+    hi.template store<Mode::f16, V>(m, col, h);
+    lo.template store<Mode::f16, V>(m, col, l);
   }
   template <Mode M>
   __device__ __forceinline__ void store1(int m, int col, float v) const {
-    const float hi = to_operand<Mode::tf32>(v);
-    big.template store1<Mode::tf32x3>(m, col, hi);
-    small.template store1<Mode::tf32x3>(m, col, to_operand<Mode::tf32>(v - hi));
+    const float s = v * scale, h = __half2float(__float2half_rn(s));
+    hi.template store1<Mode::f16>(m, col, h);
+    lo.template store1<Mode::f16>(m, col, s - h);
+  }
+};
+
+// Power-of-two scale taking `largest` (>= 0) to [2^11, 2^12): fp16 parts never overflow and
+// remainders of all but negligible values stay normal. Exponent kept within [-100, 100].
+__device__ __forceinline__ int exponent_to_4096(float largest) {
+  int e;
+  frexpf(largest, &e);  // largest in [2^(e-1), 2^e)
+  return min(max(12 - e, -100), 100);
+}
+
+// fp16x3 rows of no known range (out_gate's source rows): each row scaled by its own power of two
+// (exponent_to_4096 of its largest magnitude, found by the stager before it stores the row), which
+// row_scale() returns to the stager and records, times `down`, as row_down[m] for the products'
+// epilogue. The values arrive at store() already scaled.
+struct F16SplitScaledRows {
+  static constexpr bool kRowScaled = true;
+  F16SplitSwizzledRows split;  // (scale 1)
+  float* row_down;
+  float down;
+  __device__ __forceinline__ float row_scale(int m, float largest, bool record) const {
+    const int e = exponent_to_4096(largest);
+    if (record) row_down[m] = ldexpf(down, -e);
+    return ldexpf(1.f, e);
+  }
+  template <Mode M, int V>
+  __device__ __forceinline__ void store(int m, int col, const float (&y)[V]) const {
+    split.template store<M, V>(m, col, y);
+  }
+  template <Mode M>
+  __device__ __forceinline__ void store1(int m, int col, float v) const {
+    split.template store1<M>(m, col, v);
   }
 };
 
@@ -137,6 +173,10 @@ __device__ void stage_rows_scalar(Dst dst, const TIn* __restrict__ pair,
                            const int64_t* row_off, int rows, int c, int c_pad,
                            const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps, int warp) {
   constexpr int kCached = 16;
+  if constexpr (Dst::kRowScaled) {
+    __trap();  // (row-scaled rows take the vectorized path only: their kernels decline others at launch)
+    return;
+  }
   const int lane = threadIdx.x & 31;
   for (int m = warp; m < rows; m += WARPS) {
     const int64_t off = row_off[m];
@@ -283,6 +323,32 @@ __device__ void stage_rows_vec(Dst dst, const TIn* __restrict__ pair,
         mean = stats.x;
         rstd = stats.y;
       }
+      // A row-scaled destination takes the row times a power of two chosen from its largest
+      // staged magnitude (every lane of the row takes part in the reduction). (The staged value's
+      // formula is written out here and below: a shared lambda changed the other destinations'
+      // measured SASS.)
+      float row_scale = 1.f;
+      if constexpr (Dst::kRowScaled) {
+        float largest = 0.f;
+#pragma unroll
+        for (int l = 0; l < VECS; ++l)
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            float scale = 1.f, offset = 0.f;
+            if constexpr (kHoist) {
+              scale = w[l][e];
+              offset = b[l][e];
+            } else if (ln_w != nullptr && in_c[l]) {
+              const int q = (l * L + sub) * V;
+              scale = ln_w[q + e];
+              offset = ln_b[q + e];
+            }
+            if (valid && in_c[l]) largest = fmaxf(largest, fabsf((x[l][e] - mean) * rstd * scale + offset));
+          }
+        for (int offset = L >> 1; offset > 0; offset >>= 1)
+          largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
+        row_scale = dst.row_scale(m, largest, sub == 0 && m < rows);
+      }
       if (m >= rows) continue;
 #pragma unroll
       for (int l = 0; l < VECS; ++l) {
@@ -300,6 +366,7 @@ __device__ void stage_rows_vec(Dst dst, const TIn* __restrict__ pair,
             offset = ln_b[q + e];
           }
           y[e] = (valid && in_c[l]) ? (x[l][e] - mean) * rstd * scale + offset : 0.f;
+          if constexpr (Dst::kRowScaled) y[e] *= row_scale;
         }
         dst.template store<M, V>(m, q, y);
       }

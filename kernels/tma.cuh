@@ -244,23 +244,6 @@ __device__ __forceinline__ void store_accumulators(TOut* z_mat, const float (&ac
   }
 }
 
-// Splits `bytes` of fp32 values (a warpgroup's rows of a weight stage) into their TF32 parts, in
-// place, and the TF32-rounded remainders at `small`: elementwise, so a 128-byte swizzle carries
-// over where both are 1024-byte aligned. `thread`: 0..127 of the warpgroup. The caller fences
-// (fence_proxy_async) and syncs the warpgroup before wgmma reads either.
-__device__ __forceinline__ void split_tf32_rows(uint8_t* big, uint8_t* small, int bytes, int thread) {
-  float4* hi = reinterpret_cast<float4*>(big);
-  float4* lo = reinterpret_cast<float4*>(small);
-  for (int v = thread; v < bytes / 16; v += 128) {
-    const float4 w = hi[v];
-    const float4 b = make_float4(mma::to_operand<Mode::tf32>(w.x), mma::to_operand<Mode::tf32>(w.y),
-                                 mma::to_operand<Mode::tf32>(w.z), mma::to_operand<Mode::tf32>(w.w));
-    hi[v] = b;
-    lo[v] = make_float4(mma::to_operand<Mode::tf32>(w.x - b.x), mma::to_operand<Mode::tf32>(w.y - b.y),
-                        mma::to_operand<Mode::tf32>(w.z - b.z), mma::to_operand<Mode::tf32>(w.w - b.w));
-  }
-}
-
 // Starts a 64 x N wgmma accumulator tile from per-row values: rows lane / 4 of the warp's slice
 // (regs 4j, 4j + 1 of each n8 block j) get `row`, the rows 8 further (4j + 2, 4j + 3) `row8`.
 template <int ACC>
@@ -270,34 +253,6 @@ __device__ __forceinline__ void start_accumulators(float (&acc)[ACC], float row,
     acc[4 * j] = acc[4 * j + 1] = row;
     acc[4 * j + 2] = acc[4 * j + 3] = row8;
   }
-}
-
-// One k-tile of 3xTF32 from split operands ("highest" in the wgmma passes): this warpgroup's 64
-// fp32 weight rows at `weights` are split (TF32 part in place, remainder at `small`), then
-// small.big + big.small + big.big per k8 step against the rows' TF32 parts (desc_b) and
-// remainders (desc_b_small), committed as one group. ACC 64: n128 products, 32: n64. The caller
-// waits for the group before the next split reuses `small`.
-template <int ACC>
-__device__ __forceinline__ void split_k_tile(float (&acc)[ACC], uint8_t* weights, uint8_t* small, uint64_t desc_b,
-                                             uint64_t desc_b_small, int barrier_id) {
-  split_tf32_rows(weights, small, 64 * 128, threadIdx.x & 127);
-  fence_proxy_async();
-  named_barrier(barrier_id, 128);  // the warpgroup's split is complete before its wgmmas
-  const uint64_t desc_a = smem_descriptor(weights), desc_a_small = smem_descriptor(small);
-  wgmma_fence();
-#pragma unroll
-  for (int step = 0; step < 4; ++step) {
-    if constexpr (ACC == 64) {
-      wgmma_64x128<float>(acc, desc_a_small + 2 * step, desc_b + 2 * step, 1);
-      wgmma_64x128<float>(acc, desc_a + 2 * step, desc_b_small + 2 * step, 1);
-      wgmma_64x128<float>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
-    } else {
-      wgmma_64x64<float>(acc, desc_a_small + 2 * step, desc_b + 2 * step, 1);
-      wgmma_64x64<float>(acc, desc_a + 2 * step, desc_b_small + 2 * step, 1);
-      wgmma_64x64<float>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
-    }
-  }
-  wgmma_commit();
 }
 
 // Bytes of dynamic shared memory this launch was given.
@@ -352,6 +307,15 @@ constexpr int kThreads = kMmaThreads + kStagerThreads + 32;  // + the producer w
 constexpr int kStageBytes = kChunkRows * kKBytes;
 constexpr int kGroupRowBytes = 64 * kKBytes;  // an MMA warpgroup's rows of a stage
 constexpr int kMaxStages = 8;                 // resident weights: at most this many stages
+
+// The operand type in shared memory, the row planes and the weight k-segments per chunk of mode M
+// ("highest": fp16x3, see ForwardArgs::w_in_f16x3).
+template <Mode M>
+using pass_op_t = std::conditional_t<M == Mode::tf32x3, __half, mma::op_t<M>>;
+template <Mode M>
+constexpr int kRowPlanes = M == Mode::tf32x3 ? 2 : 1;
+template <Mode M>
+constexpr int kSegments = M == Mode::tf32x3 ? 3 : 1;
 
 // 128-byte k-tiles in `cols` operands of op_bytes each.
 __host__ __device__ inline int k_tiles(int64_t cols, int op_bytes) {
