@@ -488,7 +488,7 @@ PASS_KERNELS = {"input": {"wgmma": "input_pass::wgmma_tiles::kernel<", "resident
 def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precision, batch, n, pair_dim, hidden):
     """TRIMUL_INPUT_PASS / TRIMUL_OUTPUT_PASS pin a fused pass to one kernel. auto runs only the
     first that applies (on Hopper the input pass's wgmma kernel; the output pass's wgmma kernel at
-    pair_dim > 128), so this keeps every kernel checked against fp64, and
+    pair_dim > 128 or "highest"), so this keeps every kernel checked against fp64, and
     profiles the call to be sure the pinned kernel is the one that ran. "highest" at N=200 runs the
     split-operand contraction, so the input pass writes both planes."""
     if kernel == "wgmma" and torch.cuda.get_device_capability()[0] != 9:

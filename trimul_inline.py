@@ -606,16 +606,16 @@ def _power_of_two_to_4096(bound: torch.Tensor) -> torch.Tensor:
 
 
 def _f16x3_split(w: torch.Tensor):
-    """w (fp32 [rows, k_pad]) times 2^t as the wgmma passes' fp16x3 operand: per row [hi | lo | hi]
-    in fp16, each segment round_up(k_pad, 64) wide; and t."""
+    """w (fp32 [rows, k_pad]) times 2^t as the wgmma passes' fp16x3 operand: per row [hi | lo] in
+    fp16, each segment round_up(k_pad, 64) wide; and t."""
     rows, k_pad = w.shape
     segment = _round_up(k_pad, 64)
     t = _power_of_two_to_4096(w.abs().amax())
     scaled = w * torch.exp2(t)
     hi = scaled.half()
     lo = (scaled - hi.float()).half()
-    split = torch.zeros(rows, 3 * segment, device=w.device, dtype=torch.float16)
-    for start, part in ((0, hi), (segment, lo), (2 * segment, hi)):
+    split = torch.zeros(rows, 2 * segment, device=w.device, dtype=torch.float16)
+    for start, part in ((0, hi), (segment, lo)):
         split[:, start:start + k_pad] = part
     return split, t
 

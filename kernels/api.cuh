@@ -82,14 +82,14 @@ struct ForwardArgs {
   int64_t c_pad, h_pad;   // round_up(C, 32), round_up(H, 32)
   // "highest" in the wgmma passes multiplies fp16x3: hi.hi + hi.lo + lo.hi of fp16 splits (about
   // 3xTF32's accuracy at the fp16 tensor-core rate). Each weight matrix, times a power of two 2^t,
-  // as [rows, 3 * round_up(k_pad, 64)] fp16 with per row [hi | lo | hi] (the products hi.hi,
-  // hi.lo, lo.hi against the rows' [hi | hi | lo]); nullptr where not prepared (other modes: the
-  // wgmma passes then decline "highest"). The rows are scaled by powers of two as well, so that
+  // as [rows, 2 * round_up(k_pad, 64)] fp16 with per row [hi | lo]: each hi k-tile multiplies the
+  // rows' hi and lo k-tiles, each lo k-tile their hi; nullptr where not prepared (other modes:
+  // the wgmma passes then decline "highest"). The rows are scaled by powers of two as well, so that
   // both operands' largest magnitudes sit near 2^12: no fp16 value overflows and remainders keep
   // their bits (F16x3Scale lists the factors; out_gate's rows are scaled per position).
-  const void* w_in_f16x3;    // [2 * rows_ab, 3 * round_up(c_pad, 64)]
-  const void* w_gate_f16x3;  // [round_up(C, 128), 3 * round_up(c_pad, 64)]
-  const void* w_out_f16x3;   // [round_up(C, 128), 3 * round_up(h_pad, 64)]
+  const void* w_in_f16x3;    // [2 * rows_ab, 2 * round_up(c_pad, 64)]
+  const void* w_gate_f16x3;  // [round_up(C, 128), 2 * round_up(c_pad, 64)]
+  const void* w_out_f16x3;   // [round_up(C, 128), 2 * round_up(h_pad, 64)]
   const float* f16x3_scales; // [kF16x3Scales]
   // Work buffers: a_t, b_t [B*H, N, ld] in the operand type; z [B*H, N, ldz] in z_dtype. With
   // z == nullptr the output pass computes z itself from a_t and b_t (small N: one launch fewer).

@@ -186,7 +186,7 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
                     "trimul_inline: prepared weights do not match pair_dim ", c, " / hidden ", hidden);
   if (f16x3_weights) {
     const auto is_f16x3 = [](const at::Tensor& w, int64_t rows, int64_t k_pad) {
-      return w.scalar_type() == at::kHalf && w.dim() == 2 && w.size(0) == rows && w.size(1) == 3 * round_up(k_pad, 64);
+      return w.scalar_type() == at::kHalf && w.dim() == 2 && w.size(0) == rows && w.size(1) == 2 * round_up(k_pad, 64);
     };
     const int64_t rows_c = round_up(c, 128);
     TORCH_CHECK_VALUE(is_f16x3(weights[10], 2 * args.rows_ab, args.c_pad) && is_f16x3(weights[11], rows_c, args.c_pad) &&

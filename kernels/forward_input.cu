@@ -287,8 +287,8 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 // Where two row buffers do not fit (TF32 at pair_dim 384) there is one: staging and products then
 // take turns, as in the first (v7a) version of this kernel.
 // "highest" multiplies fp16x3 (ForwardArgs::w_in_f16x3): the stagers write each row, scaled by 2^s_in,
-// as its fp16 part and fp16 remainder (two planes); the prepared weights hold [hi | lo | hi] per
-// row, so a chunk is three k-segments against the rows' [hi | hi | lo]: hi.hi + hi.lo + lo.hi,
+// as its fp16 part and fp16 remainder (two planes); the prepared weights hold [hi | lo] per row,
+// and each hi k-tile multiplies the rows' hi and lo k-tiles, each lo k-tile their hi: hi.hi + hi.lo + lo.hi,
 // about 3xTF32's accuracy at twice its tensor-core rate and half its shared memory (NOTES v11).
 // a_t / b_t still get TF32 parts and remainders for the split contraction.
 namespace wgmma_tiles {
@@ -449,12 +449,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kt = 0; kt < chunk_tiles; ++kt) {
         const int s = resident ? chunk * chunk_tiles + kt : stage;
         mbar_wait(&w_full[s], resident ? 0u : stage_phase);
-        // The rows' k-tile: split, segments hi.hi, hi.lo, lo.hi against the [hi | hi | lo] k-tiles,
-        // the remainders' plane kt_count k-tiles after the fp16 parts'.
+        // The rows' k-tile (split: a weight hi k-tile against the rows' hi and lo k-tiles, the
+        // remainders' plane kt_count k-tiles after the fp16 parts'; a lo k-tile against their hi).
         const int row_kt = kSplit && kt >= kt_count ? kt - kt_count : kt;
         const uint64_t desc_a = smem_descriptor(weights + s * kStageBytes + consumer * kGroupRowBytes);
         const uint64_t desc_b = smem_descriptor(tile_rows + row_kt * kRowTileBytes);
         wgmma_k_tile<Op>(acc, desc_a, desc_b);
+        // (the remainders' descriptor kt_count k-tiles on: its address field counts 16 bytes, and
+        // shared memory ends far below its 2^18-byte reach)
+        if (kSplit && kt < kt_count) wgmma_k_tile<Op>(acc, desc_a, desc_b + kt_count * (kRowTileBytes >> 4));
         // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
         wgmma_wait<1>();
         if (!resident) {
@@ -479,14 +482,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int64_t h = (local >> 4) * 8 + g;
       if (h >= args.h) continue;
       op_t<M>* out = static_cast<op_t<M>*>(second ? args.b_t : args.a_t) + (batch * args.h + h) * plane + p0;
+      // (split: the gates' 2^-(s_in+t_in), read once here: read per use, behind the stores to a_t /
+      // b_t that might alias it, it was a global load per pair that the multiplies waited on)
+      const float gate_down = kSplit ? args.f16x3_scales[kInDown] : 1.f;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const int m = 8 * j + 2 * t;
         const float2 scale = *reinterpret_cast<const float2*>(scale_t + m);  // (split: proj's 2^-(s_in+t_in) in it)
         float gate0 = acc[4 * j + 2], gate1 = acc[4 * j + 3];
         if constexpr (kSplit) {
-          gate0 *= args.f16x3_scales[kInDown];
-          gate1 *= args.f16x3_scales[kInDown];
+          gate0 *= gate_down;
+          gate1 *= gate_down;
         }
         const float v0 = gated<M>(acc[4 * j], gate0, scale.x);
         const float v1 = gated<M>(acc[4 * j + 1], gate1, scale.y);

@@ -502,7 +502,7 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 }  // namespace resident
 
 // ---- wgmma + TMA, warp-specialized (sm_90a) ----------------------------------------------------
-// First in auto at pair_dim > 128 only (output_wgmma_first says why). The input pass's v8a design
+// First in auto at pair_dim > 128 and at "highest" (output_wgmma_first says why). The input pass's v8a design
 // applied to this pass: one block per SM of 16 warps,
 // - the producer warp streams out_gate's and out_proj's rows with TMA, per chunk of 128 output
 //   channels out_gate's k-tiles then out_proj's (or loads them all once where they fit);
@@ -516,7 +516,7 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 //   channel. (Streamed weights pass once per 64 positions.)
 // "highest" multiplies fp16x3 as the input pass's wgmma kernel does (ForwardArgs::w_gate_f16x3):
 // both row sets as fp16 parts and remainders, each GEMM three k-segments against the prepared
-// [hi | lo | hi] weights. z's rows (normalized: at most sqrt(H) in magnitude) take one scale; the
+// [hi | lo] weights. z's rows (normalized: at most sqrt(H) in magnitude) take one scale; the
 // gate's source rows, of no known range, each take their own (F16SplitScaledRows), which the
 // epilogue undoes per position before the biases.
 namespace wgmma_tiles {
@@ -617,22 +617,21 @@ struct WeightRing {
 
 // acc += the weights' next `count` k-tiles (this warpgroup's 64 rows of each) x 64 positions of
 // the rows' k-tiles (starting at b_tiles, tile_bytes apart).
-// Split ("highest", fp16x3): 3 x count weight k-tiles ([hi | lo | hi]) against the rows' fp16
-// parts twice, then their remainders (`small_rows`, the same k-tile offsets).
+// Split ("highest", fp16x3): 2 x count weight k-tiles ([hi | lo]): each hi k-tile against the
+// rows' fp16 parts and remainders (`small_rows`, the same k-tile offsets), each lo against the parts.
 template <typename Op, bool kSplit>
 __device__ __forceinline__ void multiply_k_tiles(float (&acc)[32], WeightRing& ring, int consumer,
                                                  const uint8_t* b_tiles, int tile_bytes, int count, bool leader,
                                                  const uint8_t* small_rows = nullptr) {
   int held = -1;  // the stage the k-tile before this one read
-  const int total = kSplit ? 3 * count : count;
+  const int total = kSplit ? 2 * count : count;
   for (int kt = 0; kt < total; ++kt) {
     const int s = ring.stage;
     mbar_wait(&ring.full[s], ring.resident ? 0u : ring.phase);
     const uint64_t desc_a = smem_descriptor(ring.base + s * kStageBytes + consumer * kGroupRowBytes);
-    const uint8_t* rows_kt = b_tiles + kt * tile_bytes;
-    if constexpr (kSplit)
-      if (kt >= count) rows_kt = kt < 2 * count ? rows_kt - count * tile_bytes : small_rows + (kt - 2 * count) * tile_bytes;
-    wgmma_k_tile<Op>(acc, desc_a, smem_descriptor(rows_kt));
+    const int row_kt = kSplit && kt >= count ? kt - count : kt;
+    wgmma_k_tile<Op>(acc, desc_a, smem_descriptor(b_tiles + row_kt * tile_bytes));
+    if (kSplit && kt < count) wgmma_k_tile<Op>(acc, desc_a, smem_descriptor(small_rows + kt * tile_bytes));
     // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
     wgmma_wait<1>();
     if (!ring.resident && held >= 0 && leader) mbar_arrive(&ring.empty[held]);
@@ -923,14 +922,15 @@ cudaError_t launch_tiling(const ForwardArgs& args, int64_t base) {
   return launch_tiles<kernel<M, TIn, T>, T>(staged, args.n * args.ldz, base + staged.contract_stage_bytes);
 }
 
-// Which kernel takes the pass: wgmma (pair_dim > 128), resident, then streamed, the first that
+// Which kernel takes the pass: wgmma (pair_dim > 128, or "highest"), resident, then streamed, the first that
 // applies; with TRIMUL_OUTPUT_PASS set, only the one it names where that applies (pinned_kernel).
-// The wgmma kernel is first only where it measured faster (2026-12-01, H200, NOTES v9): at
-// pair_dim 384 (e.g. (1,1024,384,128) medium 2787 -> 2213 µs, high 6340 -> 3960), not at pair_dim
-// 128 (medium 685 -> 1123, high 1240 -> 1513).
+// The wgmma kernel is first only where it measured faster (2026-12-01, H200, NOTES v9, v11): at
+// pair_dim 384 (e.g. (1,1024,384,128) medium 2787 -> 2213 µs, high 6340 -> 3960) and at "highest"
+// (fp16x3: (1,1024,128,128) 1931 -> 1487), not at pair_dim 128 otherwise (medium 685 -> 1123,
+// high 1240 -> 1513).
 template <Mode M>
 bool output_wgmma_first(const ForwardArgs& args) {
-  return args.c > 128;
+  return M == Mode::tf32x3 || args.c > 128;
 }
 
 template <Mode M, typename TIn>

@@ -315,7 +315,7 @@ using pass_op_t = std::conditional_t<M == Mode::tf32x3, __half, mma::op_t<M>>;
 template <Mode M>
 constexpr int kRowPlanes = M == Mode::tf32x3 ? 2 : 1;
 template <Mode M>
-constexpr int kSegments = M == Mode::tf32x3 ? 3 : 1;
+constexpr int kSegments = M == Mode::tf32x3 ? 2 : 1;  // (split: the weights' [hi | lo])
 
 // 128-byte k-tiles in `cols` operands of op_bytes each.
 __host__ __device__ inline int k_tiles(int64_t cols, int op_bytes) {
