@@ -545,6 +545,28 @@ def test_highest_wgmma_passes_hold_at_extreme_scales(monkeypatch, ln_scale, weig
 
 
 @cuda
+@pytest.mark.parametrize("input_kernel", ["wgmma", "streamed"])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_highest_split_contraction_both_operand_formats(monkeypatch, input_kernel, mask_dtype):
+    """At "highest" with a separate contraction (N > 64) on Hopper the input pass writes the
+    contraction's operands split: as fp16 parts and remainders scaled by a bound that assumes a mask
+    of at most 1 (bool masks), else as TF32 parts and remainders. A float mask past 1 must take the
+    second (each input-pass kernel writes both formats)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the split contraction needs an sm_90a GPU")
+    monkeypatch.setenv("TRIMUL_INPUT_PASS", input_kernel)
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(128, 64, "outgoing", "raw").double(), g)
+    new = _make_new(reference, torch.float32, "auto", "highest")
+    pair, mask = random_inputs(1, 200, 128, g)
+    if mask_dtype == torch.float32:
+        mask = mask * (torch.rand(mask.shape, generator=g) * 3.0)  # values in [0, 3)
+    _check_model(new, reference, pair, mask.to(mask_dtype), FUSED_TOLERANCE["highest"], seed,
+                 f"{input_kernel} {mask_dtype}")
+
+
+@cuda
 def test_prepared_weights_follow_parameter_changes():
     """The eager path caches kernel-layout weights: every supported way of changing a parameter
     must reach the output (a stale copy would be a silently wrong result)."""

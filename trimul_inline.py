@@ -596,7 +596,8 @@ def prepare_weights(params, mode: str):
                 as_operand(w_in), torch.cat([ba, bb]), as_operand(w_gate),
                 as_f32(gate_b), as_operand(w_out), as_f32(out_b)]
     if mode == "tf32x3":
-        prepared += _f16x3_weights(w_in, w_gate, w_out, ln_in_w.float(), ln_in_b.float(), pair_dim, hidden)
+        prepared += _f16x3_weights(w_in, w_gate, w_out, ln_in_w.float(), ln_in_b.float(), pair_dim, hidden,
+                                   torch.cat([pa_w, pb_w]).float(), torch.cat([pa_b, pb_b]).float())
     return prepared
 
 
@@ -620,19 +621,24 @@ def _f16x3_split(w: torch.Tensor):
     return split, t
 
 
-def _f16x3_weights(w_in, w_gate, w_out, ln_w, ln_b, pair_dim: int, hidden: int):
+def _f16x3_weights(w_in, w_gate, w_out, ln_w, ln_b, pair_dim: int, hidden: int, proj_w, proj_b):
     """The "highest" wgmma passes' operands (ForwardArgs::w_in_f16x3 .. f16x3_scales): the three
     weight matrices split, and the F16x3Scale factors. A LayerNorm-ed entry is at most sqrt(K) in
     magnitude before its affine (|x_hat| <= sqrt(K - 1)), so the input rows' bound is sqrt(C) max|w| +
-    max|b| and z's sqrt(H): the scales take both operands' largest possible values to at most 2^12,
-    so no fp16 value overflows (65504) and remainders of all but negligible values stay normal.
-    out_gate's source rows have no such bound: the kernel scales each on its own."""
+    max|b| and z's sqrt(H); the contraction operands a and b (proj * sigmoid * mask, with a mask of
+    at most 1) are at most that bound times ||proj row||_1 plus |proj bias|. The scales take each
+    operand's largest possible value to at most 2^12, so no fp16 value overflows (65504) and the
+    remainders of all but negligible values stay normal. out_gate's source rows have no such bound:
+    the kernel scales each on its own."""
     w_in16, t_in = _f16x3_split(w_in)
     w_gate16, t_gate = _f16x3_split(w_gate)
     w_out16, t_out = _f16x3_split(w_out)
-    s_in = _power_of_two_to_4096(math.sqrt(pair_dim) * ln_w.abs().amax() + ln_b.abs().amax())
+    row_bound = math.sqrt(pair_dim) * ln_w.abs().amax() + ln_b.abs().amax()
+    s_in = _power_of_two_to_4096(row_bound)
     s_z = _power_of_two_to_4096(torch.tensor(math.sqrt(hidden), device=w_in.device))
-    exponents = torch.stack([s_in, s_in + t_in, -(s_in + t_in), -t_gate, s_z, s_z + t_out, -(s_z + t_out)])
+    s_ab = _power_of_two_to_4096((row_bound * proj_w.abs().sum(1) + proj_b.abs()).amax())
+    exponents = torch.stack([s_in, s_in + t_in, -(s_in + t_in), -t_gate, s_z, s_z + t_out, -(s_z + t_out), s_ab,
+                             -2 * s_ab])
     return [w_in16, w_gate16, w_out16, torch.exp2(exponents).float().contiguous()]
 
 

@@ -29,8 +29,10 @@ struct ContractArgs {
   bool tf32_rounded;  // fp32 a and b hold TF32 values already (the fused input pass writes them so)
   // 3xTF32 from split operands: a and b hold `batch` planes of TF32 values ("big") followed by
   // `batch` planes of the remainders (value - big, TF32-rounded), and z = big.big + big.small +
-  // small.big. Only wgmma_tma takes it (the fused forward asks no other kernel).
+  // small.big. Only wgmma_tma takes it (the fused forward asks no other kernel). Split fp16
+  // operands (fp16x3) are scaled: z_scale points at the factor that takes the products back.
   bool split;
+  const float* z_scale;
   cudaStream_t stream;
 };
 
@@ -50,6 +52,8 @@ enum F16x3Scale : int {
   kZRows,        // 2^s_z
   kOutUp,        // 2^(s_z + t_out)
   kOutDown,      // 2^-(s_z + t_out)
+  kAbUp,         // 2^s_ab: the contraction's fp16x3 operands (ForwardArgs::ab_f16x3) scaled
+  kZDown,        // 2^-2s_ab: its products back
   kF16x3Scales
 };
 
@@ -99,6 +103,10 @@ struct ForwardArgs {
   // tf32x3 with a separate split-operand contraction: elements from a value's TF32 part in a_t /
   // b_t to its remainder (the remainder planes follow the big ones). 0: values stored whole.
   int64_t small_offset;
+  // With small_offset: a_t / b_t hold fp16 parts and remainders of the values times 2^s_ab
+  // (F16x3Scale: s_ab puts a bound on |a|, |b| from the parameters and a mask of at most 1 near 2^12)
+  // instead of TF32 ones, for an fp16x3 contraction (ContractArgs::z_scale).
+  bool ab_f16x3;
   void* z;
   Dtype z_dtype;
   int64_t ldz;

@@ -1,7 +1,8 @@
 // wgmma_tma — Hopper (sm_90a): 128x256 tiles; one producer thread issues TMA loads (128-byte swizzle,
 // zero fill past the edges) into a 4-stage mbarrier pipeline, two consumer warpgroups each run
-// m64n256k16 (k8 for TF32) on their 64 rows and keep one k-tile of MMAs in flight. Also 3xTF32 from
-// split operands (ContractArgs::split): the k loop runs three times, over big.big, big.small, small.big.
+// m64n256k16 (k8 for TF32) on their 64 rows and keep one k-tile of MMAs in flight. Also 3xTF32 or
+// fp16x3 from split operands (ContractArgs::split): the k loop runs three times, over big.big,
+// big.small, small.big (fp16x3: scaled operands, the products scaled back by *z_scale).
 #include "tma.cuh"
 
 namespace trimul {
@@ -35,10 +36,10 @@ __device__ __forceinline__ void wgmma_64x256_step(float (&d)[128], uint64_t desc
 // Stage s of the pipeline is used for the it-th k-tile when s = it % kStages, in round it / kStages:
 // `full[s]` completes once per round when both TMA boxes have landed, `empty[s]` once per round
 // when both consumer warpgroups are done reading it.
-template <typename Op, typename TOut>
+template <typename Op, typename TOut, bool kScaled = false>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b, TOut* __restrict__ z,
-           int64_t batch, int64_t m, int64_t n, int64_t ldz, int k_tiles, int segments) {
+           int64_t batch, int64_t m, int64_t n, int64_t ldz, int k_tiles, int segments, const float* z_scale) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
@@ -95,9 +96,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     wgmma_wait<0>();
     if (k_tiles > 0 && leader) mbar_arrive(&empty[(it - 1) % kStages]);
+    if constexpr (kScaled) {
+      const float scale = *z_scale;
+#pragma unroll
+      for (int r = 0; r < 128; ++r) acc[r] *= scale;
+    }
 
     store_accumulators<BN>(z + bz * m * ldz, acc, row0 + consumer * 64, col0, m, n, ldz, paired_store);
   }
+}
+
+template <typename Op, typename TOut, bool kScaled>
+cudaError_t launch_kernel(const ContractArgs& args, const CUtensorMap& map_a, const CUtensorMap& map_b) {
+  const cudaError_t status = fused::allow_smem<kernel<Op, TOut, kScaled>>(kSmemBytes);
+  if (status != cudaSuccess) return status;
+  const int k_tiles = static_cast<int>(ceil_div(args.k * static_cast<int64_t>(sizeof(Op)), kRowBytes));
+  const dim3 grid(static_cast<unsigned>(ceil_div(args.m, BM) * ceil_div(args.n, BN)), batch_grid(args.batch));
+  kernel<Op, TOut, kScaled><<<grid, kThreads, kSmemBytes, args.stream>>>(
+      map_a, map_b, static_cast<TOut*>(args.z), args.batch, args.m, args.n, args.ldz, k_tiles, args.split ? 3 : 1,
+      args.z_scale);
+  return cudaGetLastError();
 }
 
 template <typename Op, typename TOut>
@@ -107,14 +125,9 @@ cudaError_t launch_types(const ContractArgs& args) {
   if (!encode_kmajor_map<Op>(&map_a, args.a, planes, args.m, args.lda, BM) ||
       !encode_kmajor_map<Op>(&map_b, args.b, planes, args.n, args.lda, BN))
     return cudaErrorNotSupported;  // the next kernel in auto's list takes it
-  const cudaError_t status = fused::allow_smem<kernel<Op, TOut>>(kSmemBytes);
-  if (status != cudaSuccess) return status;
-  const int k_tiles = static_cast<int>(ceil_div(args.k * static_cast<int64_t>(sizeof(Op)), kRowBytes));
-  const dim3 grid(static_cast<unsigned>(ceil_div(args.m, BM) * ceil_div(args.n, BN)), batch_grid(args.batch));
-  kernel<Op, TOut><<<grid, kThreads, kSmemBytes, args.stream>>>(map_a, map_b, static_cast<TOut*>(args.z), args.batch,
-                                                                args.m, args.n, args.ldz, k_tiles,
-                                                                args.split ? 3 : 1);
-  return cudaGetLastError();
+  if constexpr (std::is_same<Op, __half>::value)
+    if (args.z_scale != nullptr) return launch_kernel<Op, TOut, true>(args, map_a, map_b);
+  return launch_kernel<Op, TOut, false>(args, map_a, map_b);
 }
 
 // As the wgmma variant: 16-bit operands, and fp32 ones only as TF32 values already, where TF32 is
@@ -122,7 +135,9 @@ cudaError_t launch_types(const ContractArgs& args) {
 // pitches (lda is a multiple of 32) and coordinates that fit 32 bits.
 cudaError_t launch(const ContractArgs& args) {
   const bool tf32 = args.operand == Dtype::f32;
-  if (tensor_map_encoder() == nullptr || (args.split && !tf32) ||
+  // (split fp16 operands only as fp16x3, with their scale; split bf16 ones are not made)
+  if (tensor_map_encoder() == nullptr || (args.split && args.operand == Dtype::bf16) ||
+      (args.split && args.operand == Dtype::f16 && args.z_scale == nullptr) ||
       (tf32 && !args.split && (!args.tf32_rounded || args.precision == Precision::highest)))
     return cudaErrorNotSupported;
   if (args.batch == 0 || args.m == 0 || args.n == 0) return cudaSuccess;

@@ -41,7 +41,26 @@ __device__ __forceinline__ void locate_position(const ForwardArgs& args, int64_t
 // tf32x3 with small_offset != 0: the TF32 part here and the remainder small_offset further on,
 // so the contraction needs no splitting of its own (ForwardArgs::small_offset).
 template <Mode M>
-__device__ __forceinline__ void store_operand_pair(op_t<M>* dst, float v0, float v1, int64_t small_offset = 0) {
+__device__ __forceinline__ void store_operand_pair(op_t<M>* dst, float v0, float v1, int64_t small_offset = 0);
+
+// "highest"'s contraction operands (small_offset != 0) at element `index` of a_t / b_t (`base`): TF32
+// parts and remainders in fp32 planes, or with `up` != 0 (ForwardArgs::ab_f16x3) the fp16 parts and
+// remainders of the values times `up` in fp16 planes.
+__device__ __forceinline__ void store_split_pair(void* base, int64_t index, float v0, float v1, int64_t small_offset,
+                                                 float up) {
+  if (up == 0.f) {
+    store_operand_pair<Mode::tf32x3>(static_cast<float*>(base) + index, v0, v1, small_offset);
+    return;
+  }
+  const __half2 hi = __floats2half2_rn(v0 * up, v1 * up);
+  const float2 hf = __half22float2(hi);
+  __half* dst = static_cast<__half*>(base) + index;
+  *reinterpret_cast<__half2*>(dst) = hi;
+  *reinterpret_cast<__half2*>(dst + small_offset) = __floats2half2_rn(v0 * up - hf.x, v1 * up - hf.y);
+}
+
+template <Mode M>
+__device__ __forceinline__ void store_operand_pair(op_t<M>* dst, float v0, float v1, int64_t small_offset) {
   if constexpr (M == Mode::bf16) {
     *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v0, v1);
   } else if constexpr (M == Mode::f16) {
@@ -126,7 +145,10 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
       }
     }
     gemm_streamed_swapped<M, T, kRounded>(acc, a_res, a_stride, k_slabs, stream);
-    Op* out = static_cast<Op*>(half ? args.b_t : args.a_t) + batch * args.h * plane + p0;
+    void* out_base = half ? args.b_t : args.a_t;
+    Op* out = static_cast<Op*>(out_base) + batch * args.h * plane + p0;
+    // (split fp16x3 contraction operands: their scale, read once here)
+    const float ab_up = M == Mode::tf32x3 && args.ab_f16x3 ? args.f16x3_scales[kAbUp] : 0.f;
 #pragma unroll
     for (int mi = 0; mi < T::MT; ++mi) {
       const int64_t h = h_chunk + (ws * T::MT + mi) * 8 + g;
@@ -137,7 +159,11 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
         if (!in_plane[ni]) continue;
         const float v0 = acc[mi][ni][0] * gate_sigmoid<M>(acc[mi][ni][2]) * mask_r[ni][0];
         const float v1 = acc[mi][ni][1] * gate_sigmoid<M>(acc[mi][ni][3]) * mask_r[ni][1];
-        store_operand_pair<M>(row + wr * T::NT * 8 + ni * 8 + 2 * t, v0, v1, args.small_offset);
+        Op* dst = row + wr * T::NT * 8 + ni * 8 + 2 * t;
+        if constexpr (M == Mode::tf32x3)
+          store_split_pair(out_base, dst - static_cast<Op*>(out_base), v0, v1, args.small_offset, ab_up);
+        else
+          store_operand_pair<M>(dst, v0, v1, args.small_offset);
       }
     }
   }
@@ -481,10 +507,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int64_t local = r - (second ? args.rows_ab : 0);
       const int64_t h = (local >> 4) * 8 + g;
       if (h >= args.h) continue;
-      op_t<M>* out = static_cast<op_t<M>*>(second ? args.b_t : args.a_t) + (batch * args.h + h) * plane + p0;
-      // (split: the gates' 2^-(s_in+t_in), read once here: read per use, behind the stores to a_t /
-      // b_t that might alias it, it was a global load per pair that the multiplies waited on)
+      void* out_base = second ? args.b_t : args.a_t;
+      const int64_t out_index = (batch * args.h + h) * plane + p0;
+      op_t<M>* out = static_cast<op_t<M>*>(out_base) + out_index;
+      // (split: the gates' 2^-(s_in+t_in) and the fp16x3 contraction operands' scale, read once
+      // here: read per use, behind the stores to a_t / b_t that might alias them, they were global
+      // loads per pair that the multiplies waited on)
       const float gate_down = kSplit ? args.f16x3_scales[kInDown] : 1.f;
+      const float ab_up = kSplit && args.ab_f16x3 ? args.f16x3_scales[kAbUp] : 0.f;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const int m = 8 * j + 2 * t;
@@ -497,7 +527,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float v0 = gated<M>(acc[4 * j], gate0, scale.x);
         const float v1 = gated<M>(acc[4 * j + 1], gate1, scale.y);
         if (m < in_plane) {
-          if constexpr (kSplit) store_operand_pair<M>(out + m, v0, v1, args.small_offset);
+          if constexpr (kSplit) store_split_pair(out_base, out_index + m, v0, v1, args.small_offset, ab_up);
           else store_operand_pair<M>(out + m, v0, v1);
         }
       }
