@@ -310,13 +310,13 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 //   (k16 for 16-bit operands, k8 for TF32), accumulators started from the biases. Rows grouped by
 //   16 put a thread's proj and gate of one h at the same two positions, so the gated pair goes
 //   straight to a_t / b_t, as in the streamed kernel.
-// Where two row buffers do not fit (TF32 at pair_dim 384) there is one: staging and products then
+// Where two row buffers do not fit (TF32 and split at pair_dim 384) there is one: staging and products then
 // take turns, as in the first (v7a) version of this kernel.
 // "highest" multiplies fp16x3 (ForwardArgs::w_in_f16x3): the stagers write each row, scaled by 2^s_in,
 // as its fp16 part and fp16 remainder (two planes); the prepared weights hold [hi | lo] per row,
 // and each hi k-tile multiplies the rows' hi and lo k-tiles, each lo k-tile their hi: hi.hi + hi.lo + lo.hi,
 // about 3xTF32's accuracy at twice its tensor-core rate and half its shared memory (NOTES v11).
-// a_t / b_t still get TF32 parts and remainders for the split contraction.
+// a_t / b_t get the split contraction's operands (store_split_pair: fp16 or TF32 parts and remainders).
 namespace wgmma_tiles {
 
 using namespace ::trimul::tma;
