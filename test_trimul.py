@@ -567,6 +567,40 @@ def test_highest_split_contraction_both_operand_formats(monkeypatch, input_kerne
 
 
 @cuda
+@pytest.mark.parametrize("input_kernel, mask_dtype", [("wgmma", torch.bool), ("streamed", torch.bool),
+                                                      ("wgmma", torch.float32)])
+@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 200, 384, 128), (1, 200, 128, 128), (2, 97, 32, 24)])
+def test_high_as_scaled_f16_opt_in(monkeypatch, input_kernel, mask_dtype, batch, n, pair_dim, hidden):
+    """TRIMUL_HIGH_ARITH=f16 (opt-in, not yet measured): "high" runs the wgmma passes in scaled fp16
+    (TF32's 11-bit significand) and, with a bool mask, the contraction on scaled fp16 operands; a
+    float mask keeps TF32 operands, and the streamed input kernel writes either. The error must stay
+    within "high"'s budget and stay reduced (not silently fp32-accurate)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    monkeypatch.setenv("TRIMUL_HIGH_ARITH", "f16")
+    monkeypatch.setenv("TRIMUL_INPUT_PASS", input_kernel)
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, "outgoing", "raw").double(), g)
+    new = _make_new(reference, torch.float32, "auto", "high")
+    pair, mask = random_inputs(batch, n, pair_dim, g)
+    if mask_dtype == torch.float32:
+        mask = mask * (torch.rand(mask.shape, generator=g) * 3.0)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        err = _check_model(new, reference, pair, mask.to(mask_dtype), FUSED_TOLERANCE["high"], seed,
+                           f"high f16 {input_kernel} {mask_dtype}")
+        torch.cuda.synchronize()
+    assert err > 1e-6
+    names = [e.key for e in prof.key_averages()]
+    output = [k for k in names if "output_pass" in k]
+    assert len(output) == 1 and any(f"output_pass::wgmma_tiles::kernel<(trimul::Mode)2, float, {positions}, true>"
+                                    in output[0] for positions in (64, 128)), output
+    if input_kernel == "wgmma":
+        assert any("input_pass::wgmma_tiles::kernel<(trimul::Mode)2, float, true>" in k for k in names), names
+
+
+@cuda
 def test_prepared_weights_follow_parameter_changes():
     """The eager path caches kernel-layout weights: every supported way of changing a parameter
     must reach the output (a stale copy would be a silently wrong result)."""

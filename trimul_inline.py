@@ -558,8 +558,8 @@ def prepare_weights(params, mode: str):
     k padded to 32 and rows to 128 with zeros; proj/gate rows in groups of 16 (rows 16g + e = proj
     and 16g + 8 + e = gate of h = 8g + e), so the input pass's mma fragment rows g and g + 8 hold
     both halves of one gated output. LayerNorm_out's weight and bias are folded into out_proj's
-    weight and bias (its own entries stay in the list for the sizes only). The "highest" mode
-    (tf32x3) adds the wgmma input pass's fp16x3 operands (_f16x3_input_weights)."""
+    weight and bias (its own entries stay in the list for the sizes only). The fp32 modes (tf32,
+    tf32x3) add the wgmma passes' scaled fp16 operands (_f16x3_weights)."""
     (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
      out_w, out_b, gate_w, gate_b) = [p.detach() for p in params]
     hidden, pair_dim = pa_w.shape
@@ -595,7 +595,7 @@ def prepare_weights(params, mode: str):
     prepared = [as_f32(ln_in_w), as_f32(ln_in_b), as_f32(ln_out_w), as_f32(ln_out_b),
                 as_operand(w_in), torch.cat([ba, bb]), as_operand(w_gate),
                 as_f32(gate_b), as_operand(w_out), as_f32(out_b)]
-    if mode == "tf32x3":
+    if mode in ("tf32", "tf32x3"):  # (the wgmma passes' scaled fp16 arithmetic: ForwardArgs::w_in_f16x3)
         prepared += _f16x3_weights(w_in, w_gate, w_out, ln_in_w.float(), ln_in_b.float(), pair_dim, hidden,
                                    torch.cat([pa_w, pb_w]).float(), torch.cat([pa_b, pb_b]).float())
     return prepared

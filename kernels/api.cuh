@@ -29,9 +29,10 @@ struct ContractArgs {
   bool tf32_rounded;  // fp32 a and b hold TF32 values already (the fused input pass writes them so)
   // 3xTF32 from split operands: a and b hold `batch` planes of TF32 values ("big") followed by
   // `batch` planes of the remainders (value - big, TF32-rounded), and z = big.big + big.small +
-  // small.big. Only wgmma_tma takes it (the fused forward asks no other kernel). Split fp16
-  // operands (fp16x3) are scaled: z_scale points at the factor that takes the products back.
+  // small.big. Only wgmma_tma takes it (the fused forward asks no other kernel).
   bool split;
+  // fp16 operands scaled by a power of two (ForwardArgs::ab_f16, split or not): the factor that
+  // takes the products back. Only wgmma_tma takes them.
   const float* z_scale;
   cudaStream_t stream;
 };
@@ -52,7 +53,7 @@ enum F16x3Scale : int {
   kZRows,        // 2^s_z
   kOutUp,        // 2^(s_z + t_out)
   kOutDown,      // 2^-(s_z + t_out)
-  kAbUp,         // 2^s_ab: the contraction's fp16x3 operands (ForwardArgs::ab_f16x3) scaled
+  kAbUp,         // 2^s_ab: the contraction's fp16 operands (ForwardArgs::ab_f16) scaled
   kZDown,        // 2^-2s_ab: its products back
   kF16x3Scales
 };
@@ -103,10 +104,13 @@ struct ForwardArgs {
   // tf32x3 with a separate split-operand contraction: elements from a value's TF32 part in a_t /
   // b_t to its remainder (the remainder planes follow the big ones). 0: values stored whole.
   int64_t small_offset;
-  // With small_offset: a_t / b_t hold fp16 parts and remainders of the values times 2^s_ab
-  // (F16x3Scale: s_ab puts a bound on |a|, |b| from the parameters and a mask of at most 1 near 2^12)
-  // instead of TF32 ones, for an fp16x3 contraction (ContractArgs::z_scale).
-  bool ab_f16x3;
+  // fp32 modes: a_t / b_t hold fp16 values of a, b times 2^s_ab ("highest", with small_offset: fp16
+  // parts and remainders) instead of TF32 ones, for an fp16 (x3) contraction (ContractArgs::z_scale).
+  // (F16x3Scale: s_ab puts a bound on |a|, |b| from the parameters and a mask of at most 1 near 2^12.)
+  bool ab_f16;
+  // "high" in the wgmma passes as scaled fp16 (one plane, one product: TF32's 11-bit significand at
+  // the fp16 rate), as "highest" does with two: opt-in (TRIMUL_HIGH_ARITH=f16), NOTES v14.
+  bool high_f16;
   void* z;
   Dtype z_dtype;
   int64_t ldz;

@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
@@ -127,7 +128,9 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
                         mask.sizes().equals(pair.sizes().slice(0, 3)),
                     "trimul_inline: mask must be (B, N, N) on pair's device");
   TORCH_CHECK_VALUE(mode_code >= 0 && mode_code <= 3, "trimul_inline: mode code ", mode_code);
-  const bool f16x3_weights = static_cast<trimul::Mode>(mode_code) == trimul::Mode::tf32x3;
+  // (the fp32 modes' wgmma passes may multiply scaled fp16: ForwardArgs::w_in_f16x3)
+  const bool f16x3_weights = static_cast<trimul::Mode>(mode_code) == trimul::Mode::tf32x3 ||
+                             static_cast<trimul::Mode>(mode_code) == trimul::Mode::tf32;
   TORCH_CHECK_VALUE(weights.size() == (f16x3_weights ? 14u : 10u), "trimul_inline: forward takes ",
                     f16x3_weights ? 14 : 10, " prepared weights in this mode, got ", weights.size());
   for (const auto& w : weights)
@@ -213,11 +216,17 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   // TF32 part and remainder (twice the planes), so wgmma_tma runs 3xTF32 as three TF32 GEMMs.
   const bool split = mode == trimul::Mode::tf32x3 && !fuse_contraction &&
                      (variant == "auto" || variant == "wgmma_tma") && trimul::wgmma_tma_available();
-  if (split) kernels = {"wgmma_tma"};
-  // Split operands as fp16x3 (half the bytes of TF32 planes, twice the tensor-core rate) where the
-  // scale from the parameters bounds them: a mask of at most 1 (bool); other masks keep TF32 planes.
-  args.ab_f16x3 = split && mask.scalar_type() == at::kBool;
-  const at::ScalarType ab_type = args.ab_f16x3 ? at::kHalf : op_type;
+  // "high" as scaled fp16 in the wgmma passes and the contraction: opt-in, not yet measured (NOTES v14).
+  const char* high_arith = std::getenv("TRIMUL_HIGH_ARITH");
+  args.high_f16 = mode == trimul::Mode::tf32 && high_arith != nullptr && std::string(high_arith) == "f16" &&
+                  trimul::wgmma_tma_available();
+  // The contraction's operands as fp16 (split: parts and remainders; half the bytes of TF32 ones,
+  // twice the tensor-core rate) where the scale from the parameters bounds them: a mask of at most 1
+  // (bool); other masks keep TF32 operands. Only wgmma_tma scales the products back.
+  args.ab_f16 = (split || (args.high_f16 && !fuse_contraction && (variant == "auto" || variant == "wgmma_tma"))) &&
+                mask.scalar_type() == at::kBool;
+  if (split || args.ab_f16) kernels = {"wgmma_tma"};
+  const at::ScalarType ab_type = args.ab_f16 ? at::kHalf : op_type;
   // a_t and b_t [B*H, N, ld] (split: [2, B*H, N, ld]), filled by the input pass.
   const auto input_pass = [&] {
     const int64_t planes = (split ? 2 : 1) * batch * hidden;
@@ -259,7 +268,7 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
       contract.precision = contraction_precision(mode);
       contract.tf32_rounded = mode == trimul::Mode::tf32;
       contract.split = split;
-      contract.z_scale = args.ab_f16x3 ? args.f16x3_scales + trimul::kZDown : nullptr;
+      contract.z_scale = args.ab_f16 ? args.f16x3_scales + trimul::kZDown : nullptr;
       contract.stream = args.stream;
       // The first kernel that takes these operands on this GPU (auto lists the fastest first).
       cudaError_t status = cudaErrorNotSupported;

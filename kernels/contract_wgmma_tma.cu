@@ -135,9 +135,10 @@ cudaError_t launch_types(const ContractArgs& args) {
 // pitches (lda is a multiple of 32) and coordinates that fit 32 bits.
 cudaError_t launch(const ContractArgs& args) {
   const bool tf32 = args.operand == Dtype::f32;
-  // (split fp16 operands only as fp16x3, with their scale; split bf16 ones are not made)
+  // (split fp16 operands only scaled, as fp16x3; split bf16 ones are not made)
   if (tensor_map_encoder() == nullptr || (args.split && args.operand == Dtype::bf16) ||
       (args.split && args.operand == Dtype::f16 && args.z_scale == nullptr) ||
+      (args.z_scale != nullptr && args.operand != Dtype::f16) ||
       (tf32 && !args.split && (!args.tf32_rounded || args.precision == Precision::highest)))
     return cudaErrorNotSupported;
   if (args.batch == 0 || args.m == 0 || args.n == 0) return cudaSuccess;

@@ -43,20 +43,24 @@ __device__ __forceinline__ void locate_position(const ForwardArgs& args, int64_t
 template <Mode M>
 __device__ __forceinline__ void store_operand_pair(op_t<M>* dst, float v0, float v1, int64_t small_offset = 0);
 
-// "highest"'s contraction operands (small_offset != 0) at element `index` of a_t / b_t (`base`): TF32
-// parts and remainders in fp32 planes, or with `up` != 0 (ForwardArgs::ab_f16x3) the fp16 parts and
-// remainders of the values times `up` in fp16 planes.
-__device__ __forceinline__ void store_split_pair(void* base, int64_t index, float v0, float v1, int64_t small_offset,
-                                                 float up) {
+// The fp32 modes' contraction operands at element `index` of a_t / b_t (`base`): as op_t<M> (TF32
+// values; "highest" with small_offset != 0 TF32 parts and remainders), or with `up` != 0
+// (ForwardArgs::ab_f16) fp16 values of the values times `up` ("highest" with small_offset: parts
+// and remainders).
+template <Mode M>
+__device__ __forceinline__ void store_contraction_pair(void* base, int64_t index, float v0, float v1,
+                                                       int64_t small_offset, float up) {
   if (up == 0.f) {
-    store_operand_pair<Mode::tf32x3>(static_cast<float*>(base) + index, v0, v1, small_offset);
+    store_operand_pair<M>(static_cast<op_t<M>*>(base) + index, v0, v1, small_offset);
     return;
   }
   const __half2 hi = __floats2half2_rn(v0 * up, v1 * up);
-  const float2 hf = __half22float2(hi);
   __half* dst = static_cast<__half*>(base) + index;
   *reinterpret_cast<__half2*>(dst) = hi;
-  *reinterpret_cast<__half2*>(dst + small_offset) = __floats2half2_rn(v0 * up - hf.x, v1 * up - hf.y);
+  if constexpr (M == Mode::tf32x3) {  // (ab_f16 at "highest" comes with small_offset: split operands)
+    const float2 hf = __half22float2(hi);
+    *reinterpret_cast<__half2*>(dst + small_offset) = __floats2half2_rn(v0 * up - hf.x, v1 * up - hf.y);
+  }
 }
 
 template <Mode M>
@@ -147,8 +151,8 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
     gemm_streamed_swapped<M, T, kRounded>(acc, a_res, a_stride, k_slabs, stream);
     void* out_base = half ? args.b_t : args.a_t;
     Op* out = static_cast<Op*>(out_base) + batch * args.h * plane + p0;
-    // (split fp16x3 contraction operands: their scale, read once here)
-    const float ab_up = M == Mode::tf32x3 && args.ab_f16x3 ? args.f16x3_scales[kAbUp] : 0.f;
+    // (fp16 contraction operands: their scale, read once here)
+    const float ab_up = (M == Mode::tf32 || M == Mode::tf32x3) && args.ab_f16 ? args.f16x3_scales[kAbUp] : 0.f;
 #pragma unroll
     for (int mi = 0; mi < T::MT; ++mi) {
       const int64_t h = h_chunk + (ws * T::MT + mi) * 8 + g;
@@ -160,8 +164,8 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
         const float v0 = acc[mi][ni][0] * gate_sigmoid<M>(acc[mi][ni][2]) * mask_r[ni][0];
         const float v1 = acc[mi][ni][1] * gate_sigmoid<M>(acc[mi][ni][3]) * mask_r[ni][1];
         Op* dst = row + wr * T::NT * 8 + ni * 8 + 2 * t;
-        if constexpr (M == Mode::tf32x3)
-          store_split_pair(out_base, dst - static_cast<Op*>(out_base), v0, v1, args.small_offset, ab_up);
+        if constexpr (M == Mode::tf32 || M == Mode::tf32x3)
+          store_contraction_pair<M>(out_base, dst - static_cast<Op*>(out_base), v0, v1, args.small_offset, ab_up);
         else
           store_operand_pair<M>(dst, v0, v1, args.small_offset);
       }
@@ -316,7 +320,9 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 // as its fp16 part and fp16 remainder (two planes); the prepared weights hold [hi | lo] per row,
 // and each hi k-tile multiplies the rows' hi and lo k-tiles, each lo k-tile their hi: hi.hi + hi.lo + lo.hi,
 // about 3xTF32's accuracy at twice its tensor-core rate and half its shared memory (NOTES v11).
-// a_t / b_t get the split contraction's operands (store_split_pair: fp16 or TF32 parts and remainders).
+// a_t / b_t get the split contraction's operands (store_contraction_pair: fp16 or TF32 parts and
+// remainders). "high" takes the same scaled fp16 arithmetic with one plane and one product where
+// ForwardArgs::high_f16 asks (kF16: TF32's 11-bit significand at the fp16 rate; opt-in, NOTES v14).
 namespace wgmma_tiles {
 
 using namespace ::trimul::tma;
@@ -347,12 +353,12 @@ __device__ __forceinline__ float gated(float proj, float gate, float scale) {
   else return proj * gate_sigmoid<M>(gate) * scale;
 }
 
-template <Mode M, typename TIn>
+template <Mode M, typename TIn, bool kF16 = M == Mode::tf32x3>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch, int buffers,
            int stages) {
-  using Op = pass_op_t<M>;
-  constexpr bool kSplit = M == Mode::tf32x3;
+  using Op = pass_op_t<M, kF16>;
+  constexpr bool kSplit = M == Mode::tf32x3;  // (implies kF16)
   constexpr int kPlanes = kRowPlanes<M>, kSegs = kSegments<M>;
   extern __shared__ uint8_t smem_raw[];
   // (offset from smem_raw, not an integer round trip: the compiler then knows every pointer below
@@ -411,8 +417,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Zeros up to the end of the last k-tile: the weights there are zero (TMA fills past c_pad),
     // but 0 x stale shared memory could be NaN.
     const int k_fill = kt_count * kElemsPerKTile;
-    float row_scale = 1.f, down = 1.f;  // split: 2^s_in, 2^-(s_in+t_in)
-    if constexpr (kSplit) {
+    float row_scale = 1.f, down = 1.f;  // kF16: 2^s_in, 2^-(s_in+t_in)
+    if constexpr (kF16) {
       row_scale = args.f16x3_scales[kInRows];
       down = args.f16x3_scales[kInDown];
     }
@@ -425,13 +431,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (stager < kPositions) {
         float mask;
         locate_position(args, batch, p0 + stager, plane, row_off[stager], mask);
-        scale_v[buf * kPositions + stager] = kSplit ? gate_scale<M>(mask) * down : gate_scale<M>(mask);
+        scale_v[buf * kPositions + stager] = kF16 ? gate_scale<M>(mask) * down : gate_scale<M>(mask);
       }
       named_barrier(1, kStagerThreads);
       const SwizzledRows big{rows + buf * buffer_bytes, kRowTileBytes};
-      if constexpr (kSplit)
+      if constexpr (kF16)
         stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(
-            F16SplitSwizzledRows{big, SwizzledRows{big.base + kt_count * kRowTileBytes, kRowTileBytes}, row_scale},
+            F16SwizzledRows<kPlanes>{big, SwizzledRows{big.base + kt_count * kRowTileBytes, kRowTileBytes}, row_scale},
             vectorized,
             static_cast<const TIn*>(args.pair), row_off, kPositions, static_cast<int>(args.c), k_fill, args.ln_in_w,
             args.ln_in_b, args.eps_in, stager >> 5);
@@ -457,7 +463,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int row_in_chunk = consumer * 64 + warp4 * 16 + g;
   // The next chunk's biases are loaded before this chunk's epilogue, so their latency hides there.
   // (Split: times 2^(s_in+t_in), the scale of the accumulators' products; see ForwardArgs.)
-  const float up = kSplit ? args.f16x3_scales[kInUp] : 1.f;
+  const float up = kF16 ? args.f16x3_scales[kInUp] : 1.f;
   float proj_bias = args.b_in[row_in_chunk] * up, gate_bias = args.b_in[row_in_chunk + 8] * up;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
@@ -510,24 +516,24 @@ __global__ void __launch_bounds__(kThreads, 1)
       void* out_base = second ? args.b_t : args.a_t;
       const int64_t out_index = (batch * args.h + h) * plane + p0;
       op_t<M>* out = static_cast<op_t<M>*>(out_base) + out_index;
-      // (split: the gates' 2^-(s_in+t_in) and the fp16x3 contraction operands' scale, read once
-      // here: read per use, behind the stores to a_t / b_t that might alias them, they were global
-      // loads per pair that the multiplies waited on)
-      const float gate_down = kSplit ? args.f16x3_scales[kInDown] : 1.f;
-      const float ab_up = kSplit && args.ab_f16x3 ? args.f16x3_scales[kAbUp] : 0.f;
+      // (kF16: the gates' 2^-(s_in+t_in) and the fp16 contraction operands' scale, read once here:
+      // read per use, behind the stores to a_t / b_t that might alias them, they were global loads
+      // per pair that the multiplies waited on)
+      const float gate_down = kF16 ? args.f16x3_scales[kInDown] : 1.f;
+      const float ab_up = kF16 && args.ab_f16 ? args.f16x3_scales[kAbUp] : 0.f;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const int m = 8 * j + 2 * t;
         const float2 scale = *reinterpret_cast<const float2*>(scale_t + m);  // (split: proj's 2^-(s_in+t_in) in it)
         float gate0 = acc[4 * j + 2], gate1 = acc[4 * j + 3];
-        if constexpr (kSplit) {
+        if constexpr (kF16) {
           gate0 *= gate_down;
           gate1 *= gate_down;
         }
         const float v0 = gated<M>(acc[4 * j], gate0, scale.x);
         const float v1 = gated<M>(acc[4 * j + 1], gate1, scale.y);
         if (m < in_plane) {
-          if constexpr (kSplit) store_split_pair(out_base, out_index + m, v0, v1, args.small_offset, ab_up);
+          if constexpr (kF16) store_contraction_pair<M>(out_base, out_index + m, v0, v1, args.small_offset, ab_up);
           else store_operand_pair<M>(out + m, v0, v1);
         }
       }
@@ -542,35 +548,49 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // The buffers, stages and bytes this kernel would take these sizes with (bytes 0: it does not):
 // an sm_90a build on Hopper, bf16 / fp16 / TF32 operands, a problem that gives every SM a tile
-// (plan_pass says how buffers and stages are chosen).
-template <Mode M>
+// (plan_pass says how buffers and stages are chosen); kF16: the prepared fp16 weights.
+template <Mode M, bool kF16 = M == Mode::tf32x3>
 Plan plan(const ForwardArgs& args) {
   if (tensor_map_encoder() == nullptr || 2 * args.rows_ab >= (int64_t(1) << 31)) return Plan{};
-  if (M == Mode::tf32x3 && (args.w_in_f16x3 == nullptr || args.f16x3_scales == nullptr)) return Plan{};
-  const int kt = k_tiles(args.c_pad, sizeof(pass_op_t<M>));
+  if (kF16 && (args.w_in_f16x3 == nullptr || args.f16x3_scales == nullptr)) return Plan{};
+  const int kt = k_tiles(args.c_pad, sizeof(pass_op_t<M, kF16>));
   const int w_tiles = static_cast<int>(2 * args.rows_ab / kChunkRows) * kSegments<M> * kt;
   const int64_t tiles = args.batch * ceil_div(args.n * args.ld, kPositions);
   return plan_pass([kt](int buffers, int stages) { return plan_bytes(kt, buffers, stages, kRowPlanes<M>); }, w_tiles,
                    kMaxStages, tiles);
 }
 
-template <Mode M, typename TIn>
+template <Mode M, typename TIn, bool kF16 = M == Mode::tf32x3>
 cudaError_t launch(const ForwardArgs& args, const Plan& plan) {
-  using Op = pass_op_t<M>;
-  // The grouped proj/gate weights [2 * rows_ab, c_pad] (split: [2 * rows_ab, 3 segments of whole
-  // k-tiles]): boxes of 128 bytes of k x 128 rows, zeros past the row.
-  const bool split = M == Mode::tf32x3;
-  const int64_t cols = split ? kSegments<M> * k_tiles(args.c_pad, sizeof(Op)) * (kKBytes / sizeof(Op)) : args.c_pad;
+  using Op = pass_op_t<M, kF16>;
+  // The grouped proj/gate weights [2 * rows_ab, c_pad] (kF16: the prepared [hi | lo] of whole
+  // k-tiles each; one plane reads the hi segment only): boxes of 128 bytes of k x 128 rows, zeros
+  // past the row.
+  const int64_t cols = kF16 ? 2 * k_tiles(args.c_pad, sizeof(Op)) * (kKBytes / sizeof(Op)) : args.c_pad;
   CUtensorMap map_w;
-  if (!encode_kmajor_map<Op>(&map_w, split ? args.w_in_f16x3 : args.w_in, 0, 2 * args.rows_ab, cols, kChunkRows))
+  if (!encode_kmajor_map<Op>(&map_w, kF16 ? args.w_in_f16x3 : args.w_in, 0, 2 * args.rows_ab, cols, kChunkRows))
     return cudaErrorNotSupported;
-  const cudaError_t status = allow_smem<kernel<M, TIn>>(plan.bytes);
+  const cudaError_t status = allow_smem<kernel<M, TIn, kF16>>(plan.bytes);
   if (status != cudaSuccess) return status;
   const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
   const int64_t blocks = std::min<int64_t>(sm_count(), args.batch * tiles_per_batch);
-  kernel<M, TIn><<<static_cast<unsigned>(blocks), kThreads, plan.bytes, args.stream>>>(
+  kernel<M, TIn, kF16><<<static_cast<unsigned>(blocks), kThreads, plan.bytes, args.stream>>>(
       args, map_w, tiles_per_batch, plan.buffers, plan.stages);
   return cudaGetLastError();
+}
+
+// The kernel for mode M: at "high" with ForwardArgs::high_f16 the scaled fp16 one (the native TF32
+// kernel would not write the fp16 contraction operands that ab_f16 asks for); else M's own.
+template <Mode M, typename TIn>
+cudaError_t plan_and_launch(const ForwardArgs& args) {
+  if constexpr (M == Mode::tf32) {
+    if (args.high_f16) {
+      const Plan f16_plan = plan<M, true>(args);
+      return f16_plan.bytes != 0 ? launch<M, TIn, true>(args, f16_plan) : cudaErrorNotSupported;
+    }
+  }
+  const Plan native = plan<M>(args);
+  return native.bytes != 0 ? launch<M, TIn>(args, native) : cudaErrorNotSupported;
 }
 
 }  // namespace wgmma_tiles
@@ -588,11 +608,8 @@ template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
   const char* pinned = pinned_kernel("TRIMUL_INPUT_PASS");
   if (pin_allows(pinned, "wgmma")) {
-    const wgmma_tiles::Plan plan = wgmma_tiles::plan<M>(args);
-    if (plan.bytes != 0) {
-      const cudaError_t status = wgmma_tiles::launch<M, TIn>(args, plan);
-      if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
-    }
+    const cudaError_t status = wgmma_tiles::plan_and_launch<M, TIn>(args);
+    if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
   }
   if constexpr (M == Mode::bf16 || M == Mode::f16) {
     if (pin_allows(pinned, "resident"))

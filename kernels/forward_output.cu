@@ -534,12 +534,12 @@ constexpr int kMaxHPad = 128;      // h_pad this kernel takes: a quarter in one 
 // Shared memory from a 1024-byte boundary for tiles of `positions`: per buffer the gate-row and z
 // k-tiles (positions x 128 bytes each) and the positions' output offsets; the weight stages; the
 // stagers' pair-row offsets; the barriers.
-// Split operands ("highest"): two planes per buffer (fp16 parts, then remainders) and each
-// position's scale-back factor for the gate.
+// Scaled fp16 (kF16): each position's scale-back factor for the gate; split operands ("highest"):
+// two planes per buffer (fp16 parts, then remainders).
 __host__ __device__ inline int64_t plan_bytes(int kt_x, int kt_z, int buffers, int stages, int positions,
-                                              int planes = 1) {
+                                              int planes = 1, bool scaled = false) {
   return int64_t(buffers) * (planes * (kt_x + kt_z) * int64_t(positions) * kKBytes + positions * 8 +
-                             (planes == 2 ? positions * 4 : 0)) +
+                             (scaled ? positions * 4 : 0)) +
          int64_t(stages) * kStageBytes + positions * 8 + 2 * (stages + buffers) * 8;
 }
 
@@ -657,26 +657,26 @@ __device__ __forceinline__ void load_weight_tile(uint8_t* weights, uint64_t* ful
     tma_load_2d(weights + slot * kStageBytes, map_out, (i - kt_x) * elems, chunk * kChunkRows, &full[slot]);
 }
 
-template <Mode M, typename TIn, int P>
+template <Mode M, typename TIn, int P, bool kF16 = M == Mode::tf32x3>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_gate,
            const __grid_constant__ CUtensorMap map_out, int64_t tiles_per_batch, int buffers, int stages) {
-  using Op = pass_op_t<M>;
-  constexpr bool kSplit = M == Mode::tf32x3;
+  using Op = pass_op_t<M, kF16>;
+  constexpr bool kSplit = M == Mode::tf32x3;  // (implies kF16)
   constexpr int kPlanes = kRowPlanes<M>, kSegs = kSegments<M>;
   constexpr int kRowTileBytes = P * kKBytes;
   extern __shared__ uint8_t smem_raw[];
   // (an offset from smem_raw keeps the compiler aware that these are shared-memory pointers)
   uint8_t* rows = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const int kt_x = k_tiles(args.c_pad, sizeof(Op)), kt_z = k_tiles(args.h_pad, sizeof(Op));
-  if ((rows - smem_raw) + plan_bytes(kt_x, kt_z, buffers, stages, P, kPlanes) > dynamic_smem_size()) __trap();
+  if ((rows - smem_raw) + plan_bytes(kt_x, kt_z, buffers, stages, P, kPlanes, kF16) > dynamic_smem_size()) __trap();
   // Per buffer: gate-row k-tiles, then z's (split: that plane of fp16 parts, then the remainders').
   const int plane_bytes = (kt_x + kt_z) * kRowTileBytes, buffer_bytes = kPlanes * plane_bytes;
   uint8_t* weights = rows + buffers * buffer_bytes;
   int64_t* out_rows = reinterpret_cast<int64_t*>(weights + stages * kStageBytes);  // [buffers][P]
   int64_t* row_off = out_rows + buffers * P;
-  float* pos_down = reinterpret_cast<float*>(row_off + P);  // split: [buffers][P], each gate row's scale back
-  uint64_t* w_full = reinterpret_cast<uint64_t*>(pos_down + (kSplit ? buffers * P : 0));
+  float* pos_down = reinterpret_cast<float*>(row_off + P);  // kF16: [buffers][P], each gate row's scale back
+  uint64_t* w_full = reinterpret_cast<uint64_t*>(pos_down + (kF16 ? buffers * P : 0));
   uint64_t* w_empty = w_full + stages;
   uint64_t* rows_full = w_empty + stages;
   uint64_t* rows_empty = rows_full + buffers;
@@ -737,12 +737,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       const SwizzledRows x_dst{x_rows, kRowTileBytes}, z_dst{x_rows + kt_x * kRowTileBytes, kRowTileBytes};
       const float* z_tile = z_all + batch * args.h * plane + q0;
       const float* gate_ln = args.gate_normalized ? args.ln_in_w : nullptr;
-      if constexpr (kSplit) {
+      if constexpr (kF16) {
+        // (one plane: the remainders' places unused)
         const SwizzledRows x_small{x_dst.base + plane_bytes, kRowTileBytes}, z_small{z_dst.base + plane_bytes, kRowTileBytes};
-        stage_z_rows<M, P>(F16SplitSwizzledRows{z_dst, z_small, args.f16x3_scales[kZRows]}, z_tile, plane,
+        stage_z_rows<M, P>(F16SwizzledRows<kPlanes>{z_dst, z_small, args.f16x3_scales[kZRows]}, z_tile, plane,
                            static_cast<int>(args.h), z_fill, row_off, args.eps_out, stager_warp);
-        const F16SplitScaledRows x_split{F16SplitSwizzledRows{x_dst, x_small, 1.f}, pos_down + buf * P,
-                                         args.f16x3_scales[kGateDown]};
+        const F16ScaledRows<kPlanes> x_split{F16SwizzledRows<kPlanes>{x_dst, x_small, 1.f}, pos_down + buf * P,
+                                             args.f16x3_scales[kGateDown]};
         stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(x_split, vectorized, static_cast<const TIn*>(args.pair),
                                                            row_off, P, static_cast<int>(args.c), x_fill, gate_ln,
                                                            args.ln_in_b, args.eps_in, stager_warp);
@@ -781,17 +782,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool c_ok = c < args.c, c8_ok = c + 8 < args.c;
       const float gate_bias = c_ok ? args.b_gate[c] : 0.f, gate_bias8 = c8_ok ? args.b_gate[c + 8] : 0.f;
       // (split: out_proj's products are 2^(s_z + t_out) times too large, the biases to match)
-      const float out_up = kSplit ? args.f16x3_scales[kOutUp] : 1.f;
+      const float out_up = kF16 ? args.f16x3_scales[kOutUp] : 1.f;
       const float out_bias = c_ok ? args.b_out[c] * out_up : 0.f, out_bias8 = c8_ok ? args.b_out[c + 8] * out_up : 0.f;
       for (int half = 0; half < P / kHalf; ++half) {
         if (resident) ring.stage = chunk * per_chunk;  // the chunk's k-tiles, again for each half
         float acc[32];  // (written only while no wgmma is in flight)
-        if constexpr (kSplit) start_accumulators(acc, 0.f, 0.f);  // (the biases after each position's scale)
+        if constexpr (kF16) start_accumulators(acc, 0.f, 0.f);  // (the biases after each position's scale)
         else start_accumulators(acc, gate_bias, gate_bias8);
         multiply_k_tiles<Op, kSplit>(acc, ring, consumer, x_rows + half * kHalfBytes, kRowTileBytes, kt_x, leader,
                                      x_rows + plane_bytes + half * kHalfBytes);
         float gate[32];  // sigmoid of the gate, in the accumulators' layout
-        if constexpr (kSplit) {
+        if constexpr (kF16) {
           // Each position's gate row was scaled on its own: back by its factor (times 2^-t_gate),
           // then the bias; and out_proj's scale back folded in.
           const float out_down = args.f16x3_scales[kOutDown];
@@ -833,21 +834,23 @@ __global__ void __launch_bounds__(kThreads, 1)
 // The buffers, stages and bytes this kernel would take these sizes with (bytes 0: it does not):
 // z from a separate contraction (fp32), h_pad <= 128, bf16 / fp16 / TF32 operands, an sm_90a build
 // on Hopper, a problem that gives every SM a tile (plan_pass says how buffers and stages are chosen).
-template <Mode M, typename TIn>
+template <Mode M, typename TIn, bool kF16 = M == Mode::tf32x3>
 Plan plan(const ForwardArgs& args) {
   if (args.z == nullptr || args.z_dtype != Dtype::f32 || args.h_pad > kMaxHPad) return Plan{};
   if (tensor_map_encoder() == nullptr) return Plan{};
-  // Split: the prepared fp16x3 weights, and rows the stagers' vectorized path takes (only it
-  // scales rows one by one).
-  if (M == Mode::tf32x3 &&
-      (args.w_gate_f16x3 == nullptr || args.w_out_f16x3 == nullptr || args.f16x3_scales == nullptr ||
-       !fused::rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair)))
+  // kF16: the prepared fp16 weights, and rows the stagers' vectorized path takes (only it scales
+  // rows one by one).
+  if (kF16 && (args.w_gate_f16x3 == nullptr || args.w_out_f16x3 == nullptr || args.f16x3_scales == nullptr ||
+               !fused::rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair)))
     return Plan{};
-  const int kt_x = k_tiles(args.c_pad, sizeof(pass_op_t<M>)), kt_z = k_tiles(args.h_pad, sizeof(pass_op_t<M>));
+  using Op = pass_op_t<M, kF16>;
+  const int kt_x = k_tiles(args.c_pad, sizeof(Op)), kt_z = k_tiles(args.h_pad, sizeof(Op));
   const int w_tiles = static_cast<int>(ceil_div(args.c, kChunkRows)) * kSegments<M> * (kt_x + kt_z);
   const auto ring = [&](int positions) {
     return plan_pass(
-        [=](int buffers, int stages) { return plan_bytes(kt_x, kt_z, buffers, stages, positions, kRowPlanes<M>); },
+        [=](int buffers, int stages) {
+          return plan_bytes(kt_x, kt_z, buffers, stages, positions, kRowPlanes<M>, kF16);
+        },
         w_tiles, kMaxStages, args.batch * ceil_div(args.n * args.ldz, positions));
   };
   // 128 positions with two buffers, else 64 with two (the weights then stream as often: once per
@@ -858,33 +861,43 @@ Plan plan(const ForwardArgs& args) {
   return Plan{};
 }
 
-template <Mode M, typename TIn, int P>
+template <Mode M, typename TIn, int P, bool kF16>
 cudaError_t launch_positions(const ForwardArgs& args, const PassPlan& ring, const CUtensorMap& map_gate,
                              const CUtensorMap& map_out) {
-  const cudaError_t status = allow_smem<kernel<M, TIn, P>>(ring.bytes);
+  const cudaError_t status = allow_smem<kernel<M, TIn, P, kF16>>(ring.bytes);
   if (status != cudaSuccess) return status;
   const int64_t tiles_per_batch = ceil_div(args.n * args.ldz, P);
   const int64_t blocks = std::min<int64_t>(sm_count(), args.batch * tiles_per_batch);
-  kernel<M, TIn, P><<<static_cast<unsigned>(blocks), kThreads, ring.bytes, args.stream>>>(
+  kernel<M, TIn, P, kF16><<<static_cast<unsigned>(blocks), kThreads, ring.bytes, args.stream>>>(
       args, map_gate, map_out, tiles_per_batch, ring.buffers, ring.stages);
   return cudaGetLastError();
 }
 
-template <Mode M, typename TIn>
+template <Mode M, typename TIn, bool kF16 = M == Mode::tf32x3>
 cudaError_t launch(const ForwardArgs& args, const Plan& plan) {
-  using Op = pass_op_t<M>;
+  using Op = pass_op_t<M, kF16>;
   const int64_t rows = ceil_div(args.c, kChunkRows) * kChunkRows;  // w_gate / w_out rows (zero past C)
-  // (split: the fp16x3 weights, three segments of whole k-tiles per row)
-  const bool split = M == Mode::tf32x3;
-  const auto cols = [&](int64_t k_pad) {
-    return split ? kSegments<M> * k_tiles(k_pad, sizeof(Op)) * (kKBytes / sizeof(Op)) : k_pad;
-  };
+  // (kF16: the prepared [hi | lo] fp16 weights of whole k-tiles each; one plane reads the hi segment)
+  const auto cols = [&](int64_t k_pad) { return kF16 ? 2 * k_tiles(k_pad, sizeof(Op)) * (kKBytes / sizeof(Op)) : k_pad; };
   CUtensorMap map_gate, map_out;
-  if (!encode_kmajor_map<Op>(&map_gate, split ? args.w_gate_f16x3 : args.w_gate, 0, rows, cols(args.c_pad), kChunkRows) ||
-      !encode_kmajor_map<Op>(&map_out, split ? args.w_out_f16x3 : args.w_out, 0, rows, cols(args.h_pad), kChunkRows))
+  if (!encode_kmajor_map<Op>(&map_gate, kF16 ? args.w_gate_f16x3 : args.w_gate, 0, rows, cols(args.c_pad), kChunkRows) ||
+      !encode_kmajor_map<Op>(&map_out, kF16 ? args.w_out_f16x3 : args.w_out, 0, rows, cols(args.h_pad), kChunkRows))
     return cudaErrorNotSupported;
-  return plan.positions == 128 ? launch_positions<M, TIn, 128>(args, plan.ring, map_gate, map_out)
-                               : launch_positions<M, TIn, 64>(args, plan.ring, map_gate, map_out);
+  return plan.positions == 128 ? launch_positions<M, TIn, 128, kF16>(args, plan.ring, map_gate, map_out)
+                               : launch_positions<M, TIn, 64, kF16>(args, plan.ring, map_gate, map_out);
+}
+
+// The kernel for mode M: at "high" with ForwardArgs::high_f16 the scaled fp16 one, else M's own.
+template <Mode M, typename TIn>
+cudaError_t plan_and_launch(const ForwardArgs& args) {
+  if constexpr (M == Mode::tf32) {
+    if (args.high_f16) {
+      const Plan f16_plan = plan<M, TIn, true>(args);
+      return f16_plan.positions != 0 ? launch<M, TIn, true>(args, f16_plan) : cudaErrorNotSupported;
+    }
+  }
+  const Plan native = plan<M, TIn>(args);
+  return native.positions != 0 ? launch<M, TIn>(args, native) : cudaErrorNotSupported;
 }
 
 }  // namespace wgmma_tiles
@@ -927,21 +940,19 @@ cudaError_t launch_tiling(const ForwardArgs& args, int64_t base) {
 // The wgmma kernel is first only where it measured faster (2026-12-01, H200, NOTES v9, v11): at
 // pair_dim 384 (e.g. (1,1024,384,128) medium 2787 -> 2213 µs, high 6340 -> 3960) and at "highest"
 // (fp16x3: (1,1024,128,128) 1931 -> 1487), not at pair_dim 128 otherwise (medium 685 -> 1123,
-// high 1240 -> 1513).
+// high 1240 -> 1513). "high" as scaled fp16 (opt-in, ForwardArgs::high_f16) takes it first at every
+// pair_dim, as "highest" does: not yet measured.
 template <Mode M>
 bool output_wgmma_first(const ForwardArgs& args) {
-  return M == Mode::tf32x3 || args.c > 128;
+  return M == Mode::tf32x3 || (M == Mode::tf32 && args.high_f16) || args.c > 128;
 }
 
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
   const char* pinned = pinned_kernel("TRIMUL_OUTPUT_PASS");
   if (pin_allows(pinned, "wgmma") && (pinned != nullptr || output_wgmma_first<M>(args))) {
-    const wgmma_tiles::Plan plan = wgmma_tiles::plan<M, TIn>(args);
-    if (plan.positions != 0) {
-      const cudaError_t status = wgmma_tiles::launch<M, TIn>(args, plan);
-      if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
-    }
+    const cudaError_t status = wgmma_tiles::plan_and_launch<M, TIn>(args);
+    if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
   }
   if constexpr (M == Mode::bf16 || M == Mode::f16)
     if (pin_allows(pinned, "resident"))

@@ -107,11 +107,13 @@ struct SwizzledRows {
   }
 };
 
-// Split rows for fp16x3 on wgmma: each value times `scale` (a power of two) as its fp16 part in
-// `hi` and the fp16-rounded remainder in `lo` (the same swizzled layout).
-struct F16SplitSwizzledRows {
+// Rows for the wgmma passes' scaled fp16 arithmetic: each value times `scale` (a power of two) as
+// its fp16 part in `hi` and, with kPlanes 2 (fp16x3), the fp16-rounded remainder in `lo` (the same
+// swizzled layout).
+template <int kPlanes>
+struct F16SwizzledRows {
   static constexpr bool kRowScaled = false;
-  SwizzledRows hi, lo;
+  SwizzledRows hi, lo;  // (lo: unused with one plane)
   float scale;
   template <Mode M, int V>
   __device__ __forceinline__ void store(int m, int col, const float (&y)[V]) const {
@@ -123,15 +125,16 @@ struct F16SplitSwizzledRows {
       l[e] = v - h[e];  // exact in fp32; rounded to fp16 by the store
     }
     hi.template store<Mode::f16, V>(m, col, h);
-    lo.template store<Mode::f16, V>(m, col, l);
+    if constexpr (kPlanes == 2) lo.template store<Mode::f16, V>(m, col, l);
   }
   template <Mode M>
   __device__ __forceinline__ void store1(int m, int col, float v) const {
     const float s = v * scale, h = __half2float(__float2half_rn(s));
     hi.template store1<Mode::f16>(m, col, h);
-    lo.template store1<Mode::f16>(m, col, s - h);
+    if constexpr (kPlanes == 2) lo.template store1<Mode::f16>(m, col, s - h);
   }
 };
+using F16SplitSwizzledRows = F16SwizzledRows<2>;
 
 // Power-of-two scale taking `largest` (>= 0) to [2^11, 2^12): fp16 parts never overflow and
 // remainders of all but negligible values stay normal. Exponent kept within [-100, 100].
@@ -141,13 +144,14 @@ __device__ __forceinline__ int exponent_to_4096(float largest) {
   return min(max(12 - e, -100), 100);
 }
 
-// fp16x3 rows of no known range (out_gate's source rows): each row scaled by its own power of two
-// (exponent_to_4096 of its largest magnitude, found by the stager before it stores the row), which
-// row_scale() returns to the stager and records, times `down`, as row_down[m] for the products'
-// epilogue. The values arrive at store() already scaled.
-struct F16SplitScaledRows {
+// Scaled fp16 rows of no known range (out_gate's source rows): each row scaled by its own power of
+// two (exponent_to_4096 of its largest magnitude, found by the stager before it stores the row),
+// which row_scale() returns to the stager and records, times `down`, as row_down[m] for the
+// products' epilogue. The values arrive at store() already scaled.
+template <int kPlanes>
+struct F16ScaledRows {
   static constexpr bool kRowScaled = true;
-  F16SplitSwizzledRows split;  // (scale 1)
+  F16SwizzledRows<kPlanes> rows;  // (scale 1)
   float* row_down;
   float down;
   __device__ __forceinline__ float row_scale(int m, float largest, bool record) const {
@@ -157,11 +161,11 @@ struct F16SplitScaledRows {
   }
   template <Mode M, int V>
   __device__ __forceinline__ void store(int m, int col, const float (&y)[V]) const {
-    split.template store<M, V>(m, col, y);
+    rows.template store<M, V>(m, col, y);
   }
   template <Mode M>
   __device__ __forceinline__ void store1(int m, int col, float v) const {
-    split.template store1<M>(m, col, v);
+    rows.template store1<M>(m, col, v);
   }
 };
 

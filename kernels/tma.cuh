@@ -308,10 +308,11 @@ constexpr int kStageBytes = kChunkRows * kKBytes;
 constexpr int kGroupRowBytes = 64 * kKBytes;  // an MMA warpgroup's rows of a stage
 constexpr int kMaxStages = 8;                 // resident weights: at most this many stages
 
-// The operand type in shared memory, the row planes and the weight k-segments per chunk of mode M
-// ("highest": fp16x3, see ForwardArgs::w_in_f16x3).
-template <Mode M>
-using pass_op_t = std::conditional_t<M == Mode::tf32x3, __half, mma::op_t<M>>;
+// The operand type in shared memory (kF16: scaled fp16, see ForwardArgs::w_in_f16x3; always at
+// "highest", and at "high" where ForwardArgs::high_f16 asks), the row planes and the weight
+// k-segments per chunk of mode M ("highest": fp16x3, parts and remainders).
+template <Mode M, bool kF16 = M == Mode::tf32x3>
+using pass_op_t = std::conditional_t<kF16, __half, mma::op_t<M>>;
 template <Mode M>
 constexpr int kRowPlanes = M == Mode::tf32x3 ? 2 : 1;
 template <Mode M>
