@@ -49,7 +49,7 @@ enum F16x3Scale : int {
   kInRows = 0,   // 2^s_in
   kInUp,         // 2^(s_in + t_in): the input pass's biases into the accumulators' scale
   kInDown,       // 2^-(s_in + t_in): the accumulators back
-  kGateDown,     // 2^-t_gate (times each position's own 2^-s: F16SplitScaledRows)
+  kGateDown,     // 2^-t_gate (times each position's own 2^-s: F16ScaledRows)
   kZRows,        // 2^s_z
   kOutUp,        // 2^(s_z + t_out)
   kOutDown,      // 2^-(s_z + t_out)

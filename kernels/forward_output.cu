@@ -517,8 +517,9 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 // "highest" multiplies fp16x3 as the input pass's wgmma kernel does (ForwardArgs::w_gate_f16x3):
 // both row sets as fp16 parts and remainders, each GEMM three k-segments against the prepared
 // [hi | lo] weights. z's rows (normalized: at most sqrt(H) in magnitude) take one scale; the
-// gate's source rows, of no known range, each take their own (F16SplitScaledRows), which the
-// epilogue undoes per position before the biases.
+// gate's source rows, of no known range, each take their own (F16ScaledRows), which the epilogue
+// undoes per position before the biases. "high" takes the same with one part per operand where
+// ForwardArgs::high_f16 asks (kF16; opt-in, NOTES v14).
 namespace wgmma_tiles {
 
 using namespace ::trimul::tma;
@@ -781,7 +782,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int c = chunk * kChunkRows + consumer * 64 + warp4 * 16 + g;
       const bool c_ok = c < args.c, c8_ok = c + 8 < args.c;
       const float gate_bias = c_ok ? args.b_gate[c] : 0.f, gate_bias8 = c8_ok ? args.b_gate[c + 8] : 0.f;
-      // (split: out_proj's products are 2^(s_z + t_out) times too large, the biases to match)
+      // (kF16: out_proj's products are 2^(s_z + t_out) times too large, the biases to match)
       const float out_up = kF16 ? args.f16x3_scales[kOutUp] : 1.f;
       const float out_bias = c_ok ? args.b_out[c] * out_up : 0.f, out_bias8 = c8_ok ? args.b_out[c + 8] * out_up : 0.f;
       for (int half = 0; half < P / kHalf; ++half) {

@@ -64,7 +64,7 @@ __device__ __forceinline__ void store_operands(uint32_t* row, int col, const flo
 
 // Where staged rows go. PlainRows: row m at base + m * stride (32-bit words), elements in order.
 struct PlainRows {
-  static constexpr bool kRowScaled = false;  // (see F16SplitScaledRows)
+  static constexpr bool kRowScaled = false;  // (see F16ScaledRows)
   uint32_t* base;
   int stride;
   template <Mode M, int V>
