@@ -601,6 +601,40 @@ def test_high_as_scaled_f16_opt_in(monkeypatch, input_kernel, mask_dtype, batch,
 
 
 @cuda
+@pytest.mark.parametrize("precision", ["highest", "high"])
+@pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
+@pytest.mark.parametrize("rows", ["odd_pair_dim", "strided"])
+def test_scaled_f16_passes_take_rows_of_any_layout(monkeypatch, precision, gate_input, rows):
+    """The wgmma passes' scaled fp16 arithmetic ("highest"; "high" with TRIMUL_HIGH_ARITH=f16) with pair
+    rows that the 16-byte staging cannot take (pair_dim 30; rows 66 channels apart, a slice of a wider
+    tensor):
+    the input pass stages them one value at a time, the output pass's wgmma kernel declines them
+    (its per-position scaling needs the vectorized staging) for the mma.sync kernels."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    if precision == "high":
+        monkeypatch.setenv("TRIMUL_HIGH_ARITH", "f16")
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    pair_dim = 30 if rows == "odd_pair_dim" else 64
+    reference = random_layers(ti.Model(pair_dim, 16, "outgoing", gate_input).double(), g)
+    new = _make_new(reference, torch.float32, "auto", precision)
+    if rows == "odd_pair_dim":
+        pair, mask = random_inputs(1, 200, pair_dim, g)
+        pair_cuda = pair.cuda().float()
+    else:
+        pair, mask = random_inputs(1, 200, pair_dim + 2, g)
+        pair = pair[..., :pair_dim]
+        pair_cuda = pair.cuda().float()
+        assert pair_cuda.stride(-1) == 1 and pair_cuda.stride(-2) == pair_dim + 2
+    ref = reference.cuda()(pair.cuda(), mask.cuda())
+    with torch.no_grad():
+        out = new(pair_cuda, mask.cuda())
+    err = rel_error(out, ref)
+    assert err < FUSED_TOLERANCE[precision], f"{precision} {rows} {gate_input}: error {err:.2e} (seed {seed})"
+
+
+@cuda
 def test_prepared_weights_follow_parameter_changes():
     """The eager path caches kernel-layout weights: every supported way of changing a parameter
     must reach the output (a stale copy would be a silently wrong result)."""
