@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -217,9 +218,11 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   const bool split = mode == trimul::Mode::tf32x3 && !fuse_contraction &&
                      (variant == "auto" || variant == "wgmma_tma") && trimul::wgmma_tma_available();
   // "high" as scaled fp16 in the wgmma passes and the contraction: opt-in, not yet measured (NOTES v14).
-  const char* high_arith = std::getenv("TRIMUL_HIGH_ARITH");
-  args.high_f16 = mode == trimul::Mode::tf32 && high_arith != nullptr && std::string(high_arith) == "f16" &&
-                  trimul::wgmma_tma_available();
+  // (the variable is read only in that mode: a small forward's host path stays as it was)
+  if (mode == trimul::Mode::tf32) {
+    const char* high_arith = std::getenv("TRIMUL_HIGH_ARITH");
+    args.high_f16 = high_arith != nullptr && std::strcmp(high_arith, "f16") == 0 && trimul::wgmma_tma_available();
+  }
   // The contraction's operands as fp16 (split: parts and remainders; half the bytes of TF32 ones,
   // twice the tensor-core rate) where the scale from the parameters bounds them: a mask of at most 1
   // (bool); other masks keep TF32 operands. Only wgmma_tma scales the products back.

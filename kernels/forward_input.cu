@@ -566,7 +566,7 @@ cudaError_t launch(const ForwardArgs& args, const Plan& plan) {
   // The grouped proj/gate weights [2 * rows_ab, c_pad] (kF16: the prepared [hi | lo] of whole
   // k-tiles each; one plane reads the hi segment only): boxes of 128 bytes of k x 128 rows, zeros
   // past the row.
-  const int64_t cols = kF16 ? 2 * k_tiles(args.c_pad, sizeof(Op)) * (kKBytes / sizeof(Op)) : args.c_pad;
+  const int64_t cols = kF16 ? f16_weight_cols(args.c_pad) : args.c_pad;
   CUtensorMap map_w;
   if (!encode_kmajor_map<Op>(&map_w, kF16 ? args.w_in_f16x3 : args.w_in, 0, 2 * args.rows_ab, cols, kChunkRows))
     return cudaErrorNotSupported;
@@ -579,18 +579,15 @@ cudaError_t launch(const ForwardArgs& args, const Plan& plan) {
   return cudaGetLastError();
 }
 
-// The kernel for mode M: at "high" with ForwardArgs::high_f16 the scaled fp16 one (the native TF32
-// kernel would not write the fp16 contraction operands that ab_f16 asks for); else M's own.
+// The kernel for mode M in the arithmetic with_f16_arith picks (at "high" with high_f16 never the
+// native TF32 one: it would not write the fp16 contraction operands that ab_f16 asks for).
 template <Mode M, typename TIn>
 cudaError_t plan_and_launch(const ForwardArgs& args) {
-  if constexpr (M == Mode::tf32) {
-    if (args.high_f16) {
-      const Plan f16_plan = plan<M, true>(args);
-      return f16_plan.bytes != 0 ? launch<M, TIn, true>(args, f16_plan) : cudaErrorNotSupported;
-    }
-  }
-  const Plan native = plan<M>(args);
-  return native.bytes != 0 ? launch<M, TIn>(args, native) : cudaErrorNotSupported;
+  return with_f16_arith<M>(args, [&](auto f16) {
+    constexpr bool kF16 = decltype(f16)::value;
+    const Plan chosen = plan<M, kF16>(args);
+    return chosen.bytes != 0 ? launch<M, TIn, kF16>(args, chosen) : cudaErrorNotSupported;
+  });
 }
 
 }  // namespace wgmma_tiles

@@ -879,7 +879,7 @@ cudaError_t launch(const ForwardArgs& args, const Plan& plan) {
   using Op = pass_op_t<M, kF16>;
   const int64_t rows = ceil_div(args.c, kChunkRows) * kChunkRows;  // w_gate / w_out rows (zero past C)
   // (kF16: the prepared [hi | lo] fp16 weights of whole k-tiles each; one plane reads the hi segment)
-  const auto cols = [&](int64_t k_pad) { return kF16 ? 2 * k_tiles(k_pad, sizeof(Op)) * (kKBytes / sizeof(Op)) : k_pad; };
+  const auto cols = [&](int64_t k_pad) { return kF16 ? f16_weight_cols(k_pad) : k_pad; };
   CUtensorMap map_gate, map_out;
   if (!encode_kmajor_map<Op>(&map_gate, kF16 ? args.w_gate_f16x3 : args.w_gate, 0, rows, cols(args.c_pad), kChunkRows) ||
       !encode_kmajor_map<Op>(&map_out, kF16 ? args.w_out_f16x3 : args.w_out, 0, rows, cols(args.h_pad), kChunkRows))
@@ -888,17 +888,14 @@ cudaError_t launch(const ForwardArgs& args, const Plan& plan) {
                                : launch_positions<M, TIn, 64, kF16>(args, plan.ring, map_gate, map_out);
 }
 
-// The kernel for mode M: at "high" with ForwardArgs::high_f16 the scaled fp16 one, else M's own.
+// The kernel for mode M in the arithmetic with_f16_arith picks.
 template <Mode M, typename TIn>
 cudaError_t plan_and_launch(const ForwardArgs& args) {
-  if constexpr (M == Mode::tf32) {
-    if (args.high_f16) {
-      const Plan f16_plan = plan<M, TIn, true>(args);
-      return f16_plan.positions != 0 ? launch<M, TIn, true>(args, f16_plan) : cudaErrorNotSupported;
-    }
-  }
-  const Plan native = plan<M, TIn>(args);
-  return native.positions != 0 ? launch<M, TIn>(args, native) : cudaErrorNotSupported;
+  return with_f16_arith<M>(args, [&](auto f16) {
+    constexpr bool kF16 = decltype(f16)::value;
+    const Plan chosen = plan<M, TIn, kF16>(args);
+    return chosen.positions != 0 ? launch<M, TIn, kF16>(args, chosen) : cudaErrorNotSupported;
+  });
 }
 
 }  // namespace wgmma_tiles

@@ -322,6 +322,19 @@ constexpr int kSegments = M == Mode::tf32x3 ? 2 : 1;  // (split: the weights' [h
 __host__ __device__ inline int k_tiles(int64_t cols, int op_bytes) {
   return static_cast<int>(ceil_div(cols * op_bytes, kKBytes));
 }
+
+// Row pitch in elements of a prepared scaled-fp16 weight matrix of k_pad columns: [hi | lo], each
+// whole 128-byte k-tiles (ForwardArgs::w_in_f16x3).
+inline int64_t f16_weight_cols(int64_t k_pad) { return 2 * k_tiles(k_pad, 2) * (kKBytes / 2); }
+
+// Calls run(std::bool_constant<kF16>) with kF16 = whether a wgmma pass multiplies mode M in scaled
+// fp16: always at "highest", at "high" where ForwardArgs::high_f16 asks.
+template <Mode M, class Run>
+cudaError_t with_f16_arith(const ForwardArgs& args, Run&& run) {
+  if constexpr (M == Mode::tf32)
+    if (args.high_f16) return run(std::true_type{});
+  return run(std::bool_constant<M == Mode::tf32x3>{});
+}
 }  // namespace ws
 
 // Row buffers and weight stages of a warp-specialized pass, and the bytes to request.
