@@ -475,11 +475,11 @@ PASS_KERNELS = {"input": {"wgmma": "input_pass::wgmma_tiles::kernel<", "resident
 @cuda
 @pytest.mark.parametrize("fused_pass, kernel, precision", [
     ("input", "wgmma", "medium"), ("input", "resident", "medium"), ("input", "streamed", "medium"),
-    ("input", "wgmma", "high"), ("input", "streamed", "high"), ("input", "wgmma", "highest"),
-    ("input", "streamed", "highest"),
+    ("input", "wgmma", "high"), ("input", "wgmma", "high-tf32"), ("input", "streamed", "high"),
+    ("input", "wgmma", "highest"), ("input", "streamed", "highest"),
     ("output", "wgmma", "medium"), ("output", "resident", "medium"), ("output", "streamed", "medium"),
-    ("output", "wgmma", "high"), ("output", "streamed", "high"), ("output", "wgmma", "highest"),
-    ("output", "streamed", "highest")])
+    ("output", "wgmma", "high"), ("output", "wgmma", "high-tf32"), ("output", "streamed", "high"),
+    ("output", "wgmma", "highest"), ("output", "streamed", "highest")])
 # (1, 200, 384, 128): the output pass's wgmma kernel with 64-position tiles and streamed weights
 # (two row buffers at bf16, one at TF32). (2, 97, 32, 24): fewer weight k-tiles than ring stages
 # (split weights must stream anyway: they are split in place).
@@ -490,12 +490,17 @@ def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precisi
     first that applies (on Hopper the input pass's wgmma kernel; the output pass's wgmma kernel at
     pair_dim > 128 or "highest"), so this keeps every kernel checked against fp64, and
     profiles the call to be sure the pinned kernel is the one that ran. "highest" at N=200 runs the
-    split-operand contraction, so the input pass writes both planes."""
+    split-operand contraction, so the input pass writes both planes. "high" runs the wgmma kernels in
+    scaled fp16 (kF16, the default), "high-tf32" in native TF32 (TRIMUL_HIGH_ARITH=tf32)."""
     if kernel == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma passes need an sm_90a GPU")
     if kernel == "resident" and (pair_dim > 128 or n < 128):
         pytest.skip("the resident passes take pair_dim <= 128 and enough positions for every SM's warp pairs")
     monkeypatch.setenv("TRIMUL_INPUT_PASS" if fused_pass == "input" else "TRIMUL_OUTPUT_PASS", kernel)
+    arith_f16 = precision in ("high", "highest")  # (the wgmma kernels' kF16 template flag)
+    if precision == "high-tf32":
+        monkeypatch.setenv("TRIMUL_HIGH_ARITH", "tf32")
+        precision = "high"
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(pair_dim, hidden, "outgoing", "raw").double(), g)
@@ -507,17 +512,21 @@ def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precisi
         torch.cuda.synchronize()
     names = [e.key for e in prof.key_averages() if f"{fused_pass}_pass" in e.key]
     assert len(names) == 1 and PASS_KERNELS[fused_pass][kernel] in names[0], names
+    if kernel == "wgmma":
+        assert re.search(r"wgmma_tiles::kernel<[^>]*, %s>\(" % ("true" if arith_f16 else "false"), names[0]), names
 
 
 @cuda
+@pytest.mark.parametrize("precision", ["highest", "high"])
 @pytest.mark.parametrize("ln_scale, weight_scale, pair_scale", [(1e-4, 1e4, 1e5), (1e3, 1e-3, 1e-4), (1.0, 1.0, 1.0)])
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 200, 384, 128), (2, 97, 32, 24)])
-def test_highest_wgmma_passes_hold_at_extreme_scales(monkeypatch, ln_scale, weight_scale, pair_scale, batch, n,
-                                                      pair_dim, hidden):
-    """The wgmma passes multiply "highest" as fp16x3 with power-of-two scalings (ForwardArgs::
-    w_in_f16x3): chosen from the parameters for the LayerNorm-ed rows, per position for out_gate's
-    raw rows. LayerNorm weights and projections far from 1, and inputs past fp16's range (2e5) or
-    deep in its subnormals, must neither overflow nor lose the remainders (the products stay O(1))."""
+def test_scaled_f16_wgmma_passes_hold_at_extreme_scales(monkeypatch, precision, ln_scale, weight_scale, pair_scale,
+                                                        batch, n, pair_dim, hidden):
+    """The wgmma passes multiply "highest" as fp16x3 and "high" as scaled fp16 with power-of-two
+    scalings (ForwardArgs::w_in_f16x3): chosen from the parameters for the LayerNorm-ed rows, per
+    position for out_gate's raw rows. LayerNorm weights and projections far from 1, and inputs past
+    fp16's range (2e5) or deep in its subnormals, must neither overflow nor lose the remainders (the
+    products stay O(1))."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma passes need an sm_90a GPU")
     monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma")
@@ -532,12 +541,12 @@ def test_highest_wgmma_passes_hold_at_extreme_scales(monkeypatch, ln_scale, weig
         for layer in (reference.proj_a, reference.gate_a, reference.proj_b, reference.gate_b, reference.out_proj):
             layer.weight.mul_(weight_scale)
         reference.out_gate.weight.div_(pair_scale)
-    new = _make_new(reference, torch.float32, "auto", "highest")
+    new = _make_new(reference, torch.float32, "auto", precision)
     pair, mask = random_inputs(batch, n, pair_dim, g)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _check_model(new, reference, pair * pair_scale, mask, FUSED_TOLERANCE["highest"], seed,
-                     f"scales {ln_scale} {weight_scale} {pair_scale}")
+        _check_model(new, reference, pair * pair_scale, mask, FUSED_TOLERANCE[precision], seed,
+                     f"{precision} scales {ln_scale} {weight_scale} {pair_scale}")
         torch.cuda.synchronize()
     for fused_pass in ("input", "output"):
         names = [e.key for e in prof.key_averages() if f"{fused_pass}_pass" in e.key]
@@ -570,14 +579,14 @@ def test_highest_split_contraction_both_operand_formats(monkeypatch, input_kerne
 @pytest.mark.parametrize("input_kernel, mask_dtype", [("wgmma", torch.bool), ("streamed", torch.bool),
                                                       ("wgmma", torch.float32)])
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 200, 384, 128), (1, 200, 128, 128), (2, 97, 32, 24)])
-def test_high_as_scaled_f16_opt_in(monkeypatch, input_kernel, mask_dtype, batch, n, pair_dim, hidden):
-    """TRIMUL_HIGH_ARITH=f16 (opt-in, not yet measured): "high" runs the wgmma passes in scaled fp16
-    (TF32's 11-bit significand) and, with a bool mask, the contraction on scaled fp16 operands; a
-    float mask keeps TF32 operands, and the streamed input kernel writes either. The error must stay
-    within "high"'s budget and stay reduced (not silently fp32-accurate)."""
+def test_high_as_scaled_f16_by_default(monkeypatch, input_kernel, mask_dtype, batch, n, pair_dim, hidden):
+    """"high" runs the wgmma passes in scaled fp16 (TF32's 11-bit significand) and, with a bool mask,
+    the contraction on scaled fp16 operands (TRIMUL_HIGH_ARITH unset); a float mask keeps TF32
+    operands, and the streamed input kernel writes either. The error must stay within "high"'s budget
+    and stay reduced (not silently fp32-accurate)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma passes need an sm_90a GPU")
-    monkeypatch.setenv("TRIMUL_HIGH_ARITH", "f16")
+    monkeypatch.delenv("TRIMUL_HIGH_ARITH", raising=False)
     monkeypatch.setenv("TRIMUL_INPUT_PASS", input_kernel)
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
@@ -605,15 +614,13 @@ def test_high_as_scaled_f16_opt_in(monkeypatch, input_kernel, mask_dtype, batch,
 @pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
 @pytest.mark.parametrize("rows", ["odd_pair_dim", "strided"])
 def test_scaled_f16_passes_take_rows_of_any_layout(monkeypatch, precision, gate_input, rows):
-    """The wgmma passes' scaled fp16 arithmetic ("highest"; "high" with TRIMUL_HIGH_ARITH=f16) with pair
+    """The wgmma passes' scaled fp16 arithmetic ("highest" and "high") with pair
     rows that the 16-byte staging cannot take (pair_dim 30; rows 66 channels apart, a slice of a wider
     tensor):
     the input pass stages them one value at a time, the output pass's wgmma kernel declines them
     (its per-position scaling needs the vectorized staging) for the mma.sync kernels."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma passes need an sm_90a GPU")
-    if precision == "high":
-        monkeypatch.setenv("TRIMUL_HIGH_ARITH", "f16")
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     pair_dim = 30 if rows == "odd_pair_dim" else 64
@@ -623,9 +630,10 @@ def test_scaled_f16_passes_take_rows_of_any_layout(monkeypatch, precision, gate_
         pair, mask = random_inputs(1, 200, pair_dim, g)
         pair_cuda = pair.cuda().float()
     else:
-        pair, mask = random_inputs(1, 200, pair_dim + 2, g)
-        pair = pair[..., :pair_dim]
-        pair_cuda = pair.cuda().float()
+        wide, mask = random_inputs(1, 200, pair_dim + 2, g)
+        pair = wide[..., :pair_dim]
+        # slice on the GPU: .cuda() of a CPU slice would copy it into a dense tensor
+        pair_cuda = wide.cuda().float()[..., :pair_dim]
         assert pair_cuda.stride(-1) == 1 and pair_cuda.stride(-2) == pair_dim + 2
     ref = reference.cuda()(pair.cuda(), mask.cuda())
     with torch.no_grad():
@@ -916,3 +924,12 @@ def test_cuda_bad_input_raises():
         model(pair, torch.ones(1, 4, 4))
     with pytest.raises(ValueError, match="parameters are on cpu"):
         ti.ModelNew(8, 4)(pair, torch.ones(1, 4, 4, device="cuda"))
+
+
+@cuda
+def test_bad_high_arith_setting_raises(monkeypatch):
+    model = ti.ModelNew(8, 4, precision="high").cuda()
+    pair, mask = torch.randn(1, 4, 4, 8, device="cuda"), torch.ones(1, 4, 4, device="cuda")
+    monkeypatch.setenv("TRIMUL_HIGH_ARITH", "bf16")
+    with torch.no_grad(), pytest.raises(ValueError, match="TRIMUL_HIGH_ARITH must be f16 or tf32, not 'bf16'"):
+        model(pair, mask)

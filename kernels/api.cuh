@@ -109,7 +109,8 @@ struct ForwardArgs {
   // (F16x3Scale: s_ab puts a bound on |a|, |b| from the parameters and a mask of at most 1 near 2^12.)
   bool ab_f16;
   // "high" in the wgmma passes as scaled fp16 (one plane, one product: TF32's 11-bit significand at
-  // the fp16 rate), as "highest" does with two: opt-in (TRIMUL_HIGH_ARITH=f16), NOTES v14.
+  // the fp16 rate), as "highest" does with two: the default on Hopper; TRIMUL_HIGH_ARITH=tf32 keeps the
+  // native TF32 kernels (NOTES v14).
   bool high_f16;
   void* z;
   Dtype z_dtype;

@@ -217,11 +217,13 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   // TF32 part and remainder (twice the planes), so wgmma_tma runs 3xTF32 as three TF32 GEMMs.
   const bool split = mode == trimul::Mode::tf32x3 && !fuse_contraction &&
                      (variant == "auto" || variant == "wgmma_tma") && trimul::wgmma_tma_available();
-  // "high" as scaled fp16 in the wgmma passes and the contraction: opt-in, not yet measured (NOTES v14).
-  // (the variable is read only in that mode: a small forward's host path stays as it was)
+  // "high" as scaled fp16 in the wgmma passes and the contraction (NOTES v14: high geomean 1742 -> 1196 µs
+  // on an H200); TRIMUL_HIGH_ARITH=tf32 keeps the native TF32 kernels, for comparing the two.
   if (mode == trimul::Mode::tf32) {
     const char* high_arith = std::getenv("TRIMUL_HIGH_ARITH");
-    args.high_f16 = high_arith != nullptr && std::strcmp(high_arith, "f16") == 0 && trimul::wgmma_tma_available();
+    TORCH_CHECK_VALUE(high_arith == nullptr || std::strcmp(high_arith, "f16") == 0 || std::strcmp(high_arith, "tf32") == 0,
+                      "trimul_inline: TRIMUL_HIGH_ARITH must be f16 or tf32, not '", high_arith, "'");
+    args.high_f16 = (high_arith == nullptr || std::strcmp(high_arith, "f16") == 0) && trimul::wgmma_tma_available();
   }
   // The contraction's operands as fp16 (split: parts and remainders; half the bytes of TF32 ones,
   // twice the tensor-core rate) where the scale from the parameters bounds them: a mask of at most 1

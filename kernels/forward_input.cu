@@ -322,7 +322,7 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 // about 3xTF32's accuracy at twice its tensor-core rate and half its shared memory (NOTES v11).
 // a_t / b_t get the split contraction's operands (store_contraction_pair: fp16 or TF32 parts and
 // remainders). "high" takes the same scaled fp16 arithmetic with one plane and one product where
-// ForwardArgs::high_f16 asks (kF16: TF32's 11-bit significand at the fp16 rate; opt-in, NOTES v14).
+// ForwardArgs::high_f16 asks (kF16: TF32's 11-bit significand at the fp16 rate; the default, NOTES v14).
 namespace wgmma_tiles {
 
 using namespace ::trimul::tma;

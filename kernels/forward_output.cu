@@ -519,7 +519,7 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 // [hi | lo] weights. z's rows (normalized: at most sqrt(H) in magnitude) take one scale; the
 // gate's source rows, of no known range, each take their own (F16ScaledRows), which the epilogue
 // undoes per position before the biases. "high" takes the same with one part per operand where
-// ForwardArgs::high_f16 asks (kF16; opt-in, NOTES v14).
+// ForwardArgs::high_f16 asks (kF16; the default, NOTES v14).
 namespace wgmma_tiles {
 
 using namespace ::trimul::tma;
@@ -938,8 +938,8 @@ cudaError_t launch_tiling(const ForwardArgs& args, int64_t base) {
 // The wgmma kernel is first only where it measured faster (2026-12-01, H200, NOTES v9, v11): at
 // pair_dim 384 (e.g. (1,1024,384,128) medium 2787 -> 2213 µs, high 6340 -> 3960) and at "highest"
 // (fp16x3: (1,1024,128,128) 1931 -> 1487), not at pair_dim 128 otherwise (medium 685 -> 1123,
-// high 1240 -> 1513). "high" as scaled fp16 (opt-in, ForwardArgs::high_f16) takes it first at every
-// pair_dim, as "highest" does: not yet measured.
+// high 1240 -> 1513). "high" as scaled fp16 (ForwardArgs::high_f16) takes it first at every pair_dim, as
+// "highest" does ((1,1024,128,128) high: 1014 µs; the TF32 mma.sync kernel 1166 in v10; NOTES v14).
 template <Mode M>
 bool output_wgmma_first(const ForwardArgs& args) {
   return M == Mode::tf32x3 || (M == Mode::tf32 && args.high_f16) || args.c > 128;
