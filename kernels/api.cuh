@@ -52,7 +52,7 @@ enum F16x3Scale : int {
   kGateDown,     // 2^-t_gate (times each position's own 2^-s: F16ScaledRows)
   kZRows,        // 2^s_z
   kOutUp,        // 2^(s_z + t_out)
-  kOutDown,      // 2^-(s_z + t_out)
+  kOutDown,      // 2^-(s_z + t_out) (the wgmma output pass folds it into the sigmoid: 1 / kOutUp)
   kAbUp,         // 2^s_ab: the contraction's fp16 operands (ForwardArgs::ab_f16) scaled
   kZDown,        // 2^-2s_ab: its products back
   kF16x3Scales

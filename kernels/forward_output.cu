@@ -795,15 +795,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         float gate[32];  // sigmoid of the gate, in the accumulators' layout
         if constexpr (kF16) {
           // Each position's gate row was scaled on its own: back by its factor (times 2^-t_gate),
-          // then the bias; and out_proj's scale back folded in.
-          const float out_down = args.f16x3_scales[kOutDown];
+          // then the bias; and out_proj's scale back folded into the sigmoid's reciprocal (kF16 is
+          // an fp32 mode's arithmetic: the accurate sigmoid).
 #pragma unroll
           for (int j = 0; j < 8; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const float down = tile_down[half * kHalf + 8 * j + 2 * t + e];
-              gate[4 * j + e] = gate_sigmoid<M>(fmaf(acc[4 * j + e], down, gate_bias)) * out_down;
-              gate[4 * j + 2 + e] = gate_sigmoid<M>(fmaf(acc[4 * j + 2 + e], down, gate_bias8)) * out_down;
+              gate[4 * j + e] = sigmoid_over(fmaf(acc[4 * j + e], down, gate_bias), out_up);
+              gate[4 * j + 2 + e] = sigmoid_over(fmaf(acc[4 * j + 2 + e], down, gate_bias8), out_up);
             }
         } else {
 #pragma unroll

@@ -115,13 +115,15 @@ struct F16SwizzledRows {
   static constexpr bool kRowScaled = false;
   SwizzledRows hi, lo;  // (lo: unused with one plane)
   float scale;
+  // (one plane: the scaled value goes to the store's rounding directly; a round trip through fp16
+  // for a remainder nobody reads cost two conversions per value)
   template <Mode M, int V>
   __device__ __forceinline__ void store(int m, int col, const float (&y)[V]) const {
     float h[V], l[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       const float v = y[e] * scale;
-      h[e] = __half2float(__float2half_rn(v));
+      h[e] = kPlanes == 2 ? __half2float(__float2half_rn(v)) : v;
       l[e] = v - h[e];  // exact in fp32; rounded to fp16 by the store
     }
     hi.template store<Mode::f16, V>(m, col, h);
@@ -129,7 +131,7 @@ struct F16SwizzledRows {
   }
   template <Mode M>
   __device__ __forceinline__ void store1(int m, int col, float v) const {
-    const float s = v * scale, h = __half2float(__float2half_rn(s));
+    const float s = v * scale, h = kPlanes == 2 ? __half2float(__float2half_rn(s)) : s;
     hi.template store1<Mode::f16>(m, col, h);
     if constexpr (kPlanes == 2) lo.template store1<Mode::f16>(m, col, s - h);
   }
@@ -137,12 +139,16 @@ struct F16SwizzledRows {
 using F16SplitSwizzledRows = F16SwizzledRows<2>;
 
 // Power-of-two scale taking `largest` (>= 0) to [2^11, 2^12): fp16 parts never overflow and
-// remainders of all but negligible values stay normal. Exponent kept within [-100, 100].
+// remainders of all but negligible values stay normal. Exponent kept within [-100, 100]. (From the
+// float's exponent bits, not frexpf / ldexpf, whose special-value paths ncu counted per row: a
+// normal largest is in [2^(e-1), 2^e) with e = biased exponent - 126; zero, subnormal and huge rows
+// take the clamps.)
 __device__ __forceinline__ int exponent_to_4096(float largest) {
-  int e;
-  frexpf(largest, &e);  // largest in [2^(e-1), 2^e)
+  const int e = static_cast<int>((__float_as_uint(largest) >> 23) & 0xffu) - 126;
   return min(max(12 - e, -100), 100);
 }
+// 2^e for e in [-126, 127].
+__device__ __forceinline__ float pow2(int e) { return __uint_as_float(static_cast<uint32_t>(e + 127) << 23); }
 
 // Scaled fp16 rows of no known range (out_gate's source rows): each row scaled by its own power of
 // two (exponent_to_4096 of its largest magnitude, found by the stager before it stores the row),
@@ -156,8 +162,8 @@ struct F16ScaledRows {
   float down;
   __device__ __forceinline__ float row_scale(int m, float largest, bool record) const {
     const int e = exponent_to_4096(largest);
-    if (record) row_down[m] = ldexpf(down, -e);
-    return ldexpf(1.f, e);
+    if (record) row_down[m] = down * pow2(-e);
+    return pow2(e);
   }
   template <Mode M, int V>
   __device__ __forceinline__ void store(int m, int col, const float (&y)[V]) const {

@@ -362,9 +362,18 @@ __device__ __forceinline__ op_t<M> to_operand(float v) {
   else return from_float<op_t<M>>(v);
 }
 
-// __expf is within a few ulp (relative error ~2^-21), far inside even the fp32-accurate budget;
-// for very negative x the quotient goes to 0 as it should.
-__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
+// sigmoid(x) / up, for `up` a power of two (folding a scale back into the reciprocal), from
+// ex2.approx and rcp.approx: each within ~2 ulp (relative error ~2^-21), far inside even the
+// fp32-accurate budget, in two MUFU ops and two FP ops (__expf / __fdividef add range fix-ups:
+// ncu counted their ~4 extra instructions per gate in the output pass). For very negative x the
+// reciprocal of the overflowing denominator goes to 0 as it should.
+__device__ __forceinline__ float sigmoid_over(float x, float up) {
+  float t, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(t) : "f"(-1.4426950408889634f * x));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fmaf(t, up, up)));
+  return r;
+}
+__device__ __forceinline__ float sigmoid(float x) { return sigmoid_over(x, 1.f); }
 
 // The gates' sigmoid: one tanh.approx (one MUFU op instead of two; abs error ~2^-11, below bf16
 // and fp16 rounding) on the 16-bit paths, the accurate one for TF32 and fp32-accurate work.
