@@ -517,6 +517,32 @@ def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precisi
 
 
 @cuda
+@pytest.mark.parametrize("precision", ti.PRECISIONS)
+# (16, 32, 64, 32): a seed shape (128 tiles, the contraction in the output pass); (1, 7, 24, 12): one
+# tile per batch, mostly padding; (1, 100, 64, 32) incoming: 100 tiles and a separate contraction.
+@pytest.mark.parametrize("batch, n, pair_dim, hidden, direction", [(16, 32, 64, 32, "outgoing"),
+                                                                   (1, 7, 24, 12, "outgoing"),
+                                                                   (1, 100, 64, 32, "incoming")])
+def test_pinned_wgmma_input_pass_takes_small_problems(monkeypatch, precision, batch, n, pair_dim, hidden, direction):
+    """Unpinned, the wgmma input kernel takes only problems with a tile for every SM; pinned
+    (TRIMUL_INPUT_PASS=wgmma) it takes any size, to be measured against the streamed kernels there."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma")
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
+    new = _make_new(reference, torch.float32, "auto", precision)
+    pair, mask = random_inputs(batch, n, pair_dim, g)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _check_model(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed, f"{precision} N={n}")
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages() if "input_pass" in e.key]
+    assert len(names) == 1 and PASS_KERNELS["input"]["wgmma"] in names[0], names
+
+
+@cuda
 @pytest.mark.parametrize("precision", ["highest", "high"])
 @pytest.mark.parametrize("ln_scale, weight_scale, pair_scale", [(1e-4, 1e4, 1e5), (1e3, 1e-3, 1e-4), (1.0, 1.0, 1.0)])
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 200, 384, 128), (2, 97, 32, 24)])

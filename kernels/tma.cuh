@@ -347,9 +347,9 @@ struct PassPlan {
 // stages resident where those fit too (at most max_stages), else a ring of 4 down to 2 stages;
 // one buffer where two do not fit. bytes(buffers, stages) is the kernel's need from a 1024-byte
 // boundary; the request adds slack to realign the base where that fits. None unless `tiles`
-// give every SM one.
+// give every SM one (or `any_tiles`: a pinned kernel, measured against the others at any size).
 template <class Bytes>
-PassPlan plan_pass(Bytes bytes, int w_tiles, int max_stages, int64_t tiles) {
+PassPlan plan_pass(Bytes bytes, int w_tiles, int max_stages, int64_t tiles, bool any_tiles = false) {
   const int64_t limit = fused::max_smem_optin();
   for (int buffers = 2; buffers >= 1; --buffers) {
     int stages = 0;
@@ -358,7 +358,7 @@ PassPlan plan_pass(Bytes bytes, int w_tiles, int max_stages, int64_t tiles) {
       if (bytes(buffers, s) <= limit) stages = s;
     if (stages == 0) continue;
     const int64_t need = bytes(buffers, stages);
-    if (fused::persistent_bytes(tiles, 1, need) == 0) return PassPlan{};
+    if (!any_tiles && fused::persistent_bytes(tiles, 1, need) == 0) return PassPlan{};
     return PassPlan{buffers, stages, std::min(need + 1023, limit)};
   }
   return PassPlan{};
