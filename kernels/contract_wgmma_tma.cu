@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int64_t tiles_n = ceil_div(n, BN);
   const int row0 = static_cast<int>((blockIdx.x / tiles_n) * BM), col0 = static_cast<int>((blockIdx.x % tiles_n) * BN);
-  const int warpgroup = threadIdx.x / 128;
+  const int warpgroup = warp_index() / 4;
   constexpr int kElemsPerRow = kRowBytes / static_cast<int>(sizeof(Op));
 
   if (warpgroup == 0) {
@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int step = 0; step < 4; ++step)  // 32 bytes further along k: start address + 2
-        wgmma_64x256_step<Op>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
+        wgmma_64x256_step<Op>(acc, desc_add(desc_a, 2 * step), desc_add(desc_b, 2 * step), 1);
       wgmma_commit();
       // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
       wgmma_wait<1>();

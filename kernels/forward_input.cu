@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int w_tiles = chunks * chunk_tiles;    // weight stages per tile, chunk-major
   const bool resident = w_tiles <= stages;
   constexpr int kElemsPerKTile = kKBytes / static_cast<int>(sizeof(Op));
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = warp_index(), lane = threadIdx.x & 31;
 
   if (warp == kThreads / 32 - 1) {  // the producer
     if (lane != 0) return;
@@ -489,7 +489,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_k_tile<Op>(acc, desc_a, desc_b);
         // (the remainders' descriptor kt_count k-tiles on: its address field counts 16 bytes, and
         // shared memory ends far below its 2^18-byte reach)
-        if (kSplit && kt < kt_count) wgmma_k_tile<Op>(acc, desc_a, desc_b + kt_count * (kRowTileBytes >> 4));
+        if (kSplit && kt < kt_count) wgmma_k_tile<Op>(acc, desc_a, desc_add(desc_b, kt_count * (kRowTileBytes >> 4)));
         // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
         wgmma_wait<1>();
         if (!resident) {

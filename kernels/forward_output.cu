@@ -689,7 +689,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int per_chunk = kSegs * (kt_x + kt_z), w_tiles = chunks * per_chunk;
   const bool resident = w_tiles <= stages;
   constexpr int kElemsPerKTile = kKBytes / static_cast<int>(sizeof(Op));
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = warp_index(), lane = threadIdx.x & 31;
 
   if (warp == kThreads / 32 - 1) {  // the producer
     if (lane != 0) return;

@@ -24,9 +24,20 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 
 // Shared-memory matrix descriptor: K-major rows of 128 bytes, 128-byte swizzle, 8-row groups 1024
 // bytes apart (what TMA's 128-byte swizzle writes).
+// This thread's warp, broadcast from lane 0 so the compiler knows it is warp-uniform: what is
+// computed from it (a warpgroup's shared-memory descriptors) then stays in uniform registers
+// instead of moving there (R2UR) before every wgmma (as CUTLASS's canonical_warp_idx_sync does).
+__device__ __forceinline__ int warp_index() { return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 5), 0); }
+
 __device__ __forceinline__ uint64_t smem_descriptor(const void* tile) {
   const uint64_t addr = smem_u32(tile);
   return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+// The descriptor `units` x 16 bytes further on: an add to the start-address field (14 bits: shared
+// memory addresses below 256 KB never carry out of it) in the low word only. (A 64-bit add costs
+// an add with carry per wgmma k-step, in registers the wgmma then moves to uniform ones.)
+__device__ __forceinline__ uint64_t desc_add(uint64_t desc, uint32_t units) {
+  return (desc & 0xFFFFFFFF00000000ull) | static_cast<uint32_t>(static_cast<uint32_t>(desc) + units);
 }
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
@@ -216,8 +227,8 @@ __device__ __forceinline__ void wgmma_k_tile(float (&acc)[kAcc], uint64_t desc_a
   wgmma_fence();
 #pragma unroll
   for (int step = 0; step < 4; ++step) {
-    if constexpr (kAcc == 64) wgmma_64x128<Op>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
-    else wgmma_64x64<Op>(acc, desc_a + 2 * step, desc_b + 2 * step, 1);
+    if constexpr (kAcc == 64) wgmma_64x128<Op>(acc, desc_add(desc_a, 2 * step), desc_add(desc_b, 2 * step), 1);
+    else wgmma_64x64<Op>(acc, desc_add(desc_a, 2 * step), desc_add(desc_b, 2 * step), 1);
   }
   wgmma_commit();
 }
