@@ -953,9 +953,43 @@ def test_cuda_bad_input_raises():
 
 
 @cuda
-def test_bad_high_arith_setting_raises(monkeypatch):
+@pytest.mark.parametrize("variable, value, message", [
+    ("TRIMUL_HIGH_ARITH", "bf16", "TRIMUL_HIGH_ARITH must be f16 or tf32, not 'bf16'"),
+    ("TRIMUL_INPUT_PASS", "wgma", "TRIMUL_INPUT_PASS must be wgmma, resident or streamed, not 'wgma'"),
+    ("TRIMUL_OUTPUT_PASS", "mma", "TRIMUL_OUTPUT_PASS must be wgmma, resident or streamed, not 'mma'"),
+    ("TRIMUL_INPUT_PLAN", "3,4", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
+    ("TRIMUL_INPUT_PLAN", "2,9", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
+    ("TRIMUL_INPUT_PLAN", "2", "TRIMUL_INPUT_PLAN must be 'buffers,stages'")])
+def test_bad_measuring_settings_raise(monkeypatch, variable, value, message):
+    """The environment knobs for measuring (README: pinning a pass's kernel, its plan, "high"'s
+    arithmetic): a value that names nothing raises instead of silently measuring the default."""
     model = ti.ModelNew(8, 4, precision="high").cuda()
     pair, mask = torch.randn(1, 4, 4, 8, device="cuda"), torch.ones(1, 4, 4, device="cuda")
-    monkeypatch.setenv("TRIMUL_HIGH_ARITH", "bf16")
-    with torch.no_grad(), pytest.raises(ValueError, match="TRIMUL_HIGH_ARITH must be f16 or tf32, not 'bf16'"):
+    monkeypatch.setenv(variable, value)
+    with torch.no_grad(), pytest.raises(ValueError, match=re.escape(message)):
         model(pair, mask)
+
+
+@cuda
+@pytest.mark.parametrize("precision", ti.PRECISIONS)
+@pytest.mark.parametrize("plan", ["1,2", "1,8", "2,2", "2,8"])
+def test_input_plan_setting_sizes_the_wgmma_input_kernel(monkeypatch, precision, plan):
+    """TRIMUL_INPUT_PLAN=buffers,stages sizes the wgmma input kernel's row buffers and weight ring
+    (for measuring); where they do not fit in shared memory that kernel declines and another takes
+    the pass, still correct. At pair_dim 384 a row buffer is 96 KB (192 KB at "highest": parts and
+    remainders) and a weight stage 16 KB, of 227 KB."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    fits = plan == "1,2" or (precision != "highest" and plan != "2,8")
+    monkeypatch.setenv("TRIMUL_INPUT_PLAN", plan)
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(384, 128, "outgoing", "raw").double(), g)
+    new = _make_new(reference, torch.float32, "auto", precision)
+    pair, mask = random_inputs(1, 200, 384, g)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _check_model(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed, f"{precision} plan {plan}")
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages() if "input_pass" in e.key]
+    assert len(names) == 1 and (PASS_KERNELS["input"]["wgmma"] in names[0]) == fits, names

@@ -120,7 +120,33 @@ struct ForwardArgs {
   int64_t contract_stage_bytes;
   void* out;              // [B, N, N, C] contiguous, pair_dtype
   cudaStream_t stream;
+  // Measuring knobs, read from the environment by the bindings at each forward (known_pass_kernel,
+  // parse_pass_plan): the kernel each fused pass is pinned to (TRIMUL_INPUT_PASS / TRIMUL_OUTPUT_PASS;
+  // nullptr: the default order), and the wgmma input kernel's row buffers and weight stages
+  // (TRIMUL_INPUT_PLAN; 0: its own choice; where they do not fit it declines the problem).
+  const char* input_pin;
+  const char* output_pin;
+  int input_plan_buffers, input_plan_stages;
 };
+
+// A fused pass's kernels by their pinning names.
+inline bool known_pass_kernel(const char* name) {
+  for (const char* known : {"wgmma", "resident", "streamed"}) {
+    int i = 0;
+    while (known[i] != '\0' && known[i] == name[i]) ++i;
+    if (known[i] == '\0' && name[i] == '\0') return true;
+  }
+  return false;
+}
+
+// "buffers,stages" (buffers 1 or 2, stages 2..8) into its two numbers; false for anything else.
+inline bool parse_pass_plan(const char* text, int* buffers, int* stages) {
+  if (text[0] < '1' || text[0] > '2' || text[1] != ',' || text[2] < '2' || text[2] > '8' || text[3] != '\0')
+    return false;
+  *buffers = text[0] - '0';
+  *stages = text[2] - '0';
+  return true;
+}
 
 // The fused passes (kernels/forward_*.cu). Each returns cudaErrorNotSupported for a shape it
 // cannot take (the module then runs its unfused path), else the launch status.

@@ -105,6 +105,16 @@ trimul::MaskKind mask_kind(const at::Tensor& mask) {
                    "bfloat16, float16)");
 }
 
+// A fused pass's pinned kernel from `variable` (nullptr when unset or empty): a name that is no
+// kernel raises rather than silently measuring the default order.
+const char* pass_pin(const char* variable) {
+  const char* pin = std::getenv(variable);
+  if (pin == nullptr || pin[0] == '\0') return nullptr;
+  TORCH_CHECK_VALUE(trimul::known_pass_kernel(pin), "trimul_inline: ", variable, " must be wgmma, resident or streamed, not '",
+                    pin, "'");
+  return pin;
+}
+
 trimul::Precision contraction_precision(trimul::Mode mode) {
   switch (mode) {
     case trimul::Mode::tf32x3: return trimul::Precision::highest;
@@ -206,6 +216,13 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   args.ldz = round_up(n, 4);
   args.z_dtype = trimul::Dtype::f32;
   args.stream = c10::cuda::getCurrentCUDAStream(pair.device().index()).stream();
+  // The measuring knobs (ForwardArgs::input_pin ..), read at each forward so a running process can switch.
+  args.input_pin = pass_pin("TRIMUL_INPUT_PASS");
+  args.output_pin = pass_pin("TRIMUL_OUTPUT_PASS");
+  if (const char* plan = std::getenv("TRIMUL_INPUT_PLAN"); plan != nullptr && plan[0] != '\0')
+    TORCH_CHECK_VALUE(trimul::parse_pass_plan(plan, &args.input_plan_buffers, &args.input_plan_stages),
+                      "trimul_inline: TRIMUL_INPUT_PLAN must be 'buffers,stages' with buffers 1 or 2 and stages 2 to 8, "
+                      "not '", plan, "'");
   TORCH_CHECK(trimul::input_pass_smem(args) > 0 && trimul::output_pass_smem(args) > 0,
               "trimul_inline: pair_dim ", c, " / hidden ", hidden,
               " do not fit the fused kernels' shared memory (check fused_fits first)");

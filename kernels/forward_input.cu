@@ -556,8 +556,15 @@ Plan plan(const ForwardArgs& args, bool pinned) {
   const int kt = k_tiles(args.c_pad, sizeof(pass_op_t<M, kF16>));
   const int w_tiles = static_cast<int>(2 * args.rows_ab / kChunkRows) * kSegments<M> * kt;
   const int64_t tiles = args.batch * ceil_div(args.n * args.ld, kPositions);
-  return plan_pass([kt](int buffers, int stages) { return plan_bytes(kt, buffers, stages, kRowPlanes<M>); }, w_tiles,
-                   kMaxStages, tiles, pinned);
+  const auto bytes = [kt](int buffers, int stages) { return plan_bytes(kt, buffers, stages, kRowPlanes<M>); };
+  const Plan chosen = plan_pass(bytes, w_tiles, kMaxStages, tiles, pinned);
+  if (chosen.bytes == 0 || args.input_plan_buffers == 0) return chosen;
+  // TRIMUL_INPUT_PLAN: these buffers and stages (all weight k-tiles resident where they number no
+  // more), or none where they do not fit.
+  const int stages = std::min(args.input_plan_stages, w_tiles);
+  const int64_t need = bytes(args.input_plan_buffers, stages), limit = fused::max_smem_optin();
+  if (need > limit) return Plan{};
+  return Plan{args.input_plan_buffers, stages, std::min(need + 1023, limit)};
 }
 
 template <Mode M, typename TIn, bool kF16 = M == Mode::tf32x3>
@@ -602,10 +609,10 @@ std::pair<bool, int64_t> choose(const ForwardArgs& args) {
 }
 
 // Which kernel takes the pass: wgmma, then resident, then streamed, the first that applies; with
-// TRIMUL_INPUT_PASS set, only the one it names where that applies (pinned_kernel).
+// TRIMUL_INPUT_PASS set, only the one it names where that applies (ForwardArgs::input_pin).
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
-  const char* pinned = pinned_kernel("TRIMUL_INPUT_PASS");
+  const char* pinned = args.input_pin;
   if (pin_allows(pinned, "wgmma")) {
     const cudaError_t status = wgmma_tiles::plan_and_launch<M, TIn>(args, pinned != nullptr);
     if (status != cudaErrorNotSupported) return status;  // else another kernel takes it

@@ -934,7 +934,7 @@ cudaError_t launch_tiling(const ForwardArgs& args, int64_t base) {
 }
 
 // Which kernel takes the pass: wgmma (pair_dim > 128, or "highest"), resident, then streamed, the first that
-// applies; with TRIMUL_OUTPUT_PASS set, only the one it names where that applies (pinned_kernel).
+// applies; with TRIMUL_OUTPUT_PASS set, only the one it names where that applies (ForwardArgs::output_pin).
 // The wgmma kernel is first only where it measured faster (2026-12-01, H200, NOTES v9, v11): at
 // pair_dim 384 (e.g. (1,1024,384,128) medium 2787 -> 2213 µs, high 6340 -> 3960) and at "highest"
 // (fp16x3: (1,1024,128,128) 1931 -> 1487), not at pair_dim 128 otherwise (medium 685 -> 1123,
@@ -947,7 +947,7 @@ bool output_wgmma_first(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
-  const char* pinned = pinned_kernel("TRIMUL_OUTPUT_PASS");
+  const char* pinned = args.output_pin;
   if (pin_allows(pinned, "wgmma") && (pinned != nullptr || output_wgmma_first<M>(args))) {
     const cudaError_t status = wgmma_tiles::plan_and_launch<M, TIn>(args);
     if (status != cudaErrorNotSupported) return status;  // else another kernel takes it

@@ -488,14 +488,8 @@ cudaError_t allow_smem(int64_t bytes) {
   return status;
 }
 
-// A pass's kernel pinned by the environment variable `variable` (TRIMUL_INPUT_PASS /
-// TRIMUL_OUTPUT_PASS: wgmma, resident or streamed), read at each launch so a running process can
-// switch; nullptr when unset or empty.
-inline const char* pinned_kernel(const char* variable) {
-  const char* pinned = std::getenv(variable);
-  return pinned != nullptr && pinned[0] != '\0' ? pinned : nullptr;
-}
-// Whether kernel `name` may take the pass: nothing pinned, or this one.
+// Whether kernel `name` may take the pass: nothing pinned (ForwardArgs::input_pin / output_pin), or
+// this one.
 inline bool pin_allows(const char* pinned, const char* name) {
   return pinned == nullptr || std::strcmp(pinned, name) == 0;
 }
