@@ -249,13 +249,13 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
                 mask.scalar_type() == at::kBool;
   if (split || args.ab_f16) kernels = {"wgmma_tma"};
   const at::ScalarType ab_type = args.ab_f16 ? at::kHalf : op_type;
-  // a_t and b_t [B*H, N, ld] (split: [2, B*H, N, ld]), filled by the input pass.
+  // a_t and b_t [B*H, N, ld] each (split: [2, B*H, N, ld]), filled by the input pass: one allocation
+  // [2, planes, N, ld] (a small forward's host time is mostly per-call work like each at::empty).
   const auto input_pass = [&] {
     const int64_t planes = (split ? 2 : 1) * batch * hidden;
-    std::pair<at::Tensor, at::Tensor> ab{at::empty({planes, n, args.ld}, options.dtype(ab_type)),
-                                         at::empty({planes, n, args.ld}, options.dtype(ab_type))};
-    args.a_t = ab.first.data_ptr();
-    args.b_t = ab.second.data_ptr();
+    at::Tensor ab = at::empty({2, planes, n, args.ld}, options.dtype(ab_type));
+    args.a_t = ab.data_ptr();
+    args.b_t = static_cast<char*>(ab.data_ptr()) + planes * n * args.ld * ab.element_size();
     args.small_offset = split ? batch * hidden * n * args.ld : 0;
     check_launch(trimul::launch_input_pass(args), "the input pass");
     return ab;
@@ -272,7 +272,7 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   {
     const auto ab = input_pass();
     if (variant == "bmm") {  // cuBLAS on the same buffers, a baseline
-      at::Tensor product = at::bmm(ab.first, ab.second.transpose(1, 2)).to(at::kFloat);
+      at::Tensor product = at::bmm(ab[0], ab[1].transpose(1, 2)).to(at::kFloat);
       z.narrow(2, 0, n).copy_(product);
     } else {
       trimul::ContractArgs contract{};
@@ -285,7 +285,7 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
       contract.k = n;
       contract.lda = args.ld;
       contract.ldz = args.ldz;
-      contract.operand = dtype_code(ab.first, "a_t");
+      contract.operand = dtype_code(ab, "a_t");
       contract.out = trimul::Dtype::f32;
       contract.precision = contraction_precision(mode);
       contract.tf32_rounded = mode == trimul::Mode::tf32;
