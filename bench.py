@@ -51,6 +51,26 @@ def model_flops(batch, n, pair_dim, hidden) -> float:
         + 2.0 * batch * hidden * n ** 3
 
 
+def kernel_work(kernel_name, batch, n, pair_dim, hidden, precision):
+    """(useful FLOPs, fewest bytes) of one of ModelNew's kernels, from its profiler name; None for
+    others. Bytes: fp32 pair rows, bool mask, fp32 z and output, and the a/b operands at the size the
+    fused input pass writes them with a bool mask (2 bytes each: bf16 or scaled fp16; "highest": an
+    fp16 part and remainder, 4). The output pass's FLOPs include an in-pass contraction where it makes
+    one (no contraction kernel at small N)."""
+    pairs = batch * n * n
+    ab_bytes = 2 * batch * hidden * n * n * (4 if precision == "highest" else 2)
+    z_bytes = 4 * batch * hidden * n * n
+    contraction = 2.0 * batch * hidden * n ** 3
+    if "input_pass" in kernel_name:
+        return 2.0 * pairs * pair_dim * 4 * hidden, 4 * pairs * pair_dim + pairs + ab_bytes
+    if "contract" in kernel_name:
+        return contraction, ab_bytes + z_bytes
+    if "output_pass" in kernel_name:
+        flops = 2.0 * pairs * (pair_dim * pair_dim + hidden * pair_dim)
+        return flops, 8 * pairs * pair_dim + z_bytes
+    return None
+
+
 def make_inputs(batch, n, pair_dim, generator, device):
     pair = torch.randn(batch, n, n, pair_dim, generator=generator, device=device)
     mask = torch.rand(batch, n, n, generator=generator, device=device) > 0.1
@@ -310,11 +330,15 @@ def profile_kernels(shapes, args, repeat_only=0):
                     for _ in range(5):
                         new(pair, mask)
                     torch.cuda.synchronize()
-            print(f"\n{shape} {precision}: CUDA time per forward by kernel")
+            print(f"\n{shape} {precision}: CUDA time per forward by kernel (TFLOP/s and GB/s from"
+                  f" kernel_work's useful FLOPs and fewest bytes)")
             events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
             events.sort(key=lambda e: -e.device_time_total)
             for e in events[:8]:
-                print(f"  {e.device_time_total / 5:10.1f} us  {e.count // 5:3d}x  {e.key[:90]}")
+                us = e.device_time_total / 5
+                work = kernel_work(e.key, *shape, precision)
+                rates = f"{work[0] / us / 1e6:7.1f} {work[1] / us / 1e3:7.0f}" if work and us > 0 else " " * 15
+                print(f"  {us:10.1f} us  {e.count // 5:3d}x  {rates}  {e.key[:90]}")
 
 
 def cpu_comparison():

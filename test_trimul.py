@@ -224,6 +224,23 @@ def test_plans_follow_the_global_precision_and_module_options():
         torch.set_float32_matmul_precision(before)
 
 
+def test_bench_kernel_work_adds_up_to_the_forward():
+    """bench.py --profile's per-kernel rates: the three kernels' useful FLOPs sum to the forward's
+    (model_flops), and the fewest bytes count each tensor at its size."""
+    import bench
+    batch, n, c, h = 2, 40, 24, 8
+    work = {k: bench.kernel_work(name, batch, n, c, h, "medium")
+            for k, name in (("in", "trimul::input_pass::kernel<"), ("z", "trimul::contract_wgmma_tma::kernel<"),
+                            ("out", "trimul::output_pass::resident::kernel<"))}
+    assert sum(w[0] for w in work.values()) == bench.model_flops(batch, n, c, h)
+    pairs = batch * n * n
+    assert work["in"][1] == 4 * pairs * c + pairs + 2 * 2 * pairs * h
+    assert work["z"][1] == 2 * 2 * pairs * h + 4 * pairs * h
+    assert work["out"][1] == 8 * pairs * c + 4 * pairs * h
+    assert bench.kernel_work("trimul::input_pass::kernel<", batch, n, c, h, "highest")[1] == work["in"][1] + 4 * pairs * h
+    assert bench.kernel_work("elementwise_kernel", batch, n, c, h, "medium") is None
+
+
 # ---- kernel sources, registry, build cache --------------------------------------------------------
 def test_every_registered_cuda_variant_has_a_kernel_file_and_description():
     sources = ti.kernel_sources(KERNEL_DIR)
