@@ -3,6 +3,7 @@
 // include it and the kernel translation unit stays free of heavy torch headers.
 #pragma once
 #include <cstdint>
+#include <cstring>
 #include <cuda_runtime_api.h>
 
 namespace trimul {
@@ -131,11 +132,8 @@ struct ForwardArgs {
 
 // A fused pass's kernels by their pinning names.
 inline bool known_pass_kernel(const char* name) {
-  for (const char* known : {"wgmma", "resident", "streamed"}) {
-    int i = 0;
-    while (known[i] != '\0' && known[i] == name[i]) ++i;
-    if (known[i] == '\0' && name[i] == '\0') return true;
-  }
+  for (const char* known : {"wgmma", "resident", "streamed"})
+    if (std::strcmp(known, name) == 0) return true;
   return false;
 }
 

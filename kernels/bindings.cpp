@@ -238,9 +238,10 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   // on an H200); TRIMUL_HIGH_ARITH=tf32 keeps the native TF32 kernels, for comparing the two.
   if (mode == trimul::Mode::tf32) {
     const char* high_arith = std::getenv("TRIMUL_HIGH_ARITH");
-    TORCH_CHECK_VALUE(high_arith == nullptr || std::strcmp(high_arith, "f16") == 0 || std::strcmp(high_arith, "tf32") == 0,
+    const bool f16 = high_arith == nullptr || std::strcmp(high_arith, "f16") == 0;
+    TORCH_CHECK_VALUE(f16 || std::strcmp(high_arith, "tf32") == 0,
                       "trimul_inline: TRIMUL_HIGH_ARITH must be f16 or tf32, not '", high_arith, "'");
-    args.high_f16 = (high_arith == nullptr || std::strcmp(high_arith, "f16") == 0) && trimul::wgmma_tma_available();
+    args.high_f16 = f16 && trimul::wgmma_tma_available();
   }
   // The contraction's operands as fp16 (split: parts and remainders; half the bytes of TF32 ones,
   // twice the tensor-core rate) where the scale from the parameters bounds them: a mask of at most 1

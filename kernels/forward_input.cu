@@ -561,10 +561,7 @@ Plan plan(const ForwardArgs& args, bool pinned) {
   if (chosen.bytes == 0 || args.input_plan_buffers == 0) return chosen;
   // TRIMUL_INPUT_PLAN: these buffers and stages (all weight k-tiles resident where they number no
   // more), or none where they do not fit.
-  const int stages = std::min(args.input_plan_stages, w_tiles);
-  const int64_t need = bytes(args.input_plan_buffers, stages), limit = fused::max_smem_optin();
-  if (need > limit) return Plan{};
-  return Plan{args.input_plan_buffers, stages, std::min(need + 1023, limit)};
+  return sized_plan(bytes, args.input_plan_buffers, std::min(args.input_plan_stages, w_tiles));
 }
 
 template <Mode M, typename TIn, bool kF16 = M == Mode::tf32x3>

@@ -544,7 +544,6 @@ __host__ __device__ inline int64_t plan_bytes(int kt_x, int kt_z, int buffers, i
          int64_t(stages) * kStageBytes + positions * 8 + 2 * (stages + buffers) * 8;
 }
 
-
 struct Plan {
   PassPlan ring;
   int positions = 0;
@@ -769,6 +768,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool leader = (threadIdx.x & 127) == 0;
   constexpr int kHalfBytes = kHalf * kKBytes;  // 64 swizzled rows: a 1024-byte multiple
   WeightRing ring{w_full, w_empty, weights, stages, resident};
+  // (kF16: out_proj's products are 2^(s_z + t_out) times too large, the biases to match)
+  const float out_up = kF16 ? args.f16x3_scales[kOutUp] : 1.f;
   int buf = 0;
   uint32_t buf_phase = 0;
   TIn* out = static_cast<TIn*>(args.out);
@@ -782,8 +783,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int c = chunk * kChunkRows + consumer * 64 + warp4 * 16 + g;
       const bool c_ok = c < args.c, c8_ok = c + 8 < args.c;
       const float gate_bias = c_ok ? args.b_gate[c] : 0.f, gate_bias8 = c8_ok ? args.b_gate[c + 8] : 0.f;
-      // (kF16: out_proj's products are 2^(s_z + t_out) times too large, the biases to match)
-      const float out_up = kF16 ? args.f16x3_scales[kOutUp] : 1.f;
       const float out_bias = c_ok ? args.b_out[c] * out_up : 0.f, out_bias8 = c8_ok ? args.b_out[c + 8] * out_up : 0.f;
       for (int half = 0; half < P / kHalf; ++half) {
         if (resident) ring.stage = chunk * per_chunk;  // the chunk's k-tiles, again for each half

@@ -4,7 +4,6 @@
 #include "mma.cuh"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 
 namespace trimul {
@@ -136,7 +135,6 @@ struct F16SwizzledRows {
     if constexpr (kPlanes == 2) lo.template store1<Mode::f16>(m, col, s - h);
   }
 };
-using F16SplitSwizzledRows = F16SwizzledRows<2>;
 
 // Power-of-two scale taking `largest` (>= 0) to [2^11, 2^12): fp16 parts never overflow and
 // remainders of all but negligible values stay normal. Exponent kept within [-100, 100]. (From the

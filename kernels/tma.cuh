@@ -22,13 +22,13 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// Shared-memory matrix descriptor: K-major rows of 128 bytes, 128-byte swizzle, 8-row groups 1024
-// bytes apart (what TMA's 128-byte swizzle writes).
 // This thread's warp, broadcast from lane 0 so the compiler knows it is warp-uniform: what is
 // computed from it (a warpgroup's shared-memory descriptors) then stays in uniform registers
 // instead of moving there (R2UR) before every wgmma (as CUTLASS's canonical_warp_idx_sync does).
 __device__ __forceinline__ int warp_index() { return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 5), 0); }
 
+// Shared-memory matrix descriptor: K-major rows of 128 bytes, 128-byte swizzle, 8-row groups 1024
+// bytes apart (what TMA's 128-byte swizzle writes).
 __device__ __forceinline__ uint64_t smem_descriptor(const void* tile) {
   const uint64_t addr = smem_u32(tile);
   return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
@@ -354,11 +354,18 @@ struct PassPlan {
   int64_t bytes = 0;  // to request at launch; 0: the kernel does not take the problem
 };
 
+// The plan of `buffers` row buffers and `stages` weight stages, none where they do not fit: the
+// request adds slack to realign the base to 1024 bytes where that fits too (bytes(buffers, stages)
+// is the kernel's need from a 1024-byte boundary).
+template <class Bytes>
+PassPlan sized_plan(Bytes bytes, int buffers, int stages) {
+  const int64_t need = bytes(buffers, stages), limit = fused::max_smem_optin();
+  return need <= limit ? PassPlan{buffers, stages, std::min(need + 1023, limit)} : PassPlan{};
+}
+
 // Two row buffers where they fit (staging overlaps the products), with all `w_tiles` weight
 // stages resident where those fit too (at most max_stages), else a ring of 4 down to 2 stages;
-// one buffer where two do not fit. bytes(buffers, stages) is the kernel's need from a 1024-byte
-// boundary; the request adds slack to realign the base where that fits. None unless `tiles`
-// give every SM one (or `any_tiles`: a pinned kernel, measured against the others at any size).
+// one buffer where two do not fit (sized_plan). None unless `tiles` give every SM one (or `any_tiles`: a pinned kernel, measured against the others at any size).
 template <class Bytes>
 PassPlan plan_pass(Bytes bytes, int w_tiles, int max_stages, int64_t tiles, bool any_tiles = false) {
   const int64_t limit = fused::max_smem_optin();
@@ -368,9 +375,8 @@ PassPlan plan_pass(Bytes bytes, int w_tiles, int max_stages, int64_t tiles, bool
     for (int s = 4; s >= 2 && stages == 0; --s)
       if (bytes(buffers, s) <= limit) stages = s;
     if (stages == 0) continue;
-    const int64_t need = bytes(buffers, stages);
-    if (!any_tiles && fused::persistent_bytes(tiles, 1, need) == 0) return PassPlan{};
-    return PassPlan{buffers, stages, std::min(need + 1023, limit)};
+    if (!any_tiles && fused::persistent_bytes(tiles, 1, bytes(buffers, stages)) == 0) return PassPlan{};
+    return sized_plan(bytes, buffers, stages);
   }
   return PassPlan{};
 }
