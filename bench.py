@@ -190,12 +190,21 @@ def first_precision_taken(kernel, precisions):
     return None
 
 
-def time_cuda(fn, min_reps=10, max_reps=200, budget_s=0.5):
-    """Median and 10th/90th percentile of per-call CUDA event times, in microseconds. Calls slower
-    than 0.1 s (the naive baseline at large N) get 5 repetitions instead of 10."""
-    for _ in range(2):
+def warm_up(fn, seconds=0.025, min_calls=2):
+    """Calls fn (synchronised) for `seconds` of wall time, at least min_calls times. A seed-shape call
+    is ~50 us, mostly host time: two calls left it timed while the host still ran as it had for the
+    contender before (the same build's seed rows moved 40-87 us between runs)."""
+    start, calls = time.perf_counter(), 0
+    while calls < min_calls or time.perf_counter() - start < seconds:
         fn()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        calls += 1
+
+
+def time_cuda(fn, min_reps=10, max_reps=1000, budget_s=0.5):
+    """Median and 10th/90th percentile of per-call CUDA event times, in microseconds, after a
+    warm-up. Calls slower than 0.1 s (the naive baseline at large N) get 5 repetitions instead of 10."""
+    warm_up(fn)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()

@@ -365,7 +365,8 @@ PassPlan sized_plan(Bytes bytes, int buffers, int stages) {
 
 // Two row buffers where they fit (staging overlaps the products), with all `w_tiles` weight
 // stages resident where those fit too (at most max_stages), else a ring of 4 down to 2 stages;
-// one buffer where two do not fit (sized_plan). None unless `tiles` give every SM one (or `any_tiles`: a pinned kernel, measured against the others at any size).
+// one buffer where two do not fit (sized_plan). None unless `tiles` give every SM one
+// (or `any_tiles`: a kernel measured faster than the others at any size).
 template <class Bytes>
 PassPlan plan_pass(Bytes bytes, int w_tiles, int max_stages, int64_t tiles, bool any_tiles = false) {
   const int64_t limit = fused::max_smem_optin();
