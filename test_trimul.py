@@ -980,7 +980,8 @@ def test_cuda_bad_input_raises():
     ("TRIMUL_OUTPUT_PASS", "mma", "TRIMUL_OUTPUT_PASS must be wgmma, resident or streamed, not 'mma'"),
     ("TRIMUL_INPUT_PLAN", "3,4", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
     ("TRIMUL_INPUT_PLAN", "2,9", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
-    ("TRIMUL_INPUT_PLAN", "2", "TRIMUL_INPUT_PLAN must be 'buffers,stages'")])
+    ("TRIMUL_INPUT_PLAN", "2", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
+    ("TRIMUL_INPUT_PLAN", "2,8,96", "TRIMUL_INPUT_PLAN must be 'buffers,stages'")])
 def test_bad_measuring_settings_raise(monkeypatch, variable, value, message):
     """The environment knobs for measuring (README: pinning a pass's kernel, its plan, "high"'s
     arithmetic): a value that names nothing raises instead of silently measuring the default."""
@@ -991,26 +992,46 @@ def test_bad_measuring_settings_raise(monkeypatch, variable, value, message):
         model(pair, mask)
 
 
+def _input_plan_fits(plan, precision, pair_dim):
+    """Whether the wgmma input kernel's TRIMUL_INPUT_PLAN fits Hopper's 227 KB of shared memory at
+    pair_dim 384: row buffers of `positions` rows x 6 k-tiles of 128 bytes (two planes at "highest":
+    parts and remainders), 16 KB weight stages, the per-position scales and offsets, the barriers."""
+    buffers, stages, *rest = (int(v) for v in plan.split(","))
+    positions = rest[0] if rest else 128
+    planes = 2 if precision == "highest" else 1
+    k_tiles = -(-pair_dim * 2 // 128)  # 16-bit operands (fp16 parts at "high" and "highest")
+    need = (buffers * planes * k_tiles * positions * 128 + stages * 16384 + buffers * positions * 4 + positions * 8
+            + 2 * (stages + buffers) * 8)
+    return need <= 227 * 1024
+
+
 @cuda
 @pytest.mark.parametrize("precision", ti.PRECISIONS)
-@pytest.mark.parametrize("plan", ["1,2", "1,8", "2,2", "2,8"])
-def test_input_plan_setting_sizes_the_wgmma_input_kernel(monkeypatch, precision, plan):
-    """TRIMUL_INPUT_PLAN=buffers,stages sizes the wgmma input kernel's row buffers and weight ring
-    (for measuring); where they do not fit in shared memory that kernel declines and another takes
-    the pass, still correct. At pair_dim 384 a row buffer is 96 KB (192 KB at "highest": parts and
-    remainders) and a weight stage 16 KB, of 227 KB."""
+@pytest.mark.parametrize("plan", ["1,2", "1,8", "2,2", "2,8", "2,8,64", "1,8,64", "2,4,128"])
+@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 200, 384, 128), (2, 97, 32, 24)])
+def test_input_plan_setting_sizes_the_wgmma_input_kernel(monkeypatch, precision, plan, batch, n, pair_dim, hidden):
+    """TRIMUL_INPUT_PLAN=buffers,stages[,positions] sizes the wgmma input kernel's row buffers, weight
+    ring and tile (for measuring); where they do not fit in shared memory that kernel declines and
+    another takes the pass, still correct. At pair_dim 384 a 128-position row buffer is 96 KB (192 KB
+    at "highest": parts and remainders) and a weight stage 16 KB, of 227 KB. (2, 97, 32, 24): every
+    plan fits (its few weight k-tiles stay resident), tails in every 64- or 128-position tile."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma passes need an sm_90a GPU")
-    fits = plan == "1,2" or (precision != "highest" and plan != "2,8")
+    fits = pair_dim != 384 or _input_plan_fits(plan, precision, pair_dim)
+    assert pair_dim != 384 or _input_plan_fits("1,2", precision, pair_dim)  # (the rule itself is not vacuous)
+    assert pair_dim != 384 or not _input_plan_fits("2,8", precision, pair_dim)
     monkeypatch.setenv("TRIMUL_INPUT_PLAN", plan)
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(384, 128, "outgoing", "raw").double(), g)
+    reference = random_layers(ti.Model(pair_dim, hidden, "outgoing", "raw").double(), g)
     new = _make_new(reference, torch.float32, "auto", precision)
-    pair, mask = random_inputs(1, 200, 384, g)
+    pair, mask = random_inputs(batch, n, pair_dim, g)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _check_model(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed, f"{precision} plan {plan}")
         torch.cuda.synchronize()
     names = [e.key for e in prof.key_averages() if "input_pass" in e.key]
     assert len(names) == 1 and (PASS_KERNELS["input"]["wgmma"] in names[0]) == fits, names
+    positions = plan.split(",")[2] if plan.count(",") == 2 else "128"
+    if fits:  # the kernel's template arguments: <Mode, input type, positions per tile, kF16>
+        assert re.search(r"wgmma_tiles::kernel<[^,]*, [^,]*, %s," % positions, names[0]), names

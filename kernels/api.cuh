@@ -123,11 +123,12 @@ struct ForwardArgs {
   cudaStream_t stream;
   // Measuring knobs, read from the environment by the bindings at each forward (known_pass_kernel,
   // parse_pass_plan): the kernel each fused pass is pinned to (TRIMUL_INPUT_PASS / TRIMUL_OUTPUT_PASS;
-  // nullptr: the default order), and the wgmma input kernel's row buffers and weight stages
-  // (TRIMUL_INPUT_PLAN; 0: its own choice; where they do not fit it declines the problem).
+  // nullptr: the default order), and the wgmma input kernel's row buffers, weight stages and
+  // positions per tile (TRIMUL_INPUT_PLAN; 0: its own choice; where they do not fit it declines the
+  // problem).
   const char* input_pin;
   const char* output_pin;
-  int input_plan_buffers, input_plan_stages;
+  int input_plan_buffers, input_plan_stages, input_plan_positions;
 };
 
 // A fused pass's kernels by their pinning names.
@@ -137,10 +138,15 @@ inline bool known_pass_kernel(const char* name) {
   return false;
 }
 
-// "buffers,stages" (buffers 1 or 2, stages 2..8) into its two numbers; false for anything else.
-inline bool parse_pass_plan(const char* text, int* buffers, int* stages) {
-  if (text[0] < '1' || text[0] > '2' || text[1] != ',' || text[2] < '2' || text[2] > '8' || text[3] != '\0')
-    return false;
+// "buffers,stages" or "buffers,stages,positions" (buffers 1 or 2, stages 2..8, positions 64 or 128)
+// into its numbers (positions 0 where not given); false for anything else.
+inline bool parse_pass_plan(const char* text, int* buffers, int* stages, int* positions) {
+  if (text[0] < '1' || text[0] > '2' || text[1] != ',' || text[2] < '2' || text[2] > '8') return false;
+  const char* rest = text + 3;
+  if (std::strcmp(rest, "") == 0) *positions = 0;
+  else if (std::strcmp(rest, ",64") == 0) *positions = 64;
+  else if (std::strcmp(rest, ",128") == 0) *positions = 128;
+  else return false;
   *buffers = text[0] - '0';
   *stages = text[2] - '0';
   return true;

@@ -220,9 +220,10 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   args.input_pin = pass_pin("TRIMUL_INPUT_PASS");
   args.output_pin = pass_pin("TRIMUL_OUTPUT_PASS");
   if (const char* plan = std::getenv("TRIMUL_INPUT_PLAN"); plan != nullptr && plan[0] != '\0')
-    TORCH_CHECK_VALUE(trimul::parse_pass_plan(plan, &args.input_plan_buffers, &args.input_plan_stages),
-                      "trimul_inline: TRIMUL_INPUT_PLAN must be 'buffers,stages' with buffers 1 or 2 and stages 2 to 8, "
-                      "not '", plan, "'");
+    TORCH_CHECK_VALUE(trimul::parse_pass_plan(plan, &args.input_plan_buffers, &args.input_plan_stages,
+                                              &args.input_plan_positions),
+                      "trimul_inline: TRIMUL_INPUT_PLAN must be 'buffers,stages' or 'buffers,stages,positions' with "
+                      "buffers 1 or 2, stages 2 to 8 and positions 64 or 128, not '", plan, "'");
   TORCH_CHECK(trimul::input_pass_smem(args) > 0 && trimul::output_pass_smem(args) > 0,
               "trimul_inline: pair_dim ", c, " / hidden ", hidden,
               " do not fit the fused kernels' shared memory (check fused_fits first)");

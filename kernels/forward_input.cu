@@ -328,18 +328,19 @@ namespace wgmma_tiles {
 using namespace ::trimul::tma;
 using namespace ::trimul::tma::ws;
 
-constexpr int kPositions = 128;  // positions per tile: the wgmma's N
-constexpr int kRowTileBytes = kPositions * kKBytes;
 constexpr int kStagingLoads = 12;  // 16-byte loads in flight per stager lane
 
-// Shared memory for `buffers` row buffers of `planes` planes (2: split operands) and `stages`
-// weight stages, from a 1024-byte boundary.
-__host__ __device__ inline int64_t plan_bytes(int kt_count, int buffers, int stages, int planes = 1) {
-  return int64_t(buffers) * planes * kt_count * kRowTileBytes + int64_t(stages) * kStageBytes +
-         buffers * kPositions * 4 + kPositions * 8 + 2 * (stages + buffers) * 8;
+// Shared memory for `buffers` row buffers of `positions` rows (the wgmma's N: 128 or 64) and
+// `planes` planes (2: split operands), and `stages` weight stages, from a 1024-byte boundary.
+__host__ __device__ inline int64_t plan_bytes(int kt_count, int buffers, int stages, int positions, int planes = 1) {
+  return int64_t(buffers) * planes * kt_count * positions * kKBytes + int64_t(stages) * kStageBytes +
+         buffers * positions * 4 + positions * 8 + 2 * (stages + buffers) * 8;
 }
 
-using Plan = PassPlan;
+struct Plan {
+  PassPlan ring;
+  int positions = 0;  // per tile (P); 0: the kernel does not take the problem
+};
 
 // The proj/gate product of one h at one position, gated and masked (tanh.approx on 16-bit paths),
 // from the position's scale: gate_scale(mask), computed once per position by the stagers.
@@ -353,11 +354,13 @@ __device__ __forceinline__ float gated(float proj, float gate, float scale) {
   else return proj * gate_sigmoid<M>(gate) * scale;
 }
 
-template <Mode M, typename TIn, bool kF16 = M == Mode::tf32x3>
+template <Mode M, typename TIn, int P, bool kF16 = M == Mode::tf32x3>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch, int buffers,
            int stages) {
+  static_assert(P == 128 || P == 64, "m64n128 or m64n64 products");
   using Op = pass_op_t<M, kF16>;
+  constexpr int kRowTileBytes = P * kKBytes;
   constexpr bool kSplit = M == Mode::tf32x3;  // (implies kF16)
   constexpr int kPlanes = kRowPlanes<M>, kSegs = kSegments<M>;
   extern __shared__ uint8_t smem_raw[];
@@ -367,13 +370,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int kt_count = k_tiles(args.c_pad, sizeof(Op));
   // The host leaves no slack for realignment where the plan would not fit with it (a dynamic
   // shared-memory base is 1024-byte aligned in practice); a base that is not must not go unnoticed.
-  if ((rows - smem_raw) + plan_bytes(kt_count, buffers, stages, kPlanes) > dynamic_smem_size()) __trap();
+  if ((rows - smem_raw) + plan_bytes(kt_count, buffers, stages, P, kPlanes) > dynamic_smem_size()) __trap();
   const int buffer_bytes = kPlanes * kt_count * kRowTileBytes;  // (split: the fp16 parts, then the remainders)
   uint8_t* weights = rows + buffers * buffer_bytes;
-  // [buffers][kPositions]: each position's gate_scale(mask) (split: times 2^-(s_in+t_in)), by the stagers
+  // [buffers][P]: each position's gate_scale(mask) (split: times 2^-(s_in+t_in)), by the stagers
   float* scale_v = reinterpret_cast<float*>(weights + stages * kStageBytes);
-  int64_t* row_off = reinterpret_cast<int64_t*>(scale_v + buffers * kPositions);
-  uint64_t* w_full = reinterpret_cast<uint64_t*>(row_off + kPositions);
+  int64_t* row_off = reinterpret_cast<int64_t*>(scale_v + buffers * P);
+  uint64_t* w_full = reinterpret_cast<uint64_t*>(row_off + P);
   uint64_t* w_empty = w_full + stages;
   uint64_t* rows_full = w_empty + stages;
   uint64_t* rows_empty = rows_full + buffers;
@@ -426,12 +429,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       ring.wait_free();
       const int buf = ring.slot;
-      const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
+      const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * P;
       named_barrier(1, kStagerThreads);  // every stager is done with the last tile's row_off
-      if (stager < kPositions) {
+      if (stager < P) {
         float mask;
         locate_position(args, batch, p0 + stager, plane, row_off[stager], mask);
-        scale_v[buf * kPositions + stager] = kF16 ? gate_scale<M>(mask) * down : gate_scale<M>(mask);
+        scale_v[buf * P + stager] = kF16 ? gate_scale<M>(mask) * down : gate_scale<M>(mask);
       }
       named_barrier(1, kStagerThreads);
       const SwizzledRows big{rows + buf * buffer_bytes, kRowTileBytes};
@@ -439,11 +442,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(
             F16SwizzledRows<kPlanes>{big, SwizzledRows{big.base + kt_count * kRowTileBytes, kRowTileBytes}, row_scale},
             vectorized,
-            static_cast<const TIn*>(args.pair), row_off, kPositions, static_cast<int>(args.c), k_fill, args.ln_in_w,
+            static_cast<const TIn*>(args.pair), row_off, P, static_cast<int>(args.c), k_fill, args.ln_in_w,
             args.ln_in_b, args.eps_in, stager >> 5);
       else
         stage_rows_to<M, TIn, kStagerWarps, kStagingLoads>(
-            big, vectorized, static_cast<const TIn*>(args.pair), row_off, kPositions, static_cast<int>(args.c),
+            big, vectorized, static_cast<const TIn*>(args.pair), row_off, P, static_cast<int>(args.c),
             k_fill, args.ln_in_w, args.ln_in_b, args.eps_in, stager >> 5);
       fence_proxy_async();  // st.shared writes, read by wgmma through the async proxy
       mbar_arrive(&rows_full[buf]);
@@ -466,16 +469,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   const float up = kF16 ? args.f16x3_scales[kInUp] : 1.f;
   float proj_bias = args.b_in[row_in_chunk] * up, gate_bias = args.b_in[row_in_chunk + 8] * up;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
-    const int in_plane = static_cast<int>(std::min<int64_t>(plane - p0, kPositions));  // even: plane is
+    const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * P;
+    const int in_plane = static_cast<int>(std::min<int64_t>(plane - p0, P));  // even: plane is
     const uint8_t* tile_rows = rows + buf * buffer_bytes;
-    const float* scale_t = scale_v + buf * kPositions;
+    const float* scale_t = scale_v + buf * P;
     mbar_wait(&rows_full[buf], buf_phase);
     for (int chunk = 0; chunk < chunks; ++chunk) {
       // This thread's weight row r (proj of h) and r + 8 (gate of the same h), at positions
       // 8j + 2t, 8j + 2t + 1 of n8 block j.
       const int64_t r = int64_t(chunk) * kChunkRows + row_in_chunk;
-      float acc[64];  // started from the biases (after the last chunk's MMAs: no wgmma is in flight)
+      float acc[P / 2];  // started from the biases (after the last chunk's MMAs: no wgmma is in flight)
       start_accumulators(acc, proj_bias, gate_bias);
       int held = -1;  // the stage the k-tile before this one read
       for (int kt = 0; kt < chunk_tiles; ++kt) {
@@ -522,7 +525,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float gate_down = kF16 ? args.f16x3_scales[kInDown] : 1.f;
       const float ab_up = kF16 && args.ab_f16 ? args.f16x3_scales[kAbUp] : 0.f;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
+      for (int j = 0; j < P / 8; ++j) {
         const int m = 8 * j + 2 * t;
         const float2 scale = *reinterpret_cast<const float2*>(scale_t + m);  // (split: proj's 2^-(s_in+t_in) in it)
         float gate0 = acc[4 * j + 2], gate1 = acc[4 * j + 3];
@@ -553,17 +556,32 @@ __global__ void __launch_bounds__(kThreads, 1)
 // v17: (16,32,64,32) "highest" 50.3 -> 42.2 us of GPU time per forward).
 template <Mode M, bool kF16 = M == Mode::tf32x3>
 Plan plan(const ForwardArgs& args) {
+  // TRIMUL_INPUT_PLAN may ask for 64-position tiles (smaller row buffers, room for more weight stages,
+  // the weights streamed twice as often); else 128.
+  const int positions = args.input_plan_positions != 0 ? args.input_plan_positions : 128;
   if (tensor_map_encoder() == nullptr || 2 * args.rows_ab >= (int64_t(1) << 31)) return Plan{};
   if (kF16 && (args.w_in_f16x3 == nullptr || args.f16x3_scales == nullptr)) return Plan{};
   const int kt = k_tiles(args.c_pad, sizeof(pass_op_t<M, kF16>));
   const int w_tiles = static_cast<int>(2 * args.rows_ab / kChunkRows) * kSegments<M> * kt;
-  const int64_t tiles = args.batch * ceil_div(args.n * args.ld, kPositions);
-  const auto bytes = [kt](int buffers, int stages) { return plan_bytes(kt, buffers, stages, kRowPlanes<M>); };
-  const Plan chosen = plan_pass(bytes, w_tiles, kMaxStages, tiles, /*any_tiles=*/true);
-  if (chosen.bytes == 0 || args.input_plan_buffers == 0) return chosen;
+  const int64_t tiles = args.batch * ceil_div(args.n * args.ld, positions);
+  const auto bytes = [=](int buffers, int stages) { return plan_bytes(kt, buffers, stages, positions, kRowPlanes<M>); };
+  const PassPlan chosen = plan_pass(bytes, w_tiles, kMaxStages, tiles, /*any_tiles=*/true);
+  if (chosen.bytes == 0 || args.input_plan_buffers == 0) return Plan{chosen, chosen.bytes != 0 ? positions : 0};
   // TRIMUL_INPUT_PLAN: these buffers and stages (all weight k-tiles resident where they number no
   // more), or none where they do not fit.
-  return sized_plan(bytes, args.input_plan_buffers, std::min(args.input_plan_stages, w_tiles));
+  const PassPlan sized = sized_plan(bytes, args.input_plan_buffers, std::min(args.input_plan_stages, w_tiles));
+  return Plan{sized, sized.bytes != 0 ? positions : 0};
+}
+
+template <Mode M, typename TIn, int P, bool kF16>
+cudaError_t launch_positions(const ForwardArgs& args, const PassPlan& ring, const CUtensorMap& map_w) {
+  const cudaError_t status = allow_smem<kernel<M, TIn, P, kF16>>(ring.bytes);
+  if (status != cudaSuccess) return status;
+  const int64_t tiles_per_batch = ceil_div(args.n * args.ld, P);
+  const int64_t blocks = std::min<int64_t>(sm_count(), args.batch * tiles_per_batch);
+  kernel<M, TIn, P, kF16><<<static_cast<unsigned>(blocks), kThreads, ring.bytes, args.stream>>>(
+      args, map_w, tiles_per_batch, ring.buffers, ring.stages);
+  return cudaGetLastError();
 }
 
 template <Mode M, typename TIn, bool kF16 = M == Mode::tf32x3>
@@ -576,13 +594,8 @@ cudaError_t launch(const ForwardArgs& args, const Plan& plan) {
   CUtensorMap map_w;
   if (!encode_kmajor_map<Op>(&map_w, kF16 ? args.w_in_f16x3 : args.w_in, 0, 2 * args.rows_ab, cols, kChunkRows))
     return cudaErrorNotSupported;
-  const cudaError_t status = allow_smem<kernel<M, TIn, kF16>>(plan.bytes);
-  if (status != cudaSuccess) return status;
-  const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
-  const int64_t blocks = std::min<int64_t>(sm_count(), args.batch * tiles_per_batch);
-  kernel<M, TIn, kF16><<<static_cast<unsigned>(blocks), kThreads, plan.bytes, args.stream>>>(
-      args, map_w, tiles_per_batch, plan.buffers, plan.stages);
-  return cudaGetLastError();
+  return plan.positions == 128 ? launch_positions<M, TIn, 128, kF16>(args, plan.ring, map_w)
+                               : launch_positions<M, TIn, 64, kF16>(args, plan.ring, map_w);
 }
 
 // The kernel for mode M in the arithmetic with_f16_arith picks (at "high" with high_f16 never the
@@ -592,7 +605,7 @@ cudaError_t plan_and_launch(const ForwardArgs& args) {
   return with_f16_arith<M>(args, [&](auto f16) {
     constexpr bool kF16 = decltype(f16)::value;
     const Plan chosen = plan<M, kF16>(args);
-    return chosen.bytes != 0 ? launch<M, TIn, kF16>(args, chosen) : cudaErrorNotSupported;
+    return chosen.positions != 0 ? launch<M, TIn, kF16>(args, chosen) : cudaErrorNotSupported;
   });
 }
 
