@@ -653,7 +653,7 @@ def test_high_as_scaled_f16_by_default(monkeypatch, input_kernel, mask_dtype, ba
     assert len(output) == 1 and any(f"output_pass::wgmma_tiles::kernel<(trimul::Mode)2, float, {positions}, true>"
                                     in output[0] for positions in (64, 128)), output
     if input_kernel == "wgmma":
-        assert any("input_pass::wgmma_tiles::kernel<(trimul::Mode)2, float, true>" in k for k in names), names
+        assert any("input_pass::wgmma_tiles::kernel<(trimul::Mode)2, float, 128, true>" in k for k in names), names
 
 
 @cuda
@@ -815,6 +815,23 @@ def test_cuda_graph_capture_of_the_fused_forward():
     torch.cuda.synchronize()
     ref = reference.cuda()(fresh_pair.cuda(), fresh_mask.cuda())
     assert rel_error(static_out, ref) < 1e-5, f"seed {seed}"
+
+
+def test_f16x3_weight_split_keeps_its_remainders_under_torch_compile():
+    """The "highest" wgmma passes' weights as fp16 parts and remainders (_f16x3_split) are prepared
+    inside the graph under torch.compile, where inductor elides a half().float() round trip: the
+    remainders came out zero there (a "high"-level forward at "highest"). Compiled must equal eager,
+    and part + remainder must carry fp32's bits. (Inductor on the CPU: runs without a GPU.)"""
+    g = torch.Generator().manual_seed(fresh_seed())
+    w = torch.randn(40, 96, generator=g) * 0.3
+    eager = ti._f16x3_split(w)
+    compiled = torch.compile(ti._f16x3_split, fullgraph=True)(w)
+    for mine, theirs in zip(eager, compiled):
+        assert torch.equal(mine, theirs)
+    split, t = eager
+    hi, lo = split[:, :96].float(), split[:, 128:224].float()
+    assert lo.abs().max() > 0
+    assert ((hi + lo) * torch.exp2(-t) - w).norm() / w.norm() < 1e-6
 
 
 @cuda

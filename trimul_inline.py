@@ -613,8 +613,12 @@ def _f16x3_split(w: torch.Tensor):
     segment = _round_up(k_pad, 64)
     t = _power_of_two_to_4096(w.abs().amax())
     scaled = w * torch.exp2(t)
-    hi = scaled.half()
-    lo = (scaled - hi.float()).half()
+    # The part by bit arithmetic, not scaled.half().float(): under torch.compile inductor elides such a
+    # round trip (it does not emulate precision casts), which left every remainder zero. TF32's
+    # significand is fp16's, and scaled <= 2^12 stays in fp16's range.
+    hi32 = _round_to_tf32(scaled)
+    hi = hi32.half()
+    lo = (scaled - hi32).half()
     split = torch.zeros(rows, 2 * segment, device=w.device, dtype=torch.float16)
     for start, part in ((0, hi), (segment, lo)):
         split[:, start:start + k_pad] = part
