@@ -848,6 +848,26 @@ def test_fused_matches_under_torch_compile():
     assert rel_error(out, ref) < 1e-5, f"seed {seed}"
 
 
+@cuda
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_fused_matches_under_torch_compile_large(precision):
+    """A compiled forward where both wgmma passes read the prepared fp16 weights (pair_dim 384, N = 200: a
+    separate contraction, a tile per SM for the wgmma output kernel): the weights are prepared inside the graph there
+    (the fp16x3 remainders were once lost to inductor, see _f16x3_split)."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(384, 128).double(), g)
+    new = _make_new(reference, torch.float32, "auto", precision)
+    compiled = torch.compile(new, fullgraph=True)
+    pair, mask = random_inputs(1, 200, 384, g)
+    ref = reference.cuda()(pair.cuda(), mask.cuda())
+    with torch.no_grad():
+        out = compiled(pair.float().cuda(), mask.cuda())
+    assert rel_error(out, ref) < FUSED_TOLERANCE[precision], f"seed {seed}"
+    if precision == "high":  # the reduced precision really is reduced
+        assert rel_error(out, ref) > 1e-6, f"seed {seed}"
+
+
 def _make_pair(reference, dtype, direction, gate_input, variant, pair_dim, hidden):
     new = ti.ModelNew(pair_dim, hidden, direction, gate_input, kernel=variant)
     new.load_state_dict(reference.state_dict())
