@@ -332,6 +332,41 @@ def test_extension_builds_and_a_second_process_reuses_it():
     assert "reusing cached build" in run.stderr and "building" not in run.stderr, run.stderr
 
 
+def _cuobjdump():
+    """cuobjdump from the toolkit or PATH, else the copy triton ships (a torch dependency on Linux)."""
+    candidates = [shutil.which("cuobjdump")]
+    toolkit = os.environ.get("CUDA_HOME")
+    if toolkit:
+        candidates.append(os.path.join(toolkit, "bin", "cuobjdump"))
+    try:
+        import triton
+        candidates.append(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"))
+    except ImportError:
+        pass
+    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
+def test_no_wgmma_kernel_is_serialized():
+    """ptxas serializes every wgmma of a kernel (C7514: a note in the build log, not an error) where
+    it finds accumulators that a wgmma in flight could still write being read; v16's descriptor
+    arithmetic did that to the split input kernel ("highest" at pair_dim 384: 4501 -> 5067 us)
+    unnoticed. In the built extension's SASS every kernel with wgmmas (HGMMA) must keep one in flight
+    somewhere (WARPGROUP.DEPBAR.LE gsb0, 0x1), as each of ours is written to."""
+    if ti.target_arch() != "90a":
+        pytest.skip(f"the wgmma kernels are in sm_90a builds only (this build: sm_{ti.target_arch()})")
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit, PATH or triton) to read the SASS with")
+    module = ti.load_extension(KERNEL_DIR)
+    sass = subprocess.run([tool, "-sass", module.__file__], capture_output=True, text=True, timeout=600,
+                          check=True).stdout
+    kernels = dict(f.split("\n", 1) for f in re.split(r"\n\s*Function : ", sass)[1:])
+    with_wgmma = {name.strip(): body for name, body in kernels.items() if "HGMMA" in body}
+    assert len(with_wgmma) >= 40, sorted(with_wgmma)  # (input, output and contraction kernels: 49 in v18)
+    serialized = [name for name, body in with_wgmma.items() if "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in body]
+    assert not serialized, serialized
+
+
 _BUNDLE_CHECK = r"""
 import sys, torch, warnings
 namespace = {}

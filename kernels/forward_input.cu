@@ -489,10 +489,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int row_kt = kSplit && kt >= kt_count ? kt - kt_count : kt;
         const uint64_t desc_a = smem_descriptor(weights + s * kStageBytes + consumer * kGroupRowBytes);
         const uint64_t desc_b = smem_descriptor(tile_rows + row_kt * kRowTileBytes);
-        wgmma_k_tile<Op>(acc, desc_a, desc_b);
+        wgmma_k_tile<Op, kSplit>(acc, desc_a, desc_b);
         // (the remainders' descriptor kt_count k-tiles on: its address field counts 16 bytes, and
         // shared memory ends far below its 2^18-byte reach)
-        if (kSplit && kt < kt_count) wgmma_k_tile<Op>(acc, desc_a, desc_add(desc_b, kt_count * (kRowTileBytes >> 4)));
+        if (kSplit && kt < kt_count) wgmma_k_tile<Op, kSplit>(acc, desc_a, desc_b + kt_count * (kRowTileBytes >> 4));
         // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
         wgmma_wait<1>();
         if (!resident) {

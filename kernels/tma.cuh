@@ -220,15 +220,19 @@ __device__ __forceinline__ void wgmma_64x64(float (&d)[32], uint64_t desc_a, uin
 
 // One 128-byte k-tile of a 64xN product, N = 2 x the accumulators per thread (64 or 128): four
 // k-steps, 32 bytes further along k each (start address + 2 in the descriptors), committed as one
-// wgmma group.
-template <typename Op, int kAcc>
+// wgmma group. kWideAdd: the k-steps' descriptors by 64-bit adds instead of desc_add, for the split
+// input kernel: with desc_add ptxas allocated its registers so that it serialized every wgmma of that
+// kernel (C7514; its pair_dim-384 "highest" input pass 4501 -> 5067 us from v15 to v16), while the
+// 64-bit adds cost it a 32-byte spill, as in v15.
+template <typename Op, bool kWideAdd = false, int kAcc>
 __device__ __forceinline__ void wgmma_k_tile(float (&acc)[kAcc], uint64_t desc_a, uint64_t desc_b) {
   static_assert(kAcc == 32 || kAcc == 64, "m64n64 or m64n128");
+  const auto step_desc = [](uint64_t desc, int step) { return kWideAdd ? desc + 2 * step : desc_add(desc, 2 * step); };
   wgmma_fence();
 #pragma unroll
   for (int step = 0; step < 4; ++step) {
-    if constexpr (kAcc == 64) wgmma_64x128<Op>(acc, desc_add(desc_a, 2 * step), desc_add(desc_b, 2 * step), 1);
-    else wgmma_64x64<Op>(acc, desc_add(desc_a, 2 * step), desc_add(desc_b, 2 * step), 1);
+    if constexpr (kAcc == 64) wgmma_64x128<Op>(acc, step_desc(desc_a, step), step_desc(desc_b, step), 1);
+    else wgmma_64x64<Op>(acc, step_desc(desc_a, step), step_desc(desc_b, step), 1);
   }
   wgmma_commit();
 }
