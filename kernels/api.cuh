@@ -143,7 +143,7 @@ inline bool known_pass_kernel(const char* name) {
 inline bool parse_pass_plan(const char* text, int* buffers, int* stages, int* positions) {
   if (text[0] < '1' || text[0] > '2' || text[1] != ',' || text[2] < '2' || text[2] > '8') return false;
   const char* rest = text + 3;
-  if (std::strcmp(rest, "") == 0) *positions = 0;
+  if (rest[0] == '\0') *positions = 0;
   else if (std::strcmp(rest, ",64") == 0) *positions = 64;
   else if (std::strcmp(rest, ",128") == 0) *positions = 128;
   else return false;

@@ -308,10 +308,11 @@ cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
 // - the producer warp: one thread streams the grouped proj/gate weights with TMA, 128 rows x 128
 //   bytes of k per stage, through an mbarrier ring running ahead into the next tile's weights; or,
 //   where all of them fit in the ring, loads them once (they are the same for every tile);
-// - 7 stager warps LayerNorm a tile's 128 positions into 128-byte-swizzled k-tiles (wgmma's B
-//   operand), into one of two row buffers while the MMA warps multiply the other;
+// - 7 stager warps LayerNorm a tile's 128 positions (P; 64 where TRIMUL_INPUT_PLAN asks) into
+//   128-byte-swizzled k-tiles (wgmma's B operand), into one of two row buffers while the MMA warps
+//   multiply the other;
 // - two MMA warpgroups each multiply 64 of every 128 weight rows (A) by the staged tile: m64n128
-//   (k16 for 16-bit operands, k8 for TF32), accumulators started from the biases. Rows grouped by
+//   (m64n64 at P = 64; k16 for 16-bit operands, k8 for TF32), accumulators started from the biases. Rows grouped by
 //   16 put a thread's proj and gate of one h at the same two positions, so the gated pair goes
 //   straight to a_t / b_t, as in the streamed kernel.
 // Where two row buffers do not fit (TF32 and split at pair_dim 384) there is one: staging and products then
