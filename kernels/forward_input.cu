@@ -564,14 +564,13 @@ Plan plan(const ForwardArgs& args) {
   if (kF16 && (args.w_in_f16x3 == nullptr || args.f16x3_scales == nullptr)) return Plan{};
   const int kt = k_tiles(args.c_pad, sizeof(pass_op_t<M, kF16>));
   const int w_tiles = static_cast<int>(2 * args.rows_ab / kChunkRows) * kSegments<M> * kt;
-  const int64_t tiles = args.batch * ceil_div(args.n * args.ld, positions);
   const auto bytes = [=](int buffers, int stages) { return plan_bytes(kt, buffers, stages, positions, kRowPlanes<M>); };
-  const PassPlan chosen = plan_pass(bytes, w_tiles, kMaxStages, tiles, /*any_tiles=*/true);
-  if (chosen.bytes == 0 || args.input_plan_buffers == 0) return Plan{chosen, chosen.bytes != 0 ? positions : 0};
+  const auto with_positions = [=](const PassPlan& ring) { return Plan{ring, ring.bytes != 0 ? positions : 0}; };
   // TRIMUL_INPUT_PLAN: these buffers and stages (all weight k-tiles resident where they number no
   // more), or none where they do not fit.
-  const PassPlan sized = sized_plan(bytes, args.input_plan_buffers, std::min(args.input_plan_stages, w_tiles));
-  return Plan{sized, sized.bytes != 0 ? positions : 0};
+  if (args.input_plan_buffers != 0)
+    return with_positions(sized_plan(bytes, args.input_plan_buffers, std::min(args.input_plan_stages, w_tiles)));
+  return with_positions(plan_pass(bytes, w_tiles, kMaxStages));
 }
 
 template <Mode M, typename TIn, int P, bool kF16>

@@ -846,12 +846,14 @@ Plan plan(const ForwardArgs& args) {
   using Op = pass_op_t<M, kF16>;
   const int kt_x = k_tiles(args.c_pad, sizeof(Op)), kt_z = k_tiles(args.h_pad, sizeof(Op));
   const int w_tiles = static_cast<int>(ceil_div(args.c, kChunkRows)) * kSegments<M> * (kt_x + kt_z);
+  // None unless the tiles give every SM one (smaller problems measured faster on the other kernels).
   const auto ring = [&](int positions) {
+    if (args.batch * ceil_div(args.n * args.ldz, positions) < sm_count()) return PassPlan{};
     return plan_pass(
         [=](int buffers, int stages) {
           return plan_bytes(kt_x, kt_z, buffers, stages, positions, kRowPlanes<M>, kF16);
         },
-        w_tiles, kMaxStages, args.batch * ceil_div(args.n * args.ldz, positions));
+        w_tiles, kMaxStages);
   };
   // 128 positions with two buffers, else 64 with two (the weights then stream as often: once per
   // 64 positions either way), else whichever fits with one.

@@ -369,19 +369,17 @@ PassPlan sized_plan(Bytes bytes, int buffers, int stages) {
 
 // Two row buffers where they fit (staging overlaps the products), with all `w_tiles` weight
 // stages resident where those fit too (at most max_stages), else a ring of 4 down to 2 stages;
-// one buffer where two do not fit (sized_plan). None unless `tiles` give every SM one
-// (or `any_tiles`: a kernel measured faster than the others at any size).
+// one buffer where two do not fit (sized_plan). (Which problem sizes a kernel takes is its own
+// plan's business.)
 template <class Bytes>
-PassPlan plan_pass(Bytes bytes, int w_tiles, int max_stages, int64_t tiles, bool any_tiles = false) {
+PassPlan plan_pass(Bytes bytes, int w_tiles, int max_stages) {
   const int64_t limit = fused::max_smem_optin();
   for (int buffers = 2; buffers >= 1; --buffers) {
     int stages = 0;
     if (w_tiles <= max_stages && bytes(buffers, w_tiles) <= limit) stages = w_tiles;
     for (int s = 4; s >= 2 && stages == 0; --s)
       if (bytes(buffers, s) <= limit) stages = s;
-    if (stages == 0) continue;
-    if (!any_tiles && fused::persistent_bytes(tiles, 1, bytes(buffers, stages)) == 0) return PassPlan{};
-    return sized_plan(bytes, buffers, stages);
+    if (stages != 0) return sized_plan(bytes, buffers, stages);
   }
   return PassPlan{};
 }
