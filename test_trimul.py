@@ -470,6 +470,14 @@ def _check_model(new, reference, pair, mask, tolerance, seed, label, dtype=torch
     return err
 
 
+def _check_model_profiled(new, reference, pair, mask, tolerance, seed, label):
+    """_check_model with the checked call profiled: (error, the CUDA kernels it launched)."""
+    errors = []
+    kernels = _cuda_kernels_launched(
+        lambda: errors.append(_check_model(new, reference, pair, mask, tolerance, seed, label)))
+    return errors[0], kernels
+
+
 # (2, 97, 32, 24): a separate contraction with batch > 1 ("highest" on Hopper: split operands, whose
 # remainder planes sit batch * hidden planes after the TF32 ones).
 SHAPES = [(1, 1, 8, 4), (2, 7, 16, 8), (1, 33, 32, 16), (1, 257, 24, 12), (2, 40, 128, 128),
@@ -562,11 +570,9 @@ def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precisi
     reference = random_layers(ti.Model(pair_dim, hidden, "outgoing", "raw").double(), g)
     new = _make_new(reference, torch.float32, "auto", precision)
     pair, mask = random_inputs(batch, n, pair_dim, g)
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # (the checked call is the profiled one)
-        _check_model(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed, f"{fused_pass} {kernel} {precision}")
-        torch.cuda.synchronize()
-    names = [e.key for e in prof.key_averages() if f"{fused_pass}_pass" in e.key]
+    _, ran = _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed,
+                                   f"{fused_pass} {kernel} {precision}")
+    names = [k for k in ran if f"{fused_pass}_pass" in k]
     assert len(names) == 1 and PASS_KERNELS[fused_pass][kernel] in names[0], names
     if kernel == "wgmma":
         assert re.search(r"wgmma_tiles::kernel<[^>]*, %s>\(" % ("true" if arith_f16 else "false"), names[0]), names
@@ -590,11 +596,8 @@ def test_wgmma_input_pass_takes_small_problems(monkeypatch, precision, batch, n,
     reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
     new = _make_new(reference, torch.float32, "auto", precision)
     pair, mask = random_inputs(batch, n, pair_dim, g)
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _check_model(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed, f"{precision} N={n}")
-        torch.cuda.synchronize()
-    names = [e.key for e in prof.key_averages() if "input_pass" in e.key]
+    _, ran = _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed, f"{precision} N={n}")
+    names = [k for k in ran if "input_pass" in k]
     assert len(names) == 1 and PASS_KERNELS["input"]["wgmma"] in names[0], names
 
 
@@ -625,13 +628,10 @@ def test_scaled_f16_wgmma_passes_hold_at_extreme_scales(monkeypatch, precision, 
         reference.out_gate.weight.div_(pair_scale)
     new = _make_new(reference, torch.float32, "auto", precision)
     pair, mask = random_inputs(batch, n, pair_dim, g)
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _check_model(new, reference, pair * pair_scale, mask, FUSED_TOLERANCE[precision], seed,
-                     f"{precision} scales {ln_scale} {weight_scale} {pair_scale}")
-        torch.cuda.synchronize()
+    _, ran = _check_model_profiled(new, reference, pair * pair_scale, mask, FUSED_TOLERANCE[precision], seed,
+                                   f"{precision} scales {ln_scale} {weight_scale} {pair_scale}")
     for fused_pass in ("input", "output"):
-        names = [e.key for e in prof.key_averages() if f"{fused_pass}_pass" in e.key]
+        names = [k for k in ran if f"{fused_pass}_pass" in k]
         assert len(names) == 1 and PASS_KERNELS[fused_pass]["wgmma"] in names[0], names
 
 
@@ -677,13 +677,9 @@ def test_high_as_scaled_f16_by_default(monkeypatch, input_kernel, mask_dtype, ba
     pair, mask = random_inputs(batch, n, pair_dim, g)
     if mask_dtype == torch.float32:
         mask = mask * (torch.rand(mask.shape, generator=g) * 3.0)
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        err = _check_model(new, reference, pair, mask.to(mask_dtype), FUSED_TOLERANCE["high"], seed,
-                           f"high f16 {input_kernel} {mask_dtype}")
-        torch.cuda.synchronize()
+    err, names = _check_model_profiled(new, reference, pair, mask.to(mask_dtype), FUSED_TOLERANCE["high"], seed,
+                                       f"high f16 {input_kernel} {mask_dtype}")
     assert err > 1e-6
-    names = [e.key for e in prof.key_averages()]
     output = [k for k in names if "output_pass" in k]
     assert len(output) == 1 and any(f"output_pass::wgmma_tiles::kernel<(trimul::Mode)2, float, {positions}, true>"
                                     in output[0] for positions in (64, 128)), output
@@ -1098,11 +1094,9 @@ def test_input_plan_setting_sizes_the_wgmma_input_kernel(monkeypatch, precision,
     reference = random_layers(ti.Model(pair_dim, hidden, "outgoing", "raw").double(), g)
     new = _make_new(reference, torch.float32, "auto", precision)
     pair, mask = random_inputs(batch, n, pair_dim, g)
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _check_model(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed, f"{precision} plan {plan}")
-        torch.cuda.synchronize()
-    names = [e.key for e in prof.key_averages() if "input_pass" in e.key]
+    _, ran = _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed,
+                                   f"{precision} plan {plan}")
+    names = [k for k in ran if "input_pass" in k]
     assert len(names) == 1 and (PASS_KERNELS["input"]["wgmma"] in names[0]) == fits, names
     positions = plan.split(",")[2] if plan.count(",") == 2 else "128"
     if fits:  # the kernel's template arguments: <Mode, input type, positions per tile, kF16>
