@@ -2,6 +2,8 @@
 
     python -m pytest test_trimul.py
 """
+import copy
+import gc
 import os
 import random
 import re
@@ -9,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -199,6 +202,63 @@ def test_planned_calls_skip_checks_until_a_parameter_changes(monkeypatch):
     model._plans[model._plan_key(pair, mask)] = ("bf16", arguments)
     assert model._forward_planned(pair, mask) is None  # grad mode: the autograd-aware path
     assert len(calls) == 1
+
+
+def test_planned_forward_takes_only_an_unchanged_signature_and_module(monkeypatch):
+    """The C++ side of the planned path (the extension's PlannedForward, ModelNew._fast), built for
+    real: it takes a call only while the signature, the precision, grad mode, autocast and every
+    object and parameter state the plan read are unchanged, and it keeps the module alive by nothing."""
+    monkeypatch.setattr(ti, "_DEFAULT_EXTENSION", ti.load_extension(KERNEL_DIR))
+    model = ti.ModelNew(16, 8).eval()
+    pair, mask = torch.randn(1, 5, 5, 16), torch.rand(1, 5, 5) > 0.2
+    arguments = ti._extension_arguments("auto", "bf16", False, False, 1e-5, 1e-5)
+
+    def plan():
+        return model._fast_plan(pair, mask, "high", model._prepared_weights("bf16"), arguments)
+
+    def takes(p=None, m=None, precision="high"):
+        return fast.matches(model, pair if p is None else p, mask if m is None else m, precision)
+
+    with torch.no_grad():
+        fast = plan()
+        assert takes() and takes(p=pair.transpose(1, 2))  # strides beyond C's are the kernels' business
+        assert not takes(precision="highest")
+        assert not takes(p=pair.double()) and not takes(m=mask.float()) and not takes(p="a string")
+        assert not takes(p=pair[:, :4, :4].contiguous(), m=mask[:, :4, :4])
+        assert not takes(p=torch.randn(1, 5, 5, 32)[..., ::2])  # channel stride 2
+        for owner, name, other in ((model, "kernel", "mma"), (model, "direction", "incoming"),
+                                   (model, "gate_input", "normalized"), (model.layer_norm_out, "eps", 1e-3)):
+            before = getattr(owner, name)
+            setattr(owner, name, other)
+            assert not takes(), name
+            setattr(owner, name, before)
+            assert takes(), name
+        torch.set_autocast_enabled("cuda", True)
+        try:
+            assert not takes()
+        finally:
+            torch.set_autocast_enabled("cuda", False)
+        assert takes()
+        model.out_proj.weight.mul_(2.0)  # in place: the version counter
+        assert not takes()
+        fast = plan()
+        model.proj_a.weight.data = model.proj_a.weight.data.clone()  # .data =: the data pointer
+        assert not takes()
+        fast = plan()
+        model.gate_b.bias = torch.nn.Parameter(torch.randn(8))  # a new parameter object
+        assert not takes()
+        fast = plan()
+        model.proj_b = torch.nn.Linear(16, 8)  # a new submodule
+        assert not takes()
+        fast = plan()
+        assert takes()
+    assert not takes()  # grad mode
+    model._fast = fast
+    assert copy.deepcopy(model)._fast is None and model._fast is fast
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None and fast is not None
 
 
 def test_plans_follow_the_global_precision_and_module_options():

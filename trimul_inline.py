@@ -531,6 +531,7 @@ def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
+_SUBMODULES = ("layer_norm_in", "proj_a", "gate_a", "proj_b", "gate_b", "layer_norm_out", "out_proj", "out_gate")
 _PARAM_PATHS = (("layer_norm_in", "weight"), ("layer_norm_in", "bias"), ("proj_a", "weight"),
                 ("proj_a", "bias"), ("gate_a", "weight"), ("gate_a", "bias"), ("proj_b", "weight"),
                 ("proj_b", "bias"), ("gate_b", "weight"), ("gate_b", "bias"),
@@ -774,6 +775,7 @@ class ModelNew(_TriMulLayers):
         self.kernel, self.precision = kernel, precision
         self._weights_cache = {}  # mode -> (parameter versions, prepared weights); not state
         self._plans = {}  # call signature -> extension arguments after the weights (see _plan_key)
+        self._fast = None  # the last planned signature's decisions, checked in C++ (_fast_plan)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kernel={self.kernel!r}, precision={self.precision!r}"
@@ -781,7 +783,23 @@ class ModelNew(_TriMulLayers):
     def resolved_precision(self) -> str:
         return self.precision or _float32_matmul_precision_now()
 
+    def __getstate__(self):
+        # (copy.deepcopy, pickle) the C++ plan does not copy; the copy plans its own calls
+        state = self.__dict__.copy()
+        state["_fast"] = None
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("_fast", None)
+
     def forward(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            fast = self._fast
+            if fast is not None:
+                out = fast.run(self, pair_repr, pair_mask, self.precision or _float32_matmul_precision_now())
+                if out is not None:
+                    return out
         out = self._forward_planned(pair_repr, pair_mask)
         if out is not None:
             return out
@@ -844,6 +862,7 @@ class ModelNew(_TriMulLayers):
         load_state_dict, copy_ under no_grad, .to()); edits through `.data` are invisible to that
         tracking, so call this after them."""
         self._weights_cache.clear()
+        self._fast = None
 
     def _prepared_weights(self, mode: str):
         return self._prepared_weights_and_freshness(mode)[0]
@@ -873,12 +892,36 @@ class ModelNew(_TriMulLayers):
             weights = prepare_weights(_param_list(self), mode)
             return fused_forward(pair_repr, pair_mask, weights, *options)
         # Eager: skip the dispatcher (its overhead is most of a small call) and reuse weights.
-        out = _fused_call(pair_repr, pair_mask, self._prepared_weights(mode), *options)
+        weights = self._prepared_weights(mode)
+        out = _fused_call(pair_repr, pair_mask, weights, *options)
         if (not torch.is_grad_enabled() and variant not in _TORCH_BACKED
                 and pair_repr is original[0] and pair_mask is original[1]):
             # This signature passed check_inputs and needs no copy or conversion: plan it.
-            self._plans[self._plan_key(pair_repr, pair_mask)] = (mode, _extension_arguments(*options))
+            arguments = _extension_arguments(*options)
+            self._plans[self._plan_key(pair_repr, pair_mask)] = (mode, arguments)
+            self._fast = self._fast_plan(pair_repr, pair_mask, precision, weights, arguments)
         return out
+
+    def _fast_plan(self, pair_repr, pair_mask, precision, weights, arguments):
+        """The C++ side of the planned path (the extension's PlannedForward): the signature and
+        what _plan_key and the weights' freshness read, compared without Python per call. None
+        under autocast, with parameters outside the modules' own dicts (parametrizations), or
+        with an extension that lacks it."""
+        planned = getattr(_extension(), "PlannedForward", None)
+        if planned is None or torch.is_autocast_enabled("cuda"):
+            return None
+        modules = self._modules
+        entries = [(modules, name, modules[name]) for name in _SUBMODULES]
+        params = []
+        for module, name in _PARAM_PATHS:
+            owner = modules[module]._parameters
+            if owner.get(name) is None:
+                return None
+            entries.append((owner, name, owner[name]))
+            params.append(owner[name])
+        attributes = [(None, name, getattr(self, name)) for name in ("kernel", "direction", "gate_input")]
+        attributes += [(modules[name], "eps", modules[name].eps) for name in ("layer_norm_in", "layer_norm_out")]
+        return planned(entries, attributes, params, pair_repr, pair_mask, precision, weights, *arguments)
 
     def _gated_projection(self, x, proj, gate, mask):
         p = proj(x)

@@ -5,6 +5,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -324,6 +326,111 @@ bool fused_fits(int64_t c, int64_t hidden, int64_t mode_code) {
   return trimul::input_pass_smem(args) > 0 && trimul::output_pass_smem(args) > 0;
 }
 
+// A checked eager call's decisions, kept so the next no-grad call with the same signature goes from
+// Python straight to forward(): the Python around a small forward (its signature, the parameters'
+// freshness, module.__call__) cost more than the GPU work at the seed shapes (NOTES v19). run()
+// returns None, and the caller takes its full path, unless all of these still hold:
+// - the signature: pair's and mask's sizes, dtypes and devices, pair's channel stride, the resolved
+//   float32 matmul precision (passed in), grad mode and CUDA autocast off;
+// - the same objects under each (dict, key) of `entries` (the module's submodules, their parameters)
+//   and under each attribute of `attributes` (owner, name; owner None: the module run() is given);
+// - each parameter's data pointer, dtype and version counter (in-place updates, `.data =`).
+// It holds references to the submodules and parameters, never to the module itself (which holds it).
+class PlannedForward {
+ public:
+  PlannedForward(py::list entries, py::list attributes, std::vector<at::Tensor> params, const at::Tensor& pair,
+                 const at::Tensor& mask, py::str precision, std::vector<at::Tensor> weights, std::string variant,
+                 int64_t mode_code, bool incoming, bool gate_normalized, double eps_in, double eps_out)
+      : params_(std::move(params)),
+        pair_sizes_(pair.sizes().vec()),
+        mask_sizes_(mask.sizes().vec()),
+        pair_dtype_(pair.scalar_type()),
+        mask_dtype_(mask.scalar_type()),
+        device_(pair.device()),
+        pair_channel_stride_(pair.stride(-1)),
+        precision_(std::move(precision)),
+        weights_(std::move(weights)),
+        variant_(std::move(variant)),
+        mode_code_(mode_code),
+        incoming_(incoming),
+        gate_normalized_(gate_normalized),
+        eps_in_(eps_in),
+        eps_out_(eps_out) {
+    // (raw pointers into tuples that held_ keeps alive: the per-call checks skip pybind's accessors)
+    for (const auto& entry : entries) {
+      const auto t = entry.cast<py::tuple>();
+      TORCH_CHECK_VALUE(t.size() == 3 && PyDict_Check(t[0].ptr()), "trimul_inline: entries are (dict, key, object)");
+      entries_.push_back({t[0].ptr(), t[1].ptr(), t[2].ptr()});
+      held_.push_back(t);
+    }
+    for (const auto& attribute : attributes) {
+      const auto t = attribute.cast<py::tuple>();
+      TORCH_CHECK_VALUE(t.size() == 3, "trimul_inline: attributes are (owner or None, name, object)");
+      attributes_.push_back({t[0].is_none() ? nullptr : t[0].ptr(), t[1].ptr(), t[2].ptr()});
+      held_.push_back(t);
+    }
+    for (const auto& p : params_) param_state_.emplace_back(p.data_ptr(), p.scalar_type(), p._version());
+  }
+
+  bool matches(py::handle module, py::handle pair, py::handle mask, py::handle precision) const {
+    if (at::GradMode::is_enabled() || at::autocast::is_autocast_enabled(at::kCUDA)) return false;
+    if (!THPVariable_Check(pair.ptr()) || !THPVariable_Check(mask.ptr())) return false;
+    const at::Tensor& p = THPVariable_Unpack(pair.ptr());
+    const at::Tensor& m = THPVariable_Unpack(mask.ptr());
+    if (!p.sizes().equals(pair_sizes_) || p.scalar_type() != pair_dtype_ || p.device() != device_ ||
+        p.stride(-1) != pair_channel_stride_ || !m.sizes().equals(mask_sizes_) || m.scalar_type() != mask_dtype_ ||
+        m.device() != device_)
+      return false;
+    const int same_precision = PyObject_RichCompareBool(precision.ptr(), precision_.ptr(), Py_EQ);
+    if (same_precision != 1) {
+      if (same_precision < 0) PyErr_Clear();
+      return false;
+    }
+    for (const Held& entry : entries_)
+      if (PyDict_GetItemWithError(entry.owner, entry.key) != entry.expected) {
+        PyErr_Clear();
+        return false;
+      }
+    for (const Held& attribute : attributes_) {
+      PyObject* value = PyObject_GetAttr(attribute.owner != nullptr ? attribute.owner : module.ptr(), attribute.key);
+      if (value == nullptr) PyErr_Clear();
+      Py_XDECREF(value);  // (only its identity is compared, and the attribute still holds it)
+      if (value != attribute.expected) return false;
+    }
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (param_state_[i] != std::make_tuple(params_[i].data_ptr(), params_[i].scalar_type(), params_[i]._version()))
+        return false;
+    return true;
+  }
+
+  py::object run(py::handle module, py::handle pair, py::handle mask, py::handle precision) const {
+    if (!matches(module, pair, mask, precision)) return py::none();
+    return py::cast(forward(THPVariable_Unpack(pair.ptr()), THPVariable_Unpack(mask.ptr()), weights_, variant_,
+                            mode_code_, incoming_, gate_normalized_, eps_in_, eps_out_));
+  }
+
+ private:
+  struct Held {
+    PyObject* owner;  // a dict (entries) or an attribute's owner (nullptr: the module run() is given)
+    PyObject* key;
+    PyObject* expected;
+  };
+  std::vector<py::tuple> held_;
+  std::vector<Held> entries_, attributes_;
+  std::vector<at::Tensor> params_;
+  std::vector<std::tuple<void*, at::ScalarType, int64_t>> param_state_;
+  std::vector<int64_t> pair_sizes_, mask_sizes_;
+  at::ScalarType pair_dtype_, mask_dtype_;
+  at::Device device_;
+  int64_t pair_channel_stride_;
+  py::str precision_;
+  std::vector<at::Tensor> weights_;
+  std::string variant_;
+  int64_t mode_code_;
+  bool incoming_, gate_normalized_;
+  double eps_in_, eps_out_;
+};
+
 std::vector<std::string> contraction_variants() {
   const char* names[64];
   const int count = trimul::list_contractions(names, 64);
@@ -337,4 +444,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_fits", &fused_fits, "whether the fused passes take these sizes in this mode");
   m.def("forward", &forward, "the fused forward: input pass, contraction, output pass");
   m.def("contraction_variants", &contraction_variants, "names of the contraction kernels built in");
+  py::class_<PlannedForward>(m, "PlannedForward", "a checked eager call's decisions (ModelNew._fast)")
+      .def(py::init<py::list, py::list, std::vector<at::Tensor>, const at::Tensor&, const at::Tensor&, py::str,
+                    std::vector<at::Tensor>, std::string, int64_t, bool, bool, double, double>())
+      .def("matches", &PlannedForward::matches, "whether run() would take this call")
+      .def("run", &PlannedForward::run, "forward() for a call that matches, else None");
 }

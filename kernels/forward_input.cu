@@ -570,7 +570,16 @@ Plan plan(const ForwardArgs& args) {
   // more), or none where they do not fit.
   if (args.input_plan_buffers != 0)
     return with_positions(sized_plan(bytes, args.input_plan_buffers, std::min(args.input_plan_stages, w_tiles)));
-  return with_positions(plan_pass(bytes, w_tiles, kMaxStages));
+  const PassPlan ring = plan_pass(bytes, w_tiles, kMaxStages);
+  // Split rows where two 128-position buffers do not fit (pair_dim 384): one 64-position buffer and a
+  // 6-stage weight ring measured faster than one 128-position buffer and 2 stages (NOTES v19, H200:
+  // "highest" input (1,1024,384,128) 4544 -> 3706 us, (2,256,384,128) 549 -> 482; 8 stages 3811 / 490).
+  if (kRowPlanes<M> == 2 && ring.buffers == 1) {
+    const auto bytes64 = [=](int buffers, int stages) { return plan_bytes(kt, buffers, stages, 64, kRowPlanes<M>); };
+    for (int stages = std::min(6, w_tiles); stages >= 2; --stages)
+      if (const PassPlan narrow = sized_plan(bytes64, 1, stages); narrow.bytes != 0) return Plan{narrow, 64};
+  }
+  return with_positions(ring);
 }
 
 template <Mode M, typename TIn, int P, bool kF16>
