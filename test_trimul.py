@@ -1109,7 +1109,8 @@ def test_cuda_bad_input_raises():
     ("TRIMUL_INPUT_PLAN", "3,4", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
     ("TRIMUL_INPUT_PLAN", "2,9", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
     ("TRIMUL_INPUT_PLAN", "2", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
-    ("TRIMUL_INPUT_PLAN", "2,8,96", "TRIMUL_INPUT_PLAN must be 'buffers,stages'")])
+    ("TRIMUL_INPUT_PLAN", "2,8,96", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
+    ("TRIMUL_PDL", "yes", "TRIMUL_PDL must be 0 or 1, not 'yes'")])
 def test_bad_measuring_settings_raise(monkeypatch, variable, value, message):
     """The environment knobs for measuring (README: pinning a pass's kernel, its plan, "high"'s
     arithmetic): a value that names nothing raises instead of silently measuring the default."""
@@ -1161,3 +1162,42 @@ def test_input_plan_setting_sizes_the_wgmma_input_kernel(monkeypatch, precision,
     positions = plan.split(",")[2] if plan.count(",") == 2 else "128"
     if fits:  # the kernel's template arguments: <Mode, input type, positions per tile, kF16>
         assert re.search(r"wgmma_tiles::kernel<[^,]*, [^,]*, %s," % positions, names[0]), names
+
+
+@cuda
+@pytest.mark.parametrize("precision", ti.PRECISIONS)
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 1, 8, 4), (2, 7, 16, 8), (3, 33, 24, 8), (16, 32, 64, 32),
+                                                        (1, 64, 48, 20)])
+def test_dependent_output_launch_matches_fp64(monkeypatch, precision, direction, batch, n, pair_dim, hidden):
+    """TRIMUL_PDL=1 (a measuring option): at N <= 64 the output pass, which computes the contraction
+    from the input pass's a / b, is launched as a programmatic dependent of the input pass and waits
+    for it before reading them: still the fp64 result (a missing wait would read a / b half written),
+    over repeated calls that reuse the same memory."""
+    monkeypatch.setenv("TRIMUL_PDL", "1")
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
+    new = _make_new(reference, torch.float32, "auto", precision)
+    for call in range(3):
+        pair, mask = random_inputs(batch, n, pair_dim, g)
+        _, ran = _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed,
+                                       f"{precision} call {call}")
+        ours = [k for k in ran if "trimul::" in k]
+        assert len(ours) == 2 and any("output_pass::kernel<" in k for k in ours), ours
+
+
+@cuda
+def test_highest_input_plan_at_pair_dim_384_takes_64_position_tiles():
+    """v19's plan rule: "highest" rows at pair_dim 384 (two 128-position split buffers do not fit) go
+    through the wgmma input kernel in 64-position tiles (one buffer, 6 weight stages), correct."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(384, 128, "outgoing", "raw").double(), g)
+    new = _make_new(reference, torch.float32, "auto", "highest")
+    pair, mask = random_inputs(1, 150, 384, g)
+    _, ran = _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE["highest"], seed, "highest 384")
+    names = [k for k in ran if "input_pass" in k]
+    assert len(names) == 1 and re.search(r"wgmma_tiles::kernel<[^,]*, [^,]*, 64,", names[0]), names

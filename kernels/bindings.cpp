@@ -221,6 +221,11 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   // The measuring knobs (ForwardArgs::input_pin ..), read at each forward so a running process can switch.
   args.input_pin = pass_pin("TRIMUL_INPUT_PASS");
   args.output_pin = pass_pin("TRIMUL_OUTPUT_PASS");
+  if (const char* pdl = std::getenv("TRIMUL_PDL"); pdl != nullptr && pdl[0] != '\0') {
+    TORCH_CHECK_VALUE(std::strcmp(pdl, "0") == 0 || std::strcmp(pdl, "1") == 0,
+                      "trimul_inline: TRIMUL_PDL must be 0 or 1, not '", pdl, "'");
+    args.dependent_output_launch = pdl[0] == '1';
+  }
   if (const char* plan = std::getenv("TRIMUL_INPUT_PLAN"); plan != nullptr && plan[0] != '\0')
     TORCH_CHECK_VALUE(trimul::parse_pass_plan(plan, &args.input_plan_buffers, &args.input_plan_stages,
                                               &args.input_plan_positions),

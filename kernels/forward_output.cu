@@ -222,10 +222,10 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
     }
     if (args.z != nullptr) {
       cp_async_wait<kStages - 1>();  // the z group, not the weights behind it
-    } else if (args.contract_stage_bytes > 0) {
-      contract_tile_staged<op_t<M>, T>(z_raw, contract_stage, args, batch, q0);
     } else {
-      contract_tile<op_t<M>, T>(z_raw, args, batch, q0);
+      wait_for_prior_grid();  // (launched as a dependent of the input pass: TRIMUL_PDL)
+      if (args.contract_stage_bytes > 0) contract_tile_staged<op_t<M>, T>(z_raw, contract_stage, args, batch, q0);
+      else contract_tile<op_t<M>, T>(z_raw, args, batch, q0);
     }
     __syncthreads();
 
@@ -942,7 +942,8 @@ template <Mode M, typename TIn, class T>
 cudaError_t launch_tiling(const ForwardArgs& args, int64_t base) {
   ForwardArgs staged = args;
   staged.contract_stage_bytes = contract_stage_bytes<M, T>(args, base);
-  return launch_tiles<kernel<M, TIn, T>, T>(staged, args.n * args.ldz, base + staged.contract_stage_bytes);
+  return launch_tiles<kernel<M, TIn, T>, T>(staged, args.n * args.ldz, base + staged.contract_stage_bytes,
+                                            args.dependent_output_launch && args.z == nullptr);
 }
 
 // Which kernel takes the pass: wgmma (pair_dim > 128, or "highest"), resident, then streamed, the first that

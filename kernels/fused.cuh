@@ -473,6 +473,14 @@ cudaError_t dispatch_pass(const ForwardArgs& args, F&& f) {
 
 // Raises a kernel's dynamic shared memory limit once per device and size. The kernel is a
 // template argument so each kernel gets its own table (one per signature would be wrong).
+// In a kernel launched as a programmatic dependent (launch_tiles' `dependent`): waits until the
+// kernel before it in the stream has finished and its writes are visible; a no-op otherwise.
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <auto Kernel>
 cudaError_t allow_smem(int64_t bytes) {
   constexpr int kMaxDevices = 64;
@@ -493,12 +501,27 @@ inline bool pin_allows(const char* pinned, const char* name) {
 }
 
 // Launches a pass kernel of tiling T (arguments: the forward's args and the tiles per batch) over
-// `positions` positions per batch, BM per block.
+// `positions` positions per batch, BM per block. `dependent`: as a programmatic dependent of the
+// kernel before it in the stream (Hopper's PDL): the kernel must call wait_for_prior_grid() before it
+// touches anything that kernel writes.
 template <auto Kernel, class T>
-cudaError_t launch_tiles(const ForwardArgs& args, int64_t positions, int64_t smem_bytes) {
+cudaError_t launch_tiles(const ForwardArgs& args, int64_t positions, int64_t smem_bytes, bool dependent = false) {
   const cudaError_t status = allow_smem<Kernel>(smem_bytes);
   if (status != cudaSuccess) return status;
   const int64_t tiles = ceil_div(positions, T::BM);
+  if (dependent) {
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(args.batch * tiles));
+    config.blockDim = dim3(T::kThreads);
+    config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+    config.stream = args.stream;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, Kernel, args, tiles);
+  }
   Kernel<<<static_cast<unsigned>(args.batch * tiles), T::kThreads, smem_bytes, args.stream>>>(args, tiles);
   return cudaGetLastError();
 }
