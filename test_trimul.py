@@ -812,6 +812,21 @@ def test_prepared_weights_follow_parameter_changes():
     check(".data edit + refresh_weights")
 
 
+@cuda
+def test_a_repeated_eager_call_takes_the_cpp_plan(monkeypatch):
+    """The small-call host path is engaged on a GPU: after one checked call the next one with the same
+    signature is taken by ModelNew._fast (C++) without entering the Python planned path, with the same
+    result (test_prepared_weights_follow_parameter_changes checks that it lets changes through)."""
+    model = ti.ModelNew(16, 8, precision="medium").cuda().eval()
+    pair = torch.randn(1, 5, 5, 16, device="cuda")
+    mask = torch.rand(1, 5, 5, device="cuda") > 0.2
+    with torch.no_grad():
+        first = model(pair, mask)
+        assert model._fast is not None
+        monkeypatch.setattr(ti.ModelNew, "_forward_planned", lambda *args: pytest.fail("took the Python path"))
+        assert torch.equal(model(pair, mask), first)
+
+
 def _cuda_kernels_launched(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
