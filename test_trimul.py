@@ -538,6 +538,17 @@ def _check_model_profiled(new, reference, pair, mask, tolerance, seed, label):
     return errors[0], kernels
 
 
+def _check_fresh_model_profiled(batch, n, pair_dim, hidden, precision, label, direction="outgoing"):
+    """A fresh random fp32 ModelNew (raw gate input) checked against its fp64 reference on fresh
+    inputs under the profiler: the CUDA kernels the checked call launched."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
+    new = _make_new(reference, torch.float32, "auto", precision)
+    pair, mask = random_inputs(batch, n, pair_dim, g)
+    return _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed, label)[1]
+
+
 # (2, 97, 32, 24): a separate contraction with batch > 1 ("highest" on Hopper: split operands, whose
 # remainder planes sit batch * hidden planes after the TF32 ones).
 SHAPES = [(1, 1, 8, 4), (2, 7, 16, 8), (1, 33, 32, 16), (1, 257, 24, 12), (2, 40, 128, 128),
@@ -625,13 +636,7 @@ def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precisi
     if precision == "high-tf32":
         monkeypatch.setenv("TRIMUL_HIGH_ARITH", "tf32")
         precision = "high"
-    seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(pair_dim, hidden, "outgoing", "raw").double(), g)
-    new = _make_new(reference, torch.float32, "auto", precision)
-    pair, mask = random_inputs(batch, n, pair_dim, g)
-    _, ran = _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed,
-                                   f"{fused_pass} {kernel} {precision}")
+    ran = _check_fresh_model_profiled(batch, n, pair_dim, hidden, precision, f"{fused_pass} {kernel} {precision}")
     names = [k for k in ran if f"{fused_pass}_pass" in k]
     assert len(names) == 1 and PASS_KERNELS[fused_pass][kernel] in names[0], names
     if kernel == "wgmma":
@@ -651,12 +656,7 @@ def test_wgmma_input_pass_takes_small_problems(monkeypatch, precision, batch, n,
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma passes need an sm_90a GPU")
     monkeypatch.delenv("TRIMUL_INPUT_PASS", raising=False)
-    seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
-    new = _make_new(reference, torch.float32, "auto", precision)
-    pair, mask = random_inputs(batch, n, pair_dim, g)
-    _, ran = _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed, f"{precision} N={n}")
+    ran = _check_fresh_model_profiled(batch, n, pair_dim, hidden, precision, f"{precision} N={n}", direction)
     names = [k for k in ran if "input_pass" in k]
     assert len(names) == 1 and PASS_KERNELS["input"]["wgmma"] in names[0], names
 
@@ -1165,13 +1165,7 @@ def test_input_plan_setting_sizes_the_wgmma_input_kernel(monkeypatch, precision,
     assert pair_dim != 384 or _input_plan_fits("1,2", precision, pair_dim)  # (the rule itself is not vacuous)
     assert pair_dim != 384 or not _input_plan_fits("2,8", precision, pair_dim)
     monkeypatch.setenv("TRIMUL_INPUT_PLAN", plan)
-    seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(pair_dim, hidden, "outgoing", "raw").double(), g)
-    new = _make_new(reference, torch.float32, "auto", precision)
-    pair, mask = random_inputs(batch, n, pair_dim, g)
-    _, ran = _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed,
-                                   f"{precision} plan {plan}")
+    ran = _check_fresh_model_profiled(batch, n, pair_dim, hidden, precision, f"{precision} plan {plan}")
     names = [k for k in ran if "input_pass" in k]
     assert len(names) == 1 and (PASS_KERNELS["input"]["wgmma"] in names[0]) == fits, names
     positions = plan.split(",")[2] if plan.count(",") == 2 else "128"
@@ -1208,11 +1202,6 @@ def test_highest_input_plan_at_pair_dim_384_takes_64_position_tiles():
     through the wgmma input kernel in 64-position tiles (one buffer, 6 weight stages), correct."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma passes need an sm_90a GPU")
-    seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(384, 128, "outgoing", "raw").double(), g)
-    new = _make_new(reference, torch.float32, "auto", "highest")
-    pair, mask = random_inputs(1, 150, 384, g)
-    _, ran = _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE["highest"], seed, "highest 384")
+    ran = _check_fresh_model_profiled(1, 150, 384, 128, "highest", "highest 384")
     names = [k for k in ran if "input_pass" in k]
     assert len(names) == 1 and re.search(r"wgmma_tiles::kernel<[^,]*, [^,]*, 64,", names[0]), names

@@ -797,7 +797,7 @@ class ModelNew(_TriMulLayers):
         if not torch.compiler.is_compiling():
             fast = self._fast
             if fast is not None:
-                out = fast.run(self, pair_repr, pair_mask, self.precision or _float32_matmul_precision_now())
+                out = fast.run(self, pair_repr, pair_mask, self.resolved_precision())
                 if out is not None:
                     return out
         out = self._forward_planned(pair_repr, pair_mask)
@@ -915,10 +915,11 @@ class ModelNew(_TriMulLayers):
         params = []
         for module, name in _PARAM_PATHS:
             owner = modules[module]._parameters
-            if owner.get(name) is None:
+            param = owner.get(name)
+            if param is None:
                 return None
-            entries.append((owner, name, owner[name]))
-            params.append(owner[name])
+            entries.append((owner, name, param))
+            params.append(param)
         attributes = [(None, name, getattr(self, name)) for name in ("kernel", "direction", "gate_input")]
         attributes += [(modules[name], "eps", modules[name].eps) for name in ("layer_norm_in", "layer_norm_out")]
         return planned(entries, attributes, params, pair_repr, pair_mask, precision, weights, *arguments)

@@ -564,7 +564,10 @@ Plan plan(const ForwardArgs& args) {
   if (kF16 && (args.w_in_f16x3 == nullptr || args.f16x3_scales == nullptr)) return Plan{};
   const int kt = k_tiles(args.c_pad, sizeof(pass_op_t<M, kF16>));
   const int w_tiles = static_cast<int>(2 * args.rows_ab / kChunkRows) * kSegments<M> * kt;
-  const auto bytes = [=](int buffers, int stages) { return plan_bytes(kt, buffers, stages, positions, kRowPlanes<M>); };
+  const auto bytes_at = [=](int tile_positions) {
+    return [=](int buffers, int stages) { return plan_bytes(kt, buffers, stages, tile_positions, kRowPlanes<M>); };
+  };
+  const auto bytes = bytes_at(positions);
   const auto with_positions = [=](const PassPlan& ring) { return Plan{ring, ring.bytes != 0 ? positions : 0}; };
   // TRIMUL_INPUT_PLAN: these buffers and stages (all weight k-tiles resident where they number no
   // more), or none where they do not fit.
@@ -575,9 +578,8 @@ Plan plan(const ForwardArgs& args) {
   // 6-stage weight ring measured faster than one 128-position buffer and 2 stages (NOTES v19, H200:
   // "highest" input (1,1024,384,128) 4544 -> 3706 us, (2,256,384,128) 549 -> 482; 8 stages 3811 / 490).
   if (kRowPlanes<M> == 2 && ring.buffers == 1) {
-    const auto bytes64 = [=](int buffers, int stages) { return plan_bytes(kt, buffers, stages, 64, kRowPlanes<M>); };
     for (int stages = std::min(6, w_tiles); stages >= 2; --stages)
-      if (const PassPlan narrow = sized_plan(bytes64, 1, stages); narrow.bytes != 0) return Plan{narrow, 64};
+      if (const PassPlan narrow = sized_plan(bytes_at(64), 1, stages); narrow.bytes != 0) return Plan{narrow, 64};
   }
   return with_positions(ring);
 }

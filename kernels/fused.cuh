@@ -473,14 +473,6 @@ cudaError_t dispatch_pass(const ForwardArgs& args, F&& f) {
 
 // Raises a kernel's dynamic shared memory limit once per device and size. The kernel is a
 // template argument so each kernel gets its own table (one per signature would be wrong).
-// In a kernel launched as a programmatic dependent (launch_tiles' `dependent`): waits until the
-// kernel before it in the stream has finished and its writes are visible; a no-op otherwise.
-__device__ __forceinline__ void wait_for_prior_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 template <auto Kernel>
 cudaError_t allow_smem(int64_t bytes) {
   constexpr int kMaxDevices = 64;
@@ -498,6 +490,14 @@ cudaError_t allow_smem(int64_t bytes) {
 // this one.
 inline bool pin_allows(const char* pinned, const char* name) {
   return pinned == nullptr || std::strcmp(pinned, name) == 0;
+}
+
+// In a kernel launched as a programmatic dependent (launch_tiles' `dependent`): waits until the
+// kernel before it in the stream has finished and its writes are visible; a no-op otherwise.
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 // Launches a pass kernel of tiling T (arguments: the forward's args and the tiles per batch) over
