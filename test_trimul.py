@@ -1178,12 +1178,13 @@ def test_input_plan_setting_sizes_the_wgmma_input_kernel(monkeypatch, precision,
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 1, 8, 4), (2, 7, 16, 8), (3, 33, 24, 8), (16, 32, 64, 32),
                                                         (1, 64, 48, 20)])
-def test_dependent_output_launch_matches_fp64(monkeypatch, precision, direction, batch, n, pair_dim, hidden):
-    """TRIMUL_PDL=1 (a measuring option): at N <= 64 the output pass, which computes the contraction
-    from the input pass's a / b, is launched as a programmatic dependent of the input pass and waits
-    for it before reading them: still the fp64 result (a missing wait would read a / b half written),
-    over repeated calls that reuse the same memory."""
-    monkeypatch.setenv("TRIMUL_PDL", "1")
+@pytest.mark.parametrize("pdl", ["1", "0"])
+def test_dependent_output_launch_matches_fp64(monkeypatch, pdl, precision, direction, batch, n, pair_dim, hidden):
+    """At N <= 64 the output pass, which computes the contraction from the input pass's a / b, is
+    launched as a programmatic dependent of the input pass (the default on Hopper; TRIMUL_PDL=0: a
+    plain launch) and waits for it before reading them: still the fp64 result either way (a missing
+    wait would read a / b half written), over repeated calls that reuse the same memory."""
+    monkeypatch.setenv("TRIMUL_PDL", pdl)
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)

@@ -125,10 +125,10 @@ struct ForwardArgs {
   // parse_pass_plan): the kernel each fused pass is pinned to (TRIMUL_INPUT_PASS / TRIMUL_OUTPUT_PASS;
   // nullptr: the default order), and the wgmma input kernel's row buffers, weight stages and
   // positions per tile (TRIMUL_INPUT_PLAN; 0: its own choice; where they do not fit it declines the
-  // problem). TRIMUL_PDL=1 (not yet measured, not the default): the output pass with the in-pass
-  // contraction (N <= 64) is launched as a programmatic dependent of the input pass, so its launch and
-  // its first weight loads overlap the input pass's tail (it waits for the input pass before its
-  // first read of a_t / b_t).
+  // problem). dependent_output_launch (the default on Hopper and later; TRIMUL_PDL=0 turns it off): the
+  // output pass with the in-pass contraction (N <= 64) is launched as a programmatic dependent of the
+  // input pass, so its launch and its first weight loads overlap the input pass's tail (it waits for
+  // the input pass before its first read of a_t / b_t).
   const char* input_pin;
   const char* output_pin;
   int input_plan_buffers, input_plan_stages, input_plan_positions;

@@ -221,6 +221,7 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   // The measuring knobs (ForwardArgs::input_pin ..), read at each forward so a running process can switch.
   args.input_pin = pass_pin("TRIMUL_INPUT_PASS");
   args.output_pin = pass_pin("TRIMUL_OUTPUT_PASS");
+  args.dependent_output_launch = true;  // (on GPUs that have it: launch_tiling)
   if (const char* pdl = std::getenv("TRIMUL_PDL"); pdl != nullptr && pdl[0] != '\0') {
     TORCH_CHECK_VALUE(std::strcmp(pdl, "0") == 0 || std::strcmp(pdl, "1") == 0,
                       "trimul_inline: TRIMUL_PDL must be 0 or 1, not '", pdl, "'");

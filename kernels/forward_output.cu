@@ -943,7 +943,8 @@ cudaError_t launch_tiling(const ForwardArgs& args, int64_t base) {
   ForwardArgs staged = args;
   staged.contract_stage_bytes = contract_stage_bytes<M, T>(args, base);
   return launch_tiles<kernel<M, TIn, T>, T>(staged, args.n * args.ldz, base + staged.contract_stage_bytes,
-                                            args.dependent_output_launch && args.z == nullptr);
+                                            args.dependent_output_launch && args.z == nullptr &&
+                                                compute_capability_major() >= 9);
 }
 
 // Which kernel takes the pass: wgmma (pair_dim > 128, or "highest"), resident, then streamed, the first that

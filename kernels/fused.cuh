@@ -275,11 +275,13 @@ __device__ void stage_rows_vec(Dst dst, const TIn* __restrict__ pair,
   const int lane = threadIdx.x & 31;
   const int sub = lane & (L - 1), slot = lane >> lanes_log2;
   bool in_c[VECS];
+  bool lane_full = true;
   float w[kHoist ? VECS : 1][V], b[kHoist ? VECS : 1][V];
 #pragma unroll
   for (int l = 0; l < VECS; ++l) {
     const int q = (l * L + sub) * V;
     in_c[l] = q < c;
+    lane_full = lane_full && in_c[l];
     if constexpr (kHoist) {
 #pragma unroll
       for (int e = 0; e < V; ++e) {
@@ -311,25 +313,43 @@ __device__ void stage_rows_vec(Dst dst, const TIn* __restrict__ pair,
 #pragma unroll
         for (int e = 0; e < V; ++e) x[l][e] = to_float(reinterpret_cast<const TIn*>(&raw[r][l])[e]);
       const bool valid = off[r] >= 0;
-      float mean = 0.f, rstd = 1.f;
+      // The LayerNorm-ed value is (x - shift) * rstd + centre, centre = (shift - mean) * rstd: one FFMA
+      // per element on the shifted values the statistics already need (shift: a value of the row, so
+      // neither the sums nor this lose anything when the mean is far from zero). Without ln_w the row
+      // is staged raw (rstd 1, centre 0, nothing shifted).
+      float rstd = 1.f, centre = 0.f;
       if (ln_w != nullptr) {
         const float shift = __shfl_sync(0xffffffffu, x[0][0], slot << lanes_log2);
         float sum = 0.f, sum_sq = 0.f;
+        if (lane_full) {  // (every vector of this lane inside C: no select per element)
 #pragma unroll
-        for (int l = 0; l < VECS; ++l)
+          for (int l = 0; l < VECS; ++l)
 #pragma unroll
-          for (int e = 0; e < V; ++e) {
-            const float d = in_c[l] ? x[l][e] - shift : 0.f;
-            sum += d;
-            sum_sq += d * d;
-          }
+            for (int e = 0; e < V; ++e) {
+              x[l][e] -= shift;
+              sum += x[l][e];
+              sum_sq = fmaf(x[l][e], x[l][e], sum_sq);
+            }
+        } else {
+#pragma unroll
+          for (int l = 0; l < VECS; ++l)
+#pragma unroll
+            for (int e = 0; e < V; ++e) {
+              x[l][e] = in_c[l] ? x[l][e] - shift : 0.f;
+              sum += x[l][e];
+              sum_sq = fmaf(x[l][e], x[l][e], sum_sq);
+            }
+        }
         for (int offset = L >> 1; offset > 0; offset >>= 1) {
           sum += __shfl_xor_sync(0xffffffffu, sum, offset);
           sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
         }
-        const float2 stats = shifted_stats(shift, sum, sum_sq, c, eps);
-        mean = stats.x;
-        rstd = stats.y;
+        // (fast division: 2 ulp is far inside every precision's budget, and IEEE division's slow-path
+        // check costs a branch per row)
+        const float mean_shifted = __fdividef(sum, static_cast<float>(c));
+        const float var = fmaxf(__fdividef(sum_sq, static_cast<float>(c)) - mean_shifted * mean_shifted, 0.f);
+        rstd = rsqrtf(var + eps);
+        centre = -mean_shifted * rstd;
       }
       // A row-scaled destination takes the row times a power of two chosen from its largest
       // staged magnitude (every lane of the row takes part in the reduction). (The staged value's
@@ -351,30 +371,37 @@ __device__ void stage_rows_vec(Dst dst, const TIn* __restrict__ pair,
               scale = ln_w[q + e];
               offset = ln_b[q + e];
             }
-            if (valid && in_c[l]) largest = fmaxf(largest, fabsf((x[l][e] - mean) * rstd * scale + offset));
+            if (valid && in_c[l]) largest = fmaxf(largest, fabsf(fmaf(x[l][e], rstd, centre) * scale + offset));
           }
         for (int offset = L >> 1; offset > 0; offset >>= 1)
           largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
         row_scale = dst.row_scale(m, largest, sub == 0 && m < rows);
       }
       if (m >= rows) continue;
+      // (zeros for rows without a position and columns past C, by a branch per vector, not a select
+      // per element: scaled destinations must not see unbounded values there)
 #pragma unroll
       for (int l = 0; l < VECS; ++l) {
         const int q = (l * L + sub) * V;
         if (q >= c_pad) break;
         float y[V];
+        if (valid && in_c[l]) {
 #pragma unroll
-        for (int e = 0; e < V; ++e) {
-          float scale = 1.f, offset = 0.f;
-          if constexpr (kHoist) {
-            scale = w[l][e];
-            offset = b[l][e];
-          } else if (ln_w != nullptr && in_c[l]) {
-            scale = ln_w[q + e];
-            offset = ln_b[q + e];
+          for (int e = 0; e < V; ++e) {
+            float scale = 1.f, offset = 0.f;
+            if constexpr (kHoist) {
+              scale = w[l][e];
+              offset = b[l][e];
+            } else if (ln_w != nullptr) {
+              scale = ln_w[q + e];
+              offset = ln_b[q + e];
+            }
+            y[e] = fmaf(x[l][e], rstd, centre) * scale + offset;
+            if constexpr (Dst::kRowScaled) y[e] *= row_scale;
           }
-          y[e] = (valid && in_c[l]) ? (x[l][e] - mean) * rstd * scale + offset : 0.f;
-          if constexpr (Dst::kRowScaled) y[e] *= row_scale;
+        } else {
+#pragma unroll
+          for (int e = 0; e < V; ++e) y[e] = 0.f;
         }
         dst.template store<M, V>(m, q, y);
       }
@@ -421,7 +448,7 @@ __device__ void stage_rows(bool vectorized, uint32_t* a_res, int a_stride, const
 // Device limits, read once per device (a small forward must not pay driver queries each call).
 inline int64_t device_attribute(cudaDeviceAttr attr, int slot) {
   constexpr int kMaxDevices = 64;
-  static int64_t cache[3][kMaxDevices] = {};
+  static int64_t cache[4][kMaxDevices] = {};
   int device = 0, value = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return 0;
   if (cache[slot][device] == 0 && cudaDeviceGetAttribute(&value, attr, device) == cudaSuccess)
@@ -431,6 +458,8 @@ inline int64_t device_attribute(cudaDeviceAttr attr, int slot) {
 inline int64_t max_smem_optin() { return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 0); }
 inline int64_t max_smem_per_sm() { return device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, 1); }
 inline int64_t sm_count() { return device_attribute(cudaDevAttrMultiProcessorCount, 2); }
+// (programmatic dependent launch: compute capability 9.0 and later)
+inline int64_t compute_capability_major() { return device_attribute(cudaDevAttrComputeCapabilityMajor, 3); }
 
 // `bytes` if a persistent pass (one block per SM working through tiles) has at least `slots_per_sm`
 // tiles for every SM and its shared memory fits; else 0. Smaller problems run faster as a

@@ -223,16 +223,19 @@ __device__ __forceinline__ void wgmma_64x64(float (&d)[32], uint64_t desc_a, uin
 // wgmma group. kWideAdd: the k-steps' descriptors by 64-bit adds instead of desc_add, for the split
 // input kernel: with desc_add ptxas allocated its registers so that it serialized every wgmma of that
 // kernel (C7514; its pair_dim-384 "highest" input pass 4501 -> 5067 us from v15 to v16), while the
-// 64-bit adds cost it a 32-byte spill, as in v15.
+// 64-bit adds cost it a 32-byte spill, as in v15. overwrite: the first k-step replaces the
+// accumulators instead of adding to them (a product's first k-tile: no accumulator start needed).
 template <typename Op, bool kWideAdd = false, int kAcc>
-__device__ __forceinline__ void wgmma_k_tile(float (&acc)[kAcc], uint64_t desc_a, uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_k_tile(float (&acc)[kAcc], uint64_t desc_a, uint64_t desc_b,
+                                             bool overwrite = false) {
   static_assert(kAcc == 32 || kAcc == 64, "m64n64 or m64n128");
   const auto step_desc = [](uint64_t desc, int step) { return kWideAdd ? desc + 2 * step : desc_add(desc, 2 * step); };
   wgmma_fence();
 #pragma unroll
   for (int step = 0; step < 4; ++step) {
-    if constexpr (kAcc == 64) wgmma_64x128<Op>(acc, step_desc(desc_a, step), step_desc(desc_b, step), 1);
-    else wgmma_64x64<Op>(acc, step_desc(desc_a, step), step_desc(desc_b, step), 1);
+    const int accumulate = step > 0 || !overwrite;
+    if constexpr (kAcc == 64) wgmma_64x128<Op>(acc, step_desc(desc_a, step), step_desc(desc_b, step), accumulate);
+    else wgmma_64x64<Op>(acc, step_desc(desc_a, step), step_desc(desc_b, step), accumulate);
   }
   wgmma_commit();
 }
