@@ -530,11 +530,11 @@ def _check_model(new, reference, pair, mask, tolerance, seed, label, dtype=torch
     return err
 
 
-def _check_model_profiled(new, reference, pair, mask, tolerance, seed, label):
+def _check_model_profiled(new, reference, pair, mask, tolerance, seed, label, dtype=torch.float32):
     """_check_model with the checked call profiled: (error, the CUDA kernels it launched)."""
     errors = []
     kernels = _cuda_kernels_launched(
-        lambda: errors.append(_check_model(new, reference, pair, mask, tolerance, seed, label)))
+        lambda: errors.append(_check_model(new, reference, pair, mask, tolerance, seed, label, dtype)))
     return errors[0], kernels
 
 
@@ -640,7 +640,10 @@ def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precisi
     names = [k for k in ran if f"{fused_pass}_pass" in k]
     assert len(names) == 1 and PASS_KERNELS[fused_pass][kernel] in names[0], names
     if kernel == "wgmma":
-        assert re.search(r"wgmma_tiles::kernel<[^>]*, %s>\(" % ("true" if arith_f16 else "false"), names[0]), names
+        # (the input kernel's last template flag is TRIMUL_INPUT_STAGING=stream's, off here)
+        flags = "%s, false" if fused_pass == "input" else "%s"
+        assert re.search(r"wgmma_tiles::kernel<[^>]*, %s>\(" % (flags % ("true" if arith_f16 else "false")),
+                         names[0]), names
 
 
 @cuda
@@ -744,7 +747,7 @@ def test_high_as_scaled_f16_by_default(monkeypatch, input_kernel, mask_dtype, ba
     assert len(output) == 1 and any(f"output_pass::wgmma_tiles::kernel<(trimul::Mode)2, float, {positions}, true>"
                                     in output[0] for positions in (64, 128)), output
     if input_kernel == "wgmma":
-        assert any("input_pass::wgmma_tiles::kernel<(trimul::Mode)2, float, 128, true>" in k for k in names), names
+        assert any("input_pass::wgmma_tiles::kernel<(trimul::Mode)2, float, 128, true, false>" in k for k in names), names
 
 
 @cuda
@@ -1125,7 +1128,8 @@ def test_cuda_bad_input_raises():
     ("TRIMUL_INPUT_PLAN", "2,9", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
     ("TRIMUL_INPUT_PLAN", "2", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
     ("TRIMUL_INPUT_PLAN", "2,8,96", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
-    ("TRIMUL_PDL", "yes", "TRIMUL_PDL must be 0 or 1, not 'yes'")])
+    ("TRIMUL_PDL", "yes", "TRIMUL_PDL must be 0 or 1, not 'yes'"),
+    ("TRIMUL_INPUT_STAGING", "fast", "TRIMUL_INPUT_STAGING must be rounds or stream, not 'fast'")])
 def test_bad_measuring_settings_raise(monkeypatch, variable, value, message):
     """The environment knobs for measuring (README: pinning a pass's kernel, its plan, "high"'s
     arithmetic): a value that names nothing raises instead of silently measuring the default."""
@@ -1195,6 +1199,35 @@ def test_dependent_output_launch_matches_fp64(monkeypatch, pdl, precision, direc
                                        f"{precision} call {call}")
         ours = [k for k in ran if "trimul::" in k]
         assert len(ours) == 2 and any("output_pass::kernel<" in k for k in ours), ours
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+# (1, 1, 8, 4): one row group of one position; (2, 7, 16, 8): mostly padding; (3, 33, 24, 8): odd N
+# and C; (16, 32, 64, 32): a seed shape; (1, 200, 128, 128): several tiles per block, so the round-robin
+# groups carry over from tile to tile; (2, 130, 384, 128): pair_dim 384 (3 vectors per lane, streamed
+# weights).
+@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 1, 8, 4), (2, 7, 16, 8), (3, 33, 24, 8), (16, 32, 64, 32),
+                                                        (1, 200, 128, 128), (2, 130, 384, 128)])
+def test_streamed_input_staging_matches_fp64(monkeypatch, dtype, direction, batch, n, pair_dim, hidden):
+    """TRIMUL_INPUT_STAGING=stream (being measured): the wgmma input kernel whose stagers take row
+    groups round-robin across tiles and locate their own rows (ForwardArgs::input_staging_stream),
+    "medium" and bf16 inputs (16-bit rows only): the fp64 result, from the stream instantiation."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    monkeypatch.setenv("TRIMUL_INPUT_STAGING", "stream")
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
+    new = _make_new(reference, dtype, "auto", "medium")
+    for call in range(2):  # (a second call reuses the memory: stale rows must not leak in)
+        pair, mask = random_inputs(batch, n, pair_dim, g)
+        tolerance = FUSED_TOLERANCE["medium"] if dtype == torch.float32 else TOLERANCE[dtype]
+        _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, tolerance, seed, f"stream call {call}",
+                                       dtype)
+        names = [k for k in ran if "input_pass" in k]
+        assert len(names) == 1 and re.search(r"input_pass::wgmma_tiles::kernel<[^>]*, false, true>\(", names[0]), names
 
 
 @cuda

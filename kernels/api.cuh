@@ -133,6 +133,10 @@ struct ForwardArgs {
   const char* output_pin;
   int input_plan_buffers, input_plan_stages, input_plan_positions;
   bool dependent_output_launch;
+  // TRIMUL_INPUT_STAGING=stream (being measured, not yet run on a GPU; off by default): the wgmma input
+  // kernel's stagers take row groups round-robin across tiles and locate their own rows (no shared
+  // row offsets, no named barriers per tile) instead of each tile's rows in load rounds.
+  bool input_staging_stream;
 };
 
 // A fused pass's kernels by their pinning names.

@@ -227,6 +227,11 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
                       "trimul_inline: TRIMUL_PDL must be 0 or 1, not '", pdl, "'");
     args.dependent_output_launch = pdl[0] == '1';
   }
+  if (const char* staging = std::getenv("TRIMUL_INPUT_STAGING"); staging != nullptr && staging[0] != '\0') {
+    TORCH_CHECK_VALUE(std::strcmp(staging, "rounds") == 0 || std::strcmp(staging, "stream") == 0,
+                      "trimul_inline: TRIMUL_INPUT_STAGING must be rounds or stream, not '", staging, "'");
+    args.input_staging_stream = std::strcmp(staging, "stream") == 0;
+  }
   if (const char* plan = std::getenv("TRIMUL_INPUT_PLAN"); plan != nullptr && plan[0] != '\0')
     TORCH_CHECK_VALUE(trimul::parse_pass_plan(plan, &args.input_plan_buffers, &args.input_plan_stages,
                                               &args.input_plan_positions),

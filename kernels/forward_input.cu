@@ -330,6 +330,7 @@ using namespace ::trimul::tma;
 using namespace ::trimul::tma::ws;
 
 constexpr int kStagingLoads = 12;  // 16-byte loads in flight per stager lane
+constexpr int kStreamLoads = 8;    // the same for TRIMUL_INPUT_STAGING=stream (12 spilled there)
 
 // Shared memory for `buffers` row buffers of `positions` rows (the wgmma's N: 128 or 64) and
 // `planes` planes (2: split operands), and `stages` weight stages, from a 1024-byte boundary.
@@ -355,7 +356,58 @@ __device__ __forceinline__ float gated(float proj, float gate, float scale) {
   else return proj * gate_sigmoid<M>(gate) * scale;
 }
 
-template <Mode M, typename TIn, int P, bool kF16 = M == Mode::tf32x3>
+// TRIMUL_INPUT_STAGING=stream (ForwardArgs::input_staging_stream; not yet run on a GPU): the stagers'
+// row groups (Stager::group_rows() rows each) are numbered over this block's tiles in order and handed
+// out round-robin, so a warp that staged two groups of one tile stages fewer of the next (the rounds
+// kernel gives warps 0-3 two load rounds of every 128-position tile and warps 4-6 one); each lane
+// locates its own rows, so no row offsets are shared and no named barrier waits per tile. Every stager
+// thread still arrives once per tile on rows_full, after its groups of that tile.
+// (The stager is built per tile, as the rounds kernel's stage_rows_vec does: kept live across the tile
+// loop, its hoisted LayerNorm weights made the loop spill.)
+template <Mode M, typename TIn, int P, int VECS>
+__device__ __forceinline__ void stream_tile_rows(const ForwardArgs& args, int k_fill, int lanes_log2, uint8_t* rows,
+                                                 int buffer_bytes, float* scale_v, uint64_t* rows_full,
+                                                 uint64_t* rows_empty, int buffers, int64_t tiles,
+                                                 int64_t tiles_per_batch, int warp) {
+  using Stager = VecRowStager<M, TIn, VECS, kStreamLoads>;
+  constexpr int kGroup = Stager::kGroup;
+  const int group_rows = Stager::kGroup * (32 >> lanes_log2);
+  const int groups_per_tile = static_cast<int>(ceil_div(P, group_rows));
+  const int64_t plane = args.n * args.ld;
+  const TIn* pair = static_cast<const TIn*>(args.pair);
+  int group = warp;  // this warp's next group, counted from the current tile's first
+  FillRing ring{rows_empty, buffers};
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    ring.wait_free();
+    const int buf = ring.slot;
+    const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * P;
+    const SwizzledRows dst{rows + buf * buffer_bytes, P * kKBytes};
+    const Stager stager(static_cast<int>(args.c), k_fill, args.ln_in_w, args.ln_in_b, args.eps_in, lanes_log2);
+    for (; group < groups_per_tile; group += kStagerWarps) {
+      const int m0 = group * group_rows;
+      int64_t off[kGroup];
+#pragma unroll
+      for (int r = 0; r < kGroup; ++r) {
+        const int m = m0 + r * stager.slots + stager.slot;
+        off[r] = -1;
+        if (m < P) {
+          float mask;
+          locate_position(args, batch, p0 + m, plane, off[r], mask);
+          if (stager.sub == 0) scale_v[buf * P + m] = gate_scale<M>(mask);
+        }
+      }
+      stager.group(dst, pair, off, m0, P);
+    }
+    group -= groups_per_tile;
+    fence_proxy_async();  // st.shared writes, read by wgmma through the async proxy
+    mbar_arrive(&rows_full[buf]);
+    ring.advance();
+  }
+}
+
+// kStream: the stagers take TRIMUL_INPUT_STAGING=stream's round-robin row groups (stream_tile_rows; a
+// separate instantiation, so its register pressure stays out of the default kernel).
+template <Mode M, typename TIn, int P, bool kF16 = M == Mode::tf32x3, bool kStream = false>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch, int buffers,
            int stages) {
@@ -426,6 +478,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       row_scale = args.f16x3_scales[kInRows];
       down = args.f16x3_scales[kInDown];
     }
+    if constexpr (kStream) {
+      static_assert(!kF16, "TRIMUL_INPUT_STAGING=stream: plain 16-bit rows only (launch_positions)");
+      if (with_row_vectors<TIn>(vectorized, k_fill, [&](auto vecs, int lanes_log2) {
+            stream_tile_rows<M, TIn, P, decltype(vecs)::value>(args, k_fill, lanes_log2, rows, buffer_bytes, scale_v,
+                                                               rows_full, rows_empty, buffers, tiles, tiles_per_batch,
+                                                               stager >> 5);
+          }))
+        return;
+      __trap();  // (launch_positions takes this kernel for vectorizable rows only)
+    } else {
     FillRing ring{rows_empty, buffers};
     for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       ring.wait_free();
@@ -452,6 +514,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_proxy_async();  // st.shared writes, read by wgmma through the async proxy
       mbar_arrive(&rows_full[buf]);
       ring.advance();
+    }
     }
     return;
   }
@@ -580,13 +643,17 @@ Plan plan(const ForwardArgs& args) {
   return with_positions(ring);
 }
 
-template <Mode M, typename TIn, int P, bool kF16>
+template <Mode M, typename TIn, int P, bool kF16, bool kStream = false>
 cudaError_t launch_positions(const ForwardArgs& args, const PassPlan& ring, const CUtensorMap& map_w) {
-  const cudaError_t status = allow_smem<kernel<M, TIn, P, kF16>>(ring.bytes);
+  // TRIMUL_INPUT_STAGING=stream: the 16-bit modes only (the measured question is "medium"'s).
+  if constexpr (!kStream && !kF16 && (M == Mode::bf16 || M == Mode::f16))
+    if (args.input_staging_stream && rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair))
+      return launch_positions<M, TIn, P, kF16, true>(args, ring, map_w);
+  const cudaError_t status = allow_smem<kernel<M, TIn, P, kF16, kStream>>(ring.bytes);
   if (status != cudaSuccess) return status;
   const int64_t tiles_per_batch = ceil_div(args.n * args.ld, P);
   const int64_t blocks = std::min<int64_t>(sm_count(), args.batch * tiles_per_batch);
-  kernel<M, TIn, P, kF16><<<static_cast<unsigned>(blocks), kThreads, ring.bytes, args.stream>>>(
+  kernel<M, TIn, P, kF16, kStream><<<static_cast<unsigned>(blocks), kThreads, ring.bytes, args.stream>>>(
       args, map_w, tiles_per_batch, ring.buffers, ring.stages);
   return cudaGetLastError();
 }

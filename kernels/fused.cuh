@@ -243,9 +243,7 @@ __device__ void stage_rows_scalar(Dst dst, const TIn* __restrict__ pair,
   }
 }
 
-// The same as stage_rows, for rows whose offsets and C are multiples of one 16-byte vector: each
-// warp loads several rows at once with 16-byte loads so many loads are in flight (these rows come
-// from device memory once and latency, not bandwidth, would otherwise bound the staging).
+// 16-byte vectors of rows (VecRowStager, stage_rows_vec)
 template <typename TIn>
 constexpr int vec_elems() { return 16 / static_cast<int>(sizeof(TIn)); }
 constexpr int kMaxRowVectors = 4;  // per lane: C <= 128 * 16 / sizeof(TIn)
@@ -262,42 +260,49 @@ __host__ __device__ inline bool rows_vectorizable(int64_t c, int64_t sb, int64_t
 // instruction reads whole runs of a row). A vector is wholly inside C or wholly past it (C is a
 // multiple of the vector), so guards are per vector, and the LayerNorm weights each lane needs
 // are the same for every row: loaded once. Few lanes per row keep the statistics' shuffle
-// reductions short (log2 L steps instead of 5 per row).
-template <Mode M, typename TIn, int WARPS, int VECS, int IN_FLIGHT, class Dst>
-__device__ void stage_rows_vec(Dst dst, const TIn* __restrict__ pair,
-                               const int64_t* row_off, int rows, int c, int c_pad,
-                               const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps,
-                               int lanes_log2, int warp) {
-  constexpr int V = vec_elems<TIn>();
-  constexpr int kGroup = VECS >= IN_FLIGHT ? 1 : IN_FLIGHT / VECS;  // rows in flight per lane
-  constexpr bool kHoist = VECS * V <= 16;           // LayerNorm weights in registers when small
-  const int L = 1 << lanes_log2, slots = 32 >> lanes_log2;
-  const int lane = threadIdx.x & 31;
-  const int sub = lane & (L - 1), slot = lane >> lanes_log2;
+// reductions short (log2 L steps instead of 5 per row). One group() call stages kGroup rows per
+// lane slot: rows m0 + r * slots + slot, r < kGroup, from element offsets off[r] (-1: no position).
+template <Mode M, typename TIn, int VECS, int IN_FLIGHT>
+struct VecRowStager {
+  using In = TIn;
+  static constexpr int V = vec_elems<TIn>();
+  static constexpr int kGroup = VECS >= IN_FLIGHT ? 1 : IN_FLIGHT / VECS;  // rows in flight per lane
+  static constexpr bool kHoist = VECS * V <= 16;           // LayerNorm weights in registers when small
+  int c, c_pad, lanes_log2, L, slots, sub, slot;
+  const float* __restrict__ ln_w;
+  const float* __restrict__ ln_b;
+  float eps;
   bool in_c[VECS];
   bool lane_full = true;
   float w[kHoist ? VECS : 1][V], b[kHoist ? VECS : 1][V];
+
+  __device__ __forceinline__ VecRowStager(int c_, int c_pad_, const float* __restrict__ ln_w_,
+                                          const float* __restrict__ ln_b_, float eps_, int lanes_log2_)
+      : c(c_), c_pad(c_pad_), lanes_log2(lanes_log2_), L(1 << lanes_log2_), slots(32 >> lanes_log2_),
+        sub((threadIdx.x & 31) & ((1 << lanes_log2_) - 1)), slot((threadIdx.x & 31) >> lanes_log2_), ln_w(ln_w_),
+        ln_b(ln_b_), eps(eps_) {
 #pragma unroll
-  for (int l = 0; l < VECS; ++l) {
-    const int q = (l * L + sub) * V;
-    in_c[l] = q < c;
-    lane_full = lane_full && in_c[l];
-    if constexpr (kHoist) {
+    for (int l = 0; l < VECS; ++l) {
+      const int q = (l * L + sub) * V;
+      in_c[l] = q < c;
+      lane_full = lane_full && in_c[l];
+      if constexpr (kHoist) {
 #pragma unroll
-      for (int e = 0; e < V; ++e) {
-        w[l][e] = (ln_w != nullptr && in_c[l]) ? ln_w[q + e] : 1.f;
-        b[l][e] = (ln_w != nullptr && in_c[l]) ? ln_b[q + e] : 0.f;
+        for (int e = 0; e < V; ++e) {
+          w[l][e] = (ln_w != nullptr && in_c[l]) ? ln_w[q + e] : 1.f;
+          b[l][e] = (ln_w != nullptr && in_c[l]) ? ln_b[q + e] : 0.f;
+        }
       }
     }
   }
-  const int step = WARPS * kGroup * slots;
-  for (int m0 = warp * kGroup * slots; m0 < rows; m0 += step) {
+  __device__ __forceinline__ int group_rows() const { return kGroup * slots; }
+
+  template <class Dst>
+  __device__ __forceinline__ void group(Dst dst, const TIn* __restrict__ pair, const int64_t (&off)[kGroup], int m0,
+                                        int rows) const {
     uint4 raw[kGroup][VECS];
-    int64_t off[kGroup];
 #pragma unroll
     for (int r = 0; r < kGroup; ++r) {
-      const int m = m0 + r * slots + slot;
-      off[r] = m < rows ? row_off[m] : -1;
 #pragma unroll
       for (int l = 0; l < VECS; ++l)
         raw[r][l] = (off[r] >= 0 && in_c[l]) ? *reinterpret_cast<const uint4*>(pair + off[r] + (l * L + sub) * V)
@@ -407,6 +412,54 @@ __device__ void stage_rows_vec(Dst dst, const TIn* __restrict__ pair,
       }
     }
   }
+};
+
+// The same as stage_rows, for rows whose offsets and C are multiples of one 16-byte vector: each
+// warp loads several rows at once with 16-byte loads so many loads are in flight (these rows come
+// from device memory once and latency, not bandwidth, would otherwise bound the staging).
+template <Mode M, typename TIn, int WARPS, int VECS, int IN_FLIGHT, class Dst>
+__device__ void stage_rows_vec(Dst dst, const TIn* __restrict__ pair,
+                               const int64_t* row_off, int rows, int c, int c_pad,
+                               const float* __restrict__ ln_w, const float* __restrict__ ln_b, float eps,
+                               int lanes_log2, int warp) {
+  using Stager = VecRowStager<M, TIn, VECS, IN_FLIGHT>;
+  const Stager stager(c, c_pad, ln_w, ln_b, eps, lanes_log2);
+  const int step = WARPS * stager.group_rows();
+  for (int m0 = warp * stager.group_rows(); m0 < rows; m0 += step) {
+    int64_t off[Stager::kGroup];
+#pragma unroll
+    for (int r = 0; r < Stager::kGroup; ++r) {
+      const int m = m0 + r * stager.slots + stager.slot;
+      off[r] = m < rows ? row_off[m] : -1;
+    }
+    stager.group(dst, pair, off, m0, rows);
+  }
+}
+
+// The vectors per lane (VecRowStager's VECS) and lanes_log2 for rows of c_pad elements: L = the smallest
+// power of two lanes per row with at most 4 vectors each, covering c_pad (the padding is written as
+// zeros); a row has at most 128 vectors (rows_vectorizable).
+template <typename TIn>
+__device__ __forceinline__ int row_vectors_per_lane(int c_pad, int& lanes_log2) {
+  const int vectors = c_pad / vec_elems<TIn>();
+  lanes_log2 = 0;
+  while ((4 << lanes_log2) < vectors) ++lanes_log2;
+  return static_cast<int>(ceil_div(vectors, 1 << lanes_log2));
+}
+
+// Calls run(std::integral_constant<int, VECS>, lanes_log2) with VecRowStager's VECS for rows of c_pad
+// elements (stage_rows_to's choice of lanes per row), for the caller to build its stager by value;
+// false, without calling it, where the rows are not vectorizable.
+template <typename TIn, class Run>
+__device__ __forceinline__ bool with_row_vectors(bool vectorized, int c_pad, Run&& run) {
+  int lanes_log2 = 0;
+  const int per_lane = row_vectors_per_lane<TIn>(c_pad, lanes_log2);
+  if (!vectorized || per_lane < 1 || per_lane > 4) return false;
+  if (per_lane == 1) run(std::integral_constant<int, 1>{}, lanes_log2);
+  else if (per_lane == 2) run(std::integral_constant<int, 2>{}, lanes_log2);
+  else if (per_lane == 3) run(std::integral_constant<int, 3>{}, lanes_log2);
+  else run(std::integral_constant<int, 4>{}, lanes_log2);
+  return true;
 }
 
 // Rows [0, rows) of the operand into `dst`, staged by WARPS warps of which this is number `warp`
@@ -417,12 +470,8 @@ template <Mode M, typename TIn, int WARPS, int IN_FLIGHT = 8, class Dst>
 __device__ void stage_rows_to(Dst dst, bool vectorized, const TIn* __restrict__ pair, const int64_t* row_off,
                               int rows, int c, int c_pad, const float* __restrict__ ln_w,
                               const float* __restrict__ ln_b, float eps, int warp = threadIdx.x >> 5) {
-  // L = the smallest power of two lanes per row with at most 4 vectors each, covering c_pad (the
-  // padding is written as zeros); a row has at most 128 vectors (rows_vectorizable).
-  const int vectors = c_pad / vec_elems<TIn>();
   int lanes_log2 = 0;
-  while ((4 << lanes_log2) < vectors) ++lanes_log2;
-  const int per_lane = static_cast<int>(ceil_div(vectors, 1 << lanes_log2));
+  const int per_lane = row_vectors_per_lane<TIn>(c_pad, lanes_log2);
   if (vectorized && per_lane == 1)
     stage_rows_vec<M, TIn, WARPS, 1, IN_FLIGHT>(dst, pair, row_off, rows, c, c_pad, ln_w, ln_b, eps, lanes_log2, warp);
   else if (vectorized && per_lane == 2)
