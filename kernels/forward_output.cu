@@ -414,30 +414,55 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
 #pragma unroll
         for (int h = 0; h < kHalfHidden; ++h) zv[h] = h_first + h < hidden ? z_half[h * plane] : 0.f;
       }
-      const float shift = z[0];  // both halves shift by the position's first value
+      // The LayerNorm-ed value is (z - shift) * rstd + centre: one FFMA on the shifted values the sums
+      // already need (shift: both halves shift by the position's first value). H = 128 (the common case)
+      // takes no select per h; a lane without a position gets rstd = centre = 0, so zeros.
+      const float shift = z[0];
+      const bool full = hidden == kMaxHidden;
       float sum = 0.f, sum_sq = 0.f;
+      if (full) {
 #pragma unroll
-      for (int h = 0; h < kHalfHidden; ++h) {
-        const float d = h_first + h < hidden ? zv[h] - shift : 0.f;
-        sum += d;
-        sum_sq += d * d;
+        for (int h = 0; h < kHalfHidden; ++h) {
+          zv[h] -= shift;
+          sum += zv[h];
+          sum_sq = fmaf(zv[h], zv[h], sum_sq);
+        }
+      } else {
+#pragma unroll
+        for (int h = 0; h < kHalfHidden; ++h) {
+          zv[h] = h_first + h < hidden ? zv[h] - shift : 0.f;
+          sum += zv[h];
+          sum_sq = fmaf(zv[h], zv[h], sum_sq);
+        }
       }
       partial[side * kRows + lane] = make_float2(sum, sum_sq);
       pair_sync();
       const float2 other = partial[(1 - side) * kRows + lane];
-      const float2 stats =
-          shifted_stats(shift, sum + other.x, sum_sq + other.y, static_cast<int>(hidden), args.eps_out);
+      // (fast division, as shifted_stats)
+      const float mean_shifted = __fdividef(sum + other.x, static_cast<float>(hidden));
+      const float var =
+          fmaxf(__fdividef(sum_sq + other.y, static_cast<float>(hidden)) - mean_shifted * mean_shifted, 0.f);
+      const float rstd = valid ? rsqrtf(var + args.eps_out) : 0.f;
+      const float centre = -mean_shifted * rstd;
       uint32_t* dst = z_rows + lane * l.z_stride;
+      if (full) {
 #pragma unroll
-      for (int h0 = 0; h0 < kHalfHidden; h0 += 8) {
-        if (h_first + h0 >= args.h_pad) break;
-        float y[8];
+        for (int h0 = 0; h0 < kHalfHidden; h0 += 8) {
+          float y[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const int h = h_first + h0 + e;
-          y[e] = (valid && h < hidden) ? (zv[h0 + e] - stats.x) * stats.y : 0.f;
+          for (int e = 0; e < 8; ++e) y[e] = fmaf(zv[h0 + e], rstd, centre);
+          store_operands<M, 8>(dst, h_first + h0, y);
         }
-        store_operands<M, 8>(dst, h_first + h0, y);
+      } else {
+#pragma unroll
+        for (int h0 = 0; h0 < kHalfHidden; h0 += 8) {
+          if (h_first + h0 >= args.h_pad) break;
+          float y[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e)  // (past H: zeros)
+            y[e] = h_first + h0 + e < hidden ? fmaf(zv[h0 + e], rstd, centre) : 0.f;
+          store_operands<M, 8>(dst, h_first + h0, y);
+        }
       }
     }
     pair_sync();  // row_off and both halves of the z rows are in
