@@ -10,9 +10,11 @@ the 10th-90th percentile spread, and the peak memory the call allocated beyond w
 allocated. Without CUDA it says so and runs a small CPU comparison.
 """
 import argparse
+import contextlib
 import datetime
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -321,33 +323,90 @@ def geomeans(rows):
             for name, times in by_contender.items() if len(times) == len(wanted)}
 
 
+@contextlib.contextmanager
+def environment(name, value):
+    """os.environ[name] = value inside (None: unset); the previous state after. The extension reads
+    its measuring knobs (README) at each forward, so one process can alternate them."""
+    before = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def parse_knob(text):
+    """--knob NAME=v1,v2,...: (name, [values]); an empty value means unset."""
+    name, sep, values = text.partition("=")
+    if not sep or not name or not values:
+        raise argparse.ArgumentTypeError(f"--knob wants NAME=v1,v2,..., not {text!r}")
+    return name, [v or None for v in values.split(",")]
+
+
+def kernel_times(new, pair, mask, calls=5):
+    """{kernel name: CUDA microseconds per forward} over `calls` profiled forwards."""
+    from torch.profiler import ProfilerActivity, profile
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            new(pair, mask)
+        torch.cuda.synchronize()
+    return {e.key: (e.device_time_total / calls, e.count // calls)
+            for e in prof.key_averages() if e.device_type.name == "CUDA"}
+
+
 def profile_kernels(shapes, args, repeat_only=0):
     """Per-kernel CUDA time of ModelNew[auto] at each precision (torch.profiler), for finding where
-    a forward's time goes."""
-    from torch.profiler import ProfilerActivity, profile
+    a forward's time goes. With --knob NAME=v1,v2: each value in turn, twice round (v1 v2 v1 v2: one
+    process, so no machine-to-machine spread), each value's output checked against fp64 first."""
+    knob, values = args.knob if args.knob else (None, [None])
+    rounds = 2 if args.knob else 1
     for shape in shapes:
         ref, pair, mask = seeded_case(shape, args, args.seed)
+        expected = None
+        if args.knob and not repeat_only:
+            ref64 = ti.Model(ref.pair_dim, ref.hidden_dim, args.direction, args.gate_input).cuda().double()
+            ref64.load_state_dict(ref.state_dict())
+            with torch.inference_mode():
+                expected = ref64(pair.double(), mask)
+            del ref64
         for precision in args.precision:
             new = make_model_new(ref, precision=precision)
-            with torch.inference_mode():
-                for _ in range(repeat_only or 3):
-                    new(pair, mask)
-                torch.cuda.synchronize()
-                if repeat_only:
-                    continue
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(5):
-                        new(pair, mask)
-                    torch.cuda.synchronize()
+            measured = {value: [] for value in values}
+            errors = {}
+            for _ in range(rounds):
+                for value in values:
+                    with environment(knob, value) if knob else contextlib.nullcontext():
+                        with torch.inference_mode():
+                            for _ in range(repeat_only or 3):
+                                out = new(pair, mask)
+                            torch.cuda.synchronize()
+                            if expected is not None:
+                                errors[value] = ((out.double() - expected).norm() / expected.norm()).item()
+                            del out
+                        if not repeat_only:
+                            measured[value].append(kernel_times(new, pair, mask))
+            if repeat_only:
+                continue
             print(f"\n{shape} {precision}: CUDA time per forward by kernel (TFLOP/s and GB/s from"
                   f" kernel_work's useful FLOPs and fewest bytes)")
-            events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-            events.sort(key=lambda e: -e.device_time_total)
-            for e in events[:8]:
-                us = e.device_time_total / 5
-                work = kernel_work(e.key, *shape, precision)
-                rates = f"{work[0] / us / 1e6:7.1f} {work[1] / us / 1e3:7.0f}" if work and us > 0 else " " * 15
-                print(f"  {us:10.1f} us  {e.count // 5:3d}x  {rates}  {e.key[:90]}")
+            for value in values:
+                if knob:
+                    print(f"  {knob}={value or '(unset)'}: rel error vs fp64 {errors[value]:.1e}; mean of {rounds}"
+                          f" rounds, total {sum(sum(t[k][0] for k in t) for t in measured[value]) / rounds:.1f} us")
+                keys = {k for t in measured[value] for k in t}
+                mean = {k: sum(t.get(k, (0, 0))[0] for t in measured[value]) / rounds for k in keys}
+                count = {k: max(t.get(k, (0, 0))[1] for t in measured[value]) for k in keys}
+                for key in sorted(keys, key=lambda k: -mean[k])[:8]:
+                    us = mean[key]
+                    work = kernel_work(key, *shape, precision)
+                    rates = f"{work[0] / us / 1e6:7.1f} {work[1] / us / 1e3:7.0f}" if work and us > 0 else " " * 15
+                    print(f"  {us:10.1f} us  {count[key]:3d}x  {rates}  {key[:90]}")
 
 
 def cpu_comparison():
@@ -399,7 +458,12 @@ def main(argv=None) -> int:
                         help="just run ModelNew[auto] CALLS times per shape/precision (a target for ncu)")
     parser.add_argument("--profile", action="store_true",
                         help="print ModelNew's per-kernel CUDA time per shape instead of the table")
+    parser.add_argument("--knob", type=parse_knob, metavar="NAME=V1,V2",
+                        help="with --profile: A/B a measuring environment variable (README) in one process, "
+                             "each value checked against fp64 and profiled twice round (an empty value: unset)")
     args = parser.parse_args(argv)
+    if args.knob and not args.profile:
+        parser.error("--knob goes with --profile")
     args.kernels = [k for k in args.kernels.split(",") if k]
     for kernel in args.kernels:
         if kernel != "auto" and kernel not in ti.VARIANTS:

@@ -301,6 +301,31 @@ def test_bench_kernel_work_adds_up_to_the_forward():
     assert bench.kernel_work("elementwise_kernel", batch, n, c, h, "medium") is None
 
 
+def test_bench_knob_parses_and_restores_the_environment(monkeypatch):
+    """bench.py --profile --knob NAME=v1,v2 alternates a measuring variable in one process: the values
+    parse (an empty one means unset), each is set only inside its turn, and what was set before (or
+    unset) comes back, also after an error."""
+    import argparse
+    import os
+    import bench
+    assert bench.parse_knob("TRIMUL_INPUT_STAGING=rounds,stream") == ("TRIMUL_INPUT_STAGING", ["rounds", "stream"])
+    assert bench.parse_knob("TRIMUL_PDL=,0") == ("TRIMUL_PDL", [None, "0"])
+    for bad in ("TRIMUL_PDL", "=1", "TRIMUL_PDL="):
+        with pytest.raises(argparse.ArgumentTypeError, match="NAME=v1,v2"):
+            bench.parse_knob(bad)
+    monkeypatch.setenv("TRIMUL_KNOB_PROBE", "before")
+    with bench.environment("TRIMUL_KNOB_PROBE", None):
+        assert "TRIMUL_KNOB_PROBE" not in os.environ
+    assert os.environ["TRIMUL_KNOB_PROBE"] == "before"
+    monkeypatch.delenv("TRIMUL_KNOB_PROBE")
+    with pytest.raises(RuntimeError), bench.environment("TRIMUL_KNOB_PROBE", "1"):
+        assert os.environ["TRIMUL_KNOB_PROBE"] == "1"
+        raise RuntimeError
+    assert "TRIMUL_KNOB_PROBE" not in os.environ
+    with pytest.raises(SystemExit):
+        bench.main(["--knob", "TRIMUL_PDL=0,1"])  # (without --profile)
+
+
 # ---- kernel sources, registry, build cache --------------------------------------------------------
 def test_every_registered_cuda_variant_has_a_kernel_file_and_description():
     sources = ti.kernel_sources(KERNEL_DIR)
