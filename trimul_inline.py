@@ -531,12 +531,12 @@ def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
-_SUBMODULES = ("layer_norm_in", "proj_a", "gate_a", "proj_b", "gate_b", "layer_norm_out", "out_proj", "out_gate")
 _PARAM_PATHS = (("layer_norm_in", "weight"), ("layer_norm_in", "bias"), ("proj_a", "weight"),
                 ("proj_a", "bias"), ("gate_a", "weight"), ("gate_a", "bias"), ("proj_b", "weight"),
                 ("proj_b", "bias"), ("gate_b", "weight"), ("gate_b", "bias"),
                 ("layer_norm_out", "weight"), ("layer_norm_out", "bias"), ("out_proj", "weight"),
                 ("out_proj", "bias"), ("out_gate", "weight"), ("out_gate", "bias"))
+_SUBMODULES = tuple(dict.fromkeys(module for module, _ in _PARAM_PATHS))
 
 
 def _param_list(layers: "_TriMulLayers"):

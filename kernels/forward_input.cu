@@ -371,7 +371,7 @@ __device__ __forceinline__ void stream_tile_rows(const ForwardArgs& args, int k_
                                                  int64_t tiles_per_batch, int warp) {
   using Stager = VecRowStager<M, TIn, VECS, kStreamLoads>;
   constexpr int kGroup = Stager::kGroup;
-  const int group_rows = Stager::kGroup * (32 >> lanes_log2);
+  const int group_rows = Stager::group_rows(lanes_log2);
   const int groups_per_tile = static_cast<int>(ceil_div(P, group_rows));
   const int64_t plane = args.n * args.ld;
   const TIn* pair = static_cast<const TIn*>(args.pair);

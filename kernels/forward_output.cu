@@ -407,7 +407,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
       const int h_first = side * kHalfHidden;  // this warp's half of h
       const float* z_half = z + h_first * plane;
       float zv[kHalfHidden];
-      if (hidden == kMaxHidden) {  // the common case without a guard per load
+      const bool full = hidden == kMaxHidden;  // the common case: no guard or select per h below
+      if (full) {
 #pragma unroll
         for (int h = 0; h < kHalfHidden; ++h) zv[h] = z_half[h * plane];
       } else {
@@ -415,10 +416,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
         for (int h = 0; h < kHalfHidden; ++h) zv[h] = h_first + h < hidden ? z_half[h * plane] : 0.f;
       }
       // The LayerNorm-ed value is (z - shift) * rstd + centre: one FFMA on the shifted values the sums
-      // already need (shift: both halves shift by the position's first value). H = 128 (the common case)
-      // takes no select per h; a lane without a position gets rstd = centre = 0, so zeros.
+      // already need (shift: both halves shift by the position's first value); a lane without a
+      // position gets rstd = centre = 0, so zeros.
       const float shift = z[0];
-      const bool full = hidden == kMaxHidden;
       float sum = 0.f, sum_sq = 0.f;
       if (full) {
 #pragma unroll
@@ -438,12 +438,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
       partial[side * kRows + lane] = make_float2(sum, sum_sq);
       pair_sync();
       const float2 other = partial[(1 - side) * kRows + lane];
-      // (fast division, as shifted_stats)
-      const float mean_shifted = __fdividef(sum + other.x, static_cast<float>(hidden));
-      const float var =
-          fmaxf(__fdividef(sum_sq + other.y, static_cast<float>(hidden)) - mean_shifted * mean_shifted, 0.f);
-      const float rstd = valid ? rsqrtf(var + args.eps_out) : 0.f;
-      const float centre = -mean_shifted * rstd;
+      const float2 moments = shifted_moments(sum + other.x, sum_sq + other.y, static_cast<int>(hidden), args.eps_out);
+      const float rstd = valid ? moments.y : 0.f;
+      const float centre = -moments.x * rstd;
       uint32_t* dst = z_rows + lane * l.z_stride;
       if (full) {
 #pragma unroll
@@ -968,8 +965,7 @@ cudaError_t launch_tiling(const ForwardArgs& args, int64_t base) {
   ForwardArgs staged = args;
   staged.contract_stage_bytes = contract_stage_bytes<M, T>(args, base);
   return launch_tiles<kernel<M, TIn, T>, T>(staged, args.n * args.ldz, base + staged.contract_stage_bytes,
-                                            args.dependent_output_launch && args.z == nullptr &&
-                                                compute_capability_major() >= 9);
+                                            args.dependent_output_launch && args.z == nullptr);
 }
 
 // Which kernel takes the pass: wgmma (pair_dim > 128, or "highest"), resident, then streamed, the first that

@@ -36,12 +36,17 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 // Mean and 1/std of n values given their sum and sum of squares around `shift` (a value of the
 // row, so the subtraction loses nothing when the mean is far from zero).
-__device__ __forceinline__ float2 shifted_stats(float shift, float sum, float sum_sq, int n, float eps) {
+// (shifted_moments: the mean less `shift`, and 1/std, for normalising the shifted values as one FFMA.)
+__device__ __forceinline__ float2 shifted_moments(float sum, float sum_sq, int n, float eps) {
   // (fast division: 2 ulp is far inside every precision's budget, and IEEE division's slow-path
   // check costs a branch per row)
   const float mean_shifted = __fdividef(sum, static_cast<float>(n));
   const float var = fmaxf(__fdividef(sum_sq, static_cast<float>(n)) - mean_shifted * mean_shifted, 0.f);
-  return make_float2(shift + mean_shifted, rsqrtf(var + eps));
+  return make_float2(mean_shifted, rsqrtf(var + eps));
+}
+__device__ __forceinline__ float2 shifted_stats(float shift, float sum, float sum_sq, int n, float eps) {
+  const float2 moments = shifted_moments(sum, sum_sq, n, eps);
+  return make_float2(shift + moments.x, moments.y);
 }
 
 template <Mode M, int V>
@@ -295,7 +300,8 @@ struct VecRowStager {
       }
     }
   }
-  __device__ __forceinline__ int group_rows() const { return kGroup * slots; }
+  __host__ __device__ static int group_rows(int lanes_log2) { return kGroup * (32 >> lanes_log2); }
+  __device__ __forceinline__ int group_rows() const { return group_rows(lanes_log2); }
 
   template <class Dst>
   __device__ __forceinline__ void group(Dst dst, const TIn* __restrict__ pair, const int64_t (&off)[kGroup], int m0,
@@ -349,12 +355,9 @@ struct VecRowStager {
           sum += __shfl_xor_sync(0xffffffffu, sum, offset);
           sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
         }
-        // (fast division: 2 ulp is far inside every precision's budget, and IEEE division's slow-path
-        // check costs a branch per row)
-        const float mean_shifted = __fdividef(sum, static_cast<float>(c));
-        const float var = fmaxf(__fdividef(sum_sq, static_cast<float>(c)) - mean_shifted * mean_shifted, 0.f);
-        rstd = rsqrtf(var + eps);
-        centre = -mean_shifted * rstd;
+        const float2 moments = shifted_moments(sum, sum_sq, c, eps);
+        rstd = moments.y;
+        centre = -moments.x * rstd;
       }
       // A row-scaled destination takes the row times a power of two chosen from its largest
       // staged magnitude (every lane of the row takes part in the reduction). (The staged value's
@@ -470,6 +473,8 @@ template <Mode M, typename TIn, int WARPS, int IN_FLIGHT = 8, class Dst>
 __device__ void stage_rows_to(Dst dst, bool vectorized, const TIn* __restrict__ pair, const int64_t* row_off,
                               int rows, int c, int c_pad, const float* __restrict__ ln_w,
                               const float* __restrict__ ln_b, float eps, int warp = threadIdx.x >> 5) {
+  // (the VECS dispatch written out rather than through with_row_vectors: its lambda changed the SASS
+  // of 30 measured kernels)
   int lanes_log2 = 0;
   const int per_lane = row_vectors_per_lane<TIn>(c_pad, lanes_log2);
   if (vectorized && per_lane == 1)
@@ -580,14 +585,14 @@ __device__ __forceinline__ void wait_for_prior_grid() {
 
 // Launches a pass kernel of tiling T (arguments: the forward's args and the tiles per batch) over
 // `positions` positions per batch, BM per block. `dependent`: as a programmatic dependent of the
-// kernel before it in the stream (Hopper's PDL): the kernel must call wait_for_prior_grid() before it
-// touches anything that kernel writes.
+// kernel before it in the stream (Hopper's PDL; a plain launch on GPUs before compute capability 9.0):
+// the kernel must call wait_for_prior_grid() before it touches anything that kernel writes.
 template <auto Kernel, class T>
 cudaError_t launch_tiles(const ForwardArgs& args, int64_t positions, int64_t smem_bytes, bool dependent = false) {
   const cudaError_t status = allow_smem<Kernel>(smem_bytes);
   if (status != cudaSuccess) return status;
   const int64_t tiles = ceil_div(positions, T::BM);
-  if (dependent) {
+  if (dependent && compute_capability_major() >= 9) {
     cudaLaunchAttribute attribute{};
     attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute.val.programmaticStreamSerializationAllowed = 1;
