@@ -657,6 +657,8 @@ def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precisi
     if fused_pass == "output" and kernel == "wgmma" and n <= 64:
         pytest.skip("at N <= 64 auto contracts in the output pass, which only the mma.sync output kernels do")
     monkeypatch.setenv("TRIMUL_INPUT_PASS" if fused_pass == "input" else "TRIMUL_OUTPUT_PASS", kernel)
+    # (the rounds staging here: the streamed staging, auto's at pair_dim <= 128, has its own tests)
+    monkeypatch.setenv("TRIMUL_INPUT_STAGING", "rounds")
     arith_f16 = precision in ("high", "highest")  # (the wgmma kernels' kF16 template flag)
     if precision == "high-tf32":
         monkeypatch.setenv("TRIMUL_HIGH_ARITH", "tf32")
@@ -665,7 +667,7 @@ def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precisi
     names = [k for k in ran if f"{fused_pass}_pass" in k]
     assert len(names) == 1 and PASS_KERNELS[fused_pass][kernel] in names[0], names
     if kernel == "wgmma":
-        # (the input kernel's last template flag is TRIMUL_INPUT_STAGING=stream's, off here)
+        # (the input kernel's last template flag is the streamed staging's, off here)
         flags = "%s, false" if fused_pass == "input" else "%s"
         assert re.search(r"wgmma_tiles::kernel<[^>]*, %s>\(" % (flags % ("true" if arith_f16 else "false")),
                          names[0]), names
@@ -1236,9 +1238,10 @@ def test_dependent_output_launch_matches_fp64(monkeypatch, pdl, precision, direc
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 1, 8, 4), (2, 7, 16, 8), (3, 33, 24, 8), (16, 32, 64, 32),
                                                         (1, 200, 128, 128), (2, 130, 384, 128)])
 def test_streamed_input_staging_matches_fp64(monkeypatch, dtype, direction, batch, n, pair_dim, hidden):
-    """TRIMUL_INPUT_STAGING=stream (being measured): the wgmma input kernel whose stagers take row
-    groups round-robin across tiles and locate their own rows (ForwardArgs::input_staging_stream),
-    "medium" and bf16 inputs (16-bit rows only): the fp64 result, from the stream instantiation."""
+    """TRIMUL_INPUT_STAGING=stream: the wgmma input kernel whose stagers take row groups round-robin
+    across tiles, locate their own rows and load the next group while they LayerNorm the current one
+    (ForwardArgs::input_staging), "medium" and bf16 inputs (16-bit rows only): the fp64 result, from
+    the stream instantiation, also at pair_dim 384 where auto takes the rounds staging."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma passes need an sm_90a GPU")
     monkeypatch.setenv("TRIMUL_INPUT_STAGING", "stream")
@@ -1253,6 +1256,22 @@ def test_streamed_input_staging_matches_fp64(monkeypatch, dtype, direction, batc
                                        dtype)
         names = [k for k in ran if "input_pass" in k]
         assert len(names) == 1 and re.search(r"input_pass::wgmma_tiles::kernel<[^>]*, false, true>\(", names[0]), names
+
+
+@cuda
+@pytest.mark.parametrize("pair_dim, streamed", [(128, True), (64, True), (384, False)])
+def test_input_staging_auto_streams_at_pair_dim_128(monkeypatch, pair_dim, streamed):
+    """With TRIMUL_INPUT_STAGING unset, "medium" takes the streamed staging at pair_dim <= 128 and the
+    rounds staging above (where the streamed one measured slower, NOTES v21), correct either way."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    monkeypatch.delenv("TRIMUL_INPUT_STAGING", raising=False)
+    monkeypatch.delenv("TRIMUL_INPUT_PASS", raising=False)
+    ran = _check_fresh_model_profiled(1, 150, pair_dim, 128, "medium", f"auto staging {pair_dim}")
+    names = [k for k in ran if "input_pass" in k]
+    flag = "true" if streamed else "false"
+    assert len(names) == 1 and re.search(r"input_pass::wgmma_tiles::kernel<[^>]*, false, %s>\(" % flag,
+                                         names[0]), names
 
 
 @cuda

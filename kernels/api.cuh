@@ -62,6 +62,8 @@ enum F16x3Scale : int {
 // Everything the fused forward reads and writes. Weights are prepared on the host: in the
 // operand type of `mode`, rows padded to a multiple of 128 and k padded to a multiple of 32 (both
 // zero-filled), so the kernels stream them with no bounds checks.
+enum class InputStaging { kAuto, kRounds, kStream };
+
 struct ForwardArgs {
   // pair_repr [B, N, N, C] with element strides (channel stride 1), and the mask [B, N, N].
   const void* pair;
@@ -133,10 +135,11 @@ struct ForwardArgs {
   const char* output_pin;
   int input_plan_buffers, input_plan_stages, input_plan_positions;
   bool dependent_output_launch;
-  // TRIMUL_INPUT_STAGING=stream (being measured, not yet run on a GPU; off by default): the wgmma input
-  // kernel's stagers take row groups round-robin across tiles and locate their own rows (no shared
-  // row offsets, no named barriers per tile) instead of each tile's rows in load rounds.
-  bool input_staging_stream;
+  // TRIMUL_INPUT_STAGING (InputStaging): how the 16-bit wgmma input kernel's stagers take their rows:
+  // round-robin row groups across tiles, each lane locating its own rows, the next group's loads in
+  // flight while the current one is LayerNormed (stream), or each tile's rows in load rounds between
+  // named barriers (rounds). Auto: stream at pair_dim <= 128, where it measured faster (NOTES v21).
+  InputStaging input_staging;
 };
 
 // A fused pass's kernels by their pinning names.

@@ -230,7 +230,8 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   if (const char* staging = std::getenv("TRIMUL_INPUT_STAGING"); staging != nullptr && staging[0] != '\0') {
     TORCH_CHECK_VALUE(std::strcmp(staging, "rounds") == 0 || std::strcmp(staging, "stream") == 0,
                       "trimul_inline: TRIMUL_INPUT_STAGING must be rounds or stream, not '", staging, "'");
-    args.input_staging_stream = std::strcmp(staging, "stream") == 0;
+    args.input_staging = std::strcmp(staging, "stream") == 0 ? trimul::InputStaging::kStream
+                                                              : trimul::InputStaging::kRounds;
   }
   if (const char* plan = std::getenv("TRIMUL_INPUT_PLAN"); plan != nullptr && plan[0] != '\0')
     TORCH_CHECK_VALUE(trimul::parse_pass_plan(plan, &args.input_plan_buffers, &args.input_plan_stages,

@@ -26,15 +26,19 @@ struct Smem {
 // Pair-row element offset (-1: no position) and mask value of position p of a batch's flattened
 // [N, ld] operand plane (f = p / ld, k = p % ld; k >= n and p >= plane are padding). plane < 2^32
 // (checked at launch): 32-bit division is a fraction of a 64-bit one's cost.
+// The same from f and k (valid: the position exists).
+__device__ __forceinline__ void locate_fk(const ForwardArgs& args, int64_t batch, uint32_t f, uint32_t k, bool valid,
+                                          int64_t& row_off, float& mask) {
+  const int64_t row = args.incoming ? k : f, col = args.incoming ? f : k;
+  row_off = valid ? batch * args.pair_sb + row * args.pair_sr + col * args.pair_sc : -1;
+  mask = valid ? load_mask(args.mask, args.mask_kind, batch * args.mask_sb + row * args.mask_sr + col * args.mask_sc)
+               : 0.f;
+}
 __device__ __forceinline__ void locate_position(const ForwardArgs& args, int64_t batch, int64_t p, int64_t plane,
                                                 int64_t& row_off, float& mask) {
   const uint32_t f = static_cast<uint32_t>(p) / static_cast<uint32_t>(args.ld);
   const uint32_t k = static_cast<uint32_t>(p) - f * static_cast<uint32_t>(args.ld);
-  const int64_t row = args.incoming ? k : f, col = args.incoming ? f : k;
-  const bool valid = p < plane && k < args.n;
-  row_off = valid ? batch * args.pair_sb + row * args.pair_sr + col * args.pair_sc : -1;
-  mask = valid ? load_mask(args.mask, args.mask_kind, batch * args.mask_sb + row * args.mask_sr + col * args.mask_sc)
-               : 0.f;
+  locate_fk(args, batch, f, k, p < plane && k < args.n, row_off, mask);
 }
 
 // Two adjacent operand values (the destination is aligned for both: positions are even).
@@ -330,7 +334,7 @@ using namespace ::trimul::tma;
 using namespace ::trimul::tma::ws;
 
 constexpr int kStagingLoads = 12;  // 16-byte loads in flight per stager lane
-constexpr int kStreamLoads = 8;    // the same for TRIMUL_INPUT_STAGING=stream (12 spilled there)
+constexpr int kStreamLoads = 4;    // the same for TRIMUL_INPUT_STAGING=stream, double-buffered (8 spilled there)
 
 // Shared memory for `buffers` row buffers of `positions` rows (the wgmma's N: 128 or 64) and
 // `planes` planes (2: split operands), and `stages` weight stages, from a 1024-byte boundary.
@@ -356,12 +360,16 @@ __device__ __forceinline__ float gated(float proj, float gate, float scale) {
   else return proj * gate_sigmoid<M>(gate) * scale;
 }
 
-// TRIMUL_INPUT_STAGING=stream (ForwardArgs::input_staging_stream; not yet run on a GPU): the stagers'
-// row groups (Stager::group_rows() rows each) are numbered over this block's tiles in order and handed
-// out round-robin, so a warp that staged two groups of one tile stages fewer of the next (the rounds
+// Streamed staging (ForwardArgs::input_staging): the stagers' row groups
+// (Stager::group_rows() rows each) are numbered over this block's tiles in order and handed out
+// round-robin, so a warp that staged two groups of one tile stages fewer of the next (the rounds
 // kernel gives warps 0-3 two load rounds of every 128-position tile and warps 4-6 one); each lane
-// locates its own rows, so no row offsets are shared and no named barrier waits per tile. Every stager
-// thread still arrives once per tile on rows_full, after its groups of that tile.
+// locates its own rows, so no row offsets are shared and no named barrier waits per tile. Every
+// stager thread still arrives once per tile on rows_full, after its groups of that tile.
+// Double-buffered: a warp issues its next group's loads (possibly the next tile's, whose buffer may
+// still be in use: only registers are written) before it LayerNorms and stores the current one, so
+// the loads' latency overlaps the arithmetic (ncu, profile 14: the stagers waited on their own loads
+// ~30% of their time). The masks wait in registers until the group's buffer is known to be free.
 // (The stager is built per tile, as the rounds kernel's stage_rows_vec does: kept live across the tile
 // loop, its hoisted LayerNorm weights made the loop spill.)
 template <Mode M, typename TIn, int P, int VECS>
@@ -373,32 +381,94 @@ __device__ __forceinline__ void stream_tile_rows(const ForwardArgs& args, int k_
   constexpr int kGroup = Stager::kGroup;
   const int group_rows = Stager::group_rows(lanes_log2);
   const int groups_per_tile = static_cast<int>(ceil_div(P, group_rows));
+  const int slots = 32 >> lanes_log2, slot = (threadIdx.x & 31) >> lanes_log2;
   const int64_t plane = args.n * args.ld;
   const TIn* pair = static_cast<const TIn*>(args.pair);
-  int group = warp;  // this warp's next group, counted from the current tile's first
+  // This warp's groups in order: group g of tile t, then g + kStagerWarps (past the tile's last,
+  // into this block's next tile).
+  const auto next_of = [&](int64_t& tile, int& group) {
+    while (group >= groups_per_tile && tile < tiles) {
+      group -= groups_per_tile;
+      tile += gridDim.x;
+    }
+  };
+  // A tile's batch, first position p0 and its f0 = p0 / ld, k0 = p0 % ld (the divisions once per tile,
+  // not per row: a row's f and k step from them, at most 128 / ld + 1 times).
+  struct TileAt {
+    int64_t batch, p0;
+    uint32_t f0, k0;
+  };
+  const uint32_t ld = static_cast<uint32_t>(args.ld);
+  const auto tile_at = [&](int64_t tile) {
+    const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * P;
+    const uint32_t f0 = static_cast<uint32_t>(p0) / ld;  // (plane < 2^32: checked at launch)
+    return TileAt{batch, p0, f0, static_cast<uint32_t>(p0) - f0 * ld};
+  };
+  // Row offsets (-1: none) and masks of the group's rows for this lane.
+  const auto locate = [&](int64_t tile, const TileAt& at, int group, int64_t (&off)[kGroup], float (&mask)[kGroup]) {
+#pragma unroll
+    for (int r = 0; r < kGroup; ++r) {
+      const int m = group * group_rows + r * slots + slot;
+      off[r] = -1;
+      mask[r] = 0.f;
+      if (tile < tiles && m < P) {
+        uint32_t f = at.f0, k = at.k0 + m;
+        while (k >= ld) {
+          k -= ld;
+          ++f;
+        }
+        locate_fk(args, at.batch, f, k, at.p0 + m < plane && k < args.n, off[r], mask[r]);
+      }
+    }
+  };
+  int64_t cur_tile = blockIdx.x;
+  int cur_group = warp;
+  next_of(cur_tile, cur_group);
+  TileAt cur_at = tile_at(cur_tile);
+  int64_t off[kGroup];
+  float mask[kGroup];
+  uint4 raw[kGroup][VECS];
+  bool loaded = false;  // raw holds (cur_tile, cur_group)'s rows
   FillRing ring{rows_empty, buffers};
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     ring.wait_free();
     const int buf = ring.slot;
-    const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * P;
     const SwizzledRows dst{rows + buf * buffer_bytes, P * kKBytes};
     const Stager stager(static_cast<int>(args.c), k_fill, args.ln_in_w, args.ln_in_b, args.eps_in, lanes_log2);
-    for (; group < groups_per_tile; group += kStagerWarps) {
-      const int m0 = group * group_rows;
-      int64_t off[kGroup];
+    if (!loaded && cur_tile == tile) {
+      locate(cur_tile, cur_at, cur_group, off, mask);
+      stager.load(pair, off, raw);
+      loaded = true;
+    }
+    while (cur_tile == tile) {
+      int64_t next_tile = cur_tile;
+      int next_group = cur_group + kStagerWarps;
+      next_of(next_tile, next_group);
+      const TileAt next_at = next_tile == cur_tile ? cur_at : tile_at(next_tile);
+      int64_t next_off[kGroup];
+      float next_mask[kGroup];
+      uint4 next_raw[kGroup][VECS];
+      locate(next_tile, next_at, next_group, next_off, next_mask);  // (none past the last tile: offsets -1)
+      stager.load(pair, next_off, next_raw);
+      const int m0 = cur_group * group_rows;
 #pragma unroll
       for (int r = 0; r < kGroup; ++r) {
-        const int m = m0 + r * stager.slots + stager.slot;
-        off[r] = -1;
-        if (m < P) {
-          float mask;
-          locate_position(args, batch, p0 + m, plane, off[r], mask);
-          if (stager.sub == 0) scale_v[buf * P + m] = gate_scale<M>(mask);
-        }
+        const int m = m0 + r * slots + slot;
+        if (stager.sub == 0 && m < P) scale_v[buf * P + m] = gate_scale<M>(mask[r]);
       }
-      stager.group(dst, pair, off, m0, P);
+      stager.stage(dst, raw, off, m0, P);
+      // (a copy, not two register sets whose roles swap: that version spilled 400 bytes)
+#pragma unroll
+      for (int r = 0; r < kGroup; ++r) {
+        off[r] = next_off[r];
+        mask[r] = next_mask[r];
+#pragma unroll
+        for (int l = 0; l < VECS; ++l) raw[r][l] = next_raw[r][l];
+      }
+      cur_tile = next_tile;
+      cur_at = next_at;
+      cur_group = next_group;
     }
-    group -= groups_per_tile;
     fence_proxy_async();  // st.shared writes, read by wgmma through the async proxy
     mbar_arrive(&rows_full[buf]);
     ring.advance();
@@ -584,17 +654,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       // per pair that the multiplies waited on)
       const float gate_down = kF16 ? args.f16x3_scales[kInDown] : 1.f;
       const float ab_up = kF16 && args.ab_f16 ? args.f16x3_scales[kAbUp] : 0.f;
+      const float half_gate_bias = 0.5f * gate_bias;
 #pragma unroll
       for (int j = 0; j < P / 8; ++j) {
         const int m = 8 * j + 2 * t;
         const float2 scale = *reinterpret_cast<const float2*>(scale_t + m);  // (split: proj's 2^-(s_in+t_in) in it)
-        float gate0 = acc[4 * j + 2] + gate_bias, gate1 = acc[4 * j + 3] + gate_bias;
-        if constexpr (kF16) {
-          gate0 *= gate_down;
-          gate1 *= gate_down;
+        float v0, v1;
+        if constexpr (M == Mode::bf16 || M == Mode::f16) {
+          // (the gate's bias and tanh's halving in one FFMA: ~10% of the epilogue's instructions, profile 14)
+          v0 = gated_16bit_half(acc[4 * j] + proj_bias, fmaf(acc[4 * j + 2], 0.5f, half_gate_bias), scale.x);
+          v1 = gated_16bit_half(acc[4 * j + 1] + proj_bias, fmaf(acc[4 * j + 3], 0.5f, half_gate_bias), scale.y);
+        } else {
+          float gate0 = acc[4 * j + 2] + gate_bias, gate1 = acc[4 * j + 3] + gate_bias;
+          if constexpr (kF16) {
+            gate0 *= gate_down;
+            gate1 *= gate_down;
+          }
+          v0 = gated<M>(acc[4 * j] + proj_bias, gate0, scale.x);
+          v1 = gated<M>(acc[4 * j + 1] + proj_bias, gate1, scale.y);
         }
-        const float v0 = gated<M>(acc[4 * j] + proj_bias, gate0, scale.x);
-        const float v1 = gated<M>(acc[4 * j + 1] + proj_bias, gate1, scale.y);
         if (m < in_plane) {
           if constexpr (kF16) store_contraction_pair<M>(out_base, out_index + m, v0, v1, args.small_offset, ab_up);
           else store_operand_pair<M>(out + m, v0, v1);
@@ -645,10 +723,13 @@ Plan plan(const ForwardArgs& args) {
 
 template <Mode M, typename TIn, int P, bool kF16, bool kStream = false>
 cudaError_t launch_positions(const ForwardArgs& args, const PassPlan& ring, const CUtensorMap& map_w) {
-  // TRIMUL_INPUT_STAGING=stream: the 16-bit modes only (the measured question is "medium"'s).
-  if constexpr (!kStream && !kF16 && (M == Mode::bf16 || M == Mode::f16))
-    if (args.input_staging_stream && rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair))
+  // Streamed staging (ForwardArgs::input_staging): the 16-bit modes only (the measured question is "medium"'s).
+  if constexpr (!kStream && !kF16 && (M == Mode::bf16 || M == Mode::f16)) {
+    const bool stream = args.input_staging == InputStaging::kStream ||
+                        (args.input_staging == InputStaging::kAuto && args.c_pad <= 128);
+    if (stream && rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair))
       return launch_positions<M, TIn, P, kF16, true>(args, ring, map_w);
+  }
   const cudaError_t status = allow_smem<kernel<M, TIn, P, kF16, kStream>>(ring.bytes);
   if (status != cudaSuccess) return status;
   const int64_t tiles_per_batch = ceil_div(args.n * args.ld, P);

@@ -348,11 +348,15 @@ int64_t bytes(const ForwardArgs& args) {
   return 4 * (int64_t(l.c_rows) * (l.x_stride + l.z_stride) + 2 * l.c_rows + kPairs * l.words_per_pair());
 }
 
-template <Mode M, typename TIn>
+// k128: pair_dim and hidden both 128 (c = c_pad = h = h_pad): the strides, slab and chunk counts are
+// constants, so the products' ldmatrix addresses are immediate offsets (ncu, profile 14: the generic
+// kernel's products spent ~240 IMAD and ~110 MOV per 128 HMMA on them) and no store needs a guard.
+template <Mode M, typename TIn, bool k128>
 __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, int64_t tiles_per_batch) {
   using Op = op_t<M>;
   extern __shared__ __align__(16) uint32_t smem[];
-  const Layout l = layout<M>(args);
+  constexpr int kStride128 = resident_stride<M>(kMaxHidden);
+  const Layout l = k128 ? Layout{kMaxHidden, kStride128, kStride128} : layout<M>(args);
   uint32_t* w_gate = smem;
   uint32_t* w_out = w_gate + l.c_rows * l.x_stride;
   float* gate_bias = reinterpret_cast<float*>(w_out + l.c_rows * l.z_stride);
@@ -383,10 +387,10 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
   const int64_t n = args.n, hidden = args.h, plane = n * args.ldz, tiles = args.batch * tiles_per_batch;
   const int g = lane >> 2, t = lane & 3;
   const int chunks = l.c_rows / kChunk;
-  const int x_slabs = static_cast<int>(args.c_pad * sizeof(Op) / kSlabBytes);
-  const int z_slabs = static_cast<int>(args.h_pad * sizeof(Op) / kSlabBytes);
+  const int x_slabs = k128 ? kMaxSlabs : static_cast<int>(args.c_pad * sizeof(Op) / kSlabBytes);
+  const int z_slabs = k128 ? kMaxSlabs : static_cast<int>(args.h_pad * sizeof(Op) / kSlabBytes);
   const bool vectorized = rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair);
-  const bool paired = (args.c % 2) == 0;
+  const bool paired = k128 || (args.c % 2) == 0;
   TIn* out = static_cast<TIn*>(args.out);
   for (int64_t tile = int64_t(blockIdx.x) * kPairs + pair; tile < tiles; tile += int64_t(gridDim.x) * kPairs) {
     const int64_t batch = tile / tiles_per_batch, q0 = (tile - batch * tiles_per_batch) * kRows;
@@ -407,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
       const int h_first = side * kHalfHidden;  // this warp's half of h
       const float* z_half = z + h_first * plane;
       float zv[kHalfHidden];
-      const bool full = hidden == kMaxHidden;  // the common case: no guard or select per h below
+      const bool full = k128 || hidden == kMaxHidden;  // the common case: no guard or select per h below
       if (full) {
 #pragma unroll
         for (int h = 0; h < kHalfHidden; ++h) zv[h] = z_half[h * plane];
@@ -503,7 +507,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
             const int c = c0 + ni * 8 + 2 * t;
             const float v0 = gated_16bit(proj[mi][ni][2 * hh], gate[mi][ni][2 * hh], 0.5f);
             const float v1 = gated_16bit(proj[mi][ni][2 * hh + 1], gate[mi][ni][2 * hh + 1], 0.5f);
-            if (paired) {  // C even: c < C means c + 1 < C; predicated stores
+            if (k128) {  // (every channel of the chunk inside C)
+              if (row_start >= 0) store_pair(row + ni * 8, v0, v1, true, true);
+            } else if (paired) {  // C even: c < C means c + 1 < C; predicated stores
               if (row_start >= 0 && c < args.c) store_pair(row + ni * 8, v0, v1, true, true);
             } else if (row_start >= 0 && c < args.c) {
               store_pair(row + ni * 8, v0, v1, c + 1 < args.c, false);
@@ -529,7 +535,9 @@ int64_t applicable(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args, int64_t smem_bytes) {
-  return launch_persistent<kernel<M, TIn>>(args, args.n * args.ldz, kRows, kPairs, kThreads, smem_bytes);
+  if (args.c == kMaxHidden && args.c_pad == kMaxHidden && args.h == kMaxHidden && args.h_pad == kMaxHidden)
+    return launch_persistent<kernel<M, TIn, true>>(args, args.n * args.ldz, kRows, kPairs, kThreads, smem_bytes);
+  return launch_persistent<kernel<M, TIn, false>>(args, args.n * args.ldz, kRows, kPairs, kThreads, smem_bytes);
 }
 
 }  // namespace resident

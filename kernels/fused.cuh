@@ -307,6 +307,13 @@ struct VecRowStager {
   __device__ __forceinline__ void group(Dst dst, const TIn* __restrict__ pair, const int64_t (&off)[kGroup], int m0,
                                         int rows) const {
     uint4 raw[kGroup][VECS];
+    load(pair, off, raw);
+    stage(dst, raw, off, m0, rows);
+  }
+
+  // This lane's vectors of the group's rows (zeros for rows without a position and past C).
+  __device__ __forceinline__ void load(const TIn* __restrict__ pair, const int64_t (&off)[kGroup],
+                                       uint4 (&raw)[kGroup][VECS]) const {
 #pragma unroll
     for (int r = 0; r < kGroup; ++r) {
 #pragma unroll
@@ -314,6 +321,12 @@ struct VecRowStager {
         raw[r][l] = (off[r] >= 0 && in_c[l]) ? *reinterpret_cast<const uint4*>(pair + off[r] + (l * L + sub) * V)
                                              : make_uint4(0, 0, 0, 0);
     }
+  }
+
+  // LayerNorms the loaded rows and stores them to dst (rows m0 + r * slots + slot, those below `rows`).
+  template <class Dst>
+  __device__ __forceinline__ void stage(Dst dst, const uint4 (&raw)[kGroup][VECS], const int64_t (&off)[kGroup],
+                                        int m0, int rows) const {
 #pragma unroll
     for (int r = 0; r < kGroup; ++r) {
       // Every lane takes part in the shuffles, whether or not its row exists.

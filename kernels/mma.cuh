@@ -398,6 +398,11 @@ __device__ __forceinline__ float gated_16bit(float proj, float gate, float half_
   const float ps = proj * half_scale;
   return fmaf(ps, tanh_approx(0.5f * gate), ps);
 }
+// The same from half the gate (callers that add a bias to it fold the halving into that FFMA).
+__device__ __forceinline__ float gated_16bit_half(float proj, float half_gate, float half_scale) {
+  const float ps = proj * half_scale;
+  return fmaf(ps, tanh_approx(half_gate), ps);
+}
 
 }  // namespace mma
 }  // namespace trimul
