@@ -360,10 +360,31 @@ def kernel_times(new, pair, mask, calls=5):
             for e in prof.key_averages() if e.device_type.name == "CUDA"}
 
 
+def sm_clock_mhz():
+    """The GPU's SM clock now (MHz), or None where NVML (pynvml) is not installed."""
+    try:
+        return torch.cuda.clock_rate()
+    except Exception:  # (ModuleNotFoundError without pynvml; NVML errors)
+        return None
+
+
+def forward_against_kernels(new, pair, mask, budget_s):
+    """The forward as the bench times it (CUDA events around back-to-back calls, time_cuda) and the
+    kernels' summed CUDA time right after that sustained run: the forward's time that no kernel
+    accounts for (launch gaps, tails) against what a hot GPU does to the kernels themselves."""
+    with torch.inference_mode():
+        median, low, high, reps = time_cuda(lambda: new(pair, mask), budget_s=budget_s)
+        clock = sm_clock_mhz()
+        hot = sum(t for t, _ in kernel_times(new, pair, mask).values())
+    return {"median": median, "p10": low, "p90": high, "reps": reps, "hot_kernels": hot, "clock": clock}
+
+
 def profile_kernels(shapes, args, repeat_only=0):
     """Per-kernel CUDA time of ModelNew[auto] at each precision (torch.profiler), for finding where
     a forward's time goes. With --knob NAME=v1,v2: each value in turn, twice round (v1 v2 v1 v2: one
-    process, so no machine-to-machine spread), each value's output checked against fp64 first."""
+    process, so no machine-to-machine spread), each value's output checked against fp64 first.
+    After the kernels, each value's forward timed as the bench times it (--budget seconds), and the
+    kernels' sum again right after that sustained run."""
     knob, values = args.knob if args.knob else (None, [None])
     rounds = 2 if args.knob else 1
     for shape in shapes:
@@ -378,6 +399,7 @@ def profile_kernels(shapes, args, repeat_only=0):
         for precision in args.precision:
             new = make_model_new(ref, precision=precision)
             measured = {value: [] for value in values}
+            forwards = {value: [] for value in values}
             errors = {}
             for _ in range(rounds):
                 for value in values:
@@ -391,6 +413,7 @@ def profile_kernels(shapes, args, repeat_only=0):
                             del out
                         if not repeat_only:
                             measured[value].append(kernel_times(new, pair, mask))
+                            forwards[value].append(forward_against_kernels(new, pair, mask, args.budget))
             if repeat_only:
                 continue
             print(f"\n{shape} {precision}: CUDA time per forward by kernel (TFLOP/s and GB/s from"
@@ -407,6 +430,11 @@ def profile_kernels(shapes, args, repeat_only=0):
                     work = kernel_work(key, *shape, precision)
                     rates = f"{work[0] / us / 1e6:7.1f} {work[1] / us / 1e3:7.0f}" if work and us > 0 else " " * 15
                     print(f"  {us:10.1f} us  {count[key]:3d}x  {rates}  {key[:90]}")
+                for f in forwards[value]:
+                    clock = f"; SM clock {f['clock']} MHz" if f["clock"] else ""
+                    print(f"  forward (events, {f['reps']} back-to-back calls) {f['median']:.1f} us"
+                          f" (p10-p90 {f['p10']:.0f}-{f['p90']:.0f}); kernels' sum right after"
+                          f" {f['hot_kernels']:.1f} us{clock}")
 
 
 def cpu_comparison():
@@ -457,7 +485,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat-only", type=int, default=0, metavar="CALLS",
                         help="just run ModelNew[auto] CALLS times per shape/precision (a target for ncu)")
     parser.add_argument("--profile", action="store_true",
-                        help="print ModelNew's per-kernel CUDA time per shape instead of the table")
+                        help="print ModelNew's per-kernel CUDA time per shape instead of the table, then its forward "
+                             "timed as the table times it and the kernels' sum right after (a hot GPU)")
     parser.add_argument("--knob", type=parse_knob, metavar="NAME=V1,V2",
                         help="with --profile: A/B a measuring environment variable (README) in one process, "
                              "each value checked against fp64 and profiled twice round (an empty value: unset)")

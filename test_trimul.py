@@ -301,6 +301,19 @@ def test_bench_kernel_work_adds_up_to_the_forward():
     assert bench.kernel_work("elementwise_kernel", batch, n, c, h, "medium") is None
 
 
+def test_bench_profile_sets_the_forward_against_its_kernels(monkeypatch):
+    """bench.py --profile times each forward as the table does and sums its kernels right after:
+    the two numbers come from those two measurements (here stand-ins), not from each other."""
+    import bench
+    calls = []
+    monkeypatch.setattr(bench, "time_cuda", lambda fn, budget_s: (calls.append(budget_s), (812.5, 800.0, 830.0, 77))[1])
+    monkeypatch.setattr(bench, "kernel_times", lambda new, pair, mask: {"input": (300.0, 1), "output": (412.5, 1)})
+    monkeypatch.setattr(bench, "sm_clock_mhz", lambda: 1755)
+    got = bench.forward_against_kernels(None, None, None, 0.25)
+    assert calls == [0.25]
+    assert got == {"median": 812.5, "p10": 800.0, "p90": 830.0, "reps": 77, "hot_kernels": 712.5, "clock": 1755}
+
+
 def test_bench_knob_parses_and_restores_the_environment(monkeypatch):
     """bench.py --profile --knob NAME=v1,v2 alternates a measuring variable in one process: the values
     parse (an empty one means unset), each is set only inside its turn, and what was set before (or
