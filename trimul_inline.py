@@ -165,7 +165,7 @@ def select_variant(name: str, dtype: torch.dtype, precision: str, device: torch.
 # ------------------------------------------------------------------------------------------------
 _EMBEDDED_KERNELS = None  # `python trimul_inline.py bundle` replaces this with {file name: text}
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp", ".h")
-_NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr")
+_NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", "--split-compile=0")
 _CXX_FLAGS = ("-O3",)  # torch picks the C++ standard its headers need
 
 
