@@ -59,11 +59,12 @@ enum F16x3Scale : int {
   kF16x3Scales
 };
 
+// How the 16-bit wgmma input kernel's stagers take their rows (ForwardArgs::input_staging).
+enum class InputStaging { kAuto, kRounds, kStream };
+
 // Everything the fused forward reads and writes. Weights are prepared on the host: in the
 // operand type of `mode`, rows padded to a multiple of 128 and k padded to a multiple of 32 (both
 // zero-filled), so the kernels stream them with no bounds checks.
-enum class InputStaging { kAuto, kRounds, kStream };
-
 struct ForwardArgs {
   // pair_repr [B, N, N, C] with element strides (channel stride 1), and the mask [B, N, N].
   const void* pair;

@@ -394,14 +394,13 @@ __device__ __forceinline__ float gate_sigmoid(float x) {
 
 // proj * sigmoid(gate) * (2 * half_scale) on the 16-bit paths, as ps + ps * tanh(gate / 2) with
 // ps = proj * half_scale: one multiply fewer per output than gate_sigmoid's form.
-__device__ __forceinline__ float gated_16bit(float proj, float gate, float half_scale) {
-  const float ps = proj * half_scale;
-  return fmaf(ps, tanh_approx(0.5f * gate), ps);
-}
-// The same from half the gate (callers that add a bias to it fold the halving into that FFMA).
+// gated_16bit_half takes half the gate (callers that add a bias to it fold the halving into that FFMA).
 __device__ __forceinline__ float gated_16bit_half(float proj, float half_gate, float half_scale) {
   const float ps = proj * half_scale;
   return fmaf(ps, tanh_approx(half_gate), ps);
+}
+__device__ __forceinline__ float gated_16bit(float proj, float gate, float half_scale) {
+  return gated_16bit_half(proj, 0.5f * gate, half_scale);
 }
 
 }  // namespace mma
