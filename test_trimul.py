@@ -448,8 +448,9 @@ def test_no_wgmma_kernel_is_serialized():
     """ptxas serializes every wgmma of a kernel (C7514: a note in the build log, not an error) where
     it finds accumulators that a wgmma in flight could still write being read; v16's descriptor
     arithmetic did that to the split input kernel ("highest" at pair_dim 384: 4501 -> 5067 us)
-    unnoticed. In the built extension's SASS every kernel with wgmmas (HGMMA) must keep one in flight
-    somewhere (WARPGROUP.DEPBAR.LE gsb0, 0x1), as each of ours is written to."""
+    unnoticed. In the built extension's SASS every kernel with wgmmas (HGMMA) must keep some in flight
+    somewhere (WARPGROUP.DEPBAR.LE gsb0 with a count above 0: 1, or 2 where a k-tile is two commit
+    groups), as each of ours is written to."""
     if ti.target_arch() != "90a":
         pytest.skip(f"the wgmma kernels are in sm_90a builds only (this build: sm_{ti.target_arch()})")
     tool = _cuobjdump()
@@ -461,7 +462,8 @@ def test_no_wgmma_kernel_is_serialized():
     kernels = dict(f.split("\n", 1) for f in re.split(r"\n\s*Function : ", sass)[1:])
     with_wgmma = {name.strip(): body for name, body in kernels.items() if "HGMMA" in body}
     assert len(with_wgmma) >= 40, sorted(with_wgmma)  # (input, output and contraction kernels: 49 in v18)
-    serialized = [name for name, body in with_wgmma.items() if "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in body]
+    serialized = [name for name, body in with_wgmma.items()
+                  if not re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9]", body)]
     assert not serialized, serialized
 
 

@@ -115,6 +115,10 @@ VARIANTS = {v.name: v for v in (
     Variant("wgmma_tma", "Hopper wgmma + TMA (sm_90a build): 128x256 tiles, one producer thread issuing "
             "TMA loads into a 4-stage mbarrier pipeline, two consumer warpgroups of m64n256; bf16/fp16",
             dtypes=("bfloat16", "float16"), min_capability=(9, 0), max_capability=(9, 0)),
+    Variant("wgmma_pingpong", "Hopper wgmma + TMA (sm_90a build), persistent: 128x128 tiles taken in turn "
+            "by two consumer warpgroups, so one's stores overlap the other's products; 6-stage ring; "
+            "bf16/fp16 (NOT YET RUN ON A GPU; not in auto)",
+            dtypes=("bfloat16", "float16"), min_capability=(9, 0), max_capability=(9, 0)),
     Variant("bmm", "torch.bmm (cuBLAS) on the same layout; a baseline, not a kernel of ours",
             backend="torch"),
 )}

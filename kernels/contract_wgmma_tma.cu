@@ -118,36 +118,11 @@ cudaError_t launch_kernel(const ContractArgs& args, const CUtensorMap& map_a, co
   return cudaGetLastError();
 }
 
-template <typename Op, typename TOut>
-cudaError_t launch_types(const ContractArgs& args) {
-  CUtensorMap map_a, map_b;
-  const int64_t planes = args.split ? 2 * args.batch : args.batch;
-  if (!encode_kmajor_map<Op>(&map_a, args.a, planes, args.m, args.lda, BM) ||
-      !encode_kmajor_map<Op>(&map_b, args.b, planes, args.n, args.lda, BN))
-    return cudaErrorNotSupported;  // the next kernel in auto's list takes it
-  if constexpr (std::is_same<Op, __half>::value)
-    if (args.z_scale != nullptr) return launch_kernel<Op, TOut, true>(args, map_a, map_b);
-  return launch_kernel<Op, TOut, false>(args, map_a, map_b);
-}
-
-// As the wgmma variant: 16-bit operands, and fp32 ones only as TF32 values already, where TF32 is
-// allowed, or as split operands (3xTF32, any precision). TMA wants 16-byte-aligned operands and row
-// pitches (lda is a multiple of 32) and coordinates that fit 32 bits.
 cudaError_t launch(const ContractArgs& args) {
-  const bool tf32 = args.operand == Dtype::f32;
-  // (split fp16 operands only scaled, as fp16x3; split bf16 ones are not made)
-  if (tensor_map_encoder() == nullptr || (args.split && args.operand == Dtype::bf16) ||
-      (args.split && args.operand == Dtype::f16 && args.z_scale == nullptr) ||
-      (args.z_scale != nullptr && args.operand != Dtype::f16) ||
-      (tf32 && !args.split && (!args.tf32_rounded || args.precision == Precision::highest)))
-    return cudaErrorNotSupported;
-  if (args.batch == 0 || args.m == 0 || args.n == 0) return cudaSuccess;
-  if (args.lda < args.k || args.lda % 32 != 0 || reinterpret_cast<uintptr_t>(args.a) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(args.b) % 16 != 0 || args.m >= (int64_t(1) << 31) ||
-      args.n >= (int64_t(1) << 31) || 2 * args.batch >= (int64_t(1) << 31))
-    return cudaErrorNotSupported;
-  return dispatch_dtypes(args.operand, args.out, [&](auto op_tag, auto out_tag) {
-    return launch_types<typename decltype(op_tag)::type, typename decltype(out_tag)::type>(args);
+  return launch_tma_contraction<BM, BN>(args, [&](auto op_tag, auto out_tag, auto scaled, const CUtensorMap& map_a,
+                                                   const CUtensorMap& map_b) {
+    return launch_kernel<typename decltype(op_tag)::type, typename decltype(out_tag)::type, decltype(scaled)::value>(
+        args, map_a, map_b);
   });
 }
 

@@ -413,5 +413,38 @@ bool encode_kmajor_map(CUtensorMap* map, const void* base, int64_t planes, int64
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// The TMA contraction kernels' launch (wgmma_tma, wgmma_pingpong): what they take (16-bit operands;
+// fp32 ones only as TF32 values already, where TF32 is allowed, or as split operands, 3xTF32 or fp16x3
+// scaled back by *z_scale), their operands' tensor maps (boxes of BM and BN rows), then
+// launch(op_tag, out_tag, scaled, map_a, map_b). TMA wants 16-byte-aligned operands and row pitches
+// (lda a multiple of 32) and coordinates that fit 32 bits; cudaErrorNotSupported otherwise (the next
+// kernel in auto's list takes it).
+template <int BM, int BN, class Launch>
+cudaError_t launch_tma_contraction(const ContractArgs& args, Launch&& launch) {
+  const bool tf32 = args.operand == Dtype::f32;
+  // (split fp16 operands only scaled, as fp16x3; split bf16 ones are not made)
+  if (tensor_map_encoder() == nullptr || (args.split && args.operand == Dtype::bf16) ||
+      (args.split && args.operand == Dtype::f16 && args.z_scale == nullptr) ||
+      (args.z_scale != nullptr && args.operand != Dtype::f16) ||
+      (tf32 && !args.split && (!args.tf32_rounded || args.precision == Precision::highest)))
+    return cudaErrorNotSupported;
+  if (args.batch == 0 || args.m == 0 || args.n == 0) return cudaSuccess;
+  if (args.lda < args.k || args.lda % 32 != 0 || reinterpret_cast<uintptr_t>(args.a) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(args.b) % 16 != 0 || args.m >= (int64_t(1) << 31) ||
+      args.n >= (int64_t(1) << 31) || 2 * args.batch >= (int64_t(1) << 31))
+    return cudaErrorNotSupported;
+  return dispatch_dtypes(args.operand, args.out, [&](auto op_tag, auto out_tag) -> cudaError_t {
+    using Op = typename decltype(op_tag)::type;
+    CUtensorMap map_a, map_b;
+    const int64_t planes = args.split ? 2 * args.batch : args.batch;
+    if (!encode_kmajor_map<Op>(&map_a, args.a, planes, args.m, args.lda, BM) ||
+        !encode_kmajor_map<Op>(&map_b, args.b, planes, args.n, args.lda, BN))
+      return cudaErrorNotSupported;
+    if constexpr (std::is_same<Op, __half>::value)
+      if (args.z_scale != nullptr) return launch(op_tag, out_tag, std::true_type{}, map_a, map_b);
+    return launch(op_tag, out_tag, std::false_type{}, map_a, map_b);
+  });
+}
+
 }  // namespace tma
 }  // namespace trimul
