@@ -117,6 +117,17 @@ const char* pass_pin(const char* variable) {
   return pin;
 }
 
+// A two-valued measuring knob (README): -1 where it is unset or empty, else the index of its value in
+// {first, second}; any other value raises a ValueError that names both.
+int env_choice(const char* variable, const char* first, const char* second) {
+  const char* value = std::getenv(variable);
+  if (value == nullptr || value[0] == '\0') return -1;
+  const bool is_second = std::strcmp(value, second) == 0;
+  TORCH_CHECK_VALUE(is_second || std::strcmp(value, first) == 0, "trimul_inline: ", variable, " must be ", first,
+                    " or ", second, ", not '", value, "'");
+  return is_second ? 1 : 0;
+}
+
 trimul::Precision contraction_precision(trimul::Mode mode) {
   switch (mode) {
     case trimul::Mode::tf32x3: return trimul::Precision::highest;
@@ -221,18 +232,12 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   // The measuring knobs (ForwardArgs::input_pin ..), read at each forward so a running process can switch.
   args.input_pin = pass_pin("TRIMUL_INPUT_PASS");
   args.output_pin = pass_pin("TRIMUL_OUTPUT_PASS");
-  args.dependent_output_launch = true;  // (on GPUs that have it: launch_tiling)
-  if (const char* pdl = std::getenv("TRIMUL_PDL"); pdl != nullptr && pdl[0] != '\0') {
-    TORCH_CHECK_VALUE(std::strcmp(pdl, "0") == 0 || std::strcmp(pdl, "1") == 0,
-                      "trimul_inline: TRIMUL_PDL must be 0 or 1, not '", pdl, "'");
-    args.dependent_output_launch = pdl[0] == '1';
-  }
-  if (const char* staging = std::getenv("TRIMUL_INPUT_STAGING"); staging != nullptr && staging[0] != '\0') {
-    TORCH_CHECK_VALUE(std::strcmp(staging, "rounds") == 0 || std::strcmp(staging, "stream") == 0,
-                      "trimul_inline: TRIMUL_INPUT_STAGING must be rounds or stream, not '", staging, "'");
-    args.input_staging = std::strcmp(staging, "stream") == 0 ? trimul::InputStaging::kStream
-                                                              : trimul::InputStaging::kRounds;
-  }
+  // (unset: on, on GPUs that have it: launch_tiles)
+  args.dependent_output_launch = env_choice("TRIMUL_PDL", "0", "1") != 0;
+  const int staging = env_choice("TRIMUL_INPUT_STAGING", "rounds", "stream");
+  args.input_staging = staging < 0    ? trimul::InputStaging::kAuto
+                       : staging == 0 ? trimul::InputStaging::kRounds
+                                      : trimul::InputStaging::kStream;
   if (const char* plan = std::getenv("TRIMUL_INPUT_PLAN"); plan != nullptr && plan[0] != '\0')
     TORCH_CHECK_VALUE(trimul::parse_pass_plan(plan, &args.input_plan_buffers, &args.input_plan_stages,
                                               &args.input_plan_positions),

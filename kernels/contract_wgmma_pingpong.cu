@@ -63,19 +63,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       int64_t it = 0;
       for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
         const TileAt at = tile_at(t, tiles_m, tiles_n);
-        for (int kt_all = 0; kt_all < k_total; ++kt_all, ++it) {
-          const int s = static_cast<int>(it % kStages);
-          const int64_t round = it / kStages;
-          // Segment 0: big.big, 1: big.small, 2: small.big (the small planes are `batch` further on).
-          const int segment = kt_all / k_tiles, kt = kt_all - segment * k_tiles;
-          const int a_plane = static_cast<int>(at.plane + (segment == 2 ? batch : 0));
-          const int b_plane = static_cast<int>(at.plane + (segment == 1 ? batch : 0));
-          if (round > 0) mbar_wait(&empty[s], static_cast<int>((round - 1) & 1));
-          uint8_t* stage = smem + s * kStageBytes;
-          mbar_expect_tx(&full[s], kStageBytes);
-          tma_load(stage, &map_a, kt * kElemsPerRow, at.row0, a_plane, &full[s]);
-          tma_load(stage + kATile, &map_b, kt * kElemsPerRow, at.col0, b_plane, &full[s]);
-        }
+        for (int step = 0; step < k_total; ++step, ++it)
+          load_contraction_stage<kStages, kATile, kStageBytes>(smem, full, empty, it, &map_a, &map_b, step, k_tiles,
+                                                               kElemsPerRow, at.plane, batch, at.row0, at.col0);
       }
     }
     return;
@@ -128,15 +118,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <typename Op, typename TOut, bool kScaled>
 cudaError_t launch_kernel(const ContractArgs& args, const CUtensorMap& map_a, const CUtensorMap& map_b) {
-  const cudaError_t status = fused::allow_smem<kernel<Op, TOut, kScaled>>(kSmemBytes);
-  if (status != cudaSuccess) return status;
-  const int k_tiles = static_cast<int>(ceil_div(args.k * static_cast<int64_t>(sizeof(Op)), kRowBytes));
   const int64_t tiles = args.batch * ceil_div(args.m, BM) * ceil_div(args.n, BN);
-  const int64_t blocks = std::min<int64_t>(fused::sm_count(), tiles);
-  kernel<Op, TOut, kScaled><<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, args.stream>>>(
-      map_a, map_b, static_cast<TOut*>(args.z), args.batch, args.m, args.n, args.ldz, k_tiles, args.split ? 3 : 1,
-      args.z_scale);
-  return cudaGetLastError();
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(fused::sm_count(), tiles)));  // persistent
+  return launch_contraction_kernel<kernel<Op, TOut, kScaled>, Op, TOut>(args, map_a, map_b, grid, kThreads, kSmemBytes);
 }
 
 cudaError_t launch(const ContractArgs& args) {

@@ -55,18 +55,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       int it = 0;
       for (int64_t bz = blockIdx.y; bz < batch; bz += gridDim.y)
-        for (int t = 0; t < segments * k_tiles; ++t, ++it) {
-          const int s = it % kStages, round = it / kStages;
-          // Segment 0: big.big, 1: big.small, 2: small.big (the small planes are `batch` further on).
-          const int segment = t / k_tiles, kt = t - segment * k_tiles;
-          const int a_plane = static_cast<int>(bz + (segment == 2 ? batch : 0));
-          const int b_plane = static_cast<int>(bz + (segment == 1 ? batch : 0));
-          if (round > 0) mbar_wait(&empty[s], (round - 1) & 1);
-          uint8_t* stage = smem + s * kStageBytes;
-          mbar_expect_tx(&full[s], kStageBytes);
-          tma_load(stage, &map_a, kt * kElemsPerRow, row0, a_plane, &full[s]);
-          tma_load(stage + kATile, &map_b, kt * kElemsPerRow, col0, b_plane, &full[s]);
-        }
+        for (int t = 0; t < segments * k_tiles; ++t, ++it)
+          load_contraction_stage<kStages, kATile, kStageBytes>(smem, full, empty, it, &map_a, &map_b, t, k_tiles,
+                                                               kElemsPerRow, bz, batch, row0, col0);
     }
     return;
   }
@@ -108,14 +99,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <typename Op, typename TOut, bool kScaled>
 cudaError_t launch_kernel(const ContractArgs& args, const CUtensorMap& map_a, const CUtensorMap& map_b) {
-  const cudaError_t status = fused::allow_smem<kernel<Op, TOut, kScaled>>(kSmemBytes);
-  if (status != cudaSuccess) return status;
-  const int k_tiles = static_cast<int>(ceil_div(args.k * static_cast<int64_t>(sizeof(Op)), kRowBytes));
   const dim3 grid(static_cast<unsigned>(ceil_div(args.m, BM) * ceil_div(args.n, BN)), batch_grid(args.batch));
-  kernel<Op, TOut, kScaled><<<grid, kThreads, kSmemBytes, args.stream>>>(
-      map_a, map_b, static_cast<TOut*>(args.z), args.batch, args.m, args.n, args.ldz, k_tiles, args.split ? 3 : 1,
-      args.z_scale);
-  return cudaGetLastError();
+  return launch_contraction_kernel<kernel<Op, TOut, kScaled>, Op, TOut>(args, map_a, map_b, grid, kThreads, kSmemBytes);
 }
 
 cudaError_t launch(const ContractArgs& args) {

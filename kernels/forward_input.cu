@@ -23,10 +23,8 @@ struct Smem {
   }
 };
 
-// Pair-row element offset (-1: no position) and mask value of position p of a batch's flattened
-// [N, ld] operand plane (f = p / ld, k = p % ld; k >= n and p >= plane are padding). plane < 2^32
-// (checked at launch): 32-bit division is a fraction of a 64-bit one's cost.
-// The same from f and k (valid: the position exists).
+// Pair-row element offset (-1: no position) and mask value of the position at row f, column k of a
+// batch's [N, ld] operand plane (valid: the position exists, not padding).
 __device__ __forceinline__ void locate_fk(const ForwardArgs& args, int64_t batch, uint32_t f, uint32_t k, bool valid,
                                           int64_t& row_off, float& mask) {
   const int64_t row = args.incoming ? k : f, col = args.incoming ? f : k;
@@ -34,6 +32,8 @@ __device__ __forceinline__ void locate_fk(const ForwardArgs& args, int64_t batch
   mask = valid ? load_mask(args.mask, args.mask_kind, batch * args.mask_sb + row * args.mask_sr + col * args.mask_sc)
                : 0.f;
 }
+// The same for position p of the flattened plane (f = p / ld, k = p % ld; k >= n and p >= plane are
+// padding). plane < 2^32 (checked at launch): 32-bit division is a fraction of a 64-bit one's cost.
 __device__ __forceinline__ void locate_position(const ForwardArgs& args, int64_t batch, int64_t p, int64_t plane,
                                                 int64_t& row_off, float& mask) {
   const uint32_t f = static_cast<uint32_t>(p) / static_cast<uint32_t>(args.ld);
@@ -349,15 +349,21 @@ struct Plan {
 };
 
 // The proj/gate product of one h at one position, gated and masked (tanh.approx on 16-bit paths),
-// from the position's scale: gate_scale(mask), computed once per position by the stagers.
+// from the position's scale: gate_scale(mask), computed once per position by the stagers. The gate
+// from its accumulator, its bias and (kF16) the products' scale back, gate_down: on the 16-bit paths
+// the bias and tanh's halving are one FFMA (~10% of the wgmma input epilogue's instructions, profile 14).
 template <Mode M>
 __device__ __forceinline__ float gate_scale(float mask) {
   return M == Mode::bf16 || M == Mode::f16 ? 0.5f * mask : mask;
 }
-template <Mode M>
-__device__ __forceinline__ float gated(float proj, float gate, float scale) {
-  if constexpr (M == Mode::bf16 || M == Mode::f16) return gated_16bit(proj, gate, scale);
-  else return proj * gate_sigmoid<M>(gate) * scale;
+template <Mode M, bool kF16>
+__device__ __forceinline__ float gated(float proj, float gate_acc, float gate_bias, float gate_down, float scale) {
+  if constexpr (M == Mode::bf16 || M == Mode::f16) {
+    return gated_16bit_half(proj, fmaf(gate_acc, 0.5f, 0.5f * gate_bias), scale);
+  } else {
+    const float gate = kF16 ? (gate_acc + gate_bias) * gate_down : gate_acc + gate_bias;
+    return proj * gate_sigmoid<M>(gate) * scale;
+  }
 }
 
 // Streamed staging (ForwardArgs::input_staging): the stagers' row groups
@@ -654,25 +660,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       // per pair that the multiplies waited on)
       const float gate_down = kF16 ? args.f16x3_scales[kInDown] : 1.f;
       const float ab_up = kF16 && args.ab_f16 ? args.f16x3_scales[kAbUp] : 0.f;
-      const float half_gate_bias = 0.5f * gate_bias;
 #pragma unroll
       for (int j = 0; j < P / 8; ++j) {
         const int m = 8 * j + 2 * t;
         const float2 scale = *reinterpret_cast<const float2*>(scale_t + m);  // (split: proj's 2^-(s_in+t_in) in it)
-        float v0, v1;
-        if constexpr (M == Mode::bf16 || M == Mode::f16) {
-          // (the gate's bias and tanh's halving in one FFMA: ~10% of the epilogue's instructions, profile 14)
-          v0 = gated_16bit_half(acc[4 * j] + proj_bias, fmaf(acc[4 * j + 2], 0.5f, half_gate_bias), scale.x);
-          v1 = gated_16bit_half(acc[4 * j + 1] + proj_bias, fmaf(acc[4 * j + 3], 0.5f, half_gate_bias), scale.y);
-        } else {
-          float gate0 = acc[4 * j + 2] + gate_bias, gate1 = acc[4 * j + 3] + gate_bias;
-          if constexpr (kF16) {
-            gate0 *= gate_down;
-            gate1 *= gate_down;
-          }
-          v0 = gated<M>(acc[4 * j] + proj_bias, gate0, scale.x);
-          v1 = gated<M>(acc[4 * j + 1] + proj_bias, gate1, scale.y);
-        }
+        const float v0 = gated<M, kF16>(acc[4 * j] + proj_bias, acc[4 * j + 2], gate_bias, gate_down, scale.x);
+        const float v1 = gated<M, kF16>(acc[4 * j + 1] + proj_bias, acc[4 * j + 3], gate_bias, gate_down, scale.y);
         if (m < in_plane) {
           if constexpr (kF16) store_contraction_pair<M>(out_base, out_index + m, v0, v1, args.small_offset, ab_up);
           else store_operand_pair<M>(out + m, v0, v1);

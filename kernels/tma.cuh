@@ -413,6 +413,41 @@ bool encode_kmajor_map(CUtensorMap* map, const void* base, int64_t planes, int64
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// The producer's side of a TMA contraction's ring (wgmma_tma, wgmma_pingpong): its `it`-th use of
+// kStages stages (kStageBytes each: the A box of kATile bytes, then the B box) gets k-step `step` of
+// segments * k_tiles of the operands at `plane`, rows row0 of A and col0 of B, once the stage's
+// previous round has been read (split: segment 0 big.big, 1 big.small, 2 small.big; the small planes
+// are `batch` further on). (Index: the caller's counter type, so its arithmetic stays the caller's.)
+template <int kStages, int kATile, int kStageBytes, typename Index>
+__device__ __forceinline__ void load_contraction_stage(uint8_t* smem, uint64_t* full, uint64_t* empty, Index it,
+                                                       const CUtensorMap* map_a, const CUtensorMap* map_b, int step,
+                                                       int k_tiles, int elems_per_row, int64_t plane, int64_t batch,
+                                                       int row0, int col0) {
+  const int s = static_cast<int>(it % kStages);
+  const Index round = it / kStages;
+  const int segment = step / k_tiles, kt = step - segment * k_tiles;
+  const int a_plane = static_cast<int>(plane + (segment == 2 ? batch : 0));
+  const int b_plane = static_cast<int>(plane + (segment == 1 ? batch : 0));
+  if (round > 0) mbar_wait(&empty[s], static_cast<int>((round - 1) & 1));
+  uint8_t* stage = smem + s * kStageBytes;
+  mbar_expect_tx(&full[s], kStageBytes);
+  tma_load(stage, map_a, kt * elems_per_row, row0, a_plane, &full[s]);
+  tma_load(stage + kATile, map_b, kt * elems_per_row, col0, b_plane, &full[s]);
+}
+
+// Launches Kernel, a TMA contraction kernel (map_a, map_b, z, batch, m, n, ldz, k_tiles, segments,
+// z_scale; 128-byte k-tiles), on `grid` blocks of `threads` with `smem_bytes` of shared memory.
+template <auto Kernel, typename Op, typename TOut>
+cudaError_t launch_contraction_kernel(const ContractArgs& args, const CUtensorMap& map_a, const CUtensorMap& map_b,
+                                      dim3 grid, int threads, int smem_bytes) {
+  const cudaError_t status = fused::allow_smem<Kernel>(smem_bytes);
+  if (status != cudaSuccess) return status;
+  const int k_tiles = static_cast<int>(ceil_div(args.k * static_cast<int64_t>(sizeof(Op)), ws::kKBytes));
+  Kernel<<<grid, threads, smem_bytes, args.stream>>>(map_a, map_b, static_cast<TOut*>(args.z), args.batch, args.m,
+                                                     args.n, args.ldz, k_tiles, args.split ? 3 : 1, args.z_scale);
+  return cudaGetLastError();
+}
+
 // The TMA contraction kernels' launch (wgmma_tma, wgmma_pingpong): what they take (16-bit operands;
 // fp32 ones only as TF32 values already, where TF32 is allowed, or as split operands, 3xTF32 or fp16x3
 // scaled back by *z_scale), their operands' tensor maps (boxes of BM and BN rows), then
