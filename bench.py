@@ -12,6 +12,7 @@ allocated. Without CUDA it says so and runs a small CPU comparison.
 import argparse
 import contextlib
 import datetime
+import itertools
 import json
 import math
 import os
@@ -380,7 +381,7 @@ def forward_against_kernels(new, pair, mask, budget_s):
 
 
 def profile_kernels(shapes, args, repeat_only=0):
-    """Per-kernel CUDA time of ModelNew[auto] at each precision (torch.profiler), for finding where
+    """Per-kernel CUDA time of ModelNew[kernel] for each --kernels at each precision (torch.profiler), for finding where
     a forward's time goes. With --knob NAME=v1,v2: each value in turn, twice round (v1 v2 v1 v2: one
     process, so no machine-to-machine spread), each value's output checked against fp64 first.
     After the kernels, each value's forward timed as the bench times it (--budget seconds), and the
@@ -396,8 +397,8 @@ def profile_kernels(shapes, args, repeat_only=0):
             with torch.inference_mode():
                 expected = ref64(pair.double(), mask)
             del ref64
-        for precision in args.precision:
-            new = make_model_new(ref, precision=precision)
+        for precision, kernel in itertools.product(args.precision, args.kernels):
+            new = make_model_new(ref, kernel=kernel, precision=precision)
             measured = {value: [] for value in values}
             forwards = {value: [] for value in values}
             errors = {}
@@ -416,7 +417,7 @@ def profile_kernels(shapes, args, repeat_only=0):
                             forwards[value].append(forward_against_kernels(new, pair, mask, args.budget))
             if repeat_only:
                 continue
-            print(f"\n{shape} {precision}: CUDA time per forward by kernel (TFLOP/s and GB/s from"
+            print(f"\n{shape} {precision} new[{kernel}]: CUDA time per forward by kernel (TFLOP/s and GB/s from"
                   f" kernel_work's useful FLOPs and fewest bytes)")
             for value in values:
                 if knob:
@@ -468,9 +469,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES,
                         help="B,N,C,H;B,N,C,H;... (default: the nine standard shapes)")
-    parser.add_argument("--kernels", default=",".join(sorted(ti.VARIANTS) + ["auto"]),
-                        help=f"ModelNew kernels to time (from {sorted(ti.VARIANTS)} and auto); "
-                             "all at the first --precision, only auto at the others")
+    parser.add_argument("--kernels",
+                        help=f"ModelNew kernels to time (from {sorted(ti.VARIANTS)} and auto; default all); "
+                             "all at the first --precision, only auto at the others; with --profile or "
+                             "--repeat-only: the kernels to profile (default auto)")
     parser.add_argument("--contenders", default="ref-eager,ref-compile,ref-autocast,cueq,new",
                         help="which of ref-eager, ref-compile, ref-autocast, cueq (when "
                              "cuequivariance_torch imports), new to run")
@@ -483,7 +485,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every row and the run's details here")
     parser.add_argument("--repeat-only", type=int, default=0, metavar="CALLS",
-                        help="just run ModelNew[auto] CALLS times per shape/precision (a target for ncu)")
+                        help="just run ModelNew[--kernels, default auto] CALLS times per shape/precision (a target for ncu)")
     parser.add_argument("--profile", action="store_true",
                         help="print ModelNew's per-kernel CUDA time per shape instead of the table, then its forward "
                              "timed as the table times it and the kernels' sum right after (a hot GPU)")
@@ -493,7 +495,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.knob and not args.profile:
         parser.error("--knob goes with --profile")
-    args.kernels = [k for k in args.kernels.split(",") if k]
+    profile_default = ["auto"] if args.profile or args.repeat_only else sorted(ti.VARIANTS) + ["auto"]
+    args.kernels = [k for k in args.kernels.split(",") if k] if args.kernels else profile_default
     for kernel in args.kernels:
         if kernel != "auto" and kernel not in ti.VARIANTS:
             parser.error(f"unknown kernel {kernel!r}; known: {sorted(ti.VARIANTS)} and auto")

@@ -527,8 +527,10 @@ def poison_allocator():
 @cuda
 @pytest.mark.parametrize("variant", ALL_VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+# (2, 200, 520, 96): 16-bit z rows of a multiple of 8 elements, so wgmma_tma's staged 16-byte stores
+# take the whole tiles and its plain stores the row and column tails.
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1), (3, 7, 5, 9), (2, 33, 33, 33), (1, 64, 64, 64),
-                                   (1, 65, 127, 70), (2, 257, 257, 257)])
+                                   (1, 65, 127, 70), (2, 257, 257, 257), (2, 200, 520, 96)])
 def test_contraction_matches_fp64(variant, dtype, shape):
     seed = fresh_seed()
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -548,6 +550,7 @@ def test_contraction_matches_fp64(variant, dtype, shape):
 
 
 FUSED_TOLERANCE = {"highest": 1e-5, "high": 3e-3, "medium": 1.5e-2}
+ROUNDING = {"high": "high", "medium": "medium"}  # (_check_model's rounding: none for "highest")
 
 
 def _make_new(reference, dtype, variant="auto", precision=None):
@@ -557,24 +560,63 @@ def _make_new(reference, dtype, variant="auto", precision=None):
     return new.to(device="cuda", dtype=dtype)
 
 
-def _check_model(new, reference, pair, mask, tolerance, seed, label, dtype=torch.float32):
-    """Runs ModelNew (no autograd: the fused path) on poisoned memory against the fp64 reference."""
-    ref = reference.cuda()(pair.double().cuda(), mask.cuda())
+def _round_operand(t, precision):
+    """t (fp64) rounded as `precision` rounds a matrix product's operands: bf16 for "medium", TF32
+    (10 stored significand bits, to nearest) for "high"."""
+    if precision == "medium":
+        return t.to(torch.bfloat16).double()
+    bits = t.float().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).double()
+
+
+def rounded_reference(layers, pair, mask, precision):
+    """The fp64 reference with every matrix product's operands (and "medium"'s z, as PyTorch's bf16
+    einsum keeps it) rounded as `precision` rounds them: the error any correct implementation at
+    that precision shows on this draw."""
+    def linear(t, layer):
+        return _round_operand(t, precision) @ _round_operand(layer.weight, precision).T + layer.bias
+
+    x = F.layer_norm(pair, (layers.pair_dim,), layers.layer_norm_in.weight, layers.layer_norm_in.bias)
+    m = mask.to(pair.dtype)[..., None]
+    a = _round_operand(linear(x, layers.proj_a) * torch.sigmoid(linear(x, layers.gate_a)) * m, precision)
+    b = _round_operand(linear(x, layers.proj_b) * torch.sigmoid(linear(x, layers.gate_b)) * m, precision)
+    z = torch.einsum("bikh,bjkh->bijh" if layers.direction == "outgoing" else "bkih,bkjh->bijh", a, b)
+    if precision == "medium":
+        z = _round_operand(z, precision)
+    o = linear(F.layer_norm(z, (layers.hidden_dim,), layers.layer_norm_out.weight, layers.layer_norm_out.bias),
+               layers.out_proj)
+    return torch.sigmoid(linear(pair if layers.gate_input == "raw" else x, layers.out_gate)) * o
+
+
+def _check_model(new, reference, pair, mask, tolerance, seed, label, dtype=torch.float32, rounding=None):
+    """Runs ModelNew (no autograd: the fused path) on poisoned memory against the fp64 reference.
+    rounding ("medium" / "high"): past the tolerance, the error may still be within 4x of what the
+    precision's own rounding gives on this draw (rounded_reference). Problems of one or a few
+    positions need it: a bf16 projection over few channels that cancels, or LayerNorm_out over 4 values,
+    puts 1-3% of fp64-relative errors past 1.5e-2 (measured on the emulation), a heavy tail that
+    averaging over positions removes at larger N."""
+    with torch.no_grad():
+        ref = reference.cuda()(pair.double().cuda(), mask.cuda())
     poison_allocator()
     with torch.no_grad():
         out = new(pair.to(dtype).cuda(), mask.cuda())
     assert out.dtype == dtype and out.shape == ref.shape
     assert not out.isnan().any(), f"{label}: NaN in output (seed {seed})"
     err = rel_error(out, ref)
-    assert err < tolerance, f"{label}: error {err:.2e} >= {tolerance:.0e} (seed {seed})"
+    if err >= tolerance and rounding is not None:
+        with torch.no_grad():
+            floor = rel_error(rounded_reference(reference.cuda(), pair.double().cuda(), mask.cuda(), rounding), ref)
+        assert err < 4 * floor, f"{label}: error {err:.2e} >= {tolerance:.1e} and >= 4x {rounding}'s own {floor:.2e} (seed {seed})"
+        return err
+    assert err < tolerance, f"{label}: error {err:.2e} >= {tolerance:.1e} (seed {seed})"
     return err
 
 
-def _check_model_profiled(new, reference, pair, mask, tolerance, seed, label, dtype=torch.float32):
+def _check_model_profiled(new, reference, pair, mask, tolerance, seed, label, dtype=torch.float32, rounding=None):
     """_check_model with the checked call profiled: (error, the CUDA kernels it launched)."""
     errors = []
     kernels = _cuda_kernels_launched(
-        lambda: errors.append(_check_model(new, reference, pair, mask, tolerance, seed, label, dtype)))
+        lambda: errors.append(_check_model(new, reference, pair, mask, tolerance, seed, label, dtype, rounding)))
     return errors[0], kernels
 
 
@@ -620,11 +662,13 @@ def test_fused_matches_fp64_reference(variant, direction, gate_input, batch, n, 
 # z loads; big enough to fill every SM, which they require); (1, 72, 128, 128): the streamed passes at
 # the same sizes; (1, 72, 384, 128): the streamed passes with a separate contraction at pair_dim 384;
 # (1, 200, 384, 128) and (2, 130, 200, 40): the wgmma input pass (16-bit, pair_dim > 128, a tile for
-# every SM), the second with k-tiles past pair_dim (zero-filled), batch > 1 and h rows past hidden.
+# every SM), the second with k-tiles past pair_dim (zero-filled), batch > 1 and h rows past hidden;
+# (1, 264, 32, 16): medium's bf16 z with whole and partial 128x256 contraction tiles (staged and plain stores).
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 33, 32, 16), (1, 200, 128, 64),
                                                         (2, 64, 384, 128), (1, 72, 128, 128),
                                                         (1, 200, 128, 128), (1, 72, 384, 128),
-                                                        (1, 200, 384, 128), (2, 130, 200, 40)])
+                                                        (1, 200, 384, 128), (2, 130, 200, 40),
+                                                        (1, 264, 32, 16)])
 def test_fused_reduced_precisions(variant, precision, direction, batch, n, pair_dim, hidden):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
@@ -1238,7 +1282,7 @@ def test_dependent_output_launch_matches_fp64(monkeypatch, pdl, precision, direc
     for call in range(3):
         pair, mask = random_inputs(batch, n, pair_dim, g)
         _, ran = _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed,
-                                       f"{precision} call {call}")
+                                       f"{precision} call {call}", rounding=ROUNDING.get(precision))
         ours = [k for k in ran if "trimul::" in k]
         assert len(ours) == 2 and any("output_pass::kernel<" in k for k in ours), ours
 
@@ -1268,7 +1312,7 @@ def test_streamed_input_staging_matches_fp64(monkeypatch, dtype, direction, batc
         pair, mask = random_inputs(batch, n, pair_dim, g)
         tolerance = FUSED_TOLERANCE["medium"] if dtype == torch.float32 else TOLERANCE[dtype]
         _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, tolerance, seed, f"stream call {call}",
-                                       dtype)
+                                       dtype, rounding="medium")
         names = [k for k in ran if "input_pass" in k]
         assert len(names) == 1 and re.search(r"input_pass::wgmma_tiles::kernel<[^>]*, false, true>\(", names[0]), names
 

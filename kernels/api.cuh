@@ -41,6 +41,11 @@ struct ContractArgs {
 // How the fused passes multiply: the operand type in shared memory and the mma flavour.
 enum class Mode : int { bf16 = 0, f16 = 1, tf32 = 2, tf32x3 = 3 };
 
+// z's dtype where a separate contraction writes it for the output pass: bf16 in the bf16 mode (as
+// PyTorch's own bf16 einsum keeps it: half z's bytes in the contraction's stores and the output
+// pass's loads; one bf16 rounding, ~2e-3 relative, inside "medium"'s 1e-2), fp32 in the others.
+constexpr Dtype z_dtype_for(Mode mode) { return mode == Mode::bf16 ? Dtype::bf16 : Dtype::f32; }
+
 // Mask element types the kernels read directly (no conversion pass on the host).
 enum class MaskKind : int { u8 = 0, i32 = 1, i64 = 2, f32 = 3, bf16 = 4, f16 = 5 };
 
@@ -100,7 +105,7 @@ struct ForwardArgs {
   const void* w_gate_f16x3;  // [round_up(C, 128), 2 * round_up(c_pad, 64)]
   const void* w_out_f16x3;   // [round_up(C, 128), 2 * round_up(h_pad, 64)]
   const float* f16x3_scales; // [kF16x3Scales]
-  // Work buffers: a_t, b_t [B*H, N, ld] in the operand type; z [B*H, N, ldz] in z_dtype. With
+  // Work buffers: a_t, b_t [B*H, N, ld] in the operand type; z [B*H, N, ldz] in z_dtype (z_dtype_for(mode)). With
   // z == nullptr the output pass computes z itself from a_t and b_t (small N: one launch fewer).
   void* a_t;
   void* b_t;

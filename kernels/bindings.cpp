@@ -226,8 +226,9 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
     args.f16x3_scales = weights[13].data_ptr<float>();
   }
   args.ld = round_up(n, 32);
-  args.ldz = round_up(n, 4);
-  args.z_dtype = trimul::Dtype::f32;
+  args.z_dtype = trimul::z_dtype_for(mode);
+  // (16-bit z rows 16-byte aligned, for the contraction's 16-byte stores)
+  args.ldz = round_up(n, args.z_dtype == trimul::Dtype::f32 ? 4 : 8);
   args.stream = c10::cuda::getCurrentCUDAStream(pair.device().index()).stream();
   // The measuring knobs (ForwardArgs::input_pin ..), read at each forward so a running process can switch.
   args.input_pin = pass_pin("TRIMUL_INPUT_PASS");
@@ -289,11 +290,12 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
     check_launch(trimul::launch_output_pass(args), "the output pass");
     return out;
   }
-  at::Tensor z = at::empty({batch * hidden, n, args.ldz}, options.dtype(at::kFloat));
+  at::Tensor z = at::empty({batch * hidden, n, args.ldz},
+                           options.dtype(args.z_dtype == trimul::Dtype::bf16 ? at::kBFloat16 : at::kFloat));
   {
     const auto ab = input_pass();
     if (variant == "bmm") {  // cuBLAS on the same buffers, a baseline
-      at::Tensor product = at::bmm(ab[0], ab[1].transpose(1, 2)).to(at::kFloat);
+      at::Tensor product = at::bmm(ab[0], ab[1].transpose(1, 2)).to(z.scalar_type());
       z.narrow(2, 0, n).copy_(product);
     } else {
       trimul::ContractArgs contract{};
@@ -307,7 +309,7 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
       contract.lda = args.ld;
       contract.ldz = args.ldz;
       contract.operand = dtype_code(ab, "a_t");
-      contract.out = trimul::Dtype::f32;
+      contract.out = args.z_dtype;
       contract.precision = contraction_precision(mode);
       contract.tf32_rounded = mode == trimul::Mode::tf32;
       contract.split = split;

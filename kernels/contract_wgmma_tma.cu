@@ -16,6 +16,9 @@ constexpr int kStages = 4, kConsumers = 2;
 constexpr int kThreads = 128 * (kConsumers + 1);  // warpgroup 0 produces
 constexpr int kATile = BM * kRowBytes, kBTile = BN * kRowBytes, kStageBytes = kATile + kBTile;
 constexpr int kSmemBytes = kStages * kStageBytes + 1024 + 2 * kStages * 8;  // + alignment slack, barriers
+// 16-bit z: each consumer warp's store scratch after the barriers (store_accumulators_staged).
+constexpr int kScratchOffset = kStages * kStageBytes + 128;
+constexpr int kSmemBytes16 = kScratchOffset + 4 * kConsumers * kStoreScratchBytes + 1024;
 
 // One 32-byte k-step of a 64x256 product. INSTR: the wgmma with its shape and types; TAIL: its
 // scale/transpose immediates (16-bit operands take transpose flags, TF32 does not).
@@ -65,6 +68,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int consumer = warpgroup - 1;
   const bool leader = (threadIdx.x & 127) == 0;
   const bool paired_store = (ldz % 2) == 0;
+  // (16-bit z: whole 16-byte-aligned rows of the tile's columns)
+  const bool staged_store = col0 + BN <= n && ldz % 8 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0;
   int it = 0;
   for (int64_t bz = blockIdx.y; bz < batch; bz += gridDim.y) {
     float acc[128];
@@ -93,6 +98,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int r = 0; r < 128; ++r) acc[r] *= scale;
     }
 
+    if constexpr (sizeof(TOut) == 2) {
+      if (staged_store && row0 + consumer * 64 + 64 <= m) {
+        uint8_t* scratch = smem + kScratchOffset + (warp_index() - 4) * kStoreScratchBytes;
+        store_accumulators_staged<BN>(z + bz * m * ldz, acc, row0 + consumer * 64, col0, ldz, scratch);
+        continue;
+      }
+    }
     store_accumulators<BN>(z + bz * m * ldz, acc, row0 + consumer * 64, col0, m, n, ldz, paired_store);
   }
 }
@@ -100,7 +112,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <typename Op, typename TOut, bool kScaled>
 cudaError_t launch_kernel(const ContractArgs& args, const CUtensorMap& map_a, const CUtensorMap& map_b) {
   const dim3 grid(static_cast<unsigned>(ceil_div(args.m, BM) * ceil_div(args.n, BN)), batch_grid(args.batch));
-  return launch_contraction_kernel<kernel<Op, TOut, kScaled>, Op, TOut>(args, map_a, map_b, grid, kThreads, kSmemBytes);
+  return launch_contraction_kernel<kernel<Op, TOut, kScaled>, Op, TOut>(args, map_a, map_b, grid, kThreads,
+                                                                        sizeof(TOut) == 2 ? kSmemBytes16 : kSmemBytes);
 }
 
 cudaError_t launch(const ContractArgs& args) {

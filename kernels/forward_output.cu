@@ -201,13 +201,24 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
   float* z_raw = reinterpret_cast<float*>(x_res);
   {
     if (args.z != nullptr) {
-      const float* z_plane = static_cast<const float*>(args.z) + batch * hidden * plane + q0;
+      const z_t<M>* z_plane = static_cast<const z_t<M>*>(args.z) + batch * hidden * plane + q0;
       constexpr int kQuads = T::BM / 4;
       for (int q = threadIdx.x; q < hidden * kQuads; q += T::kThreads) {
         const int h = q / kQuads, quad = q % kQuads;
-        const bool ok = q0 + quad * 4 < plane;
-        const float* src = z_plane + h * plane + quad * 4;
-        cp_async16(z_raw + h * T::BM + quad * 4, ok ? src : z_plane, ok);
+        const bool ok = q0 + quad * 4 < plane;  // (plane is a multiple of 4: whole quads)
+        const z_t<M>* src = z_plane + h * plane + quad * 4;
+        if constexpr (std::is_same<z_t<M>, float>::value) {
+          cp_async16(z_raw + h * T::BM + quad * 4, ok ? src : z_plane, ok);
+        } else {  // (bf16 z: widened through registers; this kernel takes the small and odd problems)
+          float4 wide = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (ok) {
+            const uint2 raw = *reinterpret_cast<const uint2*>(src);
+            const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+            const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+            wide = make_float4(lo.x, lo.y, hi.x, hi.y);
+          }
+          *reinterpret_cast<float4*>(z_raw + h * T::BM + quad * 4) = wide;
+        }
       }
       cp_async_commit();
     }
@@ -403,26 +414,26 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
       out_row[lane] = valid ? ((batch * n + i) * n + j) * args.c : -1;
     }
     {
-      // All of this position's z in registers (one coalesced 128-byte load per h across the
-      // warp), then its LayerNorm_out row written as operands.
+      // All of this position's z in registers (one coalesced load per h across the warp: 128 bytes,
+      // 64 for bf16 z), then its LayerNorm_out row written as operands.
       // (invalid lanes read position 0 of the plane, always in bounds; their rows are written as
       // zeros below whatever it holds)
-      const float* z = static_cast<const float*>(args.z) + batch * hidden * plane + (valid ? q : 0);
+      const z_t<M>* z = static_cast<const z_t<M>*>(args.z) + batch * hidden * plane + (valid ? q : 0);
       const int h_first = side * kHalfHidden;  // this warp's half of h
-      const float* z_half = z + h_first * plane;
+      const z_t<M>* z_half = z + h_first * plane;
       float zv[kHalfHidden];
       const bool full = k128 || hidden == kMaxHidden;  // the common case: no guard or select per h below
       if (full) {
 #pragma unroll
-        for (int h = 0; h < kHalfHidden; ++h) zv[h] = z_half[h * plane];
+        for (int h = 0; h < kHalfHidden; ++h) zv[h] = to_float(z_half[h * plane]);
       } else {
 #pragma unroll
-        for (int h = 0; h < kHalfHidden; ++h) zv[h] = h_first + h < hidden ? z_half[h * plane] : 0.f;
+        for (int h = 0; h < kHalfHidden; ++h) zv[h] = h_first + h < hidden ? to_float(z_half[h * plane]) : 0.f;
       }
       // The LayerNorm-ed value is (z - shift) * rstd + centre: one FFMA on the shifted values the sums
       // already need (shift: both halves shift by the position's first value); a lane without a
       // position gets rstd = centre = 0, so zeros.
-      const float shift = z[0];
+      const float shift = to_float(z[0]);
       float sum = 0.f, sum_sq = 0.f;
       if (full) {
 #pragma unroll
@@ -527,7 +538,7 @@ int64_t applicable(const ForwardArgs& args) {
   if constexpr (M != Mode::bf16 && M != Mode::f16) {
     return 0;
   } else {
-    if (args.z == nullptr || args.z_dtype != Dtype::f32 || args.h_pad > kMaxHidden) return 0;
+    if (args.z == nullptr || args.z_dtype != z_dtype_for(M) || args.h_pad > kMaxHidden) return 0;
     if (args.c_pad * static_cast<int64_t>(sizeof(op_t<M>)) > kMaxSlabs * kSlabBytes) return 0;
     return persistent_bytes(args.batch * ceil_div(args.n * args.ldz, kRows), kPairs, bytes<M>(args));
   }
@@ -596,7 +607,7 @@ struct Plan {
 // holding a contiguous quarter of [0, fill) in registers, so one load instruction reads 32 bytes
 // of each of four h planes, and the rows are written with 16-byte stores.
 template <Mode M, int P, class Dst>
-__device__ void stage_z_rows(Dst dst, const float* __restrict__ z_tile, int64_t plane, int hidden, int fill,
+__device__ void stage_z_rows(Dst dst, const z_t<M>* __restrict__ z_tile, int64_t plane, int hidden, int fill,
                              const int64_t* row_off,
                              float eps, int warp) {
   constexpr int kPerLane = kMaxHPad / kZLanes;
@@ -614,10 +625,10 @@ __device__ void stage_z_rows(Dst dst, const float* __restrict__ z_tile, int64_t 
       const int m = m0 + slot;
       const bool valid = row_off[m] >= 0;
       float v[kPerLane];
-      const float* src = z_tile + int64_t(h0) * plane + (valid ? m : 0);
+      const z_t<M>* src = z_tile + int64_t(h0) * plane + (valid ? m : 0);
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) {
-        v[e] = *src;
+        v[e] = to_float(*src);
         src += plane;
       }
       const float shift = __shfl_sync(0xffffffffu, v[0], lane & ~(kZLanes - 1));
@@ -649,10 +660,10 @@ __device__ void stage_z_rows(Dst dst, const float* __restrict__ z_tile, int64_t 
     const int m = m0 + slot;
     const bool valid = row_off[m] >= 0;
     float v[kPerLane];
-    const float* src = z_tile + int64_t(h0) * plane + m;  // (one running pointer: 32 precomputed
+    const z_t<M>* src = z_tile + int64_t(h0) * plane + m;  // (one running pointer: 32 precomputed
 #pragma unroll                                            // 64-bit addresses would spill)
     for (int e = 0; e < kPerLane; ++e) {
-      v[e] = (valid && e < per_lane && h0 + e < hidden) ? *src : 0.f;
+      v[e] = (valid && e < per_lane && h0 + e < hidden) ? to_float(*src) : 0.f;
       src += plane;
     }
     // Statistics around the position's first value (h = 0, held by the group's first lane).
@@ -797,7 +808,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Zeros up to the end of the last k-tiles: the weights there are zero (TMA fills past c_pad /
     // h_pad), but 0 x stale shared memory could be NaN.
     const int x_fill = kt_x * kElemsPerKTile, z_fill = kt_z * kElemsPerKTile;
-    const float* z_all = static_cast<const float*>(args.z);
+    const z_t<M>* z_all = static_cast<const z_t<M>*>(args.z);
     const uint32_t n = static_cast<uint32_t>(args.n), ldz = static_cast<uint32_t>(args.ldz);
     FillRing ring{rows_empty, buffers};
     for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -816,7 +827,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       named_barrier(1, kStagerThreads);
       uint8_t* x_rows = rows + buf * buffer_bytes;
       const SwizzledRows x_dst{x_rows, kRowTileBytes}, z_dst{x_rows + kt_x * kRowTileBytes, kRowTileBytes};
-      const float* z_tile = z_all + batch * args.h * plane + q0;
+      const z_t<M>* z_tile = z_all + batch * args.h * plane + q0;
       const float* gate_ln = args.gate_normalized ? args.ln_in_w : nullptr;
       if constexpr (kF16) {
         // (one plane: the remainders' places unused)
@@ -917,7 +928,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // on Hopper, a problem that gives every SM a tile (plan_pass says how buffers and stages are chosen).
 template <Mode M, typename TIn, bool kF16 = M == Mode::tf32x3>
 Plan plan(const ForwardArgs& args) {
-  if (args.z == nullptr || args.z_dtype != Dtype::f32 || args.h_pad > kMaxHPad) return Plan{};
+  if (args.z == nullptr || args.z_dtype != z_dtype_for(M) || args.h_pad > kMaxHPad) return Plan{};
   if (tensor_map_encoder() == nullptr) return Plan{};
   // kF16: the prepared fp16 weights, and rows the stagers' vectorized path takes (only it scales
   // rows one by one).
@@ -1030,6 +1041,7 @@ bool output_wgmma_first(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
+  if (args.z != nullptr && args.z_dtype != z_dtype_for(M)) return cudaErrorInvalidValue;
   const char* pinned = args.output_pin;
   if (pin_allows(pinned, "wgmma") && (pinned != nullptr || output_wgmma_first<M>(args))) {
     const cudaError_t status = wgmma_tiles::plan_and_launch<M, TIn>(args);
@@ -1056,7 +1068,6 @@ int64_t output_pass_smem(const ForwardArgs& args) {
 
 cudaError_t launch_output_pass(const ForwardArgs& args) {
   if (args.batch == 0 || args.n == 0) return cudaSuccess;
-  if (args.z != nullptr && args.z_dtype != Dtype::f32) return cudaErrorInvalidValue;
   if (args.n * args.ldz + output_pass::Wide::BM >= (int64_t(1) << 32)) return cudaErrorNotSupported;
   return fused::dispatch_pass(args, [&](auto mode, auto pair) -> cudaError_t {
     return output_pass::launch_mode<decltype(mode)::value, typename decltype(pair)::type>(args);

@@ -24,6 +24,9 @@ struct Operand<Mode::tf32x3> { using type = float; };
 template <Mode M>
 using op_t = typename Operand<M>::type;
 
+template <Mode M>
+using z_t = std::conditional_t<M == Mode::bf16, __nv_bfloat16, float>;  // (z_dtype_for)
+
 // Shared memory holds operands in k-slabs of 64 bytes per row (32 bf16/f16 or 16 fp32 values,
 // two mma k-steps). Streamed slabs use rows of kSlabStride words: 16 data words + 4 pad words,
 // which makes the per-lane fragment loads conflict-free (row stride = 4 mod 8 words).

@@ -262,6 +262,62 @@ __device__ __forceinline__ void store_accumulators(TOut* z_mat, const float (&ac
   }
 }
 
+// Shared memory store_accumulators_staged takes per warp: 16 rows x 128 bytes.
+constexpr int kStoreScratchBytes = 16 * 128;
+
+// fp32 values v0, v1 as one 32-bit pair of T (bf16 or fp16), v0 in the low half.
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float v0, float v1) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    const __nv_bfloat162 p = __floats2bfloat162_rn(v0, v1);
+    return *reinterpret_cast<const uint32_t*>(&p);
+  } else {
+    const __half2 p = __floats2half2_rn(v0, v1);
+    return *reinterpret_cast<const uint32_t*>(&p);
+  }
+}
+
+// store_accumulators for a 16-bit z through this warp's `scratch` (kStoreScratchBytes, 128-byte
+// aligned), 64 columns at a time: stmatrix writes the accumulators' 8x8 blocks as 16-byte rows (the
+// 16-byte chunks XOR-swizzled by row: no bank conflicts either way), then 8 lanes store one row's
+// 128 contiguous bytes with 16-byte stores. The plain stores write 4 bytes per lane across 8 rows
+// (half sectors), and bf16 z through them measured slower than fp32 z (NOTES v22). Only for a warp
+// tile wholly inside z with 16-byte-aligned rows (the caller checks; else store_accumulators).
+template <int BN, typename TOut>
+__device__ __forceinline__ void store_accumulators_staged(TOut* z_mat, const float (&acc)[BN / 2], int64_t row0,
+                                                          int64_t col0, int64_t ldz, uint8_t* scratch) {
+  static_assert(sizeof(TOut) == 2 && BN % 64 == 0, "16-bit z, whole 64-column rounds");
+#ifdef TRIMUL_SM90A
+  const int lane = threadIdx.x & 31, warp4 = (threadIdx.x / 32) & 3;
+  // stmatrix: lane 8k + r gives row r of matrix k = (row half k & 1, n8 block 2p + (k >> 1) of the round).
+  const int k = lane >> 3, r = lane & 7;
+  const uint32_t row_addr = smem_u32(scratch) + ((k & 1) * 8 + r) * 128;
+  TOut* dst = z_mat + (row0 + warp4 * 16) * ldz + col0;
+#pragma unroll
+  for (int round = 0; round < BN / 64; ++round) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int j8 = round * 8 + 2 * p;
+      const uint32_t addr = row_addr + (((2 * p + (k >> 1)) ^ r) << 4);
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                   "r"(pack_pair<TOut>(acc[4 * j8], acc[4 * j8 + 1])),
+                   "r"(pack_pair<TOut>(acc[4 * j8 + 2], acc[4 * j8 + 3])),
+                   "r"(pack_pair<TOut>(acc[4 * j8 + 4], acc[4 * j8 + 5])),
+                   "r"(pack_pair<TOut>(acc[4 * j8 + 6], acc[4 * j8 + 7]))
+                   : "memory");
+    }
+    __syncwarp();
+#pragma unroll
+    for (int it = 0; it < 4; ++it) {
+      const int id = it * 32 + lane, row = id >> 3, c = id & 7;
+      const uint4 v = *reinterpret_cast<const uint4*>(scratch + row * 128 + ((c ^ (row & 7)) << 4));
+      *reinterpret_cast<uint4*>(dst + row * ldz + round * 64 + c * 8) = v;
+    }
+    __syncwarp();  // every lane's reads are done before the next round's stmatrix
+  }
+#endif
+}
+
 // Starts a 64 x N wgmma accumulator tile from per-row values: rows lane / 4 of the warp's slice
 // (regs 4j, 4j + 1 of each n8 block j) get `row`, the rows 8 further (4j + 2, 4j + 3) `row8`.
 template <int ACC>
