@@ -113,11 +113,12 @@ VARIANTS = {v.name: v for v in (
             "its TF32-rounded operands at \"high\")",
             dtypes=("bfloat16", "float16"), min_capability=(9, 0), max_capability=(9, 0)),
     Variant("wgmma_tma", "Hopper wgmma + TMA (sm_90a build): 128x256 tiles, one producer thread issuing "
-            "TMA loads into a 4-stage mbarrier pipeline, two consumer warpgroups of m64n256; bf16/fp16",
+            "TMA loads into a 4-stage mbarrier pipeline, two consumer warpgroups of m64n256 (16-bit z stored "
+            "through shared memory as 16-byte rows); bf16/fp16",
             dtypes=("bfloat16", "float16"), min_capability=(9, 0), max_capability=(9, 0)),
     Variant("wgmma_pingpong", "Hopper wgmma + TMA (sm_90a build), persistent: 128x128 tiles taken in turn "
             "by two consumer warpgroups, so one's stores overlap the other's products; 6-stage ring; "
-            "bf16/fp16 (NOT YET RUN ON A GPU; not in auto)",
+            "bf16/fp16 (not in auto: measured slower than wgmma_tma, NOTES v22)",
             dtypes=("bfloat16", "float16"), min_capability=(9, 0), max_capability=(9, 0)),
     Variant("bmm", "torch.bmm (cuBLAS) on the same layout; a baseline, not a kernel of ours",
             backend="torch"),
