@@ -663,12 +663,13 @@ def test_fused_matches_fp64_reference(variant, direction, gate_input, batch, n, 
 # the same sizes; (1, 72, 384, 128): the streamed passes with a separate contraction at pair_dim 384;
 # (1, 200, 384, 128) and (2, 130, 200, 40): the wgmma input pass (16-bit, pair_dim > 128, a tile for
 # every SM), the second with k-tiles past pair_dim (zero-filled), batch > 1 and h rows past hidden;
-# (1, 264, 32, 16): medium's bf16 z with whole and partial 128x256 contraction tiles (staged and plain stores).
+# (1, 264, 32, 20): medium's bf16 z with whole and partial 128x256 contraction tiles (staged and plain
+# stores), and the wgmma input pass's staged a / b rows with a warp's 8 h rows past hidden (20 = 16 + 4).
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 33, 32, 16), (1, 200, 128, 64),
                                                         (2, 64, 384, 128), (1, 72, 128, 128),
                                                         (1, 200, 128, 128), (1, 72, 384, 128),
                                                         (1, 200, 384, 128), (2, 130, 200, 40),
-                                                        (1, 264, 32, 16)])
+                                                        (1, 264, 32, 20)])
 def test_fused_reduced_precisions(variant, precision, direction, batch, n, pair_dim, hidden):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)

@@ -348,6 +348,14 @@ struct Plan {
   int positions = 0;  // per tile (P); 0: the kernel does not take the problem
 };
 
+// 16-bit a / b (not kF16's scaled or split operands) go out through a per-MMA-warp scratch of 8 rows
+// x P values (store_row_pairs_staged) where the launch leaves room for it after the plan's bytes (at
+// pair_dim 128; at 384 the plan's buffers and stages fill shared memory, and they measured best).
+template <Mode M, bool kF16>
+constexpr bool kStagedAb = !kF16 && (M == Mode::bf16 || M == Mode::f16);
+constexpr int kMmaWarps = kMmaThreads / 32;
+__host__ __device__ constexpr int64_t ab_scratch_bytes(int positions) { return kMmaWarps * 8 * positions * 2; }
+
 // The proj/gate product of one h at one position, gated and masked (tanh.approx on 16-bit paths),
 // from the position's scale: gate_scale(mask), computed once per position by the stagers. The gate
 // from its accumulator, its bias and (kF16) the products' scale back, gate_down: on the 16-bit paths
@@ -606,6 +614,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int row_in_chunk = consumer * 64 + warp4 * 16 + g;
   // (Split: the biases times 2^(s_in+t_in), the scale of the accumulators' products; see ForwardArgs.)
   const float up = kF16 ? args.f16x3_scales[kInUp] : 1.f;
+  // 16-bit a / b: stored through this warp's scratch (store_row_pairs_staged) where the launch left
+  // room for it after the plan's bytes (ab_scratch_bytes); else pair by pair.
+  uint8_t* ab_scratch = nullptr;
+  if constexpr (kStagedAb<M, kF16>) {
+    const int64_t at = ceil_div(int64_t(rows - smem_raw) + plan_bytes(kt_count, buffers, stages, P, kPlanes), 128) * 128;
+    if (at + ab_scratch_bytes(P) <= dynamic_smem_size()) ab_scratch = smem_raw + at + warp * (ab_scratch_bytes(P) / kMmaWarps);
+  }
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * P;
     const int in_plane = static_cast<int>(std::min<int64_t>(plane - p0, P));  // even: plane is
@@ -650,9 +665,25 @@ __global__ void __launch_bounds__(kThreads, 1)
 
       const bool second = r >= args.rows_ab;  // b's rows follow a's
       const int64_t local = r - (second ? args.rows_ab : 0);
-      const int64_t h = (local >> 4) * 8 + g;
-      if (h >= args.h) continue;
+      const int64_t h0 = (local >> 4) * 8, h = h0 + g;  // (h0: the warp's first h)
       void* out_base = second ? args.b_t : args.a_t;
+      if constexpr (kStagedAb<M, kF16>) {
+        if (ab_scratch != nullptr && in_plane == P) {  // (warp-uniform, as stmatrix needs)
+          if (h0 >= args.h) continue;
+          const auto pair_at = [&](int j) {  // (positions 8j + 2t, + 1)
+            const float2 scale = *reinterpret_cast<const float2*>(scale_t + 8 * j + 2 * t);
+            return pack_pair<op_t<M>>(gated<M, kF16>(acc[4 * j] + proj_bias, acc[4 * j + 2], gate_bias, 1.f, scale.x),
+                                      gated<M, kF16>(acc[4 * j + 1] + proj_bias, acc[4 * j + 3], gate_bias, 1.f, scale.y));
+          };
+#pragma unroll
+          for (int q = 0; q < P / 32; ++q)
+            stage_row_pairs_x4<P>(ab_scratch, q, pair_at(4 * q), pair_at(4 * q + 1), pair_at(4 * q + 2), pair_at(4 * q + 3));
+          store_staged_rows<P>(static_cast<op_t<M>*>(out_base) + (batch * args.h + h0) * plane + p0, plane,
+                               static_cast<int>(std::min<int64_t>(8, args.h - h0)), ab_scratch);
+          continue;
+        }
+      }
+      if (h >= args.h) continue;
       const int64_t out_index = (batch * args.h + h) * plane + p0;
       op_t<M>* out = static_cast<op_t<M>*>(out_base) + out_index;
       // (kF16: the gates' 2^-(s_in+t_in) and the fp16 contraction operands' scale, read once here:
@@ -723,11 +754,15 @@ cudaError_t launch_positions(const ForwardArgs& args, const PassPlan& ring, cons
     if (stream && rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair))
       return launch_positions<M, TIn, P, kF16, true>(args, ring, map_w);
   }
-  const cudaError_t status = allow_smem<kernel<M, TIn, P, kF16, kStream>>(ring.bytes);
+  // (the a / b store scratch after the plan's bytes, 128-byte aligned, where it fits: kStagedAb)
+  int64_t bytes = ring.bytes;
+  if (kStagedAb<M, kF16> && ceil_div(bytes, 128) * 128 + ab_scratch_bytes(P) <= max_smem_optin())
+    bytes = ceil_div(bytes, 128) * 128 + ab_scratch_bytes(P);
+  const cudaError_t status = allow_smem<kernel<M, TIn, P, kF16, kStream>>(bytes);
   if (status != cudaSuccess) return status;
   const int64_t tiles_per_batch = ceil_div(args.n * args.ld, P);
   const int64_t blocks = std::min<int64_t>(sm_count(), args.batch * tiles_per_batch);
-  kernel<M, TIn, P, kF16, kStream><<<static_cast<unsigned>(blocks), kThreads, ring.bytes, args.stream>>>(
+  kernel<M, TIn, P, kF16, kStream><<<static_cast<unsigned>(blocks), kThreads, bytes, args.stream>>>(
       args, map_w, tiles_per_batch, ring.buffers, ring.stages);
   return cudaGetLastError();
 }

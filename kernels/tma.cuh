@@ -318,6 +318,40 @@ __device__ __forceinline__ void store_accumulators_staged(TOut* z_mat, const flo
 #endif
 }
 
+// A warp's 8 rows x P 16-bit values, held as wgmma/mma accumulator pairs (lane: row lane / 4, values
+// 8j + 2 (lane % 4) and + 1 of each 8-value block j, packed as pack_pair), go out through this warp's
+// `scratch` (8 x 2P bytes, 16-byte aligned) in two steps: stage_row_pairs_x4 for blocks 4q .. 4q + 3
+// (stmatrix: each block a 16-byte chunk of each row, XOR-swizzled by row), then store_staged_rows:
+// P / 8 lanes store a row's 2P contiguous bytes with 16-byte stores, where a 16-bit pair per lane
+// writes 16 bytes of each of 8 rows per instruction (what cost wgmma_tma's 16-bit z 17%, NOTES v22).
+template <int P>
+__device__ __forceinline__ void stage_row_pairs_x4(uint8_t* scratch, int q, uint32_t p0, uint32_t p1, uint32_t p2,
+                                                   uint32_t p3) {
+#ifdef TRIMUL_SM90A
+  const int lane = threadIdx.x & 31, k = lane >> 3, r = lane & 7;  // (lane 8k + r: row r of block 4q + k)
+  const uint32_t addr = smem_u32(scratch) + r * (2 * P) + (((4 * q + k) ^ r) << 4);
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(p0), "r"(p1),
+               "r"(p2), "r"(p3)
+               : "memory");
+#endif
+}
+
+// The staged rows to row0, row0 + pitch, ... (the first `rows` of the 8; row0 and pitch 16-byte aligned).
+template <int P, typename T>
+__device__ __forceinline__ void store_staged_rows(T* row0, int64_t pitch, int rows, const uint8_t* scratch) {
+  static_assert(sizeof(T) == 2 && P % 64 == 0, "16-bit values, whole stmatrix x4 groups of 8-row chunks");
+  constexpr int kRowBytes = 2 * P, kChunks = kRowBytes / 16;
+  const int lane = threadIdx.x & 31;
+  __syncwarp();  // every lane's stmatrix is done
+#pragma unroll
+  for (int it = 0; it < kChunks / 4; ++it) {
+    const int id = it * 32 + lane, row = id / kChunks, c = id % kChunks;
+    const uint4 v = *reinterpret_cast<const uint4*>(scratch + row * kRowBytes + ((c ^ (row & 7)) << 4));
+    if (row < rows) *reinterpret_cast<uint4*>(row0 + row * pitch + c * 8) = v;
+  }
+  __syncwarp();  // every lane's reads are done before the scratch is written again
+}
+
 // Starts a 64 x N wgmma accumulator tile from per-row values: rows lane / 4 of the warp's slice
 // (regs 4j, 4j + 1 of each n8 block j) get `row`, the rows 8 further (4j + 2, 4j + 3) `row8`.
 template <int ACC>
