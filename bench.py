@@ -117,17 +117,30 @@ def make_cueq(ref, dtype):
         p_out_weight=ref.out_proj.weight, p_out_bias=ref.out_proj.bias,
         g_out_weight=ref.out_gate.weight, g_out_bias=ref.out_gate.bias)
     weights = {k: v.detach().to(dtype).contiguous() for k, v in weights.items()}
+    return cast_once(lambda x, m: cuet.triangle_multiplicative_update(x, direction=ref.direction, mask=m, eps=1e-5,
+                                                                     **weights), dtype, dtype)
+
+
+def cast_once(fn, pair_dtype, mask_dtype):
+    """fn(pair, mask) on the inputs cast to these dtypes, the casts done once per input (outside the
+    timed calls that follow the first)."""
     converted = {}
 
     def run(pair, mask):
         key = (pair.data_ptr(), mask.data_ptr())
         if key not in converted:
             converted.clear()
-            converted[key] = (pair.to(dtype), mask.to(dtype))
-        x, m = converted[key]
-        return cuet.triangle_multiplicative_update(x, direction=ref.direction, mask=m, eps=1e-5,
-                                                   **weights)
+            converted[key] = (pair.to(pair_dtype), mask.to(mask_dtype))
+        return fn(*converted[key])
     return run
+
+
+def make_new_bf16_io(ref):
+    """ModelNew[auto] in bf16, given bf16 inputs (cast once, outside the timed calls) and writing bf16:
+    the like-for-like row against cuEquivariance bf16, which reads and writes bf16 too (the "medium"
+    rows read and write fp32: twice the bytes)."""
+    new = make_model_new(ref).to(torch.bfloat16)
+    return cast_once(new, torch.bfloat16, torch.bool)
 
 
 def make_model_new(ref, kernel="auto", precision=None):
@@ -148,6 +161,9 @@ def seeded_case(shape, args, seed, device="cuda"):
     return ref, pair, mask
 
 
+DEFAULT_CONTENDERS = "ref-eager,ref-compile,ref-autocast,cueq,new-bf16,new"
+
+
 def contenders(args):
     """name -> factory(reference fp32 model) -> callable(pair, mask)."""
     found = []
@@ -166,6 +182,8 @@ def contenders(args):
     if "cueq" in args.contenders and cuequivariance() is not None:
         found.append(Contender("cueq fp32", lambda ref: make_cueq(ref, torch.float32), "high"))
         found.append(Contender("cueq bf16", lambda ref: make_cueq(ref, torch.bfloat16), "bfloat16"))
+    if "new-bf16" in args.contenders:
+        found.append(Contender("new[auto] bf16 in/out", make_new_bf16_io, "bfloat16"))
     if "new" in args.contenders:
         # auto at every precision; each named variant at the first precision whose operands it
         # takes (wgmma: bf16/fp16 only, so "medium").
@@ -343,11 +361,12 @@ def environment(name, value):
 
 
 def parse_knob(text):
-    """--knob NAME=v1,v2,...: (name, [values]); an empty value means unset."""
+    """--knob NAME=v1,v2,...: (name, [values]); an empty value means unset. Values that hold commas
+    themselves (TRIMUL_INPUT_PLAN's "2,4") are separated by "|" instead: NAME=|2,2|2,4."""
     name, sep, values = text.partition("=")
     if not sep or not name or not values:
-        raise argparse.ArgumentTypeError(f"--knob wants NAME=v1,v2,..., not {text!r}")
-    return name, [v or None for v in values.split(",")]
+        raise argparse.ArgumentTypeError(f"--knob wants NAME=v1,v2,... or NAME=v1|v2|..., not {text!r}")
+    return name, [v or None for v in values.split("|" if "|" in values else ",")]
 
 
 def kernel_times(new, pair, mask, calls=5):
@@ -473,9 +492,10 @@ def main(argv=None) -> int:
                         help=f"ModelNew kernels to time (from {sorted(ti.VARIANTS)} and auto; default all); "
                              "all at the first --precision, only auto at the others; with --profile or "
                              "--repeat-only: the kernels to profile (default auto)")
-    parser.add_argument("--contenders", default="ref-eager,ref-compile,ref-autocast,cueq,new",
+    parser.add_argument("--contenders", default=DEFAULT_CONTENDERS,
                         help="which of ref-eager, ref-compile, ref-autocast, cueq (when "
-                             "cuequivariance_torch imports), new to run")
+                             "cuequivariance_torch imports), new-bf16 (ModelNew with bf16 in/out, as cueq "
+                             "bf16 runs), new to run")
     parser.add_argument("--precision", default="highest",
                         help="ModelNew's fp32 precisions, comma-separated (PyTorch's matmul-precision "
                              "names: highest, high, medium)")

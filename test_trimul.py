@@ -323,6 +323,7 @@ def test_bench_knob_parses_and_restores_the_environment(monkeypatch):
     import bench
     assert bench.parse_knob("TRIMUL_INPUT_STAGING=rounds,stream") == ("TRIMUL_INPUT_STAGING", ["rounds", "stream"])
     assert bench.parse_knob("TRIMUL_PDL=,0") == ("TRIMUL_PDL", [None, "0"])
+    assert bench.parse_knob("TRIMUL_INPUT_PLAN=|2,2|2,4") == ("TRIMUL_INPUT_PLAN", [None, "2,2", "2,4"])
     for bad in ("TRIMUL_PDL", "=1", "TRIMUL_PDL="):
         with pytest.raises(argparse.ArgumentTypeError, match="NAME=v1,v2"):
             bench.parse_knob(bad)
@@ -337,6 +338,25 @@ def test_bench_knob_parses_and_restores_the_environment(monkeypatch):
     assert "TRIMUL_KNOB_PROBE" not in os.environ
     with pytest.raises(SystemExit):
         bench.main(["--knob", "TRIMUL_PDL=0,1"])  # (without --profile)
+
+
+def test_bench_bf16_io_contender_casts_its_inputs_once():
+    """bench.py's like-for-like row against cuEquivariance bf16 (ModelNew in bf16 on bf16 inputs) is a
+    default contender, and its inputs are cast once per input, not inside every timed call."""
+    import argparse
+    import bench
+    seen = []
+    run = bench.cast_once(lambda pair, mask: seen.append((pair, mask)) or pair, torch.bfloat16, torch.bool)
+    pair, mask = torch.randn(1, 3, 3, 4), torch.rand(1, 3, 3) > 0.5
+    assert run(pair, mask).dtype == torch.bfloat16
+    run(pair, mask)
+    assert seen[0][0] is seen[1][0] and seen[0][1] is seen[1][1] and seen[0][1].dtype == torch.bool
+    run(pair + 1, mask)  # another input: cast again
+    assert seen[2][0] is not seen[0][0] and torch.equal(seen[2][0], (pair + 1).to(torch.bfloat16))
+    assert "new-bf16" in bench.DEFAULT_CONTENDERS.split(",")
+    names = [c.name for c in bench.contenders(argparse.Namespace(contenders={"new-bf16"}, precision=["medium"],
+                                                                 kernels=["auto"]))]
+    assert names == ["new[auto] bf16 in/out"]
 
 
 # ---- kernel sources, registry, build cache --------------------------------------------------------
