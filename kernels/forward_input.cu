@@ -349,8 +349,8 @@ struct Plan {
 };
 
 // 16-bit a / b (not kF16's scaled or split operands) go out through a per-MMA-warp scratch of 8 rows
-// x P values (store_row_pairs_staged) where the launch leaves room for it after the plan's bytes (at
-// pair_dim 128; at 384 the plan's buffers and stages fill shared memory, and they measured best).
+// x P values (stage_row_pairs_x4, store_staged_rows) where the launch leaves room for it after the
+// plan's bytes (pair_dim 128; at 384 the plan's buffers and stages fill shared memory: NOTES v23).
 template <Mode M, bool kF16>
 constexpr bool kStagedAb = !kF16 && (M == Mode::bf16 || M == Mode::f16);
 constexpr int kMmaWarps = kMmaThreads / 32;
@@ -614,8 +614,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int row_in_chunk = consumer * 64 + warp4 * 16 + g;
   // (Split: the biases times 2^(s_in+t_in), the scale of the accumulators' products; see ForwardArgs.)
   const float up = kF16 ? args.f16x3_scales[kInUp] : 1.f;
-  // 16-bit a / b: stored through this warp's scratch (store_row_pairs_staged) where the launch left
-  // room for it after the plan's bytes (ab_scratch_bytes); else pair by pair.
+  // 16-bit a / b: stored through this warp's scratch (stage_row_pairs_x4, store_staged_rows) where the
+  // launch left room for it after the plan's bytes (ab_scratch_bytes); else pair by pair.
   uint8_t* ab_scratch = nullptr;
   if constexpr (kStagedAb<M, kF16>) {
     const int64_t at = ceil_div(int64_t(rows - smem_raw) + plan_bytes(kt_count, buffers, stages, P, kPlanes), 128) * 128;
