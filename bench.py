@@ -258,17 +258,25 @@ def peak_memory_mib(fn) -> float:
     return peak / 2**20
 
 
+def fp64_output(ref, pair, mask, gate_input=None):
+    """The reference's output in float64 (its weights; another gate input where given), on ref's device."""
+    ref64 = ti.Model(ref.pair_dim, ref.hidden_dim, ref.direction, gate_input or ref.gate_input)
+    ref64 = ref64.to(ref.proj_a.weight.device).double()
+    ref64.load_state_dict(ref.state_dict())
+    with torch.inference_mode():
+        return ref64(pair.double(), mask)
+
+
+def relative_error(out, expected):
+    """||out - expected|| / ||expected|| in float64."""
+    return ((out.double() - expected).norm() / expected.norm()).item()
+
+
 def bench_shape(shape, args, index, total):
     ref, pair, mask = seeded_case(shape, args, args.seed + index)
     # cuEquivariance gates with the normalized input, so it needs that reference too.
     gate_inputs = {args.gate_input} | ({"normalized"} if "cueq" in args.contenders else set())
-    expected_for = {}  # gate_input -> fp64 output
-    with torch.inference_mode():
-        for gate_input in gate_inputs:
-            ref64 = ti.Model(ref.pair_dim, ref.hidden_dim, args.direction, gate_input).cuda().double()
-            ref64.load_state_dict(ref.state_dict())
-            expected_for[gate_input] = ref64(pair.double(), mask)
-            del ref64
+    expected_for = {gate_input: fp64_output(ref, pair, mask, gate_input) for gate_input in gate_inputs}
     rows = []
     for contender in contenders(args):
         label = f"[{index + 1}/{total}] {shape} {contender.name}"
@@ -281,7 +289,7 @@ def bench_shape(shape, args, index, total):
                 torch.cuda.synchronize()
                 expected = expected_for["normalized" if contender.name.startswith("cueq")
                                         else args.gate_input]
-                err = ((out.double() - expected).norm() / expected.norm()).item()
+                err = relative_error(out, expected)
                 del out
                 row["rel_error"] = err
                 tolerance = TOLERANCE[contender.tolerance_key]
@@ -409,13 +417,7 @@ def profile_kernels(shapes, args, repeat_only=0):
     rounds = 2 if args.knob else 1
     for shape in shapes:
         ref, pair, mask = seeded_case(shape, args, args.seed)
-        expected = None
-        if args.knob and not repeat_only:
-            ref64 = ti.Model(ref.pair_dim, ref.hidden_dim, args.direction, args.gate_input).cuda().double()
-            ref64.load_state_dict(ref.state_dict())
-            with torch.inference_mode():
-                expected = ref64(pair.double(), mask)
-            del ref64
+        expected = fp64_output(ref, pair, mask) if args.knob and not repeat_only else None
         for precision, kernel in itertools.product(args.precision, args.kernels):
             new = make_model_new(ref, kernel=kernel, precision=precision)
             measured = {value: [] for value in values}
@@ -429,7 +431,7 @@ def profile_kernels(shapes, args, repeat_only=0):
                                 out = new(pair, mask)
                             torch.cuda.synchronize()
                             if expected is not None:
-                                errors[value] = ((out.double() - expected).norm() / expected.norm()).item()
+                                errors[value] = relative_error(out, expected)
                             del out
                         if not repeat_only:
                             measured[value].append(kernel_times(new, pair, mask))
@@ -467,13 +469,11 @@ def cpu_comparison():
     new = ti.ModelNew(shape[2], shape[3])
     new.load_state_dict(ref.state_dict())
     pair, mask = make_inputs(shape[0], shape[1], shape[2], generator, "cpu")
-    ref64 = ti.Model(shape[2], shape[3]).double()
-    ref64.load_state_dict(ref.state_dict())
+    expected = fp64_output(ref, pair, mask)
     with torch.inference_mode():
-        expected = ref64(pair.double(), mask)
         for name, model in (("ref eager", ref), ("ModelNew (CPU fallback)", new)):
             out = model(pair, mask)
-            err = ((out.double() - expected).norm() / expected.norm()).item()
+            err = relative_error(out, expected)
             times = []
             for _ in range(20):
                 t0 = time.perf_counter()
@@ -515,8 +515,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.knob and not args.profile:
         parser.error("--knob goes with --profile")
-    profile_default = ["auto"] if args.profile or args.repeat_only else sorted(ti.VARIANTS) + ["auto"]
-    args.kernels = [k for k in args.kernels.split(",") if k] if args.kernels else profile_default
+    default_kernels = ["auto"] if args.profile or args.repeat_only else sorted(ti.VARIANTS) + ["auto"]
+    args.kernels = [k for k in args.kernels.split(",") if k] if args.kernels else default_kernels
     for kernel in args.kernels:
         if kernel != "auto" and kernel not in ti.VARIANTS:
             parser.error(f"unknown kernel {kernel!r}; known: {sorted(ti.VARIANTS)} and auto")

@@ -54,23 +54,41 @@ def random_inputs(batch, n, channels, generator, dtype=torch.float64, mask_dtype
     return pair.to(device=device, dtype=dtype), mask.to(device=device, dtype=mask_dtype)
 
 
-def handwritten_forward(layers, pair, mask):
-    """The update written out without einsum strings or nn.Module calls."""
+def handwritten_forward(layers, pair, mask, rounding=None):
+    """The update written out without einsum strings or nn.Module calls. rounding ("medium" / "high"):
+    every matrix product's operands (and "medium"'s z, as PyTorch's bf16 einsum keeps it) rounded as
+    that precision rounds them (_round_operand): the error any correct implementation at that precision
+    shows on this draw (_check_model)."""
+    def rounded(t):
+        return t if rounding is None else _round_operand(t, rounding)
+
     def linear(t, layer):
-        return t @ layer.weight.T + layer.bias
+        return rounded(t) @ rounded(layer.weight).T + layer.bias
 
     x = F.layer_norm(pair, (layers.pair_dim,), layers.layer_norm_in.weight, layers.layer_norm_in.bias)
     m = mask.to(pair.dtype)[..., None]
-    a = linear(x, layers.proj_a) * torch.sigmoid(linear(x, layers.gate_a)) * m
-    b = linear(x, layers.proj_b) * torch.sigmoid(linear(x, layers.gate_b)) * m
+    a = rounded(linear(x, layers.proj_a) * torch.sigmoid(linear(x, layers.gate_a)) * m)
+    b = rounded(linear(x, layers.proj_b) * torch.sigmoid(linear(x, layers.gate_b)) * m)
+    # [B, H, i, k] @ [B, H, k, j] per h, back to [B, i, j, H]
     if layers.direction == "outgoing":  # z[b,i,j,h] = sum_k a[b,i,k,h] b[b,j,k,h]
-        z = (a[:, :, None, :, :] * b[:, None, :, :, :]).sum(dim=3)
+        z = (a.permute(0, 3, 1, 2) @ b.permute(0, 3, 2, 1)).permute(0, 2, 3, 1)
     else:  # z[b,i,j,h] = sum_k a[b,k,i,h] b[b,k,j,h]
-        z = (a[:, :, :, None, :] * b[:, :, None, :, :]).sum(dim=1)
+        z = (a.permute(0, 3, 2, 1) @ b.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+    if rounding == "medium":
+        z = rounded(z)
     o = linear(F.layer_norm(z, (layers.hidden_dim,), layers.layer_norm_out.weight,
                             layers.layer_norm_out.bias), layers.out_proj)
     g = torch.sigmoid(linear(pair if layers.gate_input == "raw" else x, layers.out_gate))
     return g * o
+
+
+def _round_operand(t, precision):
+    """t (fp64) rounded as `precision` rounds a matrix product's operands: bf16 for "medium", TF32
+    (10 stored significand bits, to nearest) for "high"."""
+    if precision == "medium":
+        return t.to(torch.bfloat16).double()
+    bits = t.float().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).double()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -580,38 +598,10 @@ def _make_new(reference, dtype, variant="auto", precision=None):
     return new.to(device="cuda", dtype=dtype)
 
 
-def _round_operand(t, precision):
-    """t (fp64) rounded as `precision` rounds a matrix product's operands: bf16 for "medium", TF32
-    (10 stored significand bits, to nearest) for "high"."""
-    if precision == "medium":
-        return t.to(torch.bfloat16).double()
-    bits = t.float().view(torch.int32)
-    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).double()
-
-
-def rounded_reference(layers, pair, mask, precision):
-    """The fp64 reference with every matrix product's operands (and "medium"'s z, as PyTorch's bf16
-    einsum keeps it) rounded as `precision` rounds them: the error any correct implementation at
-    that precision shows on this draw."""
-    def linear(t, layer):
-        return _round_operand(t, precision) @ _round_operand(layer.weight, precision).T + layer.bias
-
-    x = F.layer_norm(pair, (layers.pair_dim,), layers.layer_norm_in.weight, layers.layer_norm_in.bias)
-    m = mask.to(pair.dtype)[..., None]
-    a = _round_operand(linear(x, layers.proj_a) * torch.sigmoid(linear(x, layers.gate_a)) * m, precision)
-    b = _round_operand(linear(x, layers.proj_b) * torch.sigmoid(linear(x, layers.gate_b)) * m, precision)
-    z = torch.einsum("bikh,bjkh->bijh" if layers.direction == "outgoing" else "bkih,bkjh->bijh", a, b)
-    if precision == "medium":
-        z = _round_operand(z, precision)
-    o = linear(F.layer_norm(z, (layers.hidden_dim,), layers.layer_norm_out.weight, layers.layer_norm_out.bias),
-               layers.out_proj)
-    return torch.sigmoid(linear(pair if layers.gate_input == "raw" else x, layers.out_gate)) * o
-
-
 def _check_model(new, reference, pair, mask, tolerance, seed, label, dtype=torch.float32, rounding=None):
     """Runs ModelNew (no autograd: the fused path) on poisoned memory against the fp64 reference.
     rounding ("medium" / "high"): past the tolerance, the error may still be within 4x of what the
-    precision's own rounding gives on this draw (rounded_reference). Problems of one or a few
+    precision's own rounding gives on this draw (handwritten_forward with that rounding). Problems of one or a few
     positions need it: a bf16 projection over few channels that cancels, or LayerNorm_out over 4 values,
     puts 1-3% of fp64-relative errors past 1.5e-2 (measured on the emulation), a heavy tail that
     averaging over positions removes at larger N."""
@@ -625,7 +615,7 @@ def _check_model(new, reference, pair, mask, tolerance, seed, label, dtype=torch
     err = rel_error(out, ref)
     if err >= tolerance and rounding is not None:
         with torch.no_grad():
-            floor = rel_error(rounded_reference(reference.cuda(), pair.double().cuda(), mask.cuda(), rounding), ref)
+            floor = rel_error(handwritten_forward(reference.cuda(), pair.double().cuda(), mask.cuda(), rounding), ref)
         assert err < 4 * floor, f"{label}: error {err:.2e} >= {tolerance:.1e} and >= 4x {rounding}'s own {floor:.2e} (seed {seed})"
         return err
     assert err < tolerance, f"{label}: error {err:.2e} >= {tolerance:.1e} (seed {seed})"

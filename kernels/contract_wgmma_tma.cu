@@ -69,8 +69,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int consumer = warpgroup - 1;
   const bool leader = (threadIdx.x & 127) == 0;
   const bool paired_store = (ldz % 2) == 0;
-  // (16-bit z: whole 16-byte-aligned rows of the tile's columns)
+  // (16-bit z: whole 16-byte-aligned rows of the tile's columns, through this warp's scratch)
   const bool staged_store = col0 + BN <= n && ldz % 8 == 0 && reinterpret_cast<uintptr_t>(z) % 16 == 0;
+  uint8_t* scratch = smem + kScratchOffset + (warp_index() - 4) * kStoreScratchBytes;
   int it = 0;
   for (int64_t bz = blockIdx.y; bz < batch; bz += gridDim.y) {
     float acc[128];
@@ -101,7 +102,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     if constexpr (sizeof(TOut) == 2) {
       if (staged_store && row0 + consumer * 64 + 64 <= m) {
-        uint8_t* scratch = smem + kScratchOffset + (warp_index() - 4) * kStoreScratchBytes;
         store_accumulators_staged<BN>(z + bz * m * ldz, acc, row0 + consumer * 64, col0, ldz, scratch);
         continue;
       }

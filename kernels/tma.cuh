@@ -262,9 +262,6 @@ __device__ __forceinline__ void store_accumulators(TOut* z_mat, const float (&ac
   }
 }
 
-// Shared memory store_accumulators_staged takes per warp: 16 rows x 128 bytes.
-constexpr int kStoreScratchBytes = 16 * 128;
-
 // fp32 values v0, v1 as one 32-bit pair of T (bf16 or fp16), v0 in the low half.
 template <typename T>
 __device__ __forceinline__ uint32_t pack_pair(float v0, float v1) {
@@ -275,47 +272,6 @@ __device__ __forceinline__ uint32_t pack_pair(float v0, float v1) {
     const __half2 p = __floats2half2_rn(v0, v1);
     return *reinterpret_cast<const uint32_t*>(&p);
   }
-}
-
-// store_accumulators for a 16-bit z through this warp's `scratch` (kStoreScratchBytes, 128-byte
-// aligned), 64 columns at a time: stmatrix writes the accumulators' 8x8 blocks as 16-byte rows (the
-// 16-byte chunks XOR-swizzled by row: no bank conflicts either way), then 8 lanes store one row's
-// 128 contiguous bytes with 16-byte stores. The plain stores write 4 bytes per lane across 8 rows
-// (half sectors), and bf16 z through them measured slower than fp32 z (NOTES v22). Only for a warp
-// tile wholly inside z with 16-byte-aligned rows (the caller checks; else store_accumulators).
-template <int BN, typename TOut>
-__device__ __forceinline__ void store_accumulators_staged(TOut* z_mat, const float (&acc)[BN / 2], int64_t row0,
-                                                          int64_t col0, int64_t ldz, uint8_t* scratch) {
-  static_assert(sizeof(TOut) == 2 && BN % 64 == 0, "16-bit z, whole 64-column rounds");
-#ifdef TRIMUL_SM90A
-  const int lane = threadIdx.x & 31, warp4 = (threadIdx.x / 32) & 3;
-  // stmatrix: lane 8k + r gives row r of matrix k = (row half k & 1, n8 block 2p + (k >> 1) of the round).
-  const int k = lane >> 3, r = lane & 7;
-  const uint32_t row_addr = smem_u32(scratch) + ((k & 1) * 8 + r) * 128;
-  TOut* dst = z_mat + (row0 + warp4 * 16) * ldz + col0;
-#pragma unroll
-  for (int round = 0; round < BN / 64; ++round) {
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      const int j8 = round * 8 + 2 * p;
-      const uint32_t addr = row_addr + (((2 * p + (k >> 1)) ^ r) << 4);
-      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
-                   "r"(pack_pair<TOut>(acc[4 * j8], acc[4 * j8 + 1])),
-                   "r"(pack_pair<TOut>(acc[4 * j8 + 2], acc[4 * j8 + 3])),
-                   "r"(pack_pair<TOut>(acc[4 * j8 + 4], acc[4 * j8 + 5])),
-                   "r"(pack_pair<TOut>(acc[4 * j8 + 6], acc[4 * j8 + 7]))
-                   : "memory");
-    }
-    __syncwarp();
-#pragma unroll
-    for (int it = 0; it < 4; ++it) {
-      const int id = it * 32 + lane, row = id >> 3, c = id & 7;
-      const uint4 v = *reinterpret_cast<const uint4*>(scratch + row * 128 + ((c ^ (row & 7)) << 4));
-      *reinterpret_cast<uint4*>(dst + row * ldz + round * 64 + c * 8) = v;
-    }
-    __syncwarp();  // every lane's reads are done before the next round's stmatrix
-  }
-#endif
 }
 
 // A warp's 8 rows x P 16-bit values, held as wgmma/mma accumulator pairs (lane: row lane / 4, values
@@ -350,6 +306,39 @@ __device__ __forceinline__ void store_staged_rows(T* row0, int64_t pitch, int ro
     if (row < rows) *reinterpret_cast<uint4*>(row0 + row * pitch + c * 8) = v;
   }
   __syncwarp();  // every lane's reads are done before the scratch is written again
+}
+
+// Shared memory store_accumulators_staged takes per warp: its 16 rows, as two 8-row groups of 64 columns.
+constexpr int kStoreScratchBytes = 2 * 8 * 64 * 2;
+
+// store_accumulators for a 16-bit z, 64 columns at a time, through this warp's `scratch`
+// (kStoreScratchBytes, 16-byte aligned): each 8-row half of the warp's 16 rows as
+// stage_row_pairs_x4 / store_staged_rows take a warp's 8 accumulator rows (the plain stores write 4
+// bytes per lane across 8 rows, and bf16 z through them measured slower than fp32 z: NOTES v22). Only
+// for a warp tile wholly inside z with 16-byte-aligned rows (the caller checks; else store_accumulators).
+template <int BN, typename TOut>
+__device__ __forceinline__ void store_accumulators_staged(TOut* z_mat, const float (&acc)[BN / 2], int64_t row0,
+                                                          int64_t col0, int64_t ldz, uint8_t* scratch) {
+  static_assert(sizeof(TOut) == 2 && BN % 64 == 0, "16-bit z, whole 64-column rounds");
+  constexpr int kHalfBytes = kStoreScratchBytes / 2;
+  const int warp4 = (threadIdx.x / 32) & 3;
+  TOut* dst = z_mat + (row0 + warp4 * 16) * ldz + col0;
+  // acc[4 j + 2 half + e]: row lane / 4 + 8 half, column 8 j + 2 (lane % 4) + e
+  const auto pair_at = [&](int j, int half) { return pack_pair<TOut>(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]); };
+#pragma unroll
+  for (int round = 0; round < BN / 64; ++round) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int j = round * 8 + 4 * q;
+        stage_row_pairs_x4<64>(scratch + half * kHalfBytes, q, pair_at(j, half), pair_at(j + 1, half),
+                               pair_at(j + 2, half), pair_at(j + 3, half));
+      }
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      store_staged_rows<64>(dst + half * 8 * ldz + round * 64, ldz, 8, scratch + half * kHalfBytes);
+  }
 }
 
 // Starts a 64 x N wgmma accumulator tile from per-row values: rows lane / 4 of the warp's slice
