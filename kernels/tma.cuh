@@ -617,9 +617,24 @@ cudaError_t launch_in_clusters(int64_t tiles, int threads, int64_t smem_bytes, c
   config.stream = stream;
   config.attrs = &attribute;
   config.numAttrs = 1;
-  int clusters = 0;
-  const cudaError_t status = cudaOccupancyMaxActiveClusters(&clusters, reinterpret_cast<const void*>(Kernel), &config);
+  // (the occupancy query once per device, cluster size and shared-memory size: its answer does not change)
+  struct Known {
+    int64_t bytes = -1;
+    int cluster = 0, clusters = 0;
+  };
+  constexpr int kMaxDevices = 64;
+  static Known known[kMaxDevices];
+  int device = 0;
+  cudaError_t status = cudaGetDevice(&device);
   if (status != cudaSuccess) return status;
+  int clusters = 0;
+  if (device < kMaxDevices && known[device].bytes == smem_bytes && known[device].cluster == cluster) {
+    clusters = known[device].clusters;
+  } else {
+    status = cudaOccupancyMaxActiveClusters(&clusters, reinterpret_cast<const void*>(Kernel), &config);
+    if (status != cudaSuccess) return status;
+    if (device < kMaxDevices) known[device] = Known{smem_bytes, cluster, clusters};
+  }
   if (clusters <= 0) return cudaErrorNotSupported;
   config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(clusters, ceil_div(tiles, cluster)) * cluster));
   return cudaLaunchKernelEx(&config, Kernel, args...);
