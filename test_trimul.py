@@ -1226,8 +1226,7 @@ def test_cuda_bad_input_raises():
     ("TRIMUL_INPUT_PLAN", "2", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
     ("TRIMUL_INPUT_PLAN", "2,8,96", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
     ("TRIMUL_PDL", "yes", "TRIMUL_PDL must be 0 or 1, not 'yes'"),
-    ("TRIMUL_INPUT_STAGING", "fast", "TRIMUL_INPUT_STAGING must be rounds or stream, not 'fast'"),
-    ("TRIMUL_CLUSTER", "3", "TRIMUL_CLUSTER must be 1, 2 or 4, not '3'")])
+    ("TRIMUL_INPUT_STAGING", "fast", "TRIMUL_INPUT_STAGING must be rounds or stream, not 'fast'")])
 def test_bad_measuring_settings_raise(monkeypatch, variable, value, message):
     """The environment knobs for measuring (README: pinning a pass's kernel, its plan, "high"'s
     arithmetic): a value that names nothing raises instead of silently measuring the default."""
@@ -1343,38 +1342,6 @@ def test_input_staging_auto_streams_at_pair_dim_128(monkeypatch, pair_dim, strea
     flag = "true" if streamed else "false"
     assert len(names) == 1 and re.search(r"input_pass::wgmma_tiles::kernel<[^>]*, false, %s>\(" % flag,
                                          names[0]), names
-
-
-@cuda
-@pytest.mark.parametrize("cluster", ["2", "4"])
-@pytest.mark.parametrize("precision", ti.PRECISIONS)
-@pytest.mark.parametrize("direction", ti.DIRECTIONS)
-# pair_dim 384: both wgmma passes stream their weights. (1, 150, 384, 128): 357 output tiles of 64
-# positions (in clusters of 2 on 132 SMs, a cluster in the last round has one block without a tile);
-# (2, 97, 384, 40): two batches, odd N, hidden 40 (h_pad 64); its 194 input tiles leave a cluster of
-# 4 half without tiles.
-@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 150, 384, 128), (2, 97, 384, 40)])
-def test_weight_multicast_matches_fp64(monkeypatch, cluster, precision, direction, batch, n, pair_dim, hidden):
-    """TRIMUL_CLUSTER=2|4: the wgmma passes' streamed weights multicast across clusters of blocks
-    (tma::WeightMulticast: each block loads a slice of every weight stage into all of them and
-    releases each stage in all of them; blocks past the last tile keep their part in every stage).
-    The fp64 result from both passes' kernel_multicast, over calls that reuse the memory."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    monkeypatch.setenv("TRIMUL_CLUSTER", cluster)
-    for variable in ("TRIMUL_INPUT_PASS", "TRIMUL_OUTPUT_PASS", "TRIMUL_INPUT_STAGING", "TRIMUL_INPUT_PLAN"):
-        monkeypatch.delenv(variable, raising=False)
-    seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
-    new = _make_new(reference, torch.float32, "auto", precision)
-    for call in range(2):  # (a second call reuses the memory: stale rows or weights must not leak in)
-        pair, mask = random_inputs(batch, n, pair_dim, g)
-        _, ran = _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed,
-                                       f"cluster {cluster} {precision} call {call}", rounding=ROUNDING.get(precision))
-        for fused_pass in ("input", "output"):
-            names = [k for k in ran if f"{fused_pass}_pass::" in k]
-            assert len(names) == 1 and f"{fused_pass}_pass::wgmma_tiles::kernel_multicast<" in names[0], names
 
 
 @cuda

@@ -146,10 +146,6 @@ struct ForwardArgs {
   // flight while the current one is LayerNormed (stream), or each tile's rows in load rounds between
   // named barriers (rounds). Auto: stream at pair_dim <= 128, where it measured faster (NOTES v21).
   InputStaging input_staging;
-  // TRIMUL_CLUSTER (1, 2 or 4; 0 or 1: none): the wgmma passes' streamed weights multicast across
-  // clusters of this many blocks, each loading a slice of every weight stage (tma::WeightMulticast):
-  // L2 then serves each stage once per cluster instead of once per block.
-  int weight_cluster;
 };
 
 // A fused pass's kernels by their pinning names.

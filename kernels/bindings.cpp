@@ -128,16 +128,6 @@ int env_choice(const char* variable, const char* first, const char* second) {
   return is_second ? 1 : 0;
 }
 
-// TRIMUL_CLUSTER: 1 (unset or empty too), 2 or 4 (ForwardArgs::weight_cluster).
-int weight_cluster_setting() {
-  const char* value = std::getenv("TRIMUL_CLUSTER");
-  if (value == nullptr || value[0] == '\0') return 1;
-  for (const char* size : {"1", "2", "4"})
-    if (std::strcmp(value, size) == 0) return size[0] - '0';
-  TORCH_CHECK_VALUE(false, "trimul_inline: TRIMUL_CLUSTER must be 1, 2 or 4, not '", value, "'");
-  return 1;
-}
-
 trimul::Precision contraction_precision(trimul::Mode mode) {
   switch (mode) {
     case trimul::Mode::tf32x3: return trimul::Precision::highest;
@@ -245,7 +235,6 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   args.output_pin = pass_pin("TRIMUL_OUTPUT_PASS");
   // (unset: on, on GPUs that have it: launch_tiles)
   args.dependent_output_launch = env_choice("TRIMUL_PDL", "0", "1") != 0;
-  args.weight_cluster = weight_cluster_setting();
   const int staging = env_choice("TRIMUL_INPUT_STAGING", "rounds", "stream");
   args.input_staging = staging < 0    ? trimul::InputStaging::kAuto
                        : staging == 0 ? trimul::InputStaging::kRounds

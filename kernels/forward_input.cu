@@ -489,16 +489,13 @@ __device__ __forceinline__ void stream_tile_rows(const ForwardArgs& args, int k_
   }
 }
 
-// The pass (kernel, kernel_multicast). kStream: the stagers take TRIMUL_INPUT_STAGING=stream's
-// round-robin row groups (stream_tile_rows; a separate instantiation, so its register pressure stays
-// out of the default kernel). kMulticast: streamed weights multicast across this block's cluster of
-// `cluster` blocks (WeightMulticast); its blocks run the cluster's first tile's number of iterations, a
-// block past the last tile (`live` false) stages and stores nothing but takes its part in every stage.
-template <Mode M, typename TIn, int P, bool kF16, bool kStream, bool kMulticast>
-__device__ __forceinline__ void run_pass(const ForwardArgs& args, const CUtensorMap& map_w, int64_t tiles_per_batch,
-                                         int buffers, int stages, int cluster) {
+// kStream: the stagers take TRIMUL_INPUT_STAGING=stream's round-robin row groups (stream_tile_rows; a
+// separate instantiation, so its register pressure stays out of the default kernel).
+template <Mode M, typename TIn, int P, bool kF16 = M == Mode::tf32x3, bool kStream = false>
+__global__ void __launch_bounds__(kThreads, 1)
+    kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch, int buffers,
+           int stages) {
   static_assert(P == 128 || P == 64, "m64n128 or m64n64 products");
-  static_assert(!(kStream && kMulticast), "the streamed staging runs its own tile schedule");
   using Op = pass_op_t<M, kF16>;
   constexpr int kRowTileBytes = P * kKBytes;
   constexpr bool kSplit = M == Mode::tf32x3;  // (implies kF16)
@@ -520,20 +517,14 @@ __device__ __forceinline__ void run_pass(const ForwardArgs& args, const CUtensor
   uint64_t* w_empty = w_full + stages;
   uint64_t* rows_full = w_empty + stages;
   uint64_t* rows_empty = rows_full + buffers;
-  WeightMulticast multicast{};
-  if constexpr (kMulticast) multicast = WeightMulticast{cluster, cluster_rank()};
-  init_pass_barriers(w_full, w_empty, stages, rows_full, rows_empty, buffers, kMmaGroups, kStagerThreads,
-                     multicast.size);
+  init_pass_barriers(w_full, w_empty, stages, rows_full, rows_empty, buffers, kMmaGroups, kStagerThreads);
   // (the last block-wide barrier: the three roles part here)
 
   const int64_t tiles = args.batch * tiles_per_batch, plane = args.n * args.ld;
-  // (kMulticast: tile - rank is the cluster's first tile, so every block of it loops as often)
-  const int64_t tile_end = kMulticast ? tiles + multicast.rank : tiles;
   const int chunks = static_cast<int>(2 * args.rows_ab / kChunkRows);
   const int chunk_tiles = kSegs * kt_count;  // weight k-tiles per chunk
   const int w_tiles = chunks * chunk_tiles;    // weight stages per tile, chunk-major
   const bool resident = w_tiles <= stages;
-  if (kMulticast && resident) __trap();  // (the host multicasts streamed weights only)
   constexpr int kElemsPerKTile = kKBytes / static_cast<int>(sizeof(Op));
   const int warp = warp_index(), lane = threadIdx.x & 31;
 
@@ -548,21 +539,15 @@ __device__ __forceinline__ void run_pass(const ForwardArgs& args, const CUtensor
       return;
     }
     FillRing ring{w_empty, stages};
-    for (int64_t tile = blockIdx.x; tile < tile_end; tile += gridDim.x)
+    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x)
       for (int chunk = 0; chunk < chunks; ++chunk)
         for (int kt = 0; kt < chunk_tiles; ++kt) {
           ring.wait_free();
           const int s = ring.slot;
-          if constexpr (kMulticast) {
-            multicast.load(weights + s * kStageBytes, &map_w, kt * kElemsPerKTile, chunk * kChunkRows, kChunkRows,
-                           kKBytes, &w_full[s]);
-          } else {
-            mbar_expect_tx(&w_full[s], kStageBytes);
-            tma_load_2d(weights + s * kStageBytes, &map_w, kt * kElemsPerKTile, chunk * kChunkRows, &w_full[s]);
-          }
+          mbar_expect_tx(&w_full[s], kStageBytes);
+          tma_load_2d(weights + s * kStageBytes, &map_w, kt * kElemsPerKTile, chunk * kChunkRows, &w_full[s]);
           ring.advance();
         }
-    if constexpr (kMulticast) ring.drain();  // (the other blocks' last releases arrive here)
     return;
   }
 
@@ -588,14 +573,9 @@ __device__ __forceinline__ void run_pass(const ForwardArgs& args, const CUtensor
       __trap();  // (launch_positions takes this kernel for vectorizable rows only)
     } else {
     FillRing ring{rows_empty, buffers};
-    for (int64_t tile = blockIdx.x; tile < tile_end; tile += gridDim.x) {
+    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       ring.wait_free();
       const int buf = ring.slot;
-      if (kMulticast && tile >= tiles) {  // (the MMA warps multiply whatever the buffer holds and store none of it)
-        mbar_arrive(&rows_full[buf]);
-        ring.advance();
-        continue;
-      }
       const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * P;
       named_barrier(1, kStagerThreads);  // every stager is done with the last tile's row_off
       if (stager < P) {
@@ -641,8 +621,7 @@ __device__ __forceinline__ void run_pass(const ForwardArgs& args, const CUtensor
     const int64_t at = ceil_div(int64_t(rows - smem_raw) + plan_bytes(kt_count, buffers, stages, P, kPlanes), 128) * 128;
     if (at + ab_scratch_bytes(P) <= dynamic_smem_size()) ab_scratch = smem_raw + at + warp * (ab_scratch_bytes(P) / kMmaWarps);
   }
-  for (int64_t tile = blockIdx.x; tile < tile_end; tile += gridDim.x) {
-    const bool live = !kMulticast || tile < tiles;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * P;
     const int in_plane = static_cast<int>(std::min<int64_t>(plane - p0, P));  // even: plane is
     const uint8_t* tile_rows = rows + buf * buffer_bytes;
@@ -673,10 +652,7 @@ __device__ __forceinline__ void run_pass(const ForwardArgs& args, const CUtensor
         // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
         wgmma_wait<1>();
         if (!resident) {
-          if (held >= 0 && leader) {
-            if constexpr (kMulticast) multicast.release(&w_empty[held]);
-            else mbar_arrive(&w_empty[held]);
-          }
+          if (held >= 0 && leader) mbar_arrive(&w_empty[held]);
           held = stage;
           if (++stage == stages) {
             stage = 0;
@@ -685,11 +661,7 @@ __device__ __forceinline__ void run_pass(const ForwardArgs& args, const CUtensor
         }
       }
       wgmma_wait<0>();
-      if (held >= 0 && leader) {
-        if constexpr (kMulticast) multicast.release(&w_empty[held]);
-        else mbar_arrive(&w_empty[held]);
-      }
-      if (!live) continue;
+      if (held >= 0 && leader) mbar_arrive(&w_empty[held]);
 
       const bool second = r >= args.rows_ab;  // b's rows follow a's
       const int64_t local = r - (second ? args.rows_ab : 0);
@@ -739,21 +711,6 @@ __device__ __forceinline__ void run_pass(const ForwardArgs& args, const CUtensor
   }
 }
 
-template <Mode M, typename TIn, int P, bool kF16 = M == Mode::tf32x3, bool kStream = false>
-__global__ void __launch_bounds__(kThreads, 1)
-    kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch, int buffers,
-           int stages) {
-  run_pass<M, TIn, P, kF16, kStream, false>(args, map_w, tiles_per_batch, buffers, stages, 1);
-}
-// The same (rounds staging) with the streamed weights multicast across clusters of `cluster` blocks
-// (TRIMUL_CLUSTER).
-template <Mode M, typename TIn, int P, bool kF16 = M == Mode::tf32x3>
-__global__ void __launch_bounds__(kThreads, 1)
-    kernel_multicast(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch,
-                     int buffers, int stages, int cluster) {
-  run_pass<M, TIn, P, kF16, false, true>(args, map_w, tiles_per_batch, buffers, stages, cluster);
-}
-
 // The buffers, stages and bytes this kernel would take these sizes with (bytes 0: it does not):
 // an sm_90a build on Hopper, bf16 / fp16 / TF32 operands (plan_pass says how buffers and stages are
 // chosen); kF16: the prepared fp16 weights. Any problem size: with fewer 128-position tiles than SMs
@@ -788,34 +745,22 @@ Plan plan(const ForwardArgs& args) {
   return with_positions(ring);
 }
 
-// cluster > 1: kernel_multicast (rounds staging) in clusters of that many blocks; `map_slice` then has
-// boxes of kChunkRows / cluster rows.
 template <Mode M, typename TIn, int P, bool kF16, bool kStream = false>
-cudaError_t launch_positions(const ForwardArgs& args, const PassPlan& ring, const CUtensorMap& map_w,
-                             const CUtensorMap& map_slice, int cluster) {
+cudaError_t launch_positions(const ForwardArgs& args, const PassPlan& ring, const CUtensorMap& map_w) {
   // Streamed staging (ForwardArgs::input_staging): the 16-bit modes only (the measured question is "medium"'s).
   if constexpr (!kStream && !kF16 && (M == Mode::bf16 || M == Mode::f16)) {
     const bool stream = args.input_staging == InputStaging::kStream ||
-                        (args.input_staging == InputStaging::kAuto && args.c_pad <= 128 && cluster == 1);
+                        (args.input_staging == InputStaging::kAuto && args.c_pad <= 128);
     if (stream && rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair))
-      return launch_positions<M, TIn, P, kF16, true>(args, ring, map_w, map_slice, 1);
+      return launch_positions<M, TIn, P, kF16, true>(args, ring, map_w);
   }
   // (the a / b store scratch after the plan's bytes, 128-byte aligned, where it fits: kStagedAb)
   int64_t bytes = ring.bytes;
   if (kStagedAb<M, kF16> && ceil_div(bytes, 128) * 128 + ab_scratch_bytes(P) <= max_smem_optin())
     bytes = ceil_div(bytes, 128) * 128 + ab_scratch_bytes(P);
-  const int64_t tiles_per_batch = ceil_div(args.n * args.ld, P);
-  if constexpr (!kStream) {
-    if (cluster > 1) {
-      const cudaError_t status = allow_smem<kernel_multicast<M, TIn, P, kF16>>(bytes);
-      if (status != cudaSuccess) return status;
-      return launch_in_clusters<kernel_multicast<M, TIn, P, kF16>>(args.batch * tiles_per_batch, kThreads, bytes,
-                                                                   args.stream, cluster, args, map_slice,
-                                                                   tiles_per_batch, ring.buffers, ring.stages, cluster);
-    }
-  }
   const cudaError_t status = allow_smem<kernel<M, TIn, P, kF16, kStream>>(bytes);
   if (status != cudaSuccess) return status;
+  const int64_t tiles_per_batch = ceil_div(args.n * args.ld, P);
   const int64_t blocks = std::min<int64_t>(sm_count(), args.batch * tiles_per_batch);
   kernel<M, TIn, P, kF16, kStream><<<static_cast<unsigned>(blocks), kThreads, bytes, args.stream>>>(
       args, map_w, tiles_per_batch, ring.buffers, ring.stages);
@@ -829,20 +774,11 @@ cudaError_t launch(const ForwardArgs& args, const Plan& plan) {
   // k-tiles each; one plane reads the hi segment only): boxes of 128 bytes of k x 128 rows, zeros
   // past the row.
   const int64_t cols = kF16 ? f16_weight_cols(args.c_pad) : args.c_pad;
-  const void* weights = kF16 ? args.w_in_f16x3 : args.w_in;
-  CUtensorMap map_w, map_slice;
-  if (!encode_kmajor_map<Op>(&map_w, weights, 0, 2 * args.rows_ab, cols, kChunkRows)) return cudaErrorNotSupported;
-  // TRIMUL_CLUSTER: streamed weights (more k-tiles than stages) multicast in clusters (resident ones load once);
-  // TRIMUL_INPUT_STAGING=stream keeps its own schedule, unclustered.
-  const int w_tiles = static_cast<int>(2 * args.rows_ab / kChunkRows) * kSegments<M> * k_tiles(args.c_pad, sizeof(Op));
-  const int cluster = w_tiles > plan.ring.stages && args.weight_cluster > 1 &&
-                              args.input_staging != InputStaging::kStream
-                          ? args.weight_cluster
-                          : 1;
-  if (cluster > 1 && !encode_kmajor_map<Op>(&map_slice, weights, 0, 2 * args.rows_ab, cols, kChunkRows / cluster))
+  CUtensorMap map_w;
+  if (!encode_kmajor_map<Op>(&map_w, kF16 ? args.w_in_f16x3 : args.w_in, 0, 2 * args.rows_ab, cols, kChunkRows))
     return cudaErrorNotSupported;
-  return plan.positions == 128 ? launch_positions<M, TIn, 128, kF16>(args, plan.ring, map_w, map_slice, cluster)
-                               : launch_positions<M, TIn, 64, kF16>(args, plan.ring, map_w, map_slice, cluster);
+  return plan.positions == 128 ? launch_positions<M, TIn, 128, kF16>(args, plan.ring, map_w)
+                               : launch_positions<M, TIn, 64, kF16>(args, plan.ring, map_w);
 }
 
 // The kernel for mode M in the arithmetic with_f16_arith picks (at "high" with high_f16 never the

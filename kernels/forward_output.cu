@@ -705,15 +705,13 @@ struct WeightRing {
   bool resident;
   int stage = 0;
   uint32_t phase = 0;
-  WeightMulticast multicast{};  // (kMulticast: where a stage's release goes)
 };
 
 // acc += the weights' next `count` k-tiles (this warpgroup's 64 rows of each) x 64 positions of
 // the rows' k-tiles (starting at b_tiles, tile_bytes apart).
 // Split ("highest", fp16x3): 2 x count weight k-tiles ([hi | lo]): each hi k-tile against the
 // rows' fp16 parts and remainders (`small_rows`, the same k-tile offsets), each lo against the parts.
-// kMulticast: a stage is released in every block of the cluster (ring.multicast).
-template <typename Op, bool kSplit, bool kMulticast = false>
+template <typename Op, bool kSplit>
 __device__ __forceinline__ void multiply_k_tiles(float (&acc)[32], WeightRing& ring, int consumer,
                                                  const uint8_t* b_tiles, int tile_bytes, int count, bool leader,
                                                  const uint8_t* small_rows = nullptr) {
@@ -728,10 +726,7 @@ __device__ __forceinline__ void multiply_k_tiles(float (&acc)[32], WeightRing& r
     if (kSplit && kt < count) wgmma_k_tile<Op>(acc, desc_a, smem_descriptor(small_rows + kt * tile_bytes));
     // The previous k-tile's MMAs are done once at most this one is in flight: free its stage.
     wgmma_wait<1>();
-    if (!ring.resident && held >= 0 && leader) {
-      if constexpr (kMulticast) ring.multicast.release(&ring.empty[held]);
-      else mbar_arrive(&ring.empty[held]);
-    }
+    if (!ring.resident && held >= 0 && leader) mbar_arrive(&ring.empty[held]);
     held = s;
     if (++ring.stage == ring.stages) {
       ring.stage = 0;
@@ -739,10 +734,7 @@ __device__ __forceinline__ void multiply_k_tiles(float (&acc)[32], WeightRing& r
     }
   }
   wgmma_wait<0>();
-  if (!ring.resident && held >= 0 && leader) {
-    if constexpr (kMulticast) ring.multicast.release(&ring.empty[held]);
-    else mbar_arrive(&ring.empty[held]);
-  }
+  if (!ring.resident && held >= 0 && leader) mbar_arrive(&ring.empty[held]);
 }
 
 // One weight k-tile into stage `slot`: k-tile i of chunk `chunk`, out_gate's k-tiles first, then
@@ -756,24 +748,11 @@ __device__ __forceinline__ void load_weight_tile(uint8_t* weights, uint64_t* ful
   else
     tma_load_2d(weights + slot * kStageBytes, map_out, (i - kt_x) * elems, chunk * kChunkRows, &full[slot]);
 }
-// The same, this block's slice of it multicast to every block of its cluster (the maps' boxes are a
-// slice's rows: kChunkRows / multicast.size).
-__device__ __forceinline__ void load_weight_tile(uint8_t* weights, uint64_t* full, int slot, int chunk, int i,
-                                                 int kt_x, int elems, const CUtensorMap* map_gate,
-                                                 const CUtensorMap* map_out, const WeightMulticast& multicast) {
-  const bool gate = i < kt_x;
-  multicast.load(weights + slot * kStageBytes, gate ? map_gate : map_out, (gate ? i : i - kt_x) * elems,
-                 chunk * kChunkRows, kChunkRows, kKBytes, &full[slot]);
-}
 
-// The pass (kernel, kernel_multicast). kMulticast: streamed weights multicast across this block's
-// cluster of `cluster` blocks (WeightMulticast); its blocks run the cluster's first tile's number of
-// iterations, a block past the last tile (`live` false) stages nothing and stores nothing but takes its
-// part in every weight stage.
-template <Mode M, typename TIn, int P, bool kF16, bool kMulticast>
-__device__ __forceinline__ void run_pass(const ForwardArgs& args, const CUtensorMap& map_gate,
-                                         const CUtensorMap& map_out, int64_t tiles_per_batch, int buffers, int stages,
-                                         int cluster) {
+template <Mode M, typename TIn, int P, bool kF16 = M == Mode::tf32x3>
+__global__ void __launch_bounds__(kThreads, 1)
+    kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_gate,
+           const __grid_constant__ CUtensorMap map_out, int64_t tiles_per_batch, int buffers, int stages) {
   using Op = pass_op_t<M, kF16>;
   constexpr bool kSplit = M == Mode::tf32x3;  // (implies kF16)
   constexpr int kPlanes = kRowPlanes<M>, kSegs = kSegments<M>;
@@ -793,19 +772,13 @@ __device__ __forceinline__ void run_pass(const ForwardArgs& args, const CUtensor
   uint64_t* w_empty = w_full + stages;
   uint64_t* rows_full = w_empty + stages;
   uint64_t* rows_empty = rows_full + buffers;
-  WeightMulticast multicast{};
-  if constexpr (kMulticast) multicast = WeightMulticast{cluster, cluster_rank()};
-  init_pass_barriers(w_full, w_empty, stages, rows_full, rows_empty, buffers, kMmaGroups, kStagerThreads,
-                     multicast.size);
+  init_pass_barriers(w_full, w_empty, stages, rows_full, rows_empty, buffers, kMmaGroups, kStagerThreads);
   // (the last block-wide barrier: the three roles part here)
 
   const int64_t tiles = args.batch * tiles_per_batch, plane = args.n * args.ldz;
-  // (kMulticast: tile - rank is the cluster's first tile, so every block of it loops as often)
-  const int64_t tile_end = kMulticast ? tiles + multicast.rank : tiles;
   const int chunks = static_cast<int>(ceil_div(args.c, kChunkRows));
   const int per_chunk = kSegs * (kt_x + kt_z), w_tiles = chunks * per_chunk;
   const bool resident = w_tiles <= stages;
-  if (kMulticast && resident) __trap();  // (the host multicasts streamed weights only)
   constexpr int kElemsPerKTile = kKBytes / static_cast<int>(sizeof(Op));
   const int warp = warp_index(), lane = threadIdx.x & 31;
 
@@ -818,19 +791,14 @@ __device__ __forceinline__ void run_pass(const ForwardArgs& args, const CUtensor
       return;
     }
     FillRing ring{w_empty, stages};  // streamed: each chunk's k-tiles once per half of the positions
-    for (int64_t tile = blockIdx.x; tile < tile_end; tile += gridDim.x)
+    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x)
       for (int chunk = 0; chunk < chunks; ++chunk)
         for (int half = 0; half < P / kHalf; ++half)
           for (int i = 0; i < per_chunk; ++i) {
             ring.wait_free();
-            if constexpr (kMulticast)
-              load_weight_tile(weights, w_full, ring.slot, chunk, i, kSegs * kt_x, kElemsPerKTile, &map_gate, &map_out,
-                               multicast);
-            else
-              load_weight_tile(weights, w_full, ring.slot, chunk, i, kSegs * kt_x, kElemsPerKTile, &map_gate, &map_out);
+            load_weight_tile(weights, w_full, ring.slot, chunk, i, kSegs * kt_x, kElemsPerKTile, &map_gate, &map_out);
             ring.advance();
           }
-    if constexpr (kMulticast) ring.drain();  // (the other blocks' last releases arrive here)
     return;
   }
 
@@ -843,26 +811,20 @@ __device__ __forceinline__ void run_pass(const ForwardArgs& args, const CUtensor
     const z_t<M>* z_all = static_cast<const z_t<M>*>(args.z);
     const uint32_t n = static_cast<uint32_t>(args.n), ldz = static_cast<uint32_t>(args.ldz);
     FillRing ring{rows_empty, buffers};
-    for (int64_t tile = blockIdx.x; tile < tile_end; tile += gridDim.x) {
+    for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       ring.wait_free();
       const int buf = ring.slot;
-      const bool live = !kMulticast || tile < tiles;
       const int64_t batch = tile / tiles_per_batch, q0 = (tile - batch * tiles_per_batch) * P;
       named_barrier(1, kStagerThreads);  // every stager is done with the last tile's row_off
       if (stager < P) {
         // plane < 2^32 (checked at launch): 32-bit division.
         const int64_t q = q0 + stager;
         const uint32_t i = static_cast<uint32_t>(q) / ldz, j = static_cast<uint32_t>(q) - i * ldz;
-        const bool valid = live && q < plane && i < n && j < n;
+        const bool valid = q < plane && i < n && j < n;
         row_off[stager] = valid ? batch * args.pair_sb + i * args.pair_sr + j * args.pair_sc : -1;
         out_rows[buf * P + stager] = valid ? ((batch * args.n + i) * args.n + j) * args.c : -1;
       }
       named_barrier(1, kStagerThreads);
-      if (!live) {  // (the MMA warps multiply whatever the buffer holds and store none of it)
-        mbar_arrive(&rows_full[buf]);
-        ring.advance();
-        continue;
-      }
       uint8_t* x_rows = rows + buf * buffer_bytes;
       const SwizzledRows x_dst{x_rows, kRowTileBytes}, z_dst{x_rows + kt_x * kRowTileBytes, kRowTileBytes};
       const z_t<M>* z_tile = z_all + batch * args.h * plane + q0;
@@ -898,13 +860,12 @@ __device__ __forceinline__ void run_pass(const ForwardArgs& args, const CUtensor
   const bool leader = (threadIdx.x & 127) == 0;
   constexpr int kHalfBytes = kHalf * kKBytes;  // 64 swizzled rows: a 1024-byte multiple
   WeightRing ring{w_full, w_empty, weights, stages, resident};
-  ring.multicast = multicast;
   // (kF16: out_proj's products are 2^(s_z + t_out) times too large, the biases to match)
   const float out_up = kF16 ? args.f16x3_scales[kOutUp] : 1.f;
   int buf = 0;
   uint32_t buf_phase = 0;
   TIn* out = static_cast<TIn*>(args.out);
-  for (int64_t tile = blockIdx.x; tile < tile_end; tile += gridDim.x) {
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const uint8_t* x_rows = rows + buf * buffer_bytes;
     const uint8_t* z_rows = x_rows + kt_x * kRowTileBytes;
     const int64_t* tile_out = out_rows + buf * P;
@@ -920,8 +881,8 @@ __device__ __forceinline__ void run_pass(const ForwardArgs& args, const CUtensor
         float acc[32];  // (written only while no wgmma is in flight)
         if constexpr (kF16) start_accumulators(acc, 0.f, 0.f);  // (the biases after each position's scale)
         else start_accumulators(acc, gate_bias, gate_bias8);
-        multiply_k_tiles<Op, kSplit, kMulticast>(acc, ring, consumer, x_rows + half * kHalfBytes, kRowTileBytes,
-                                                 kt_x, leader, x_rows + plane_bytes + half * kHalfBytes);
+        multiply_k_tiles<Op, kSplit>(acc, ring, consumer, x_rows + half * kHalfBytes, kRowTileBytes, kt_x, leader,
+                                     x_rows + plane_bytes + half * kHalfBytes);
         float gate[32];  // sigmoid of the gate, in the accumulators' layout
         if constexpr (kF16) {
           // Each position's gate row was scaled on its own: back by its factor (times 2^-t_gate),
@@ -940,8 +901,8 @@ __device__ __forceinline__ void run_pass(const ForwardArgs& args, const CUtensor
           for (int i = 0; i < 32; ++i) gate[i] = gate_sigmoid<M>(acc[i]);
         }
         start_accumulators(acc, out_bias, out_bias8);
-        multiply_k_tiles<Op, kSplit, kMulticast>(acc, ring, consumer, z_rows + half * kHalfBytes, kRowTileBytes,
-                                                 kt_z, leader, z_rows + plane_bytes + half * kHalfBytes);
+        multiply_k_tiles<Op, kSplit>(acc, ring, consumer, z_rows + half * kHalfBytes, kRowTileBytes, kt_z, leader,
+                                     z_rows + plane_bytes + half * kHalfBytes);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -960,21 +921,6 @@ __device__ __forceinline__ void run_pass(const ForwardArgs& args, const CUtensor
       buf_phase ^= 1u;
     }
   }
-}
-
-template <Mode M, typename TIn, int P, bool kF16 = M == Mode::tf32x3>
-__global__ void __launch_bounds__(kThreads, 1)
-    kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_gate,
-           const __grid_constant__ CUtensorMap map_out, int64_t tiles_per_batch, int buffers, int stages) {
-  run_pass<M, TIn, P, kF16, false>(args, map_gate, map_out, tiles_per_batch, buffers, stages, 1);
-}
-// The same with the streamed weights multicast across clusters of `cluster` blocks (TRIMUL_CLUSTER).
-template <Mode M, typename TIn, int P, bool kF16 = M == Mode::tf32x3>
-__global__ void __launch_bounds__(kThreads, 1)
-    kernel_multicast(const ForwardArgs args, const __grid_constant__ CUtensorMap map_gate,
-                     const __grid_constant__ CUtensorMap map_out, int64_t tiles_per_batch, int buffers, int stages,
-                     int cluster) {
-  run_pass<M, TIn, P, kF16, true>(args, map_gate, map_out, tiles_per_batch, buffers, stages, cluster);
 }
 
 // The buffers, stages and bytes this kernel would take these sizes with (bytes 0: it does not):
@@ -1009,20 +955,12 @@ Plan plan(const ForwardArgs& args) {
   return Plan{};
 }
 
-// cluster > 1: kernel_multicast in clusters of that many blocks (the maps' boxes are kChunkRows / cluster rows).
 template <Mode M, typename TIn, int P, bool kF16>
 cudaError_t launch_positions(const ForwardArgs& args, const PassPlan& ring, const CUtensorMap& map_gate,
-                             const CUtensorMap& map_out, int cluster) {
-  const int64_t tiles_per_batch = ceil_div(args.n * args.ldz, P);
-  if (cluster > 1) {
-    const cudaError_t status = allow_smem<kernel_multicast<M, TIn, P, kF16>>(ring.bytes);
-    if (status != cudaSuccess) return status;
-    return launch_in_clusters<kernel_multicast<M, TIn, P, kF16>>(args.batch * tiles_per_batch, kThreads, ring.bytes,
-                                                                 args.stream, cluster, args, map_gate, map_out,
-                                                                 tiles_per_batch, ring.buffers, ring.stages, cluster);
-  }
+                             const CUtensorMap& map_out) {
   const cudaError_t status = allow_smem<kernel<M, TIn, P, kF16>>(ring.bytes);
   if (status != cudaSuccess) return status;
+  const int64_t tiles_per_batch = ceil_div(args.n * args.ldz, P);
   const int64_t blocks = std::min<int64_t>(sm_count(), args.batch * tiles_per_batch);
   kernel<M, TIn, P, kF16><<<static_cast<unsigned>(blocks), kThreads, ring.bytes, args.stream>>>(
       args, map_gate, map_out, tiles_per_batch, ring.buffers, ring.stages);
@@ -1035,17 +973,12 @@ cudaError_t launch(const ForwardArgs& args, const Plan& plan) {
   const int64_t rows = ceil_div(args.c, kChunkRows) * kChunkRows;  // w_gate / w_out rows (zero past C)
   // (kF16: the prepared [hi | lo] fp16 weights of whole k-tiles each; one plane reads the hi segment)
   const auto cols = [&](int64_t k_pad) { return kF16 ? f16_weight_cols(k_pad) : k_pad; };
-  // TRIMUL_CLUSTER: streamed weights (more k-tiles than stages) multicast in clusters (resident ones load once)
-  const int w_tiles = static_cast<int>(rows / kChunkRows) * kSegments<M> *
-                      (k_tiles(args.c_pad, sizeof(Op)) + k_tiles(args.h_pad, sizeof(Op)));
-  const int cluster = w_tiles > plan.ring.stages && args.weight_cluster > 1 ? args.weight_cluster : 1;
   CUtensorMap map_gate, map_out;
-  const int box_rows = kChunkRows / cluster;
-  if (!encode_kmajor_map<Op>(&map_gate, kF16 ? args.w_gate_f16x3 : args.w_gate, 0, rows, cols(args.c_pad), box_rows) ||
-      !encode_kmajor_map<Op>(&map_out, kF16 ? args.w_out_f16x3 : args.w_out, 0, rows, cols(args.h_pad), box_rows))
+  if (!encode_kmajor_map<Op>(&map_gate, kF16 ? args.w_gate_f16x3 : args.w_gate, 0, rows, cols(args.c_pad), kChunkRows) ||
+      !encode_kmajor_map<Op>(&map_out, kF16 ? args.w_out_f16x3 : args.w_out, 0, rows, cols(args.h_pad), kChunkRows))
     return cudaErrorNotSupported;
-  return plan.positions == 128 ? launch_positions<M, TIn, 128, kF16>(args, plan.ring, map_gate, map_out, cluster)
-                               : launch_positions<M, TIn, 64, kF16>(args, plan.ring, map_gate, map_out, cluster);
+  return plan.positions == 128 ? launch_positions<M, TIn, 128, kF16>(args, plan.ring, map_gate, map_out)
+                               : launch_positions<M, TIn, 64, kF16>(args, plan.ring, map_gate, map_out);
 }
 
 // The kernel for mode M in the arithmetic with_f16_arith picks.

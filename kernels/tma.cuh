@@ -90,49 +90,19 @@ __device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int s
   }
   __syncthreads();
 }
-// ---- Thread-block clusters (weight multicast: ForwardArgs::weight_cluster) ----------------------
-// This block's rank in its cluster (0 .. cluster size - 1; blockIdx.x modulo the size for the 1-D
-// clusters launched here).
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t rank = 0;
-#ifdef TRIMUL_SM90A
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-#endif
-  return rank;
-}
-// Every thread of every block of the cluster (all of them, converged) meets here; what each block wrote to
-// its shared memory before it (mbarrier inits, with mbar_init_fence) is visible to the others after it.
-__device__ __forceinline__ void cluster_sync() {
-#ifdef TRIMUL_SM90A
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
-// mbar_arrive on the barrier at the same shared-memory offset in block `rank` of this cluster.
-__device__ __forceinline__ void mbar_arrive_in(uint64_t* bar, uint32_t rank) {
-#ifdef TRIMUL_SM90A
-  asm volatile(
-      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_u32(bar)),
-      "r"(rank)
-      : "memory");
-#endif
-}
-
 // The barriers of a warp-specialized pass (the wgmma input and output passes): a weight ring of
-// `stages` (full: one producer arrival with the byte count; empty: one per MMA warpgroup of each of
-// the `cluster` blocks that multicast into each other's stages, WeightMulticast) and `buffers` row
-// buffers (full: every stager thread; empty: every MMA thread). The whole block (cluster) waits for
-// them; the roles part after this.
+// `stages` (full: one producer arrival with the byte count; empty: one per MMA warpgroup) and
+// `buffers` row buffers (full: every stager thread; empty: every MMA thread). The whole block
+// waits for them; the roles part after this.
 __device__ __forceinline__ void init_pass_barriers(uint64_t* w_full, uint64_t* w_empty, int stages,
                                                    uint64_t* rows_full, uint64_t* rows_empty, int buffers,
-                                                   int mma_groups, int stager_threads, int cluster = 1) {
+                                                   int mma_groups, int stager_threads) {
   if (threadIdx.x == 0) {
-    init_barrier_pairs(w_full, 1, w_empty, mma_groups * cluster, stages);
+    init_barrier_pairs(w_full, 1, w_empty, mma_groups, stages);
     init_barrier_pairs(rows_full, stager_threads, rows_empty, 128 * mma_groups, buffers);
     mbar_init_fence();
   }
   __syncthreads();
-  if (cluster > 1) cluster_sync();  // (no block arrives on or multicasts into another's barriers before they exist)
 }
 
 // The filling side of an mbarrier ring of `count` slots (the weight stages for the producer, the
@@ -149,14 +119,6 @@ struct FillRing {
     if (++slot == count) {
       slot = 0;
       ++round;
-    }
-  }
-  // Waits until every slot filled so far has been released (a block whose slots other blocks of its
-  // cluster release must not exit before their last arrivals on its barriers).
-  __device__ __forceinline__ void drain() {
-    for (int s = 0; s < count; ++s) {
-      wait_free();
-      advance();
     }
   }
 };
@@ -182,52 +144,6 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
       : "memory");
 #endif
 }
-// tma_load_2d's box into the same shared-memory offset of every block of the cluster in `blocks` (a
-// bit per rank), completing on the barrier at `bar`'s offset in each of them.
-__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, int col, int row,
-                                                      uint64_t* bar, uint16_t blocks) {
-#ifdef TRIMUL_SM90A
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(smem_u32(bar)), "h"(blocks)
-      : "memory");
-#endif
-}
-
-// Weight multicast (ForwardArgs::weight_cluster): with the weights streamed per tile, every block
-// reads each weight stage from L2 once per tile (per 64 positions in the output pass at pair_dim 384:
-// ~6 KB of weights per position, more than the position's own DRAM bytes). The `size` blocks of a
-// cluster (consecutive blockIdx.x, different tiles, the same weight sequence) each load 1/size of every
-// stage's rows and multicast it to all of them, so L2 serves a stage once per cluster. A stage is
-// refilled only after every block's MMA warpgroups released it: they arrive on the stage's empty
-// barrier in every block of the cluster (init_pass_barriers counts them). size 1: plain loads and arrivals.
-struct WeightMulticast {
-  int size = 1;
-  uint32_t rank = 0;
-  // Rows [rank * rows / size, ..) of a stage of `rows` rows, `row_bytes` each, from map row `row0` on:
-  // this block's slice, into every block's stage `dst`; `bar` (the stage's full barrier, in each block)
-  // expects the whole stage's bytes.
-  __device__ __forceinline__ void load(void* dst, const CUtensorMap* map, int col, int row0, int rows, int row_bytes,
-                                       uint64_t* bar) const {
-    mbar_expect_tx(bar, rows * row_bytes);
-    if (size == 1) {
-      tma_load_2d(dst, map, col, row0, bar);
-      return;
-    }
-    const int slice = rows / size;
-    tma_load_2d_multicast(static_cast<uint8_t*>(dst) + rank * slice * row_bytes, map, col,
-                          row0 + static_cast<int>(rank) * slice, bar, static_cast<uint16_t>((1u << size) - 1));
-  }
-  __device__ __forceinline__ void release(uint64_t* empty) const {
-    if (size == 1) {
-      mbar_arrive(empty);
-      return;
-    }
-    for (int r = 0; r < size; ++r) mbar_arrive_in(empty, static_cast<uint32_t>(r));
-  }
-};
-
 // Generic-proxy shared-memory writes (st.shared) made visible to the async proxy (wgmma operands).
 __device__ __forceinline__ void fence_proxy_async() {
 #ifdef TRIMUL_SM90A
@@ -596,48 +512,6 @@ __device__ __forceinline__ void load_contraction_stage(uint8_t* smem, uint64_t* 
   mbar_expect_tx(&full[s], kStageBytes);
   tma_load(stage, map_a, kt * elems_per_row, row0, a_plane, &full[s]);
   tma_load(stage + kATile, map_b, kt * elems_per_row, col0, b_plane, &full[s]);
-}
-
-// Launches Kernel(args...) as persistent blocks (one per SM) for `tiles` tiles in clusters of `cluster`
-// blocks: as many whole clusters as the GPU holds at once (cudaOccupancyMaxActiveClusters: a cluster
-// lives within one GPC), at most enough for the tiles. (The kernels' tile loops give every block of
-// a cluster the same number of iterations, WeightMulticast.) cudaErrorNotSupported where none fits.
-template <auto Kernel, typename... Args>
-cudaError_t launch_in_clusters(int64_t tiles, int threads, int64_t smem_bytes, cudaStream_t stream, int cluster,
-                               const Args&... args) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(cluster));
-  config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  // (the occupancy query once per device, cluster size and shared-memory size: its answer does not change)
-  struct Known {
-    int64_t bytes = -1;
-    int cluster = 0, clusters = 0;
-  };
-  constexpr int kMaxDevices = 64;
-  static Known known[kMaxDevices];
-  int device = 0;
-  cudaError_t status = cudaGetDevice(&device);
-  if (status != cudaSuccess) return status;
-  int clusters = 0;
-  if (device < kMaxDevices && known[device].bytes == smem_bytes && known[device].cluster == cluster) {
-    clusters = known[device].clusters;
-  } else {
-    status = cudaOccupancyMaxActiveClusters(&clusters, reinterpret_cast<const void*>(Kernel), &config);
-    if (status != cudaSuccess) return status;
-    if (device < kMaxDevices) known[device] = Known{smem_bytes, cluster, clusters};
-  }
-  if (clusters <= 0) return cudaErrorNotSupported;
-  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(clusters, ceil_div(tiles, cluster)) * cluster));
-  return cudaLaunchKernelEx(&config, Kernel, args...);
 }
 
 // Launches Kernel, a TMA contraction kernel (map_a, map_b, z, batch, m, n, ldz, k_tiles, segments,
