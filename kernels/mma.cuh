@@ -344,6 +344,21 @@ __device__ __forceinline__ void store_pair(TOut* dst, float v0, float v1, bool b
   }
 }
 
+// store_pair into global memory, an fp32 pair written by one 8-byte store instruction however the
+// compiler sees the code around it: in the output passes NVVM split store_pair's float2 store into two
+// 4-byte ones (PTX st.global.f32 x 2; ncu: the resident output pass L1-bound at 86%, 29% of its global
+// sectors excess, a warp's store instruction half-filling 8 sectors; NOTES after v23).
+template <typename TOut>
+__device__ __forceinline__ void store_pair_global(TOut* dst, float v0, float v1, bool both, bool paired) {
+  if constexpr (std::is_same<TOut, float>::value) {
+    if (both && paired) {
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
+      return;
+    }
+  }
+  store_pair(dst, v0, v1, both, paired);
+}
+
 
 // Calls f(std::integral_constant<Mode, M>{}) for the run-time mode.
 template <typename F>
