@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
                            (proj[mi][ni][2 * hh] + out_bias[ni][0]);
           const float v1 = gate_sigmoid<M>(gate[mi][ni][2 * hh + 1] + gate_bias[ni][1]) *
                            (proj[mi][ni][2 * hh + 1] + out_bias[ni][1]);
-          store_pair_global(row + c, v0, v1, both, paired);
+          store_pair(row + c, v0, v1, both, paired);
         }
       }
   }
@@ -519,7 +519,7 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
             const float v0 = gated_16bit(proj[mi][ni][2 * hh], gate[mi][ni][2 * hh], 0.5f);
             const float v1 = gated_16bit(proj[mi][ni][2 * hh + 1], gate[mi][ni][2 * hh + 1], 0.5f);
             if (k128) {  // (every channel of the chunk inside C)
-              if (row_start >= 0) store_pair_global(row + ni * 8, v0, v1, true, true);
+              if (row_start >= 0) store_pair(row + ni * 8, v0, v1, true, true);
             } else if (paired) {  // C even: c < C means c + 1 < C; predicated stores
               if (row_start >= 0 && c < args.c) store_pair(row + ni * 8, v0, v1, true, true);
             } else if (row_start >= 0 && c < args.c) {

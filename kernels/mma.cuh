@@ -327,13 +327,15 @@ __device__ __forceinline__ void gemm_streamed_swapped(float (&acc)[T::MT][T::NT]
   }
 }
 
-// Stores v0 (and v1 at dst + 1 when `both`), as one 8- or 4-byte store when `paired` says the
-// destination is aligned for it.
+// Stores v0 (and v1 at dst + 1 when `both`) to global memory, as one 8- or 4-byte store when `paired`
+// says the destination is aligned for it. (The fp32 pair as st.global.v2.f32 written out: from a float2
+// store NVVM emitted two st.global.f32 in the output passes, each warp store instruction half-filling 8
+// sectors; ncu: the resident output pass L1-bound at 86%, 29% of its global sectors excess; NOTES v24.)
 template <typename TOut>
 __device__ __forceinline__ void store_pair(TOut* dst, float v0, float v1, bool both, bool paired) {
   if (both && paired) {
     if constexpr (std::is_same<TOut, float>::value) {
-      *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
     } else {
       TOut pair[2] = {from_float<TOut>(v0), from_float<TOut>(v1)};
       *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(pair);
@@ -342,21 +344,6 @@ __device__ __forceinline__ void store_pair(TOut* dst, float v0, float v1, bool b
     dst[0] = from_float<TOut>(v0);
     if (both) dst[1] = from_float<TOut>(v1);
   }
-}
-
-// store_pair into global memory, an fp32 pair written by one 8-byte store instruction however the
-// compiler sees the code around it: in the output passes NVVM split store_pair's float2 store into two
-// 4-byte ones (PTX st.global.f32 x 2; ncu: the resident output pass L1-bound at 86%, 29% of its global
-// sectors excess, a warp's store instruction half-filling 8 sectors; NOTES after v23).
-template <typename TOut>
-__device__ __forceinline__ void store_pair_global(TOut* dst, float v0, float v1, bool both, bool paired) {
-  if constexpr (std::is_same<TOut, float>::value) {
-    if (both && paired) {
-      asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(v0), "f"(v1) : "memory");
-      return;
-    }
-  }
-  store_pair(dst, v0, v1, both, paired);
 }
 
 
