@@ -2,6 +2,7 @@
 
     python -m pytest test_trimul.py
 """
+import contextlib
 import copy
 import gc
 import os
@@ -692,7 +693,8 @@ def test_fused_reduced_precisions(variant, precision, direction, batch, n, pair_
 
 
 # Kernel names (as the profiler shows them) of each fused pass's kernels, by pinned name.
-PASS_KERNELS = {"input": {"wgmma": "input_pass::wgmma_tiles::kernel<", "resident": "input_pass::resident::kernel<",
+PASS_KERNELS = {"input": {"wgmma_rs": "input_pass::wgmma_rs::kernel<",
+                          "wgmma": "input_pass::wgmma_tiles::kernel<", "resident": "input_pass::resident::kernel<",
                           "streamed": "input_pass::kernel<"},
                 "output": {"wgmma": "output_pass::wgmma_tiles::kernel<", "resident": "output_pass::resident::kernel<",
                            "streamed": "output_pass::kernel<"}}
@@ -741,6 +743,40 @@ def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precisi
         flags = "%s, false" if fused_pass == "input" else "%s"
         assert re.search(r"wgmma_tiles::kernel<[^>]*, %s>\(" % (flags % ("true" if arith_f16 else "false")),
                          names[0]), names
+
+
+@cuda
+@pytest.mark.parametrize("autocast", [None, torch.float16])
+# (1, 200, 128, 128): 625 64-position tiles, the last one half past the plane (in_plane 32); (2, 97, 128, 40):
+# H not a multiple of 64 (a chunk's h past H are not stored), batch 2; (1, 33, 128, 96) incoming: a transposed
+# row walk, a tile per 64 positions over rows of 64 (ld) with k >= n padding; (3, 7, 128, 8): fewer tiles than
+# warpgroups; (1, 130, 128, 64) with a float mask and rows 40 away from zero (the LayerNorm's shift).
+@pytest.mark.parametrize("batch, n, hidden, direction, mask_kind, offset", [
+    (1, 200, 128, "outgoing", "bool", 0.0), (2, 97, 40, "outgoing", "bool", 0.0), (1, 33, 96, "incoming", "bool", 0.0),
+    (3, 7, 8, "outgoing", "bool", 0.0), (1, 130, 64, "outgoing", "float", 40.0)])
+def test_register_row_input_kernel_matches_fp64(monkeypatch, autocast, batch, n, hidden, direction, mask_kind,
+                                                offset):
+    """TRIMUL_INPUT_PASS=wgmma_rs: the 16-bit input kernel with the rows in registers (pair_dim 128, fp32
+    rows) and its prepared weights (LayerNorm_in's affine folded in, k permuted) against fp64, on poisoned
+    work buffers; the profiler checks that it is the kernel that ran."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma_rs")
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(128, hidden, direction, "raw").double(), g)
+    new = _make_new(reference, torch.float32, "auto", "medium")
+    pair, mask = random_inputs(batch, n, 128, g)
+    if mask_kind == "float":
+        mask = mask * torch.rand(mask.shape, generator=g, dtype=torch.float64) * 2.0
+    pair = pair + offset
+    context = torch.autocast("cuda", autocast) if autocast is not None else contextlib.nullcontext()
+    with context:
+        _, ran = _check_model_profiled(new, reference, pair, mask.to(torch.float32 if mask_kind == "float" else torch.bool),
+                                       FUSED_TOLERANCE["medium"], seed, f"wgmma_rs {autocast} {batch},{n},{hidden}",
+                                       rounding="medium")
+    names = [k for k in ran if "input_pass" in k]
+    assert len(names) == 1 and PASS_KERNELS["input"]["wgmma_rs"] in names[0], names
 
 
 @cuda
@@ -1219,8 +1255,9 @@ def test_cuda_bad_input_raises():
 @cuda
 @pytest.mark.parametrize("variable, value, message", [
     ("TRIMUL_HIGH_ARITH", "bf16", "TRIMUL_HIGH_ARITH must be f16 or tf32, not 'bf16'"),
-    ("TRIMUL_INPUT_PASS", "wgma", "TRIMUL_INPUT_PASS must be wgmma, resident or streamed, not 'wgma'"),
+    ("TRIMUL_INPUT_PASS", "wgma", "TRIMUL_INPUT_PASS must be wgmma_rs, wgmma, resident or streamed, not 'wgma'"),
     ("TRIMUL_OUTPUT_PASS", "mma", "TRIMUL_OUTPUT_PASS must be wgmma, resident or streamed, not 'mma'"),
+    ("TRIMUL_OUTPUT_PASS", "wgmma_rs", "TRIMUL_OUTPUT_PASS must be wgmma, resident or streamed, not 'wgmma_rs'"),
     ("TRIMUL_INPUT_PLAN", "3,4", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
     ("TRIMUL_INPUT_PLAN", "2,9", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
     ("TRIMUL_INPUT_PLAN", "2", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),

@@ -564,8 +564,9 @@ def prepare_weights(params, mode: str):
     k padded to 32 and rows to 128 with zeros; proj/gate rows in groups of 16 (rows 16g + e = proj
     and 16g + 8 + e = gate of h = 8g + e), so the input pass's mma fragment rows g and g + 8 hold
     both halves of one gated output. LayerNorm_out's weight and bias are folded into out_proj's
-    weight and bias (its own entries stay in the list for the sizes only). The fp32 modes (tf32,
-    tf32x3) add the wgmma passes' scaled fp16 operands (_f16x3_weights)."""
+    weight and bias (its own entries stay in the list for the sizes only). The 16-bit modes add the
+    register-row input kernel's weights (_register_row_weights), the fp32 modes (tf32, tf32x3) the
+    wgmma passes' scaled fp16 operands (_f16x3_weights)."""
     (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
      out_w, out_b, gate_w, gate_b) = [p.detach() for p in params]
     hidden, pair_dim = pa_w.shape
@@ -601,10 +602,32 @@ def prepare_weights(params, mode: str):
     prepared = [as_f32(ln_in_w), as_f32(ln_in_b), as_f32(ln_out_w), as_f32(ln_out_b),
                 as_operand(w_in), torch.cat([ba, bb]), as_operand(w_gate),
                 as_f32(gate_b), as_operand(w_out), as_f32(out_b)]
+    if mode in ("bf16", "f16"):  # (the input kernel with the rows in registers: ForwardArgs::w_in_rows)
+        prepared += _register_row_weights(w_in, torch.cat([ba, bb]), ln_in_w, ln_in_b, operand)
     if mode in ("tf32", "tf32x3"):  # (the wgmma passes' scaled fp16 arithmetic: ForwardArgs::w_in_f16x3)
         prepared += _f16x3_weights(w_in, w_gate, w_out, ln_in_w.float(), ln_in_b.float(), pair_dim, hidden,
                                    torch.cat([pa_w, pb_w]).float(), torch.cat([pa_b, pb_b]).float())
     return prepared
+
+
+def _register_row_weights(w_in, b_in, ln_w, ln_b, operand):
+    """The 16-bit input kernel with the rows in registers (ForwardArgs::w_in_rows, b_in_rows): the grouped
+    w_in (fp32 [rows, c_pad]) with LayerNorm_in's affine folded in, W diag(w_ln) and b_in + W b_ln (fp64),
+    so the kernel only normalizes; and k permuted within each 16-channel block, k = 16s + 8hh + 2t + e
+    holding channel 16s + 4t + 2hh + e, so that a thread's wgmma A fragment for k-step s (k 16s + 2t + e
+    and 16s + 8 + 2t + e) is 4 adjacent channels of its row: one 16-byte load."""
+    rows, c_pad = w_in.shape
+    pair_dim = ln_w.shape[0]
+    k = torch.arange(c_pad, device=w_in.device)
+    block, within = k // 16, k % 16
+    channel = 16 * block + 4 * ((within % 8) // 2) + 2 * (within // 8) + within % 2
+    w_ln = torch.zeros(c_pad, device=w_in.device, dtype=torch.float32)
+    b_ln = torch.zeros(c_pad, device=w_in.device, dtype=torch.float64)
+    w_ln[:pair_dim] = ln_w.float()
+    b_ln[:pair_dim] = ln_b.double()
+    folded = (w_in * w_ln)[:, channel]
+    bias = (b_in.double() + w_in.double() @ b_ln).float()
+    return [folded.to(operand).contiguous(), bias.contiguous()]
 
 
 def _power_of_two_to_4096(bound: torch.Tensor) -> torch.Tensor:

@@ -89,6 +89,12 @@ struct ForwardArgs {
   const void* w_in;       // [2 * rows_ab, c_pad]: per half, rows 16g+e / 16g+8+e = proj / gate of h = 8g+e
   const float* b_in;      // [2 * rows_ab] in the same order
   int64_t rows_ab;        // round_up(2H, 128)
+  // The 16-bit modes' input kernel with the rows in registers (input_pass::wgmma_rs): w_in with
+  // LayerNorm_in's weight folded in (W diag(w_ln)) and k permuted within each 16-channel block (k =
+  // 16s + 8hh + 2t + e holds channel 16s + 4t + 2hh + e: a thread's register fragment is 4 adjacent
+  // channels of a row per k-step), and b_in + W b_ln (fp64); nullptr in the fp32 modes.
+  const void* w_in_rows;   // [2 * rows_ab, c_pad]
+  const float* b_in_rows;  // [2 * rows_ab]
   const void* w_gate;     // [round_up(C, 128), c_pad] out_gate
   const float* b_gate;    // [C]
   const void* w_out;      // [round_up(C, 128), h_pad] out_proj
@@ -148,8 +154,9 @@ struct ForwardArgs {
   InputStaging input_staging;
 };
 
-// A fused pass's kernels by their pinning names.
-inline bool known_pass_kernel(const char* name) {
+// A fused pass's kernels by their pinning names (the input pass has one more: wgmma_rs).
+inline bool known_pass_kernel(const char* name, bool input_pass) {
+  if (input_pass && std::strcmp(name, "wgmma_rs") == 0) return true;
   for (const char* known : {"wgmma", "resident", "streamed"})
     if (std::strcmp(known, name) == 0) return true;
   return false;

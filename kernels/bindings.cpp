@@ -112,8 +112,9 @@ trimul::MaskKind mask_kind(const at::Tensor& mask) {
 const char* pass_pin(const char* variable) {
   const char* pin = std::getenv(variable);
   if (pin == nullptr || pin[0] == '\0') return nullptr;
-  TORCH_CHECK_VALUE(trimul::known_pass_kernel(pin), "trimul_inline: ", variable, " must be wgmma, resident or streamed, not '",
-                    pin, "'");
+  const bool input = std::strcmp(variable, "TRIMUL_INPUT_PASS") == 0;
+  TORCH_CHECK_VALUE(trimul::known_pass_kernel(pin, input), "trimul_inline: ", variable, " must be ",
+                    input ? "wgmma_rs, " : "", "wgmma, resident or streamed, not '", pin, "'");
   return pin;
 }
 
@@ -155,8 +156,8 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   // (the fp32 modes' wgmma passes may multiply scaled fp16: ForwardArgs::w_in_f16x3)
   const bool f16x3_weights = static_cast<trimul::Mode>(mode_code) == trimul::Mode::tf32x3 ||
                              static_cast<trimul::Mode>(mode_code) == trimul::Mode::tf32;
-  TORCH_CHECK_VALUE(weights.size() == (f16x3_weights ? 14u : 10u), "trimul_inline: forward takes ",
-                    f16x3_weights ? 14 : 10, " prepared weights in this mode, got ", weights.size());
+  TORCH_CHECK_VALUE(weights.size() == (f16x3_weights ? 14u : 12u), "trimul_inline: forward takes ",
+                    f16x3_weights ? 14 : 12, " prepared weights in this mode, got ", weights.size());
   for (const auto& w : weights)
     TORCH_CHECK_VALUE(w.device() == pair.device() && w.is_contiguous() &&
                           reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
@@ -211,6 +212,13 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   TORCH_CHECK_VALUE(args.c_pad == round_up(c, 32) && args.h_pad == round_up(hidden, 32) &&
                         args.rows_ab == round_up(2 * hidden, 128) && weights[6].size(1) == args.c_pad,
                     "trimul_inline: prepared weights do not match pair_dim ", c, " / hidden ", hidden);
+  if (!f16x3_weights) {
+    TORCH_CHECK_VALUE(weights[10].scalar_type() == op_type && weights[10].sizes() == weights[4].sizes() &&
+                          weights[11].scalar_type() == at::kFloat && weights[11].numel() == 2 * args.rows_ab,
+                      "trimul_inline: prepared register-row weights do not match pair_dim ", c, " / hidden ", hidden);
+    args.w_in_rows = weights[10].data_ptr();
+    args.b_in_rows = weights[11].data_ptr<float>();
+  }
   if (f16x3_weights) {
     const auto is_f16x3 = [](const at::Tensor& w, int64_t rows, int64_t k_pad) {
       return w.scalar_type() == at::kHalf && w.dim() == 2 && w.size(0) == rows && w.size(1) == 2 * round_up(k_pad, 64);

@@ -794,6 +794,219 @@ cudaError_t plan_and_launch(const ForwardArgs& args) {
 
 }  // namespace wgmma_tiles
 
+// ---- wgmma with the rows in registers (sm_90a; 16-bit modes, fp32 rows of pair_dim 128) --------
+// wgmma_tiles stages LayerNorm-ed rows in shared memory (wgmma's B operand) through 7 stager warps whose
+// loads in flight are bounded by their registers (~28 KB per SM at pair_dim 128, about the 1.9 TB/s that
+// kernel reaches there; NOTES v25). Here the rows are wgmma's A operand, from registers: each MMA
+// warpgroup loads its own 64-position tiles (a thread: two rows, 32 channels of each: 8 16-byte loads
+// per row), LayerNorms them in registers (statistics over a quad: two shuffles), and multiplies them by
+// the resident weights (B: the 128 weight rows of a chunk, N = 128); the next tile's rows (32 KB per
+// warpgroup) load while this tile's chunks multiply and store. The weights come prepared for it
+// (ForwardArgs::w_in_rows: LayerNorm_in's affine folded in, k permuted so that a k-step's fragment is
+// 4 adjacent channels of a row). The gated outputs go out through a per-warpgroup scratch, transposed by
+// stmatrix.trans (64 h rows x 64 positions), as whole 128-byte runs of a_t / b_t rows.
+namespace wgmma_rs {
+
+using namespace ::trimul::tma;
+using namespace ::trimul::tma::ws;
+
+constexpr int kGroups = 2;  // MMA warpgroups per block, each on its own tiles
+constexpr int kThreads = 128 * kGroups;
+constexpr int kPositions = 64;                      // per tile: wgmma's M
+constexpr int kC = 128;                             // the pair_dim it takes
+constexpr int kSteps = kC / 16;                     // k16 steps
+constexpr int kKTiles = kC * 2 / kKBytes;           // 128-byte k-tiles per weight chunk
+constexpr int kScratchBytes = 2 * 64 * kPositions * 2;  // per warpgroup: two buffers of 64 h x 64 positions
+
+inline int64_t weight_tiles(int64_t rows_ab) { return 2 * rows_ab / kChunkRows * kKTiles; }
+// Dynamic shared memory: the resident weights (1024-byte aligned), the scratches, the weights' barriers.
+inline int64_t smem_bytes(int64_t rows_ab) {
+  return 1023 + weight_tiles(rows_ab) * (kStageBytes + 8) + kGroups * kScratchBytes;
+}
+
+template <Mode M>
+__global__ void __launch_bounds__(kThreads, 1)
+    kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch) {
+  using Op = op_t<M>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* weights = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const int chunks = static_cast<int>(2 * args.rows_ab / kChunkRows);
+  const int w_tiles = chunks * kKTiles;
+  uint8_t* scratch_all = weights + w_tiles * kStageBytes;
+  uint64_t* w_full = reinterpret_cast<uint64_t*>(scratch_all + kGroups * kScratchBytes);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < w_tiles; ++i) mbar_init(&w_full[i], 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int i = 0; i < w_tiles; ++i) {
+      mbar_expect_tx(&w_full[i], kStageBytes);
+      tma_load_2d(weights + i * kStageBytes, &map_w, (i % kKTiles) * (kKBytes / 2), (i / kKTiles) * kChunkRows,
+                  &w_full[i]);
+    }
+
+  const int warp = warp_index(), lane = threadIdx.x & 31;
+  const int group = warp >> 2, warp4 = warp & 3, t = lane & 3, tid = threadIdx.x & 127;
+  uint8_t* scratch = scratch_all + group * kScratchBytes;
+  const int64_t tiles = args.batch * tiles_per_batch, plane = args.n * args.ld;
+  const int64_t stride = int64_t(gridDim.x) * kGroups;
+  const float* pair = static_cast<const float*>(args.pair);
+  // This thread's rows of a tile: positions 16 warp4 + lane / 4 and 8 further (its rows of the wgmma's
+  // A fragment); of each, channels 16 s + 4 t .. + 3 for k-step s. half_scale: mask / 2 (gated_16bit_half).
+  const int row0 = 16 * warp4 + (lane >> 2);
+  const auto load_rows = [&](int64_t tile, float4 (&rows)[2][kSteps], float (&half_scale)[2]) {
+    int64_t off[2] = {-1, -1};
+    half_scale[0] = half_scale[1] = 0.f;
+    if (tile < tiles) {
+      const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        float mask;
+        locate_position(args, batch, p0 + row0 + 8 * hf, plane, off[hf], mask);
+        half_scale[hf] = 0.5f * mask;
+      }
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s)
+        rows[hf][s] = off[hf] >= 0 ? *reinterpret_cast<const float4*>(pair + off[hf] + 16 * s + 4 * t)
+                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+  };
+
+  int64_t tile = int64_t(blockIdx.x) * kGroups + group;
+  float4 raw[2][kSteps];
+  float next_scale[2];
+  load_rows(tile, raw, next_scale);
+  for (int i = 0; i < w_tiles; ++i) mbar_wait(&w_full[i], 0);
+  int parity = 0;  // the scratch buffer the next chunk writes
+  for (; tile < tiles; tile += stride) {
+    const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
+    const int in_plane = static_cast<int>(std::min<int64_t>(plane - p0, kPositions));  // (a multiple of 32)
+    // LayerNorm (shifted by the row's first value, as VecRowStager does) into the A fragments: k-step s
+    // holds channels 16 s + 4 t + {0, 1} (frag[s][hf]) and + {2, 3} (frag[s][2 + hf]) of row hf.
+    uint32_t frag[kSteps][4];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const float shift = __shfl_sync(0xffffffffu, raw[hf][0].x, lane & ~3);
+      float sum = 0.f, sum_sq = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        float4& v = raw[hf][s];
+        v.x -= shift;
+        v.y -= shift;
+        v.z -= shift;
+        v.w -= shift;
+        sum += (v.x + v.y) + (v.z + v.w);
+        sum_sq = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, sum_sq))));
+      }
+#pragma unroll
+      for (int offset = 1; offset < 4; offset <<= 1) {
+        sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
+      }
+      const float2 moments = shifted_moments(sum, sum_sq, kC, args.eps_in);
+      const float rstd = moments.y, centre = -moments.x * rstd;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        const float4 v = raw[hf][s];
+        frag[s][hf] = pack_pair<Op>(fmaf(v.x, rstd, centre), fmaf(v.y, rstd, centre));
+        frag[s][2 + hf] = pack_pair<Op>(fmaf(v.z, rstd, centre), fmaf(v.w, rstd, centre));
+      }
+    }
+    const float half_scale[2] = {next_scale[0], next_scale[1]};
+    load_rows(tile + stride, raw, next_scale);  // in flight while this tile multiplies and stores
+
+    for (int chunk = 0; chunk < chunks; ++chunk) {
+      float acc[64];
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s)
+        wgmma_rs_64x128<Op>(acc, frag[s],
+                            desc_add(smem_descriptor(weights + (chunk * kKTiles + s / 4) * kStageBytes), 2 * (s % 4)),
+                            s > 0);
+      wgmma_commit();
+      // This thread's columns: weight rows 16 q + 2 t + e of the chunk (proj of h = 8 q + 2 t + e), + 8 (its gate).
+      const int64_t r0 = int64_t(chunk) * kChunkRows;
+      float2 proj_bias[8], half_gate_bias[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        proj_bias[q] = *reinterpret_cast<const float2*>(args.b_in_rows + r0 + 16 * q + 2 * t);
+        const float2 gate_bias = *reinterpret_cast<const float2*>(args.b_in_rows + r0 + 16 * q + 8 + 2 * t);
+        half_gate_bias[q] = make_float2(0.5f * gate_bias.x, 0.5f * gate_bias.y);
+      }
+      wgmma_wait<0>();
+      uint8_t* buf = scratch + parity * (kScratchBytes / 2);
+      parity ^= 1;
+      // acc[4 j + 2 hf + e]: position row0 + 8 hf, column 8 j + 2 t + e; columns 16 q .. + 7 are proj of
+      // h = 8 q .. + 7, 16 q + 8 .. their gates. Each 8 x 8 block (q, hf) of gated values goes to the
+      // scratch transposed (stmatrix.trans: row = h, 8 positions), its 16-byte chunk XOR-swizzled by h % 8.
+#pragma unroll
+      for (int qq = 0; qq < 4; ++qq) {
+        uint32_t packed[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int q = 2 * qq + (k >> 1), hf = k & 1;
+          const float v0 = gated_16bit_half(acc[8 * q + 2 * hf] + proj_bias[q].x,
+                                            fmaf(acc[8 * q + 4 + 2 * hf], 0.5f, half_gate_bias[q].x), half_scale[hf]);
+          const float v1 = gated_16bit_half(acc[8 * q + 2 * hf + 1] + proj_bias[q].y,
+                                            fmaf(acc[8 * q + 5 + 2 * hf], 0.5f, half_gate_bias[q].y), half_scale[hf]);
+          packed[k] = pack_pair<Op>(v0, v1);
+        }
+#ifdef TRIMUL_SM90A
+        const int k = lane >> 3, i = lane & 7;  // (lane 8k + i: row i of block k)
+        const int q = 2 * qq + (k >> 1), hf = k & 1;
+        const uint32_t addr = smem_u32(buf) + (8 * q + i) * (2 * kPositions) + (((2 * warp4 + hf) ^ i) << 4);
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                     "r"(packed[0]), "r"(packed[1]), "r"(packed[2]), "r"(packed[3])
+                     : "memory");
+#endif
+      }
+      named_barrier(1 + group, 128);  // the warpgroup's blocks are in the scratch
+      const bool second = r0 >= args.rows_ab;  // b's rows follow a's
+      const int64_t h0 = (r0 - (second ? args.rows_ab : 0)) / 2;
+      Op* out = static_cast<Op*>(second ? args.b_t : args.a_t) + (batch * args.h + h0) * plane + p0;
+#pragma unroll
+      for (int it = 0; it < 4; ++it) {
+        const int h = 16 * it + (tid >> 3), c = tid & 7;
+        const uint4 v = *reinterpret_cast<const uint4*>(buf + h * (2 * kPositions) + ((c ^ (h & 7)) << 4));
+        if (h0 + h < args.h && 8 * c < in_plane) *reinterpret_cast<uint4*>(out + h * plane + 8 * c) = v;
+      }
+      // (no barrier after the reads: the next chunk writes the other buffer, and the one after it
+      // passes the next chunk's barrier first, which every thread reaches after these reads)
+    }
+  }
+}
+
+// Whether it takes these sizes: sm_90a on Hopper, a 16-bit mode, fp32 rows of exactly kC channels in
+// 16-byte vectors, the prepared weights (ForwardArgs::w_in_rows), and the resident weights in shared memory.
+template <Mode M, typename TIn>
+bool applicable(const ForwardArgs& args) {
+  if constexpr ((M == Mode::bf16 || M == Mode::f16) && std::is_same<TIn, float>::value) {
+    return tensor_map_encoder() != nullptr && args.c == kC && args.c_pad == kC && args.w_in_rows != nullptr &&
+           args.b_in_rows != nullptr && rows_vectorizable<float>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair) &&
+           smem_bytes(args.rows_ab) <= max_smem_optin();
+  }
+  return false;
+}
+
+template <Mode M>
+cudaError_t launch(const ForwardArgs& args) {
+  CUtensorMap map_w;
+  if (!encode_kmajor_map<op_t<M>>(&map_w, args.w_in_rows, 0, 2 * args.rows_ab, kC, kChunkRows))
+    return cudaErrorNotSupported;
+  const int64_t bytes = smem_bytes(args.rows_ab);
+  const cudaError_t status = allow_smem<kernel<M>>(bytes);
+  if (status != cudaSuccess) return status;
+  const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
+  const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, kGroups));
+  kernel<M><<<static_cast<unsigned>(blocks), kThreads, bytes, args.stream>>>(args, map_w, tiles_per_batch);
+  return cudaGetLastError();
+}
+
+}  // namespace wgmma_rs
+
 // The tiling this pass uses for these sizes and its shared memory; {false, 0} if none fits.
 template <Mode M>
 std::pair<bool, int64_t> choose(const ForwardArgs& args) {
@@ -806,6 +1019,11 @@ std::pair<bool, int64_t> choose(const ForwardArgs& args) {
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
   const char* pinned = args.input_pin;
+  if (pinned != nullptr && std::strcmp(pinned, "wgmma_rs") == 0) {
+    if (wgmma_rs::applicable<M, TIn>(args)) {
+      if constexpr (M == Mode::bf16 || M == Mode::f16) return wgmma_rs::launch<M>(args);
+    }
+  }
   if (pin_allows(pinned, "wgmma")) {
     const cudaError_t status = wgmma_tiles::plan_and_launch<M, TIn>(args);
     if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
