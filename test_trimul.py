@@ -746,6 +746,28 @@ def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precisi
 
 
 @cuda
+@pytest.mark.parametrize("pair_dim, dtype, takes", [(128, torch.float32, True), (128, torch.bfloat16, False),
+                                                    (96, torch.float32, False), (384, torch.float32, False)])
+def test_auto_takes_register_row_input_kernel_for_fp32_rows_of_128(monkeypatch, pair_dim, dtype, takes):
+    """With TRIMUL_INPUT_PASS unset, "medium" takes wgmma_rs for fp32 rows of exactly 128 channels (where it
+    measured faster, NOTES v25) and the wgmma kernel for others (bf16 rows, other pair_dims), correct either way."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    monkeypatch.delenv("TRIMUL_INPUT_PASS", raising=False)
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, 128, "outgoing", "raw").double(), g)
+    new = _make_new(reference, dtype, "auto", "medium")
+    pair, mask = random_inputs(1, 150, pair_dim, g)
+    tolerance = FUSED_TOLERANCE["medium"] if dtype == torch.float32 else TOLERANCE[dtype]
+    _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, tolerance, seed, f"auto {pair_dim} {dtype}",
+                                   dtype, rounding="medium")
+    names = [k for k in ran if "input_pass" in k]
+    kernel = "wgmma_rs" if takes else "wgmma"
+    assert len(names) == 1 and PASS_KERNELS["input"][kernel] in names[0], names
+
+
+@cuda
 @pytest.mark.parametrize("autocast", [None, torch.float16])
 # (1, 200, 128, 128): 625 64-position tiles, the last one half past the plane (in_plane 32); (2, 97, 128, 40):
 # H not a multiple of 64 (a chunk's h past H are not stored), batch 2; (1, 33, 128, 96) incoming: a transposed
@@ -1352,6 +1374,7 @@ def test_streamed_input_staging_matches_fp64(monkeypatch, dtype, direction, batc
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma passes need an sm_90a GPU")
     monkeypatch.setenv("TRIMUL_INPUT_STAGING", "stream")
+    monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma")  # (auto takes wgmma_rs for fp32 rows at pair_dim 128)
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
@@ -1373,7 +1396,7 @@ def test_input_staging_auto_streams_at_pair_dim_128(monkeypatch, pair_dim, strea
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma passes need an sm_90a GPU")
     monkeypatch.delenv("TRIMUL_INPUT_STAGING", raising=False)
-    monkeypatch.delenv("TRIMUL_INPUT_PASS", raising=False)
+    monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma")  # (auto takes wgmma_rs for fp32 rows at pair_dim 128)
     ran = _check_fresh_model_profiled(1, 150, pair_dim, 128, "medium", f"auto staging {pair_dim}")
     names = [k for k in ran if "input_pass" in k]
     flag = "true" if streamed else "false"

@@ -816,7 +816,7 @@ constexpr int kPositions = 64;                      // per tile: wgmma's M
 constexpr int kC = 128;                             // the pair_dim it takes
 constexpr int kSteps = kC / 16;                     // k16 steps
 constexpr int kKTiles = kC * 2 / kKBytes;           // 128-byte k-tiles per weight chunk
-constexpr int kScratchBytes = 2 * 64 * kPositions * 2;  // per warpgroup: two buffers of 64 h x 64 positions
+constexpr int kScratchBytes = 2 * 32 * kPositions * 2;  // per warpgroup: two buffers of 32 h x 64 positions
 
 inline int64_t weight_tiles(int64_t rows_ab) { return 2 * rows_ab / kChunkRows * kKTiles; }
 // Dynamic shared memory: the resident weights (1024-byte aligned), the scratches, the weights' barriers.
@@ -824,14 +824,14 @@ inline int64_t smem_bytes(int64_t rows_ab) {
   return 1023 + weight_tiles(rows_ab) * (kStageBytes + 8) + kGroups * kScratchBytes;
 }
 
-template <Mode M>
+// kChunks: 128-row weight chunks, 2 * rows_ab / 128 (2, 4 or 6: H <= 64, 128, 192).
+template <Mode M, int kChunks>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch) {
   using Op = op_t<M>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* weights = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  const int chunks = static_cast<int>(2 * args.rows_ab / kChunkRows);
-  const int w_tiles = chunks * kKTiles;
+  constexpr int w_tiles = kChunks * kKTiles;
   uint8_t* scratch_all = weights + w_tiles * kStageBytes;
   uint64_t* w_full = reinterpret_cast<uint64_t*>(scratch_all + kGroups * kScratchBytes);
   if (threadIdx.x == 0) {
@@ -918,32 +918,34 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float half_scale[2] = {next_scale[0], next_scale[1]};
     load_rows(tile + stride, raw, next_scale);  // in flight while this tile multiplies and stores
 
-    for (int chunk = 0; chunk < chunks; ++chunk) {
-      float acc[64];
+    // The weight rows in parts of 64 (N = 64: 32 h of a or b), two accumulator sets in turn: part p + 1
+    // multiplies while part p's gated values go out (the products' latency under the epilogue's).
+    constexpr int parts = 2 * kChunks;
+    const auto multiply = [&](int part, float(&acc)[32]) {
+      const uint8_t* w = weights + (part >> 1) * kKTiles * kStageBytes + (part & 1) * kGroupRowBytes;
       wgmma_fence();
 #pragma unroll
       for (int s = 0; s < kSteps; ++s)
-        wgmma_rs_64x128<Op>(acc, frag[s],
-                            desc_add(smem_descriptor(weights + (chunk * kKTiles + s / 4) * kStageBytes), 2 * (s % 4)),
-                            s > 0);
+        wgmma_rs_64x64<Op>(acc, frag[s], desc_add(smem_descriptor(w + (s / 4) * kStageBytes), 2 * (s % 4)), s > 0);
       wgmma_commit();
-      // This thread's columns: weight rows 16 q + 2 t + e of the chunk (proj of h = 8 q + 2 t + e), + 8 (its gate).
-      const int64_t r0 = int64_t(chunk) * kChunkRows;
-      float2 proj_bias[8], half_gate_bias[8];
+    };
+    const auto store = [&](int part, const float(&acc)[32]) {
+      // This thread's columns: weight rows 16 q + 2 t + e of the part (proj of h = 8 q + 2 t + e), + 8 (its gate).
+      const int64_t r0 = int64_t(part) * 64;
+      float2 proj_bias[4], half_gate_bias[4];
 #pragma unroll
-      for (int q = 0; q < 8; ++q) {
+      for (int q = 0; q < 4; ++q) {
         proj_bias[q] = *reinterpret_cast<const float2*>(args.b_in_rows + r0 + 16 * q + 2 * t);
         const float2 gate_bias = *reinterpret_cast<const float2*>(args.b_in_rows + r0 + 16 * q + 8 + 2 * t);
         half_gate_bias[q] = make_float2(0.5f * gate_bias.x, 0.5f * gate_bias.y);
       }
-      wgmma_wait<0>();
       uint8_t* buf = scratch + parity * (kScratchBytes / 2);
       parity ^= 1;
       // acc[4 j + 2 hf + e]: position row0 + 8 hf, column 8 j + 2 t + e; columns 16 q .. + 7 are proj of
       // h = 8 q .. + 7, 16 q + 8 .. their gates. Each 8 x 8 block (q, hf) of gated values goes to the
       // scratch transposed (stmatrix.trans: row = h, 8 positions), its 16-byte chunk XOR-swizzled by h % 8.
 #pragma unroll
-      for (int qq = 0; qq < 4; ++qq) {
+      for (int qq = 0; qq < 2; ++qq) {
         uint32_t packed[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -968,13 +970,32 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int64_t h0 = (r0 - (second ? args.rows_ab : 0)) / 2;
       Op* out = static_cast<Op*>(second ? args.b_t : args.a_t) + (batch * args.h + h0) * plane + p0;
 #pragma unroll
-      for (int it = 0; it < 4; ++it) {
+      for (int it = 0; it < 2; ++it) {
         const int h = 16 * it + (tid >> 3), c = tid & 7;
         const uint4 v = *reinterpret_cast<const uint4*>(buf + h * (2 * kPositions) + ((c ^ (h & 7)) << 4));
         if (h0 + h < args.h && 8 * c < in_plane) *reinterpret_cast<uint4*>(out + h * plane + 8 * c) = v;
       }
-      // (no barrier after the reads: the next chunk writes the other buffer, and the one after it
-      // passes the next chunk's barrier first, which every thread reaches after these reads)
+      // (no barrier after the reads: the next part writes the other buffer, and the one after it
+      // passes the next part's barrier first, which every thread reaches after these reads)
+    };
+    float acc0[32], acc1[32];
+    multiply(0, acc0);
+    // (unrolled, kChunks a template argument: with a runtime count the last round's branch merged two
+    // definitions of acc0 by register moves while a wgmma wrote it, and ptxas serialized every wgmma)
+#pragma unroll
+    for (int part = 0; part < parts; part += 2) {
+      multiply(part + 1, acc1);
+      wgmma_wait<1>();
+      fence_accumulators(acc0);
+      store(part, acc0);
+      if (part + 2 < parts) {
+        multiply(part + 2, acc0);
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      fence_accumulators(acc1);
+      store(part + 1, acc1);
     }
   }
 }
@@ -986,7 +1007,7 @@ bool applicable(const ForwardArgs& args) {
   if constexpr ((M == Mode::bf16 || M == Mode::f16) && std::is_same<TIn, float>::value) {
     return tensor_map_encoder() != nullptr && args.c == kC && args.c_pad == kC && args.w_in_rows != nullptr &&
            args.b_in_rows != nullptr && rows_vectorizable<float>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair) &&
-           smem_bytes(args.rows_ab) <= max_smem_optin();
+           args.rows_ab <= 3 * kChunkRows && smem_bytes(args.rows_ab) <= max_smem_optin();
   }
   return false;
 }
@@ -997,12 +1018,21 @@ cudaError_t launch(const ForwardArgs& args) {
   if (!encode_kmajor_map<op_t<M>>(&map_w, args.w_in_rows, 0, 2 * args.rows_ab, kC, kChunkRows))
     return cudaErrorNotSupported;
   const int64_t bytes = smem_bytes(args.rows_ab);
-  const cudaError_t status = allow_smem<kernel<M>>(bytes);
-  if (status != cudaSuccess) return status;
   const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
   const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, kGroups));
-  kernel<M><<<static_cast<unsigned>(blocks), kThreads, bytes, args.stream>>>(args, map_w, tiles_per_batch);
-  return cudaGetLastError();
+  const auto run = [&](auto chunks) {
+    constexpr int kChunks = decltype(chunks)::value;
+    const cudaError_t status = allow_smem<kernel<M, kChunks>>(bytes);
+    if (status != cudaSuccess) return status;
+    kernel<M, kChunks><<<static_cast<unsigned>(blocks), kThreads, bytes, args.stream>>>(args, map_w, tiles_per_batch);
+    return cudaGetLastError();
+  };
+  switch (2 * args.rows_ab / kChunkRows) {
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 4: return run(std::integral_constant<int, 4>{});
+    case 6: return run(std::integral_constant<int, 6>{});
+    default: return cudaErrorNotSupported;
+  }
 }
 
 }  // namespace wgmma_rs
@@ -1014,14 +1044,15 @@ std::pair<bool, int64_t> choose(const ForwardArgs& args) {
                       args.batch * ceil_div(args.n * args.ld, Wide::BM));
 }
 
-// Which kernel takes the pass: wgmma, then resident, then streamed, the first that applies; with
+// Which kernel takes the pass: wgmma_rs, wgmma, then resident, then streamed, the first that applies; with
 // TRIMUL_INPUT_PASS set, only the one it names where that applies (ForwardArgs::input_pin).
 template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
   const char* pinned = args.input_pin;
-  if (pinned != nullptr && std::strcmp(pinned, "wgmma_rs") == 0) {
-    if (wgmma_rs::applicable<M, TIn>(args)) {
-      if constexpr (M == Mode::bf16 || M == Mode::f16) return wgmma_rs::launch<M>(args);
+  if constexpr (M == Mode::bf16 || M == Mode::f16) {
+    if (pin_allows(pinned, "wgmma_rs") && wgmma_rs::applicable<M, TIn>(args)) {
+      const cudaError_t status = wgmma_rs::launch<M>(args);
+      if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
     }
   }
   if (pin_allows(pinned, "wgmma")) {

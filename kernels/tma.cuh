@@ -172,6 +172,15 @@ __device__ __forceinline__ void wgmma_wait() {
 #endif
 }
 
+// Pins the accumulators at this point of the instruction stream: after a wgmma_wait, so that no read of
+// them is scheduled above the wait (ptxas then serializes every wgmma of the kernel: C7514; CUTLASS's
+// warpgroup_fence_operand).
+template <int N>
+__device__ __forceinline__ void fence_accumulators(float (&acc)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
 // The wgmma instruction of shape m64n<N> for operand type Op (k16 for 16-bit operands, k8 for
 // TF32), through MACRO(INSTR, TAIL): TAIL holds the scale/transpose immediates (16-bit operands
 // take transpose flags, TF32 does not).
@@ -241,6 +250,27 @@ __device__ __forceinline__ void wgmma_rs_64x128(float (&d)[64], const uint32_t (
 #endif
 }
 #undef TRIMUL_WGMMA_RS_64X128
+
+// The same for a 64x64 product: 32 accumulators per thread.
+#define TRIMUL_WGMMA_RS_64X64(INSTR)                                                                     \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" INSTR                                        \
+               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "\
+               "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                             \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])\
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+
+template <typename Op>
+__device__ __forceinline__ void wgmma_rs_64x64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
+                                               int accumulate) {
+  static_assert(sizeof(Op) == 2, "16-bit register operands");
+#ifdef TRIMUL_SM90A
+  if constexpr (std::is_same<Op, __nv_bfloat16>::value)
+    TRIMUL_WGMMA_RS_64X64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16");
+  else
+    TRIMUL_WGMMA_RS_64X64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16");
+#endif
+}
+#undef TRIMUL_WGMMA_RS_64X64
 
 // One 128-byte k-tile of a 64xN product, N = 2 x the accumulators per thread (64 or 128): four
 // k-steps, 32 bytes further along k each (start address + 2 in the descriptors), committed as one
