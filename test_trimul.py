@@ -1098,6 +1098,51 @@ def test_f16x3_weight_split_keeps_its_remainders_under_torch_compile():
     assert ((hi + lo) * torch.exp2(-t) - w).norm() / w.norm() < 1e-6
 
 
+@pytest.mark.parametrize("operand", [torch.bfloat16, torch.float16])
+def test_register_row_weights_keep_their_bias_remainders_under_torch_compile(operand):
+    """wgmma_rs's prepared weights (_register_row_weights) carry each row's bias as a 16-bit part and
+    remainder in two extra columns; prepared inside a compiled graph they must equal eager (inductor elides
+    cast round trips, which once zeroed the fp16x3 remainders) and part + remainder must hold the bias to
+    ~16 bits. The permuted, folded weights must reproduce W diag(w_ln) x for a permuted x. (CPU inductor.)"""
+    g = torch.Generator().manual_seed(fresh_seed())
+    rows, c_pad, pair_dim = 256, 128, 120
+    w_in = torch.randn(rows, c_pad, generator=g) * 0.3
+    w_in[:, pair_dim:] = 0
+    b_in = torch.randn(rows, generator=g)
+    ln_w, ln_b = torch.randn(pair_dim, generator=g), torch.randn(pair_dim, generator=g) * 0.1
+    eager = ti._register_row_weights(w_in, b_in, ln_w, ln_b, operand)[0]
+    compiled = torch.compile(ti._register_row_weights, fullgraph=True)(w_in, b_in, ln_w, ln_b, operand)[0]
+    assert torch.equal(eager, compiled)
+    bias = b_in.double() + w_in.double()[:, :pair_dim] @ ln_b.double()
+    part, rest = eager[:, c_pad].double(), eager[:, c_pad + 1].double()
+    assert rest.abs().max() > 0 and eager[:, c_pad + 2:].abs().max() == 0
+    assert ((part + rest - bias).norm() / bias.norm()).item() < 1e-4
+    x = torch.randn(3, c_pad, generator=g, dtype=torch.float64)
+    x[:, pair_dim:] = 0
+    k = torch.arange(c_pad)
+    channel = 16 * (k // 16) + 4 * ((k % 8) // 2) + 2 * ((k % 16) // 8) + k % 2
+    assert sorted(channel.tolist()) == list(range(c_pad))
+    folded = x[:, channel] @ eager[:, :c_pad].double().T
+    expected = x[:, :pair_dim] @ (w_in[:, :pair_dim].double() * ln_w.double()).T
+    assert ((folded - expected).norm() / expected.norm()).item() < 1e-2
+
+
+@cuda
+def test_fused_medium_at_pair_dim_128_under_torch_compile():
+    """A compiled "medium" forward at pair_dim 128 (the input pass takes wgmma_rs, whose weights with the
+    bias columns are prepared inside the graph)."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(128, 128).double(), g)
+    new = _make_new(reference, torch.float32, "auto", "medium")
+    compiled = torch.compile(new, fullgraph=True)
+    pair, mask = random_inputs(1, 150, 128, g)
+    ref = reference.cuda()(pair.cuda(), mask.cuda())
+    with torch.no_grad():
+        out = compiled(pair.float().cuda(), mask.cuda())
+    assert rel_error(out, ref) < FUSED_TOLERANCE["medium"], f"seed {seed}"
+
+
 @cuda
 def test_fused_matches_under_torch_compile():
     seed = fresh_seed()

@@ -611,11 +611,13 @@ def prepare_weights(params, mode: str):
 
 
 def _register_row_weights(w_in, b_in, ln_w, ln_b, operand):
-    """The 16-bit input kernel with the rows in registers (ForwardArgs::w_in_rows, b_in_rows): the grouped
-    w_in (fp32 [rows, c_pad]) with LayerNorm_in's affine folded in, W diag(w_ln) and b_in + W b_ln (fp64),
-    so the kernel only normalizes; and k permuted within each 16-channel block, k = 16s + 8hh + 2t + e
-    holding channel 16s + 4t + 2hh + e, so that a thread's wgmma A fragment for k-step s (k 16s + 2t + e
-    and 16s + 8 + 2t + e) is 4 adjacent channels of its row: one 16-byte load."""
+    """The 16-bit input kernel with the rows in registers (ForwardArgs::w_in_rows): the grouped w_in
+    (fp32 [rows, c_pad]) with LayerNorm_in's affine folded in, W diag(w_ln), so the kernel only normalizes;
+    k permuted within each 16-channel block, k = 16s + 8hh + 2t + e holding channel 16s + 4t + 2hh + e, so
+    that a thread's wgmma A fragment for k-step s (k 16s + 2t + e and 16s + 8 + 2t + e) is 4 adjacent
+    channels of its row: one 16-byte load; then 64 more columns, the biases b_in + W b_ln (fp64) as a
+    part and a remainder in the operand type (columns c_pad, c_pad + 1), multiplied by ones in one more
+    k-step."""
     rows, c_pad = w_in.shape
     pair_dim = ln_w.shape[0]
     k = torch.arange(c_pad, device=w_in.device)
@@ -625,9 +627,16 @@ def _register_row_weights(w_in, b_in, ln_w, ln_b, operand):
     b_ln = torch.zeros(c_pad, device=w_in.device, dtype=torch.float64)
     w_ln[:pair_dim] = ln_w.float()
     b_ln[:pair_dim] = ln_b.double()
-    folded = (w_in * w_ln)[:, channel]
     bias = (b_in.double() + w_in.double() @ b_ln).float()
-    return [folded.to(operand).contiguous(), bias.contiguous()]
+    # The part by bit arithmetic (7 or 10 mantissa bits kept, ties away), not bias.to(operand).float():
+    # inductor elides such a round trip under torch.compile and the remainders would come out zero.
+    bits = bias.contiguous().view(torch.int32)
+    part = (((bits + 0x8000) & -0x10000) if operand == torch.bfloat16 else ((bits + 0x1000) & -0x2000)).view(torch.float32)
+    prepared = torch.zeros(rows, c_pad + 64, device=w_in.device, dtype=operand)
+    prepared[:, :c_pad] = (w_in * w_ln)[:, channel].to(operand)
+    prepared[:, c_pad] = part.to(operand)
+    prepared[:, c_pad + 1] = (bias - part).to(operand)
+    return [prepared]
 
 
 def _power_of_two_to_4096(bound: torch.Tensor) -> torch.Tensor:

@@ -92,9 +92,9 @@ struct ForwardArgs {
   // The 16-bit modes' input kernel with the rows in registers (input_pass::wgmma_rs): w_in with
   // LayerNorm_in's weight folded in (W diag(w_ln)) and k permuted within each 16-channel block (k =
   // 16s + 8hh + 2t + e holds channel 16s + 4t + 2hh + e: a thread's register fragment is 4 adjacent
-  // channels of a row per k-step), and b_in + W b_ln (fp64); nullptr in the fp32 modes.
-  const void* w_in_rows;   // [2 * rows_ab, c_pad]
-  const float* b_in_rows;  // [2 * rows_ab]
+  // channels of a row per k-step), then 64 columns more: b_in + W b_ln (fp64) as a 16-bit part (column
+  // c_pad) and remainder (c_pad + 1), zeros after; nullptr in the fp32 modes.
+  const void* w_in_rows;   // [2 * rows_ab, c_pad + 64]
   const void* w_gate;     // [round_up(C, 128), c_pad] out_gate
   const float* b_gate;    // [C]
   const void* w_out;      // [round_up(C, 128), h_pad] out_proj

@@ -156,8 +156,8 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   // (the fp32 modes' wgmma passes may multiply scaled fp16: ForwardArgs::w_in_f16x3)
   const bool f16x3_weights = static_cast<trimul::Mode>(mode_code) == trimul::Mode::tf32x3 ||
                              static_cast<trimul::Mode>(mode_code) == trimul::Mode::tf32;
-  TORCH_CHECK_VALUE(weights.size() == (f16x3_weights ? 14u : 12u), "trimul_inline: forward takes ",
-                    f16x3_weights ? 14 : 12, " prepared weights in this mode, got ", weights.size());
+  TORCH_CHECK_VALUE(weights.size() == (f16x3_weights ? 14u : 11u), "trimul_inline: forward takes ",
+                    f16x3_weights ? 14 : 11, " prepared weights in this mode, got ", weights.size());
   for (const auto& w : weights)
     TORCH_CHECK_VALUE(w.device() == pair.device() && w.is_contiguous() &&
                           reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
@@ -213,11 +213,10 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
                         args.rows_ab == round_up(2 * hidden, 128) && weights[6].size(1) == args.c_pad,
                     "trimul_inline: prepared weights do not match pair_dim ", c, " / hidden ", hidden);
   if (!f16x3_weights) {
-    TORCH_CHECK_VALUE(weights[10].scalar_type() == op_type && weights[10].sizes() == weights[4].sizes() &&
-                          weights[11].scalar_type() == at::kFloat && weights[11].numel() == 2 * args.rows_ab,
+    TORCH_CHECK_VALUE(weights[10].scalar_type() == op_type && weights[10].dim() == 2 &&
+                          weights[10].size(0) == weights[4].size(0) && weights[10].size(1) == weights[4].size(1) + 64,
                       "trimul_inline: prepared register-row weights do not match pair_dim ", c, " / hidden ", hidden);
     args.w_in_rows = weights[10].data_ptr();
-    args.b_in_rows = weights[11].data_ptr<float>();
   }
   if (f16x3_weights) {
     const auto is_f16x3 = [](const at::Tensor& w, int64_t rows, int64_t k_pad) {

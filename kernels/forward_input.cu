@@ -814,8 +814,11 @@ constexpr int kGroups = 2;  // MMA warpgroups per block, each on its own tiles
 constexpr int kThreads = 128 * kGroups;
 constexpr int kPositions = 64;                      // per tile: wgmma's M
 constexpr int kC = 128;                             // the pair_dim it takes
-constexpr int kSteps = kC / 16;                     // k16 steps
-constexpr int kKTiles = kC * 2 / kKBytes;           // 128-byte k-tiles per weight chunk
+constexpr int kSteps = kC / 16;                     // k16 steps of the rows
+// 128-byte k-tiles per weight chunk: the rows' two, then the biases' (ForwardArgs::w_in_rows: columns kC and
+// kC + 1 hold each weight row's bias as a 16-bit part and remainder, multiplied by ones in a ninth k-step,
+// so the accumulators come out biased: no bias loads or adds in the epilogue).
+constexpr int kKTiles = kC * 2 / kKBytes + 1;
 constexpr int kScratchBytes = 2 * 32 * kPositions * 2;  // per warpgroup: two buffers of 32 h x 64 positions
 
 inline int64_t weight_tiles(int64_t rows_ab) { return 2 * rows_ab / kChunkRows * kKTiles; }
@@ -824,7 +827,7 @@ inline int64_t smem_bytes(int64_t rows_ab) {
   return 1023 + weight_tiles(rows_ab) * (kStageBytes + 8) + kGroups * kScratchBytes;
 }
 
-// kChunks: 128-row weight chunks, 2 * rows_ab / 128 (2, 4 or 6: H <= 64, 128, 192).
+// kChunks: 128-row weight chunks, 2 * rows_ab / 128 (2 or 4: H <= 64, 128).
 template <Mode M, int kChunks>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch) {
@@ -881,6 +884,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   load_rows(tile, raw, next_scale);
   for (int i = 0; i < w_tiles; ++i) mbar_wait(&w_full[i], 0);
   int parity = 0;  // the scratch buffer the next chunk writes
+  // The bias k-step's A fragment: ones at k = kC, kC + 1 (lane t = 0 of each quad, both rows), zeros elsewhere.
+  const uint32_t one_pair = t == 0 ? pack_pair<Op>(1.f, 1.f) : 0u;
+  const uint32_t ones[4] = {one_pair, one_pair, 0u, 0u};
   for (; tile < tiles; tile += stride) {
     const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
     const int in_plane = static_cast<int>(std::min<int64_t>(plane - p0, kPositions));  // (a multiple of 32)
@@ -927,18 +933,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int s = 0; s < kSteps; ++s)
         wgmma_rs_64x64<Op>(acc, frag[s], desc_add(smem_descriptor(w + (s / 4) * kStageBytes), 2 * (s % 4)), s > 0);
+      wgmma_rs_64x64<Op>(acc, ones, smem_descriptor(w + kSteps / 4 * kStageBytes), 1);  // + the biases
       wgmma_commit();
     };
     const auto store = [&](int part, const float(&acc)[32]) {
       // This thread's columns: weight rows 16 q + 2 t + e of the part (proj of h = 8 q + 2 t + e), + 8 (its gate).
       const int64_t r0 = int64_t(part) * 64;
-      float2 proj_bias[4], half_gate_bias[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        proj_bias[q] = *reinterpret_cast<const float2*>(args.b_in_rows + r0 + 16 * q + 2 * t);
-        const float2 gate_bias = *reinterpret_cast<const float2*>(args.b_in_rows + r0 + 16 * q + 8 + 2 * t);
-        half_gate_bias[q] = make_float2(0.5f * gate_bias.x, 0.5f * gate_bias.y);
-      }
       uint8_t* buf = scratch + parity * (kScratchBytes / 2);
       parity ^= 1;
       // acc[4 j + 2 hf + e]: position row0 + 8 hf, column 8 j + 2 t + e; columns 16 q .. + 7 are proj of
@@ -950,10 +950,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const int q = 2 * qq + (k >> 1), hf = k & 1;
-          const float v0 = gated_16bit_half(acc[8 * q + 2 * hf] + proj_bias[q].x,
-                                            fmaf(acc[8 * q + 4 + 2 * hf], 0.5f, half_gate_bias[q].x), half_scale[hf]);
-          const float v1 = gated_16bit_half(acc[8 * q + 2 * hf + 1] + proj_bias[q].y,
-                                            fmaf(acc[8 * q + 5 + 2 * hf], 0.5f, half_gate_bias[q].y), half_scale[hf]);
+          const float v0 = gated_16bit_half(acc[8 * q + 2 * hf], 0.5f * acc[8 * q + 4 + 2 * hf], half_scale[hf]);
+          const float v1 = gated_16bit_half(acc[8 * q + 2 * hf + 1], 0.5f * acc[8 * q + 5 + 2 * hf], half_scale[hf]);
           packed[k] = pack_pair<Op>(v0, v1);
         }
 #ifdef TRIMUL_SM90A
@@ -1006,8 +1004,8 @@ template <Mode M, typename TIn>
 bool applicable(const ForwardArgs& args) {
   if constexpr ((M == Mode::bf16 || M == Mode::f16) && std::is_same<TIn, float>::value) {
     return tensor_map_encoder() != nullptr && args.c == kC && args.c_pad == kC && args.w_in_rows != nullptr &&
-           args.b_in_rows != nullptr && rows_vectorizable<float>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair) &&
-           args.rows_ab <= 3 * kChunkRows && smem_bytes(args.rows_ab) <= max_smem_optin();
+           rows_vectorizable<float>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair) &&
+           args.rows_ab <= 2 * kChunkRows && smem_bytes(args.rows_ab) <= max_smem_optin();
   }
   return false;
 }
@@ -1015,7 +1013,7 @@ bool applicable(const ForwardArgs& args) {
 template <Mode M>
 cudaError_t launch(const ForwardArgs& args) {
   CUtensorMap map_w;
-  if (!encode_kmajor_map<op_t<M>>(&map_w, args.w_in_rows, 0, 2 * args.rows_ab, kC, kChunkRows))
+  if (!encode_kmajor_map<op_t<M>>(&map_w, args.w_in_rows, 0, 2 * args.rows_ab, kKTiles * kKBytes / 2, kChunkRows))
     return cudaErrorNotSupported;
   const int64_t bytes = smem_bytes(args.rows_ab);
   const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
@@ -1030,7 +1028,6 @@ cudaError_t launch(const ForwardArgs& args) {
   switch (2 * args.rows_ab / kChunkRows) {
     case 2: return run(std::integral_constant<int, 2>{});
     case 4: return run(std::integral_constant<int, 4>{});
-    case 6: return run(std::integral_constant<int, 6>{});
     default: return cudaErrorNotSupported;
   }
 }
