@@ -802,6 +802,52 @@ def test_register_row_input_kernel_matches_fp64(monkeypatch, autocast, batch, n,
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch, n, hidden, direction", [(1, 200, 128, "outgoing"), (2, 97, 40, "incoming")])
+def test_register_row_input_kernel_takes_16bit_rows_when_pinned(monkeypatch, dtype, batch, n, hidden, direction):
+    """wgmma_rs on bf16 / fp16 rows (8-byte loads of 4 channels): pinned only (not yet measured against the wgmma
+    kernel), correct against fp64; unpinned, 16-bit rows still go to the wgmma kernel."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(128, hidden, direction, "raw").double(), g)
+    new = _make_new(reference, dtype, "auto", "medium")
+    for pin, kernel in (("wgmma_rs", "wgmma_rs"), (None, "wgmma")):
+        if pin is None:
+            monkeypatch.delenv("TRIMUL_INPUT_PASS", raising=False)
+        else:
+            monkeypatch.setenv("TRIMUL_INPUT_PASS", pin)
+        pair, mask = random_inputs(batch, n, 128, g)
+        _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, TOLERANCE[dtype], seed,
+                                       f"{pin} {dtype} {batch},{n},{hidden}", dtype, rounding="medium")
+        names = [k for k in ran if "input_pass" in k]
+        assert len(names) == 1 and PASS_KERNELS["input"][kernel] in names[0], names
+
+
+@cuda
+@pytest.mark.parametrize("first_channel, takes", [(4, True), (2, False)])
+def test_register_row_input_kernel_takes_strided_rows_only_when_aligned(monkeypatch, first_channel, takes):
+    """wgmma_rs loads 16 bytes of a row at a time: rows of a wider tensor (136 channels apart) starting 4 floats
+    in are 16-byte aligned and it takes them; starting 2 floats in they are not, it declines even when pinned,
+    and the pass still comes out right (under the pin the streamed kernel, the last in the order, takes it)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma_rs")
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(128, 128, "outgoing", "raw").double(), g)
+    new = _make_new(reference, torch.float32, "auto", "medium")
+    wide, mask = random_inputs(1, 90, 136, g)
+    pair = wide.float().cuda()[..., first_channel:first_channel + 128]
+    assert pair.stride(2) == 136
+    _, ran = _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE["medium"], seed,
+                                   f"wgmma_rs strided from {first_channel}", rounding="medium")
+    names = [k for k in ran if "input_pass" in k]
+    assert len(names) == 1 and (PASS_KERNELS["input"]["wgmma_rs"] in names[0]) == takes, names
+
+
+@cuda
 @pytest.mark.parametrize("precision", ti.PRECISIONS)
 # (16, 32, 64, 32): a seed shape (128 tiles, the contraction in the output pass); (1, 7, 24, 12): one
 # tile per batch, mostly padding; (1, 100, 64, 32) incoming: 100 tiles and a separate contraction.

@@ -794,17 +794,18 @@ cudaError_t plan_and_launch(const ForwardArgs& args) {
 
 }  // namespace wgmma_tiles
 
-// ---- wgmma with the rows in registers (sm_90a; 16-bit modes, fp32 rows of pair_dim 128) --------
+// ---- wgmma with the rows in registers (sm_90a; 16-bit modes, rows of pair_dim 128) -----------------
 // wgmma_tiles stages LayerNorm-ed rows in shared memory (wgmma's B operand) through 7 stager warps whose
 // loads in flight are bounded by their registers (~28 KB per SM at pair_dim 128, about the 1.9 TB/s that
 // kernel reaches there; NOTES v25). Here the rows are wgmma's A operand, from registers: each MMA
-// warpgroup loads its own 64-position tiles (a thread: two rows, 32 channels of each: 8 16-byte loads
-// per row), LayerNorms them in registers (statistics over a quad: two shuffles), and multiplies them by
-// the resident weights (B: the 128 weight rows of a chunk, N = 128); the next tile's rows (32 KB per
-// warpgroup) load while this tile's chunks multiply and store. The weights come prepared for it
-// (ForwardArgs::w_in_rows: LayerNorm_in's affine folded in, k permuted so that a k-step's fragment is
-// 4 adjacent channels of a row). The gated outputs go out through a per-warpgroup scratch, transposed by
-// stmatrix.trans (64 h rows x 64 positions), as whole 128-byte runs of a_t / b_t rows.
+// warpgroup loads its own 64-position tiles (a thread: two rows, 32 channels of each: 8 loads of 4
+// channels per row), LayerNorms them in registers (statistics over a quad: two shuffles), and multiplies
+// them by the resident weights in parts of 64 weight rows (N = 64), two accumulator sets in turn; the next
+// tile's rows (32 KB per warpgroup for fp32 rows) load while this tile's parts multiply and store. The
+// weights come prepared for it (ForwardArgs::w_in_rows: LayerNorm_in's affine folded in, k permuted so that
+// a k-step's fragment is 4 adjacent channels of a row, and the biases as one more k-step against ones).
+// The gated outputs go out through a per-warpgroup scratch, transposed by stmatrix.trans (32 h rows x 64
+// positions per part), as whole 128-byte runs of a_t / b_t rows. (16-bit rows: taken only where pinned.)
 namespace wgmma_rs {
 
 using namespace ::trimul::tma;
@@ -827,8 +828,23 @@ inline int64_t smem_bytes(int64_t rows_ab) {
   return 1023 + weight_tiles(rows_ab) * (kStageBytes + 8) + kGroups * kScratchBytes;
 }
 
-// kChunks: 128-row weight chunks, 2 * rows_ab / 128 (2 or 4: H <= 64, 128).
-template <Mode M, int kChunks>
+// Four adjacent channels of a row as one load: 16 bytes of fp32 rows, 8 of 16-bit ones.
+template <typename TIn>
+struct FourChannels {
+  using Raw = std::conditional_t<std::is_same<TIn, float>::value, float4, uint2>;
+  static __device__ __forceinline__ Raw load(const TIn* p) { return *reinterpret_cast<const Raw*>(p); }
+  static __device__ __forceinline__ float4 widen(const Raw& raw) {
+    if constexpr (std::is_same<TIn, float>::value) {
+      return raw;
+    } else {
+      const TIn* e = reinterpret_cast<const TIn*>(&raw);
+      return make_float4(to_float(e[0]), to_float(e[1]), to_float(e[2]), to_float(e[3]));
+    }
+  }
+};
+
+// kChunks: 128-row weight chunks, 2 * rows_ab / 128 (2 or 4: H <= 64, 128). TIn: the pair rows' type.
+template <Mode M, int kChunks, typename TIn>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch) {
   using Op = op_t<M>;
@@ -854,11 +870,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* scratch = scratch_all + group * kScratchBytes;
   const int64_t tiles = args.batch * tiles_per_batch, plane = args.n * args.ld;
   const int64_t stride = int64_t(gridDim.x) * kGroups;
-  const float* pair = static_cast<const float*>(args.pair);
+  const TIn* pair = static_cast<const TIn*>(args.pair);
+  using Four = FourChannels<TIn>;
   // This thread's rows of a tile: positions 16 warp4 + lane / 4 and 8 further (its rows of the wgmma's
   // A fragment); of each, channels 16 s + 4 t .. + 3 for k-step s. half_scale: mask / 2 (gated_16bit_half).
   const int row0 = 16 * warp4 + (lane >> 2);
-  const auto load_rows = [&](int64_t tile, float4 (&rows)[2][kSteps], float (&half_scale)[2]) {
+  const auto load_rows = [&](int64_t tile, typename Four::Raw (&rows)[2][kSteps], float (&half_scale)[2]) {
     int64_t off[2] = {-1, -1};
     half_scale[0] = half_scale[1] = 0.f;
     if (tile < tiles) {
@@ -874,12 +891,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
       for (int s = 0; s < kSteps; ++s)
-        rows[hf][s] = off[hf] >= 0 ? *reinterpret_cast<const float4*>(pair + off[hf] + 16 * s + 4 * t)
-                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+        rows[hf][s] = off[hf] >= 0 ? Four::load(pair + off[hf] + 16 * s + 4 * t) : typename Four::Raw{};
   };
 
   int64_t tile = int64_t(blockIdx.x) * kGroups + group;
-  float4 raw[2][kSteps];
+  typename Four::Raw raw[2][kSteps];
   float next_scale[2];
   load_rows(tile, raw, next_scale);
   for (int i = 0; i < w_tiles; ++i) mbar_wait(&w_full[i], 0);
@@ -895,11 +911,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t frag[kSteps][4];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const float shift = __shfl_sync(0xffffffffu, raw[hf][0].x, lane & ~3);
+      const float shift = __shfl_sync(0xffffffffu, Four::widen(raw[hf][0]).x, lane & ~3);
+      float4 x[kSteps];
       float sum = 0.f, sum_sq = 0.f;
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
-        float4& v = raw[hf][s];
+        float4& v = x[s];
+        v = Four::widen(raw[hf][s]);
         v.x -= shift;
         v.y -= shift;
         v.z -= shift;
@@ -916,7 +934,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float rstd = moments.y, centre = -moments.x * rstd;
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
-        const float4 v = raw[hf][s];
+        const float4 v = x[s];
         frag[s][hf] = pack_pair<Op>(fmaf(v.x, rstd, centre), fmaf(v.y, rstd, centre));
         frag[s][2 + hf] = pack_pair<Op>(fmaf(v.z, rstd, centre), fmaf(v.w, rstd, centre));
       }
@@ -998,19 +1016,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// Whether it takes these sizes: sm_90a on Hopper, a 16-bit mode, fp32 rows of exactly kC channels in
-// 16-byte vectors, the prepared weights (ForwardArgs::w_in_rows), and the resident weights in shared memory.
+// Whether it takes these sizes: sm_90a on Hopper, a 16-bit mode, rows of exactly kC channels in 16-byte
+// vectors, the prepared weights (ForwardArgs::w_in_rows), and the resident weights in shared memory.
 template <Mode M, typename TIn>
 bool applicable(const ForwardArgs& args) {
-  if constexpr ((M == Mode::bf16 || M == Mode::f16) && std::is_same<TIn, float>::value) {
+  if constexpr (M == Mode::bf16 || M == Mode::f16) {
     return tensor_map_encoder() != nullptr && args.c == kC && args.c_pad == kC && args.w_in_rows != nullptr &&
-           rows_vectorizable<float>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair) &&
+           rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair) &&
            args.rows_ab <= 2 * kChunkRows && smem_bytes(args.rows_ab) <= max_smem_optin();
   }
   return false;
 }
 
-template <Mode M>
+template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args) {
   CUtensorMap map_w;
   if (!encode_kmajor_map<op_t<M>>(&map_w, args.w_in_rows, 0, 2 * args.rows_ab, kKTiles * kKBytes / 2, kChunkRows))
@@ -1020,9 +1038,9 @@ cudaError_t launch(const ForwardArgs& args) {
   const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, kGroups));
   const auto run = [&](auto chunks) {
     constexpr int kChunks = decltype(chunks)::value;
-    const cudaError_t status = allow_smem<kernel<M, kChunks>>(bytes);
+    const cudaError_t status = allow_smem<kernel<M, kChunks, TIn>>(bytes);
     if (status != cudaSuccess) return status;
-    kernel<M, kChunks><<<static_cast<unsigned>(blocks), kThreads, bytes, args.stream>>>(args, map_w, tiles_per_batch);
+    kernel<M, kChunks, TIn><<<static_cast<unsigned>(blocks), kThreads, bytes, args.stream>>>(args, map_w, tiles_per_batch);
     return cudaGetLastError();
   };
   switch (2 * args.rows_ab / kChunkRows) {
@@ -1047,8 +1065,10 @@ template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
   const char* pinned = args.input_pin;
   if constexpr (M == Mode::bf16 || M == Mode::f16) {
-    if (pin_allows(pinned, "wgmma_rs") && wgmma_rs::applicable<M, TIn>(args)) {
-      const cudaError_t status = wgmma_rs::launch<M>(args);
+    // (16-bit rows: only where pinned, until measured against the wgmma kernel)
+    const bool rs_pinned = pinned != nullptr && std::strcmp(pinned, "wgmma_rs") == 0;
+    if ((rs_pinned || (pinned == nullptr && std::is_same<TIn, float>::value)) && wgmma_rs::applicable<M, TIn>(args)) {
+      const cudaError_t status = wgmma_rs::launch<M, TIn>(args);
       if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
     }
   }
