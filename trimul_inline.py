@@ -628,10 +628,9 @@ def _register_row_weights(w_in, b_in, ln_w, ln_b, operand):
     w_ln[:pair_dim] = ln_w.float()
     b_ln[:pair_dim] = ln_b.double()
     bias = (b_in.double() + w_in.double() @ b_ln).float()
-    # The part by bit arithmetic (7 or 10 mantissa bits kept, ties away), not bias.to(operand).float():
-    # inductor elides such a round trip under torch.compile and the remainders would come out zero.
-    bits = bias.contiguous().view(torch.int32)
-    part = (((bits + 0x8000) & -0x10000) if operand == torch.bfloat16 else ((bits + 0x1000) & -0x2000)).view(torch.float32)
+    # The part by bit arithmetic, not bias.to(operand).float(): inductor elides such a round trip under
+    # torch.compile and the remainders would come out zero.
+    part = _round_mantissa(bias, 7 if operand == torch.bfloat16 else 10)
     prepared = torch.zeros(rows, c_pad + 64, device=w_in.device, dtype=operand)
     prepared[:, :c_pad] = (w_in * w_ln)[:, channel].to(operand)
     prepared[:, c_pad] = part.to(operand)
@@ -684,11 +683,17 @@ def _f16x3_weights(w_in, w_gate, w_out, ln_w, ln_b, pair_dim: int, hidden: int, 
     return [w_in16, w_gate16, w_out16, torch.exp2(exponents).float().contiguous()]
 
 
-def _round_to_tf32(t: torch.Tensor) -> torch.Tensor:
-    """fp32 values rounded to TF32 (10 mantissa bits), nearest with ties away from zero as the
-    kernels' cvt.rna does: add half of the dropped bits' range to the magnitude, then cut."""
+def _round_mantissa(t: torch.Tensor, kept: int) -> torch.Tensor:
+    """fp32 values rounded to `kept` mantissa bits, nearest with ties away from zero as the kernels'
+    cvt.rna does: add half of the dropped bits' range to the magnitude, then cut."""
+    dropped = 23 - kept
     bits = t.contiguous().view(torch.int32)
-    return ((bits + 0x1000) & -0x2000).view(torch.float32)
+    return ((bits + (1 << (dropped - 1))) & -(1 << dropped)).view(torch.float32)
+
+
+def _round_to_tf32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 values rounded to TF32 (10 mantissa bits), as the kernels' cvt.rna does."""
+    return _round_mantissa(t, 10)
 
 
 def _extension_arguments(variant, mode, incoming, gate_normalized, eps_in, eps_out):

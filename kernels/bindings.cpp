@@ -217,8 +217,7 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
                           weights[10].size(0) == weights[4].size(0) && weights[10].size(1) == weights[4].size(1) + 64,
                       "trimul_inline: prepared register-row weights do not match pair_dim ", c, " / hidden ", hidden);
     args.w_in_rows = weights[10].data_ptr();
-  }
-  if (f16x3_weights) {
+  } else {
     const auto is_f16x3 = [](const at::Tensor& w, int64_t rows, int64_t k_pad) {
       return w.scalar_type() == at::kHalf && w.dim() == 2 && w.size(0) == rows && w.size(1) == 2 * round_up(k_pad, 64);
     };

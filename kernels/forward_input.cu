@@ -899,7 +899,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float next_scale[2];
   load_rows(tile, raw, next_scale);
   for (int i = 0; i < w_tiles; ++i) mbar_wait(&w_full[i], 0);
-  int parity = 0;  // the scratch buffer the next chunk writes
+  int parity = 0;  // the scratch buffer the next part writes
   // The bias k-step's A fragment: ones at k = kC, kC + 1 (lane t = 0 of each quad, both rows), zeros elsewhere.
   const uint32_t one_pair = t == 0 ? pack_pair<Op>(1.f, 1.f) : 0u;
   const uint32_t ones[4] = {one_pair, one_pair, 0u, 0u};
@@ -972,14 +972,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           const float v1 = gated_16bit_half(acc[8 * q + 2 * hf + 1], 0.5f * acc[8 * q + 5 + 2 * hf], half_scale[hf]);
           packed[k] = pack_pair<Op>(v0, v1);
         }
-#ifdef TRIMUL_SM90A
         const int k = lane >> 3, i = lane & 7;  // (lane 8k + i: row i of block k)
         const int q = 2 * qq + (k >> 1), hf = k & 1;
-        const uint32_t addr = smem_u32(buf) + (8 * q + i) * (2 * kPositions) + (((2 * warp4 + hf) ^ i) << 4);
-        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
-                     "r"(packed[0]), "r"(packed[1]), "r"(packed[2]), "r"(packed[3])
-                     : "memory");
-#endif
+        stmatrix_x4<true>(smem_u32(buf) + (8 * q + i) * (2 * kPositions) + (((2 * warp4 + hf) ^ i) << 4), packed[0],
+                          packed[1], packed[2], packed[3]);
       }
       named_barrier(1 + group, 128);  // the warpgroup's blocks are in the scratch
       const bool second = r0 >= args.rows_ab;  // b's rows follow a's

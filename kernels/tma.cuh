@@ -227,31 +227,10 @@ __device__ __forceinline__ void wgmma_64x64(float (&d)[32], uint64_t desc_a, uin
 }
 #undef TRIMUL_WGMMA_64X64
 
-// One k16 step of a 64x128 product whose A operand (64 x 16, 16-bit) comes from registers: `a` is
-// this thread's fragment (mma.m16n8k16's A layout within its warp's 16 rows: a[0] row lane / 4, k
-// 2 (lane % 4) + {0, 1}; a[1] the row 8 further; a[2], a[3] the same at k + 8), B from shared memory
-// (K-major, desc_b). The registers must stay unchanged until the wgmma group is waited for.
-#define TRIMUL_WGMMA_RS_64X128(INSTR)                                                                    \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" INSTR                                        \
-               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "\
-               "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                                             \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])\
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
-
-template <typename Op>
-__device__ __forceinline__ void wgmma_rs_64x128(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
-                                                int accumulate) {
-  static_assert(sizeof(Op) == 2, "16-bit register operands");
-#ifdef TRIMUL_SM90A
-  if constexpr (std::is_same<Op, __nv_bfloat16>::value)
-    TRIMUL_WGMMA_RS_64X128("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16");
-  else
-    TRIMUL_WGMMA_RS_64X128("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16");
-#endif
-}
-#undef TRIMUL_WGMMA_RS_64X128
-
-// The same for a 64x64 product: 32 accumulators per thread.
+// One k16 step of a 64x64 product whose A operand (64 x 16, 16-bit) comes from registers: `a` is this
+// thread's fragment (mma.m16n8k16's A layout within its warp's 16 rows: a[0] row lane / 4, k 2 (lane % 4)
+// + {0, 1}; a[1] the row 8 further; a[2], a[3] the same at k + 8), B from shared memory (K-major,
+// desc_b); 32 accumulators per thread. The registers must stay unchanged until the group is waited for.
 #define TRIMUL_WGMMA_RS_64X64(INSTR)                                                                     \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" INSTR                                        \
                " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "\
@@ -334,16 +313,27 @@ __device__ __forceinline__ uint32_t pack_pair(float v0, float v1) {
 // (stmatrix: each block a 16-byte chunk of each row, XOR-swizzled by row), then store_staged_rows:
 // P / 8 lanes store a row's 2P contiguous bytes with 16-byte stores, where a 16-bit pair per lane
 // writes 16 bytes of each of 8 rows per instruction (what cost wgmma_tma's 16-bit z 17%, NOTES v22).
+// stmatrix x4: four 8x8 blocks of 16-bit pairs (p[k]: block k, row lane / 4, columns 2 (lane % 4) + {0, 1}),
+// lane 8k + r giving the shared address of block k's row r; kTrans stores each block transposed.
+template <bool kTrans = false>
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t p0, uint32_t p1, uint32_t p2, uint32_t p3) {
+#ifdef TRIMUL_SM90A
+  if constexpr (kTrans)
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(p0),
+                 "r"(p1), "r"(p2), "r"(p3)
+                 : "memory");
+  else
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(p0), "r"(p1),
+                 "r"(p2), "r"(p3)
+                 : "memory");
+#endif
+}
+
 template <int P>
 __device__ __forceinline__ void stage_row_pairs_x4(uint8_t* scratch, int q, uint32_t p0, uint32_t p1, uint32_t p2,
                                                    uint32_t p3) {
-#ifdef TRIMUL_SM90A
   const int lane = threadIdx.x & 31, k = lane >> 3, r = lane & 7;  // (lane 8k + r: row r of block 4q + k)
-  const uint32_t addr = smem_u32(scratch) + r * (2 * P) + (((4 * q + k) ^ r) << 4);
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(p0), "r"(p1),
-               "r"(p2), "r"(p3)
-               : "memory");
-#endif
+  stmatrix_x4(smem_u32(scratch) + r * (2 * P) + (((4 * q + k) ^ r) << 4), p0, p1, p2, p3);
 }
 
 // The staged rows to row0, row0 + pitch, ... (the first `rows` of the 8; row0 and pitch 16-byte aligned).
