@@ -802,32 +802,6 @@ def test_register_row_input_kernel_matches_fp64(monkeypatch, autocast, batch, n,
 
 
 @cuda
-@pytest.mark.parametrize("groups", ["2", "3", "4"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# (3, 7, 128, 8): fewer tiles than warpgroups; (2, 97, 128, 40) incoming: two weight chunks, a transposed walk;
-# (1, 333, 128, 128): ~1830 tiles, several per warpgroup of every block, the last one partial.
-@pytest.mark.parametrize("batch, n, hidden, direction", [(3, 7, 8, "outgoing"), (2, 97, 40, "incoming"),
-                                                         (1, 333, 128, "outgoing")])
-def test_register_row_input_kernel_groups_match_fp64(monkeypatch, groups, dtype, batch, n, hidden, direction):
-    """TRIMUL_RS_GROUPS: wgmma_rs with 2 (rows of the next tile in registers, two accumulator sets), 3 (one
-    tile's rows at a time, two sets) or 4 (one set) MMA warpgroups per block, each against fp64."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma_rs")
-    monkeypatch.setenv("TRIMUL_RS_GROUPS", groups)
-    seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(128, hidden, direction, "raw").double(), g)
-    new = _make_new(reference, dtype, "auto", "medium")
-    pair, mask = random_inputs(batch, n, 128, g)
-    _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, TOLERANCE[dtype] if dtype != torch.float32
-                                   else FUSED_TOLERANCE["medium"], seed, f"groups {groups} {dtype} {batch},{n},{hidden}",
-                                   dtype, rounding="medium")
-    names = [k for k in ran if "input_pass" in k]
-    assert len(names) == 1 and PASS_KERNELS["input"]["wgmma_rs"] in names[0], names
-
-
-@cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch, n, hidden, direction", [(1, 200, 128, "outgoing"), (2, 97, 40, "incoming")])
 def test_register_row_input_kernel_takes_16bit_rows_when_pinned(monkeypatch, dtype, batch, n, hidden, direction):
@@ -1402,9 +1376,7 @@ def test_cuda_bad_input_raises():
     ("TRIMUL_INPUT_PLAN", "2", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
     ("TRIMUL_INPUT_PLAN", "2,8,96", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
     ("TRIMUL_PDL", "yes", "TRIMUL_PDL must be 0 or 1, not 'yes'"),
-    ("TRIMUL_INPUT_STAGING", "fast", "TRIMUL_INPUT_STAGING must be rounds or stream, not 'fast'"),
-    ("TRIMUL_RS_GROUPS", "5", "TRIMUL_RS_GROUPS must be 2, 3 or 4, not '5'"),
-    ("TRIMUL_RS_GROUPS", "22", "TRIMUL_RS_GROUPS must be 2, 3 or 4, not '22'")])
+    ("TRIMUL_INPUT_STAGING", "fast", "TRIMUL_INPUT_STAGING must be rounds or stream, not 'fast'")])
 def test_bad_measuring_settings_raise(monkeypatch, variable, value, message):
     """The environment knobs for measuring (README: pinning a pass's kernel, its plan, "high"'s
     arithmetic): a value that names nothing raises instead of silently measuring the default."""

@@ -152,9 +152,6 @@ struct ForwardArgs {
   // flight while the current one is LayerNormed (stream), or each tile's rows in load rounds between
   // named barriers (rounds). Auto: stream at pair_dim <= 128, where it measured faster (NOTES v21).
   InputStaging input_staging;
-  // TRIMUL_RS_GROUPS (2, 3 or 4; 0: the kernel's default): MMA warpgroups per block of the wgmma_rs input
-  // kernel (input_pass::wgmma_rs::kDefaultGroups says what each count does).
-  int rs_groups;
 };
 
 // A fused pass's kernels by their pinning names (the input pass has one more: wgmma_rs).

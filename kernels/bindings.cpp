@@ -245,11 +245,6 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   args.input_staging = staging < 0    ? trimul::InputStaging::kAuto
                        : staging == 0 ? trimul::InputStaging::kRounds
                                       : trimul::InputStaging::kStream;
-  if (const char* groups = std::getenv("TRIMUL_RS_GROUPS"); groups != nullptr && groups[0] != '\0') {
-    TORCH_CHECK_VALUE(groups[0] >= '2' && groups[0] <= '4' && groups[1] == '\0',
-                      "trimul_inline: TRIMUL_RS_GROUPS must be 2, 3 or 4, not '", groups, "'");
-    args.rs_groups = groups[0] - '0';
-  }
   if (const char* plan = std::getenv("TRIMUL_INPUT_PLAN"); plan != nullptr && plan[0] != '\0')
     TORCH_CHECK_VALUE(trimul::parse_pass_plan(plan, &args.input_plan_buffers, &args.input_plan_stages,
                                               &args.input_plan_positions),

@@ -811,6 +811,8 @@ namespace wgmma_rs {
 using namespace ::trimul::tma;
 using namespace ::trimul::tma::ws;
 
+constexpr int kGroups = 2;  // MMA warpgroups per block, each on its own tiles
+constexpr int kThreads = 128 * kGroups;
 constexpr int kPositions = 64;                      // per tile: wgmma's M
 constexpr int kC = 128;                             // the pair_dim it takes
 constexpr int kSteps = kC / 16;                     // k16 steps of the rows
@@ -820,15 +822,10 @@ constexpr int kSteps = kC / 16;                     // k16 steps of the rows
 constexpr int kKTiles = kC * 2 / kKBytes + 1;
 constexpr int kScratchBytes = 2 * 32 * kPositions * 2;  // per warpgroup: two buffers of 32 h x 64 positions
 
-// MMA warpgroups per block (each on its own tiles): 2 hold the next tile's rows in registers while this one
-// multiplies (~210 registers each) and overlap a part's products with the previous part's stores in two
-// accumulator sets; 3 and 4 load each tile's rows when they start it and leave the overlap to the other
-// warpgroups (4: one accumulator set, <= 128 registers). TRIMUL_RS_GROUPS picks (ForwardArgs::rs_groups).
-constexpr int kDefaultGroups = 2;
 inline int64_t weight_tiles(int64_t rows_ab) { return 2 * rows_ab / kChunkRows * kKTiles; }
 // Dynamic shared memory: the resident weights (1024-byte aligned), the scratches, the weights' barriers.
-inline int64_t smem_bytes(int64_t rows_ab, int groups) {
-  return 1023 + weight_tiles(rows_ab) * (kStageBytes + 8) + groups * kScratchBytes;
+inline int64_t smem_bytes(int64_t rows_ab) {
+  return 1023 + weight_tiles(rows_ab) * (kStageBytes + 8) + kGroups * kScratchBytes;
 }
 
 // Four adjacent channels of a row as one load: 16 bytes of fp32 rows, 8 of 16-bit ones.
@@ -847,13 +844,10 @@ struct FourChannels {
 };
 
 // kChunks: 128-row weight chunks, 2 * rows_ab / 128 (2 or 4: H <= 64, 128). TIn: the pair rows' type.
-// kGroups: MMA warpgroups per block (kDefaultGroups).
-template <Mode M, int kChunks, typename TIn, int kGroups>
-__global__ void __launch_bounds__(128 * kGroups, 1)
+template <Mode M, int kChunks, typename TIn>
+__global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch) {
   using Op = op_t<M>;
-  constexpr bool kPrefetch = kGroups == 2;  // the next tile's rows in registers during this one
-  constexpr bool kTwoAcc = kGroups <= 3;    // part p + 1's products during part p's stores
   extern __shared__ uint8_t smem_raw[];
   uint8_t* weights = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   constexpr int w_tiles = kChunks * kKTiles;
@@ -903,7 +897,7 @@ __global__ void __launch_bounds__(128 * kGroups, 1)
   int64_t tile = int64_t(blockIdx.x) * kGroups + group;
   typename Four::Raw raw[2][kSteps];
   float next_scale[2];
-  if constexpr (kPrefetch) load_rows(tile, raw, next_scale);
+  load_rows(tile, raw, next_scale);
   for (int i = 0; i < w_tiles; ++i) mbar_wait(&w_full[i], 0);
   int parity = 0;  // the scratch buffer the next part writes
   // The bias k-step's A fragment: ones at k = kC, kC + 1 (lane t = 0 of each quad, both rows), zeros elsewhere.
@@ -912,7 +906,6 @@ __global__ void __launch_bounds__(128 * kGroups, 1)
   for (; tile < tiles; tile += stride) {
     const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
     const int in_plane = static_cast<int>(std::min<int64_t>(plane - p0, kPositions));  // (a multiple of 32)
-    if constexpr (!kPrefetch) load_rows(tile, raw, next_scale);
     // LayerNorm (shifted by the row's first value, as VecRowStager does) into the A fragments: k-step s
     // holds channels 16 s + 4 t + {0, 1} (frag[s][hf]) and + {2, 3} (frag[s][2 + hf]) of row hf.
     uint32_t frag[kSteps][4];
@@ -947,7 +940,7 @@ __global__ void __launch_bounds__(128 * kGroups, 1)
       }
     }
     const float half_scale[2] = {next_scale[0], next_scale[1]};
-    if constexpr (kPrefetch) load_rows(tile + stride, raw, next_scale);  // in flight while this tile multiplies
+    load_rows(tile + stride, raw, next_scale);  // in flight while this tile multiplies and stores
 
     // The weight rows in parts of 64 (N = 64: 32 h of a or b), two accumulator sets in turn: part p + 1
     // multiplies while part p's gated values go out (the products' latency under the epilogue's).
@@ -997,40 +990,27 @@ __global__ void __launch_bounds__(128 * kGroups, 1)
       // (no barrier after the reads: the next part writes the other buffer, and the one after it
       // passes the next part's barrier first, which every thread reaches after these reads)
     };
-    if constexpr (!kTwoAcc) {
-      float acc[32];
+    float acc0[32], acc1[32];
+    multiply(0, acc0);
+    // (unrolled, kChunks a template argument: with a runtime count the last round's branch merged two
+    // definitions of acc0 by register moves while a wgmma wrote it, and ptxas serialized every wgmma)
 #pragma unroll
-      for (int part = 0; part < parts; ++part) {
-        multiply(part, acc);
-        wgmma_wait<0>();
-        fence_accumulators(acc);
-        store(part, acc);
-      }
-    } else {
-      float acc0[32], acc1[32];
-      multiply(0, acc0);
-      // (unrolled, kChunks a template argument: with a runtime count the last round's branch merged two
-      // definitions of acc0 by register moves while a wgmma wrote it, and ptxas serialized every wgmma)
-#pragma unroll
-      for (int part = 0; part < parts; part += 2) {
-        multiply(part + 1, acc1);
+    for (int part = 0; part < parts; part += 2) {
+      multiply(part + 1, acc1);
+      wgmma_wait<1>();
+      fence_accumulators(acc0);
+      store(part, acc0);
+      if (part + 2 < parts) {
+        multiply(part + 2, acc0);
         wgmma_wait<1>();
-        fence_accumulators(acc0);
-        store(part, acc0);
-        if (part + 2 < parts) {
-          multiply(part + 2, acc0);
-          wgmma_wait<1>();
-        } else {
-          wgmma_wait<0>();
-        }
-        fence_accumulators(acc1);
-        store(part + 1, acc1);
+      } else {
+        wgmma_wait<0>();
       }
+      fence_accumulators(acc1);
+      store(part + 1, acc1);
     }
   }
 }
-
-inline int groups(const ForwardArgs& args) { return args.rs_groups > 0 ? args.rs_groups : kDefaultGroups; }
 
 // Whether it takes these sizes: sm_90a on Hopper, a 16-bit mode, rows of exactly kC channels in 16-byte
 // vectors, the prepared weights (ForwardArgs::w_in_rows), and the resident weights in shared memory.
@@ -1039,7 +1019,7 @@ bool applicable(const ForwardArgs& args) {
   if constexpr (M == Mode::bf16 || M == Mode::f16) {
     return tensor_map_encoder() != nullptr && args.c == kC && args.c_pad == kC && args.w_in_rows != nullptr &&
            rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair) &&
-           args.rows_ab <= 2 * kChunkRows && smem_bytes(args.rows_ab, groups(args)) <= max_smem_optin();
+           args.rows_ab <= 2 * kChunkRows && smem_bytes(args.rows_ab) <= max_smem_optin();
   }
   return false;
 }
@@ -1049,29 +1029,19 @@ cudaError_t launch(const ForwardArgs& args) {
   CUtensorMap map_w;
   if (!encode_kmajor_map<op_t<M>>(&map_w, args.w_in_rows, 0, 2 * args.rows_ab, kKTiles * kKBytes / 2, kChunkRows))
     return cudaErrorNotSupported;
-  const int group_count = groups(args);
-  const int64_t bytes = smem_bytes(args.rows_ab, group_count);
+  const int64_t bytes = smem_bytes(args.rows_ab);
   const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
-  const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, group_count));
-  const auto run = [&](auto chunks, auto groups) {
-    constexpr int kChunks = decltype(chunks)::value, kGroups = decltype(groups)::value;
-    const cudaError_t status = allow_smem<kernel<M, kChunks, TIn, kGroups>>(bytes);
+  const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, kGroups));
+  const auto run = [&](auto chunks) {
+    constexpr int kChunks = decltype(chunks)::value;
+    const cudaError_t status = allow_smem<kernel<M, kChunks, TIn>>(bytes);
     if (status != cudaSuccess) return status;
-    kernel<M, kChunks, TIn, kGroups><<<static_cast<unsigned>(blocks), 128 * kGroups, bytes, args.stream>>>(
-        args, map_w, tiles_per_batch);
+    kernel<M, kChunks, TIn><<<static_cast<unsigned>(blocks), kThreads, bytes, args.stream>>>(args, map_w, tiles_per_batch);
     return cudaGetLastError();
   };
-  const auto with_groups = [&](auto chunks) {
-    switch (group_count) {
-      case 2: return run(chunks, std::integral_constant<int, 2>{});
-      case 3: return run(chunks, std::integral_constant<int, 3>{});
-      case 4: return run(chunks, std::integral_constant<int, 4>{});
-      default: return cudaErrorNotSupported;
-    }
-  };
   switch (2 * args.rows_ab / kChunkRows) {
-    case 2: return with_groups(std::integral_constant<int, 2>{});
-    case 4: return with_groups(std::integral_constant<int, 4>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 4: return run(std::integral_constant<int, 4>{});
     default: return cudaErrorNotSupported;
   }
 }
