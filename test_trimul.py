@@ -746,11 +746,12 @@ def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precisi
 
 
 @cuda
-@pytest.mark.parametrize("pair_dim, dtype, takes", [(128, torch.float32, True), (128, torch.bfloat16, False),
-                                                    (96, torch.float32, False), (384, torch.float32, False)])
-def test_auto_takes_register_row_input_kernel_for_fp32_rows_of_128(monkeypatch, pair_dim, dtype, takes):
-    """With TRIMUL_INPUT_PASS unset, "medium" takes wgmma_rs for fp32 rows of exactly 128 channels (where it
-    measured faster, NOTES v25) and the wgmma kernel for others (bf16 rows, other pair_dims), correct either way."""
+@pytest.mark.parametrize("pair_dim, dtype, takes", [(128, torch.float32, True), (128, torch.bfloat16, True),
+                                                    (128, torch.float16, True), (96, torch.float32, False),
+                                                    (384, torch.float32, False), (384, torch.bfloat16, False)])
+def test_auto_takes_register_row_input_kernel_for_rows_of_128(monkeypatch, pair_dim, dtype, takes):
+    """With TRIMUL_INPUT_PASS unset, "medium" takes wgmma_rs for fp32 / bf16 / fp16 rows of exactly 128 channels
+    (where it measured faster, NOTES v25 and v25d) and the wgmma kernel for other pair_dims, correct either way."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma passes need an sm_90a GPU")
     monkeypatch.delenv("TRIMUL_INPUT_PASS", raising=False)
@@ -805,15 +806,15 @@ def test_register_row_input_kernel_matches_fp64(monkeypatch, autocast, batch, n,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch, n, hidden, direction", [(1, 200, 128, "outgoing"), (2, 97, 40, "incoming")])
 def test_register_row_input_kernel_takes_16bit_rows_when_pinned(monkeypatch, dtype, batch, n, hidden, direction):
-    """wgmma_rs on bf16 / fp16 rows (8-byte loads of 4 channels): pinned only (not yet measured against the wgmma
-    kernel), correct against fp64; unpinned, 16-bit rows still go to the wgmma kernel."""
+    """wgmma_rs on bf16 / fp16 rows (8-byte loads of 4 channels), pinned and by default, correct against fp64;
+    TRIMUL_INPUT_PASS=wgmma still takes the wgmma kernel for them."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma passes need an sm_90a GPU")
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(128, hidden, direction, "raw").double(), g)
     new = _make_new(reference, dtype, "auto", "medium")
-    for pin, kernel in (("wgmma_rs", "wgmma_rs"), (None, "wgmma")):
+    for pin, kernel in (("wgmma_rs", "wgmma_rs"), (None, "wgmma_rs"), ("wgmma", "wgmma")):
         if pin is None:
             monkeypatch.delenv("TRIMUL_INPUT_PASS", raising=False)
         else:

@@ -805,7 +805,7 @@ cudaError_t plan_and_launch(const ForwardArgs& args) {
 // weights come prepared for it (ForwardArgs::w_in_rows: LayerNorm_in's affine folded in, k permuted so that
 // a k-step's fragment is 4 adjacent channels of a row, and the biases as one more k-step against ones).
 // The gated outputs go out through a per-warpgroup scratch, transposed by stmatrix.trans (32 h rows x 64
-// positions per part), as whole 128-byte runs of a_t / b_t rows. (16-bit rows: taken only where pinned.)
+// positions per part), as whole 128-byte runs of a_t / b_t rows.
 namespace wgmma_rs {
 
 using namespace ::trimul::tma;
@@ -1061,9 +1061,7 @@ template <Mode M, typename TIn>
 cudaError_t launch_mode(const ForwardArgs& args) {
   const char* pinned = args.input_pin;
   if constexpr (M == Mode::bf16 || M == Mode::f16) {
-    // (16-bit rows: only where pinned, until measured against the wgmma kernel)
-    const bool rs_pinned = pinned != nullptr && std::strcmp(pinned, "wgmma_rs") == 0;
-    if ((rs_pinned || (pinned == nullptr && std::is_same<TIn, float>::value)) && wgmma_rs::applicable<M, TIn>(args)) {
+    if (pin_allows(pinned, "wgmma_rs") && wgmma_rs::applicable<M, TIn>(args)) {
       const cudaError_t status = wgmma_rs::launch<M, TIn>(args);
       if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
     }
