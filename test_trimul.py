@@ -827,23 +827,26 @@ def test_register_row_input_kernel_takes_16bit_rows_when_pinned(monkeypatch, dty
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("first_channel, takes", [(4, True), (2, False)])
-def test_register_row_input_kernel_takes_strided_rows_only_when_aligned(monkeypatch, first_channel, takes):
-    """wgmma_rs loads 16 bytes of a row at a time: rows of a wider tensor (136 channels apart) starting 4 floats
-    in are 16-byte aligned and it takes them; starting 2 floats in they are not, it declines even when pinned,
-    and the pass still comes out right (under the pin the streamed kernel, the last in the order, takes it)."""
+def test_register_row_input_kernel_takes_strided_rows_only_when_aligned(monkeypatch, dtype, first_channel, takes):
+    """wgmma_rs loads 4 channels of a row at a time (16 bytes of fp32, 8 of bf16): rows of a wider tensor (136
+    channels apart) starting 4 channels in are aligned for that and it takes them; starting 2 channels in they are
+    not, it declines even when pinned, and the pass still comes out right (under the pin the streamed kernel, the
+    last in the order, takes it)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma passes need an sm_90a GPU")
     monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma_rs")
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(128, 128, "outgoing", "raw").double(), g)
-    new = _make_new(reference, torch.float32, "auto", "medium")
+    new = _make_new(reference, dtype, "auto", "medium")
     wide, mask = random_inputs(1, 90, 136, g)
-    pair = wide.float().cuda()[..., first_channel:first_channel + 128]
+    pair = wide.to(dtype).cuda()[..., first_channel:first_channel + 128]
     assert pair.stride(2) == 136
-    _, ran = _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE["medium"], seed,
-                                   f"wgmma_rs strided from {first_channel}", rounding="medium")
+    tolerance = FUSED_TOLERANCE["medium"] if dtype == torch.float32 else TOLERANCE[dtype]
+    _, ran = _check_model_profiled(new, reference, pair, mask, tolerance, seed,
+                                   f"wgmma_rs {dtype} strided from {first_channel}", dtype, rounding="medium")
     names = [k for k in ran if "input_pass" in k]
     assert len(names) == 1 and (PASS_KERNELS["input"]["wgmma_rs"] in names[0]) == takes, names
 
