@@ -133,6 +133,7 @@ struct ForwardArgs {
   // Shared memory the output pass's in-pass contraction (z == nullptr) stages a/b rows in; set by
   // the launch code (0: it reads them straight from global memory).
   int64_t contract_stage_bytes;
+  bool gate_rows_first;  // (set by the output pass's launch: the in-pass contraction's z has its own region)
   void* out;              // [B, N, N, C] contiguous, pair_dtype
   cudaStream_t stream;
   // Measuring knobs, read from the environment by the bindings at each forward (known_pass_kernel,

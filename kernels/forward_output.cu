@@ -180,6 +180,10 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
   int64_t* row_off = reinterpret_cast<int64_t*>(partial + 2 * kParts * T::BM);
   int64_t* out_row = row_off + T::BM;  // element offset of each position's output row
   uint8_t* contract_stage = reinterpret_cast<uint8_t*>(out_row + T::BM);  // args.contract_stage_bytes
+  // With the in-pass contraction (z == nullptr) where ForwardArgs::gate_rows_first, z goes into its own region
+  // behind the stage, so the gate rows can go into x_res first; otherwise z arrives into x_res's region and
+  // the gate rows are staged after its LayerNorm.
+  const bool fused_z = args.z == nullptr && args.gate_rows_first;
 
   const int64_t n = args.n, hidden = args.h, plane = n * args.ldz;
   const int64_t q0 = (blockIdx.x % q_tiles) * T::BM;
@@ -198,7 +202,14 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
   // z rows [H][BM] for this tile arrive (by cp.async, all in flight at once, or computed for small
   // N) into the region x_res takes later; LayerNorm_out then runs over h for each pair (column m),
   // reduced across kParts threads, and writes its operand rows with vector stores.
-  float* z_raw = reinterpret_cast<float*>(x_res);
+  float* z_raw = fused_z ? reinterpret_cast<float*>(contract_stage + args.contract_stage_bytes)
+                         : reinterpret_cast<float*>(x_res);
+  const auto stage_gate_rows = [&] {
+    stage_rows<M, TIn, T::kWarps>(rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair),
+                                  x_res, x_stride, static_cast<const TIn*>(args.pair), row_off, T::BM,
+                                  static_cast<int>(args.c), static_cast<int>(args.c_pad),
+                                  args.gate_normalized ? args.ln_in_w : nullptr, args.ln_in_b, args.eps_in);
+  };
   {
     if (args.z != nullptr) {
       const z_t<M>* z_plane = static_cast<const z_t<M>*>(args.z) + batch * hidden * plane + q0;
@@ -234,7 +245,13 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
     if (args.z != nullptr) {
       cp_async_wait<kStages - 1>();  // the z group, not the weights behind it
     } else {
-      wait_for_prior_grid();  // (launched as a dependent of the input pass: TRIMUL_PDL)
+      if (fused_z) {
+        // The gate rows read only the caller's pair_repr: staged before waiting for the input pass (launched
+        // as its programmatic dependent, TRIMUL_PDL), so they load during its tail, off the chain after it.
+        __syncthreads();  // row_off is in
+        stage_gate_rows();
+      }
+      wait_for_prior_grid();
       if (args.contract_stage_bytes > 0) contract_tile_staged<op_t<M>, T>(z_raw, contract_stage, args, batch, q0);
       else contract_tile<op_t<M>, T>(z_raw, args, batch, q0);
     }
@@ -273,12 +290,9 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
       }
       store_operands<M, V>(dst, h0, y);
     }
-    __syncthreads();  // z_raw is about to become x_res
+    __syncthreads();  // z_raw is about to become x_res (given z)
   }
-  stage_rows<M, TIn, T::kWarps>(rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair),
-                                x_res, x_stride, static_cast<const TIn*>(args.pair), row_off, T::BM,
-                                static_cast<int>(args.c), static_cast<int>(args.c_pad),
-                                args.gate_normalized ? args.ln_in_w : nullptr, args.ln_in_b, args.eps_in);
+  if (!fused_z) stage_gate_rows();
   // (the stream's first next() synchronises before anyone reads x_res)
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1003,6 +1017,16 @@ std::pair<bool, int64_t> choose(const ForwardArgs& args) {
 // fits, else as many whole h as fit (keeping two blocks per multiprocessor where base allowed two).
 // 0 (contract_tile, from registers) when z comes from a contraction launch, or when the staged
 // path would take as many rounds of loads as the register path (each round is a full L2 latency).
+// The in-pass contraction's own z region (ForwardArgs::gate_rows_first), behind the contraction stage:
+// H x BM fp32 where it fits beside a tile's `base` bytes without costing a block per multiprocessor; else 0.
+template <class T>
+int64_t fused_z_bytes(const ForwardArgs& args, int64_t base) {
+  if (args.z != nullptr) return 0;
+  const int64_t bytes = args.h_pad * T::BM * 4;
+  if (2 * base + 2048 <= max_smem_per_sm()) return 2 * (base + bytes) + 2048 <= max_smem_per_sm() ? bytes : 0;
+  return base + bytes <= max_smem_optin() ? bytes : 0;
+}
+
 template <Mode M, class T>
 int64_t contract_stage_bytes(const ForwardArgs& args, int64_t base) {
   if (args.z != nullptr) return 0;
@@ -1022,6 +1046,9 @@ int64_t contract_stage_bytes(const ForwardArgs& args, int64_t base) {
 template <Mode M, typename TIn, class T>
 cudaError_t launch_tiling(const ForwardArgs& args, int64_t base) {
   ForwardArgs staged = args;
+  const int64_t z_bytes = fused_z_bytes<T>(args, base);
+  staged.gate_rows_first = z_bytes > 0;
+  base += z_bytes;
   staged.contract_stage_bytes = contract_stage_bytes<M, T>(args, base);
   return launch_tiles<kernel<M, TIn, T>, T>(staged, args.n * args.ldz, base + staged.contract_stage_bytes,
                                             args.dependent_output_launch && args.z == nullptr);
