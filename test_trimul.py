@@ -693,7 +693,7 @@ def test_fused_reduced_precisions(variant, precision, direction, batch, n, pair_
 
 
 # Kernel names (as the profiler shows them) of each fused pass's kernels, by pinned name.
-PASS_KERNELS = {"input": {"wgmma_rs": "input_pass::wgmma_rs::kernel<",
+PASS_KERNELS = {"input": {"wgmma_rs": "input_pass::wgmma_rs::kernel<", "wgmma_rs_wide": "input_pass::wgmma_rs_wide::kernel<",
                           "wgmma": "input_pass::wgmma_tiles::kernel<", "resident": "input_pass::resident::kernel<",
                           "streamed": "input_pass::kernel<"},
                 "output": {"wgmma": "output_pass::wgmma_tiles::kernel<", "resident": "output_pass::resident::kernel<",
@@ -800,6 +800,65 @@ def test_register_row_input_kernel_matches_fp64(monkeypatch, autocast, batch, n,
                                        rounding="medium")
     names = [k for k in ran if "input_pass" in k]
     assert len(names) == 1 and PASS_KERNELS["input"]["wgmma_rs"] in names[0], names
+
+
+@cuda
+@pytest.mark.parametrize("autocast", [None, torch.float16])
+# (1, 200, 384, 128): two weight chunks per side, the last tile half past the plane; (2, 97, 384, 40): one chunk
+# per side (rows_ab 128), h past H not stored, batch 2; (1, 33, 384, 96) incoming: a transposed row walk;
+# (3, 7, 384, 8): fewer tiles than warpgroup pairs; (1, 130, 384, 64) with a float mask and rows 40 away
+# from zero (the centred fragments' rounding); (1, 333, 384, 128): several tiles per warpgroup.
+@pytest.mark.parametrize("batch, n, hidden, direction, mask_kind, offset", [
+    (1, 200, 128, "outgoing", "bool", 0.0), (2, 97, 40, "outgoing", "bool", 0.0), (1, 33, 96, "incoming", "bool", 0.0),
+    (3, 7, 8, "outgoing", "bool", 0.0), (1, 130, 64, "outgoing", "float", 40.0), (1, 333, 128, "outgoing", "bool", 0.0)])
+def test_wide_register_row_input_kernel_matches_fp64(monkeypatch, autocast, batch, n, hidden, direction, mask_kind,
+                                                     offset):
+    """TRIMUL_INPUT_PASS=wgmma_rs_wide: the register-row input kernel at pair_dim 384 (each block one side's
+    weights resident, its partner block the other's; the LayerNorm's mean taken out before the 16-bit
+    fragments, rstd and the biases in the epilogue) against fp64 on poisoned work buffers; the profiler
+    checks that it is the kernel that ran."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma_rs_wide")
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(384, hidden, direction, "raw").double(), g)
+    new = _make_new(reference, torch.float32, "auto", "medium")
+    pair, mask = random_inputs(batch, n, 384, g)
+    if mask_kind == "float":
+        mask = mask * torch.rand(mask.shape, generator=g, dtype=torch.float64) * 2.0
+    pair = pair + offset
+    context = torch.autocast("cuda", autocast) if autocast is not None else contextlib.nullcontext()
+    with context:
+        _, ran = _check_model_profiled(new, reference, pair, mask.to(torch.float32 if mask_kind == "float" else torch.bool),
+                                       FUSED_TOLERANCE["medium"], seed,
+                                       f"wgmma_rs_wide {autocast} {batch},{n},{hidden}", rounding="medium")
+    names = [k for k in ran if "input_pass" in k]
+    assert len(names) == 1 and PASS_KERNELS["input"]["wgmma_rs_wide"] in names[0], names
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch, n, hidden, direction", [(1, 200, 128, "outgoing"), (2, 97, 40, "incoming")])
+def test_wide_register_row_input_kernel_takes_16bit_rows_when_pinned(monkeypatch, dtype, batch, n, hidden, direction):
+    """wgmma_rs_wide on bf16 / fp16 rows (8-byte loads of 4 channels) where pinned, correct against fp64;
+    unpinned, pair_dim 384 goes to the wgmma kernel."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(384, hidden, direction, "raw").double(), g)
+    new = _make_new(reference, dtype, "auto", "medium")
+    for pin, kernel in (("wgmma_rs_wide", "wgmma_rs_wide"), (None, "wgmma")):
+        if pin is None:
+            monkeypatch.delenv("TRIMUL_INPUT_PASS", raising=False)
+        else:
+            monkeypatch.setenv("TRIMUL_INPUT_PASS", pin)
+        pair, mask = random_inputs(batch, n, 384, g)
+        _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, TOLERANCE[dtype], seed,
+                                       f"{pin} {dtype} {batch},{n},{hidden}", dtype, rounding="medium")
+        names = [k for k in ran if "input_pass" in k]
+        assert len(names) == 1 and PASS_KERNELS["input"][kernel] in names[0], names
 
 
 @cuda
@@ -1372,7 +1431,8 @@ def test_cuda_bad_input_raises():
 @cuda
 @pytest.mark.parametrize("variable, value, message", [
     ("TRIMUL_HIGH_ARITH", "bf16", "TRIMUL_HIGH_ARITH must be f16 or tf32, not 'bf16'"),
-    ("TRIMUL_INPUT_PASS", "wgma", "TRIMUL_INPUT_PASS must be wgmma_rs, wgmma, resident or streamed, not 'wgma'"),
+    ("TRIMUL_INPUT_PASS", "wgma", "TRIMUL_INPUT_PASS must be wgmma_rs, wgmma_rs_wide, wgmma, resident or streamed, "
+                                  "not 'wgma'"),
     ("TRIMUL_OUTPUT_PASS", "mma", "TRIMUL_OUTPUT_PASS must be wgmma, resident or streamed, not 'mma'"),
     ("TRIMUL_OUTPUT_PASS", "wgmma_rs", "TRIMUL_OUTPUT_PASS must be wgmma, resident or streamed, not 'wgmma_rs'"),
     ("TRIMUL_INPUT_PLAN", "3,4", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),

@@ -843,6 +843,32 @@ struct FourChannels {
   }
 };
 
+// A part's gated 16-bit values out (packed[qq][k]: this thread's pairs of 8x8 block q = 2 qq + k / 2, rows of
+// half k % 2, as the accumulators hold them): each block into the warpgroup's scratch `buf` transposed
+// (stmatrix.trans: row = h, 8 positions), its 16-byte chunk XOR-swizzled by h % 8, then the part's 32 h rows
+// as 128-byte runs of `out` (h rows `plane` apart; h0 + h < hidden, positions < in_plane).
+template <typename Op>
+__device__ __forceinline__ void store_part(uint8_t* buf, const uint32_t (&packed)[2][4], Op* out, int64_t plane,
+                                           int64_t h0, int64_t hidden, int in_plane) {
+  const int lane = threadIdx.x & 31, warp4 = (threadIdx.x >> 5) & 3, tid = threadIdx.x & 127;
+  const int k = lane >> 3, i = lane & 7;  // (lane 8k + i: row i of block k)
+#pragma unroll
+  for (int qq = 0; qq < 2; ++qq) {
+    const int q = 2 * qq + (k >> 1), hf = k & 1;
+    stmatrix_x4<true>(smem_u32(buf) + (8 * q + i) * (2 * kPositions) + (((2 * warp4 + hf) ^ i) << 4), packed[qq][0],
+                      packed[qq][1], packed[qq][2], packed[qq][3]);
+  }
+  named_barrier(1 + (threadIdx.x >> 7), 128);  // the warpgroup's blocks are in the scratch
+#pragma unroll
+  for (int it = 0; it < 2; ++it) {
+    const int h = 16 * it + (tid >> 3), c = tid & 7;
+    const uint4 v = *reinterpret_cast<const uint4*>(buf + h * (2 * kPositions) + ((c ^ (h & 7)) << 4));
+    if (h0 + h < hidden && 8 * c < in_plane) *reinterpret_cast<uint4*>(out + h * plane + 8 * c) = v;
+  }
+  // (no barrier after the reads: the next part writes the other buffer, and the one after it passes the next
+  // part's barrier first, which every thread reaches after these reads)
+}
+
 // kChunks: 128-row weight chunks, 2 * rows_ab / 128 (2 or 4: H <= 64, 128). TIn: the pair rows' type.
 template <Mode M, int kChunks, typename TIn>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -866,7 +892,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
   const int warp = warp_index(), lane = threadIdx.x & 31;
-  const int group = warp >> 2, warp4 = warp & 3, t = lane & 3, tid = threadIdx.x & 127;
+  const int group = warp >> 2, warp4 = warp & 3, t = lane & 3;
   uint8_t* scratch = scratch_all + group * kScratchBytes;
   const int64_t tiles = args.batch * tiles_per_batch, plane = args.n * args.ld;
   const int64_t stride = int64_t(gridDim.x) * kGroups;
@@ -960,35 +986,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint8_t* buf = scratch + parity * (kScratchBytes / 2);
       parity ^= 1;
       // acc[4 j + 2 hf + e]: position row0 + 8 hf, column 8 j + 2 t + e; columns 16 q .. + 7 are proj of
-      // h = 8 q .. + 7, 16 q + 8 .. their gates. Each 8 x 8 block (q, hf) of gated values goes to the
-      // scratch transposed (stmatrix.trans: row = h, 8 positions), its 16-byte chunk XOR-swizzled by h % 8.
+      // h = 8 q .. + 7, 16 q + 8 .. their gates: 8 x 8 blocks (q, hf) of gated values.
+      uint32_t packed[2][4];
 #pragma unroll
-      for (int qq = 0; qq < 2; ++qq) {
-        uint32_t packed[4];
+      for (int qq = 0; qq < 2; ++qq)
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const int q = 2 * qq + (k >> 1), hf = k & 1;
           const float v0 = gated_16bit_half(acc[8 * q + 2 * hf], 0.5f * acc[8 * q + 4 + 2 * hf], half_scale[hf]);
           const float v1 = gated_16bit_half(acc[8 * q + 2 * hf + 1], 0.5f * acc[8 * q + 5 + 2 * hf], half_scale[hf]);
-          packed[k] = pack_pair<Op>(v0, v1);
+          packed[qq][k] = pack_pair<Op>(v0, v1);
         }
-        const int k = lane >> 3, i = lane & 7;  // (lane 8k + i: row i of block k)
-        const int q = 2 * qq + (k >> 1), hf = k & 1;
-        stmatrix_x4<true>(smem_u32(buf) + (8 * q + i) * (2 * kPositions) + (((2 * warp4 + hf) ^ i) << 4), packed[0],
-                          packed[1], packed[2], packed[3]);
-      }
-      named_barrier(1 + group, 128);  // the warpgroup's blocks are in the scratch
       const bool second = r0 >= args.rows_ab;  // b's rows follow a's
       const int64_t h0 = (r0 - (second ? args.rows_ab : 0)) / 2;
-      Op* out = static_cast<Op*>(second ? args.b_t : args.a_t) + (batch * args.h + h0) * plane + p0;
-#pragma unroll
-      for (int it = 0; it < 2; ++it) {
-        const int h = 16 * it + (tid >> 3), c = tid & 7;
-        const uint4 v = *reinterpret_cast<const uint4*>(buf + h * (2 * kPositions) + ((c ^ (h & 7)) << 4));
-        if (h0 + h < args.h && 8 * c < in_plane) *reinterpret_cast<uint4*>(out + h * plane + 8 * c) = v;
-      }
-      // (no barrier after the reads: the next part writes the other buffer, and the one after it
-      // passes the next part's barrier first, which every thread reaches after these reads)
+      store_part(buf, packed, static_cast<Op*>(second ? args.b_t : args.a_t) + (batch * args.h + h0) * plane + p0,
+                 plane, h0, args.h, in_plane);
     };
     float acc0[32], acc1[32];
     multiply(0, acc0);
@@ -1048,6 +1060,212 @@ cudaError_t launch(const ForwardArgs& args) {
 
 }  // namespace wgmma_rs
 
+// ---- The rows in registers at pair_dim 384 (sm_90a): wgmma_rs_wide ----------------------------------
+// wgmma_rs's pattern where all of w_in (384 KB at H = 128) does not fit in shared memory: each block keeps
+// one side's rows resident (a's or b's half of ForwardArgs::w_in_rows, 192 KB at H = 128), and blocks 2i and
+// 2i + 1 (one per side) walk the same tiles, so a pair row one of them reads is an L2 hit for the other.
+// A thread's 96 channels of a row are in registers at once, so the LayerNorm is exact two-pass (the mean by
+// quad shuffles, then the centred squares); the fragments hold bf16 / fp16 (x - mean), whose rounding is
+// relative to the row's spread as a normalized value's would be, and rstd and the biases (w_in_rows'
+// columns c_pad, c_pad + 1: no bias k-step here, its tiles would not fit) apply in the epilogue.
+// Pinned only (TRIMUL_INPUT_PASS=wgmma_rs_wide) until measured.
+namespace wgmma_rs_wide {
+
+using namespace ::trimul::tma;
+using namespace ::trimul::tma::ws;
+
+using wgmma_rs::kGroups;
+using wgmma_rs::kPositions;
+using wgmma_rs::kScratchBytes;
+using wgmma_rs::kThreads;
+constexpr int kC = 384;                    // the pair_dim it takes
+constexpr int kSteps = kC / 16;            // k16 steps of the rows
+constexpr int kKTiles = kC * 2 / kKBytes;  // 128-byte k-tiles per 128-row weight chunk
+
+// Dynamic shared memory for one side's rows_ab weight rows: the weights (1024-byte aligned), the scratches,
+// the side's biases, the weights' barriers.
+inline int64_t smem_bytes(int64_t rows_ab) {
+  const int64_t tiles = rows_ab / kChunkRows * kKTiles;
+  return 1023 + tiles * (kStageBytes + 8) + kGroups * kScratchBytes + rows_ab * 4;
+}
+
+// kChunks: 128-row weight chunks per side, rows_ab / 128 (1 or 2: H <= 64, 128). TIn: the pair rows' type.
+template <Mode M, int kChunks, typename TIn>
+__global__ void __launch_bounds__(kThreads, 1)
+    kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch) {
+  using Op = op_t<M>;
+  using Four = wgmma_rs::FourChannels<TIn>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* weights = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  constexpr int w_tiles = kChunks * kKTiles, side_rows = kChunks * kChunkRows;
+  uint8_t* scratch_all = weights + w_tiles * kStageBytes;
+  float* bias = reinterpret_cast<float*>(scratch_all + kGroups * kScratchBytes);  // [side_rows]
+  uint64_t* w_full = reinterpret_cast<uint64_t*>(bias + side_rows);
+  const int side = static_cast<int>(blockIdx.x & 1);  // 0: a's rows, 1: b's
+  const int64_t row_base = int64_t(side) * args.rows_ab;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < w_tiles; ++i) mbar_init(&w_full[i], 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int i = 0; i < w_tiles; ++i) {
+      mbar_expect_tx(&w_full[i], kStageBytes);
+      tma_load_2d(weights + i * kStageBytes, &map_w, (i % kKTiles) * (kKBytes / 2),
+                  static_cast<int>(row_base) + (i / kKTiles) * kChunkRows, &w_full[i]);
+    }
+  {
+    const Op* rows = static_cast<const Op*>(args.w_in_rows);
+    const int64_t pitch = args.c_pad + 64;
+    for (int r = threadIdx.x; r < side_rows; r += kThreads) {
+      const Op* b = rows + (row_base + r) * pitch + args.c_pad;  // (a part and its remainder)
+      bias[r] = to_float(b[0]) + to_float(b[1]);
+    }
+  }
+  __syncthreads();
+
+  const int warp = warp_index(), lane = threadIdx.x & 31;
+  const int group = warp >> 2, warp4 = warp & 3, t = lane & 3;
+  uint8_t* scratch = scratch_all + group * kScratchBytes;
+  const int64_t tiles = args.batch * tiles_per_batch, plane = args.n * args.ld;
+  const int64_t stride = int64_t(gridDim.x >> 1) * kGroups;
+  const TIn* pair = static_cast<const TIn*>(args.pair);
+  // This thread's rows of a tile: positions 16 warp4 + lane / 4 and 8 further (its rows of the wgmma's
+  // A fragment); of each, channels 16 s + 4 t .. + 3 for k-step s (w_in_rows' k permutation).
+  const int row0 = 16 * warp4 + (lane >> 2);
+  for (int i = 0; i < w_tiles; ++i) mbar_wait(&w_full[i], 0);
+  int parity = 0;  // the scratch buffer the next part writes
+  for (int64_t tile = int64_t(blockIdx.x >> 1) * kGroups + group; tile < tiles; tile += stride) {
+    const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
+    const int in_plane = static_cast<int>(std::min<int64_t>(plane - p0, kPositions));  // (a multiple of 32)
+    // Row hf's k-step s: channels 16 s + 4 t + {0, 1} in frag[s][hf], + {2, 3} in frag[s][2 + hf], centred.
+    uint32_t frag[kSteps][4];
+    float rstd[2], half_scale[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      int64_t off;
+      float mask;
+      locate_position(args, batch, p0 + row0 + 8 * hf, plane, off, mask);
+      half_scale[hf] = 0.5f * mask;
+      float4 x[kSteps];
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s)
+        x[s] = off >= 0 ? Four::widen(Four::load(pair + off + 16 * s + 4 * t)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      float sum = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) sum += (x[s].x + x[s].y) + (x[s].z + x[s].w);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float mean = sum * (1.f / kC);
+      float sum_sq = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        float4& v = x[s];
+        v.x -= mean;
+        v.y -= mean;
+        v.z -= mean;
+        v.w -= mean;
+        sum_sq = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, sum_sq))));
+        frag[s][hf] = pack_pair<Op>(v.x, v.y);
+        frag[s][2 + hf] = pack_pair<Op>(v.z, v.w);
+        // (packed here: left free, the conversions sank to the first product and both rows' 96 centred
+        // fp32 values stayed live at once: 252-255 registers, 76 bytes spilled with fp32 rows)
+        asm volatile("" : "+r"(frag[s][hf]), "+r"(frag[s][2 + hf]));
+      }
+      sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 1);
+      sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 2);
+      rstd[hf] = rsqrtf(sum_sq * (1.f / kC) + args.eps_in);
+    }
+
+    // The side's weight rows in parts of 64 (N = 64: 32 h), two accumulator sets in turn (as wgmma_rs).
+    constexpr int parts = 2 * kChunks;
+    const auto multiply = [&](int part, float(&acc)[32]) {
+      const uint8_t* w = weights + (part >> 1) * kKTiles * kStageBytes + (part & 1) * kGroupRowBytes;
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s)
+        wgmma_rs_64x64<Op>(acc, frag[s], desc_add(smem_descriptor(w + (s / 4) * kStageBytes), 2 * (s % 4)), s > 0);
+      wgmma_commit();
+    };
+    const auto store = [&](int part, const float(&acc)[32]) {
+      uint8_t* buf = scratch + parity * (kScratchBytes / 2);
+      parity ^= 1;
+      // As wgmma_rs's store, with each product first scaled by its row's rstd and biased:
+      // acc[8 q + 2 hf + e] is proj of the part's column 16 q + 2 t + e, acc[8 q + 4 + 2 hf + e] its gate (+ 8).
+      uint32_t packed[2][4];
+#pragma unroll
+      for (int qq = 0; qq < 2; ++qq)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int q = 2 * qq + (k >> 1), hf = k & 1;
+          const float2 bp = *reinterpret_cast<const float2*>(bias + part * 64 + 16 * q + 2 * t);
+          const float2 bg = *reinterpret_cast<const float2*>(bias + part * 64 + 16 * q + 8 + 2 * t);
+          const float p0v = fmaf(acc[8 * q + 2 * hf], rstd[hf], bp.x), p1v = fmaf(acc[8 * q + 2 * hf + 1], rstd[hf], bp.y);
+          const float g0 = fmaf(acc[8 * q + 4 + 2 * hf], rstd[hf], bg.x), g1 = fmaf(acc[8 * q + 5 + 2 * hf], rstd[hf], bg.y);
+          packed[qq][k] = pack_pair<Op>(gated_16bit_half(p0v, 0.5f * g0, half_scale[hf]),
+                                        gated_16bit_half(p1v, 0.5f * g1, half_scale[hf]));
+        }
+      const int64_t h0 = int64_t(part) * 32;
+      wgmma_rs::store_part(buf, packed, static_cast<Op*>(side ? args.b_t : args.a_t) + (batch * args.h + h0) * plane + p0,
+                           plane, h0, args.h, in_plane);
+    };
+    float acc0[32], acc1[32];
+    multiply(0, acc0);
+#pragma unroll
+    for (int part = 0; part < parts; part += 2) {
+      multiply(part + 1, acc1);
+      wgmma_wait<1>();
+      fence_accumulators(acc0);
+      store(part, acc0);
+      if (part + 2 < parts) {
+        multiply(part + 2, acc0);
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      fence_accumulators(acc1);
+      store(part + 1, acc1);
+    }
+  }
+}
+
+// Whether it takes these sizes: sm_90a on Hopper, a 16-bit mode, rows of exactly kC channels in 16-byte
+// (fp32) / 8-byte (16-bit) vectors, the prepared weights, one side's weights resident, an even grid.
+template <Mode M, typename TIn>
+bool applicable(const ForwardArgs& args) {
+  if constexpr (M == Mode::bf16 || M == Mode::f16) {
+    return tensor_map_encoder() != nullptr && args.c == kC && args.c_pad == kC && args.w_in_rows != nullptr &&
+           rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair) &&
+           args.rows_ab <= 2 * kChunkRows && smem_bytes(args.rows_ab) <= max_smem_optin() && sm_count() >= 2;
+  }
+  return false;
+}
+
+template <Mode M, typename TIn>
+cudaError_t launch(const ForwardArgs& args) {
+  CUtensorMap map_w;
+  if (!encode_kmajor_map<op_t<M>>(&map_w, args.w_in_rows, 0, 2 * args.rows_ab, args.c_pad + 64, kChunkRows))
+    return cudaErrorNotSupported;
+  const int64_t bytes = smem_bytes(args.rows_ab);
+  const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
+  const int64_t pairs = std::min<int64_t>(sm_count() / 2, ceil_div(args.batch * tiles_per_batch, kGroups));
+  const auto run = [&](auto chunks) {
+    constexpr int kChunks = decltype(chunks)::value;
+    const cudaError_t status = allow_smem<kernel<M, kChunks, TIn>>(bytes);
+    if (status != cudaSuccess) return status;
+    kernel<M, kChunks, TIn><<<static_cast<unsigned>(2 * pairs), kThreads, bytes, args.stream>>>(args, map_w,
+                                                                                            tiles_per_batch);
+    return cudaGetLastError();
+  };
+  switch (args.rows_ab / kChunkRows) {
+    case 1: return run(std::integral_constant<int, 1>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    default: return cudaErrorNotSupported;
+  }
+}
+
+}  // namespace wgmma_rs_wide
+
 // The tiling this pass uses for these sizes and its shared memory; {false, 0} if none fits.
 template <Mode M>
 std::pair<bool, int64_t> choose(const ForwardArgs& args) {
@@ -1063,6 +1281,11 @@ cudaError_t launch_mode(const ForwardArgs& args) {
   if constexpr (M == Mode::bf16 || M == Mode::f16) {
     if (pin_allows(pinned, "wgmma_rs") && wgmma_rs::applicable<M, TIn>(args)) {
       const cudaError_t status = wgmma_rs::launch<M, TIn>(args);
+      if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
+    }
+    // (pinned only, until measured against the wgmma kernel at pair_dim 384)
+    if (pinned != nullptr && std::strcmp(pinned, "wgmma_rs_wide") == 0 && wgmma_rs_wide::applicable<M, TIn>(args)) {
+      const cudaError_t status = wgmma_rs_wide::launch<M, TIn>(args);
       if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
     }
   }
