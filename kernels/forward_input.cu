@@ -93,6 +93,7 @@ __device__ __forceinline__ void store_operand_pair(op_t<M>* dst, float v0, float
 // Two blocks per multiprocessor (one stages while the other multiplies): <= 128 registers.
 template <Mode M, typename TIn, class T>
 __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args, int64_t p_tiles) {
+  allow_dependent_launch();
   using Op = op_t<M>;
   constexpr bool kRounded = M == Mode::tf32;  // operands written as TF32 values already
   extern __shared__ __align__(16) uint32_t smem[];
@@ -204,6 +205,7 @@ int64_t bytes(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, int64_t tiles_per_batch) {
+  allow_dependent_launch();
   using Op = op_t<M>;
   extern __shared__ __align__(16) uint32_t smem[];
   const int stride = resident_stride<M>(args.c_pad);
@@ -495,6 +497,7 @@ template <Mode M, typename TIn, int P, bool kF16 = M == Mode::tf32x3, bool kStre
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch, int buffers,
            int stages) {
+  allow_dependent_launch();
   static_assert(P == 128 || P == 64, "m64n128 or m64n64 products");
   using Op = pass_op_t<M, kF16>;
   constexpr int kRowTileBytes = P * kKBytes;
@@ -873,6 +876,7 @@ __device__ __forceinline__ void store_part(uint8_t* buf, const uint32_t (&packed
 template <Mode M, int kChunks, typename TIn>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch) {
+  allow_dependent_launch();
   using Op = op_t<M>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* weights = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
@@ -1093,6 +1097,7 @@ inline int64_t smem_bytes(int64_t rows_ab) {
 template <Mode M, int kChunks, typename TIn>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch) {
+  allow_dependent_launch();
   using Op = op_t<M>;
   using Four = wgmma_rs::FourChannels<TIn>;
   extern __shared__ uint8_t smem_raw[];

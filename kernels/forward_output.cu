@@ -1013,10 +1013,6 @@ std::pair<bool, int64_t> choose(const ForwardArgs& args) {
                       args.batch * ceil_div(args.n * args.ldz, Wide::BM));
 }
 
-// Shared memory for contract_tile_staged behind a tile's `base` bytes: all H at once where that
-// fits, else as many whole h as fit (keeping two blocks per multiprocessor where base allowed two).
-// 0 (contract_tile, from registers) when z comes from a contraction launch, or when the staged
-// path would take as many rounds of loads as the register path (each round is a full L2 latency).
 // The in-pass contraction's own z region (ForwardArgs::gate_rows_first), behind the contraction stage:
 // H x BM fp32 where it fits beside a tile's `base` bytes without costing a block per multiprocessor; else 0.
 template <class T>
@@ -1027,6 +1023,10 @@ int64_t fused_z_bytes(const ForwardArgs& args, int64_t base) {
   return base + bytes <= max_smem_optin() ? bytes : 0;
 }
 
+// Shared memory for contract_tile_staged behind a tile's `base` bytes: all H at once where that
+// fits, else as many whole h as fit (keeping two blocks per multiprocessor where base allowed two).
+// 0 (contract_tile, from registers) when z comes from a contraction launch, or when the staged
+// path would take as many rounds of loads as the register path (each round is a full L2 latency).
 template <Mode M, class T>
 int64_t contract_stage_bytes(const ForwardArgs& args, int64_t base) {
   if (args.z != nullptr) return 0;

@@ -588,6 +588,16 @@ inline bool pin_allows(const char* pinned, const char* name) {
   return pinned == nullptr || std::strcmp(pinned, name) == 0;
 }
 
+// In an input-pass kernel, first thing: its programmatic dependent (the output pass with the in-pass
+// contraction, launch_tiles' `dependent`) may launch once every block of this grid has started, so the
+// dependent's blocks take SMs as this grid's blocks retire and run their prologue (weights, gate rows)
+// during its tail; without it the trigger is implicit at the grid's completion. A no-op without a dependent.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // In a kernel launched as a programmatic dependent (launch_tiles' `dependent`): waits until the
 // kernel before it in the stream has finished and its writes are visible; a no-op otherwise.
 __device__ __forceinline__ void wait_for_prior_grid() {
