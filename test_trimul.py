@@ -696,7 +696,7 @@ def test_fused_reduced_precisions(variant, precision, direction, batch, n, pair_
 PASS_KERNELS = {"input": {"wgmma_rs": "input_pass::wgmma_rs::kernel<", "wgmma_rs_wide": "input_pass::wgmma_rs_wide::kernel<",
                           "wgmma": "input_pass::wgmma_tiles::kernel<", "resident": "input_pass::resident::kernel<",
                           "streamed": "input_pass::kernel<"},
-                "output": {"wgmma": "output_pass::wgmma_tiles::kernel<", "resident": "output_pass::resident::kernel<",
+                "output": {"wgmma_rs_wide": "output_pass::wgmma_rs_wide::kernel<", "wgmma": "output_pass::wgmma_tiles::kernel<", "resident": "output_pass::resident::kernel<",
                            "streamed": "output_pass::kernel<"}}
 
 
@@ -835,6 +835,38 @@ def test_wide_register_row_input_kernel_matches_fp64(monkeypatch, autocast, batc
                                        f"wgmma_rs_wide {autocast} {batch},{n},{hidden}", rounding="medium")
     names = [k for k in ran if "input_pass" in k]
     assert len(names) == 1 and PASS_KERNELS["input"]["wgmma_rs_wide"] in names[0], names
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (1, 200, 384, 128): the last tile of the plane partial (z's TMA box past the plane reads zeros); (2, 97, 384,
+# 128) incoming: batch 2 (z rows of the second batch), padding positions j >= n inside the plane (ldz 104);
+# (1, 130, 384, 128) with a float mask and rows 40 away from zero (the raw gate rows in bf16); (1, 333, 384, 128):
+# several tiles per warpgroup (the next tile's z loading while this one multiplies).
+@pytest.mark.parametrize("batch, n, direction, mask_kind, offset", [
+    (1, 200, "outgoing", "bool", 0.0), (2, 97, "incoming", "bool", 0.0), (1, 130, "outgoing", "float", 40.0),
+    (1, 333, "outgoing", "bool", 0.0)])
+def test_wide_register_row_output_kernel_matches_fp64(monkeypatch, dtype, batch, n, direction, mask_kind, offset):
+    """TRIMUL_OUTPUT_PASS=wgmma_rs_wide: the register-row output kernel at pair_dim 384, H 128 ("medium": bf16 z;
+    each block one half of the output channels; z's LayerNorm on ldmatrix.trans fragments, its rstd and the
+    biases in the epilogue) against fp64 on poisoned work buffers; the profiler checks that it ran."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    monkeypatch.setenv("TRIMUL_OUTPUT_PASS", "wgmma_rs_wide")
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(384, 128, direction, "raw").double(), g)
+    new = _make_new(reference, dtype, "auto", "medium")
+    pair, mask = random_inputs(batch, n, 384, g)
+    if mask_kind == "float":
+        mask = mask * torch.rand(mask.shape, generator=g, dtype=torch.float64) * 2.0
+    pair = pair + offset
+    tolerance = FUSED_TOLERANCE["medium"] if dtype == torch.float32 else TOLERANCE[dtype]
+    _, ran = _check_model_profiled(new, reference, pair.to(dtype),
+                                   mask.to(torch.float32 if mask_kind == "float" else torch.bool), tolerance, seed,
+                                   f"output wgmma_rs_wide {dtype} {batch},{n}", dtype, rounding="medium")
+    names = [k for k in ran if "output_pass" in k]
+    assert len(names) == 1 and PASS_KERNELS["output"]["wgmma_rs_wide"] in names[0], names
 
 
 @cuda
@@ -1433,8 +1465,9 @@ def test_cuda_bad_input_raises():
     ("TRIMUL_HIGH_ARITH", "bf16", "TRIMUL_HIGH_ARITH must be f16 or tf32, not 'bf16'"),
     ("TRIMUL_INPUT_PASS", "wgma", "TRIMUL_INPUT_PASS must be wgmma_rs, wgmma_rs_wide, wgmma, resident or streamed, "
                                   "not 'wgma'"),
-    ("TRIMUL_OUTPUT_PASS", "mma", "TRIMUL_OUTPUT_PASS must be wgmma, resident or streamed, not 'mma'"),
-    ("TRIMUL_OUTPUT_PASS", "wgmma_rs", "TRIMUL_OUTPUT_PASS must be wgmma, resident or streamed, not 'wgmma_rs'"),
+    ("TRIMUL_OUTPUT_PASS", "mma", "TRIMUL_OUTPUT_PASS must be wgmma_rs_wide, wgmma, resident or streamed, not 'mma'"),
+    ("TRIMUL_OUTPUT_PASS", "wgmma_rs", "TRIMUL_OUTPUT_PASS must be wgmma_rs_wide, wgmma, resident or streamed, "
+                                       "not 'wgmma_rs'"),
     ("TRIMUL_INPUT_PLAN", "3,4", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
     ("TRIMUL_INPUT_PLAN", "2,9", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
     ("TRIMUL_INPUT_PLAN", "2", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),

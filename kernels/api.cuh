@@ -155,9 +155,9 @@ struct ForwardArgs {
   InputStaging input_staging;
 };
 
-// A fused pass's kernels by their pinning names (the input pass has two more: wgmma_rs, wgmma_rs_wide).
+// A fused pass's kernels by their pinning names (wgmma_rs_wide in both, wgmma_rs in the input pass only).
 inline bool known_pass_kernel(const char* name, bool input_pass) {
-  if (input_pass && (std::strcmp(name, "wgmma_rs") == 0 || std::strcmp(name, "wgmma_rs_wide") == 0)) return true;
+  if (std::strcmp(name, "wgmma_rs_wide") == 0 || (input_pass && std::strcmp(name, "wgmma_rs") == 0)) return true;
   for (const char* known : {"wgmma", "resident", "streamed"})
     if (std::strcmp(known, name) == 0) return true;
   return false;

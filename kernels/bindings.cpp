@@ -114,7 +114,7 @@ const char* pass_pin(const char* variable) {
   if (pin == nullptr || pin[0] == '\0') return nullptr;
   const bool input = std::strcmp(variable, "TRIMUL_INPUT_PASS") == 0;
   TORCH_CHECK_VALUE(trimul::known_pass_kernel(pin, input), "trimul_inline: ", variable, " must be ",
-                    input ? "wgmma_rs, wgmma_rs_wide, " : "", "wgmma, resident or streamed, not '", pin, "'");
+                    input ? "wgmma_rs, " : "", "wgmma_rs_wide, wgmma, resident or streamed, not '", pin, "'");
   return pin;
 }
 

@@ -329,6 +329,18 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t p0, uint32_t
 #endif
 }
 
+// ldmatrix x4 transposing: four 8x8 blocks of 16-bit values (lane 8k + r giving the shared address of block k's
+// row r), r[k] this lane's pair of block k transposed: row lane / 4 of the stored columns, stored rows
+// 2 (lane % 4) + {0, 1}. A [k][m]-stored tile reads as an mma / wgmma A fragment that way.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+#ifdef TRIMUL_SM90A
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+#endif
+}
+
 template <int P>
 __device__ __forceinline__ void stage_row_pairs_x4(uint8_t* scratch, int q, uint32_t p0, uint32_t p1, uint32_t p2,
                                                    uint32_t p3) {
