@@ -1170,32 +1170,39 @@ __global__ void __launch_bounds__(kThreads, 1)
       float gate[32], proj[32];
       const uint8_t* wg = w_gate + p * kGateTiles * kTileBytes;
       const uint8_t* wo = w_out + p * kOutTiles * kTileBytes;
+      // Two commit groups: the gate's sigmoids are taken while out_proj's product is still in flight.
       wgmma_fence();
 #pragma unroll
       for (int s = 0; s < kGateSteps; ++s)
         wgmma_rs_64x64<Op>(gate, xf[s], desc_add(smem_descriptor(wg + (s / 4) * kTileBytes), 2 * (s % 4)), s > 0);
+      wgmma_commit();
 #pragma unroll
       for (int s = 0; s < kZSteps; ++s)
         wgmma_rs_64x64<Op>(proj, zf[s], desc_add(smem_descriptor(wo + (s / 4) * kTileBytes), 2 * (s % 4)), s > 0);
       wgmma_commit();
-      wgmma_wait<0>();
+      wgmma_wait<1>();
       fence_accumulators(gate);
-      fence_accumulators(proj);
       // gate[4 j + 2 hf + e]: position row g + 8 hf, the part's channel 8 j + 2 t + e (proj likewise).
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 bg = *reinterpret_cast<const float2*>(gate_bias + 64 * p + 8 * j + 2 * t);
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          gate[4 * j + 2 * hf] = gate_sigmoid<Mode::bf16>(gate[4 * j + 2 * hf] + bg.x);
+          gate[4 * j + 2 * hf + 1] = gate_sigmoid<Mode::bf16>(gate[4 * j + 2 * hf + 1] + bg.y);
+        }
+      }
+      wgmma_wait<0>();
+      fence_accumulators(proj);
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         if (out_off[hf] < 0) continue;
         TIn* dst = out + out_off[hf] + 64 * p + 2 * t;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const int c = 64 * p + 8 * j + 2 * t;
-          const float2 bg = *reinterpret_cast<const float2*>(gate_bias + c);
-          const float2 bo = *reinterpret_cast<const float2*>(out_bias + c);
-          const float v0 = gated_16bit_half(fmaf(proj[4 * j + 2 * hf], z_rstd[hf], bo.x),
-                                            0.5f * (gate[4 * j + 2 * hf] + bg.x), 0.5f);
-          const float v1 = gated_16bit_half(fmaf(proj[4 * j + 2 * hf + 1], z_rstd[hf], bo.y),
-                                            0.5f * (gate[4 * j + 2 * hf + 1] + bg.y), 0.5f);
-          store_pair(dst + 8 * j, v0, v1, true, true);
+          const float2 bo = *reinterpret_cast<const float2*>(out_bias + 64 * p + 8 * j + 2 * t);
+          store_pair(dst + 8 * j, fmaf(proj[4 * j + 2 * hf], z_rstd[hf], bo.x) * gate[4 * j + 2 * hf],
+                     fmaf(proj[4 * j + 2 * hf + 1], z_rstd[hf], bo.y) * gate[4 * j + 2 * hf + 1], true, true);
         }
       }
     }
