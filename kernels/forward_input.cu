@@ -1173,8 +1173,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         sum_sq = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, sum_sq))));
         frag[s][hf] = pack_pair<Op>(v.x, v.y);
         frag[s][2 + hf] = pack_pair<Op>(v.z, v.w);
-        // (packed here: left free, the conversions sank to the first product and both rows' 96 centred
-        // fp32 values stayed live at once: 252-255 registers, 76 bytes spilled with fp32 rows)
+        // (packed here, row by row: left free, ptxas sank the conversions to the first product. fp32 rows
+        // still take 255 registers and spill 76 bytes around the second row's 24 loads; 16-bit rows 252, none)
         asm volatile("" : "+r"(frag[s][hf]), "+r"(frag[s][2 + hf]));
       }
       sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 1);
