@@ -768,6 +768,55 @@ def test_auto_takes_register_row_input_kernel_for_rows_of_128(monkeypatch, pair_
     assert len(names) == 1 and PASS_KERNELS["input"][kernel] in names[0], names
 
 
+def _check_16bit_rows_under_pins(monkeypatch, pair_dim, dtype, batch, n, hidden, direction, pins):
+    """One bf16 / fp16 model at pair_dim checked against fp64 under each (TRIMUL_INPUT_PASS value or None for
+    unset, the input kernel that must run) of `pins`, fresh inputs each."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
+    new = _make_new(reference, dtype, "auto", "medium")
+    for pin, kernel in pins:
+        if pin is None:
+            monkeypatch.delenv("TRIMUL_INPUT_PASS", raising=False)
+        else:
+            monkeypatch.setenv("TRIMUL_INPUT_PASS", pin)
+        pair, mask = random_inputs(batch, n, pair_dim, g)
+        _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, TOLERANCE[dtype], seed,
+                                       f"{pin} {dtype} {batch},{n},{hidden}", dtype, rounding="medium")
+        names = [k for k in ran if "input_pass" in k]
+        assert len(names) == 1 and PASS_KERNELS["input"][kernel] in names[0], names
+
+
+def _check_register_row_kernel(monkeypatch, fused_pass, kernel, pair_dim, hidden, dtype, autocast, batch, n,
+                               direction, mask_kind, offset):
+    """A fresh raw-gate model at "medium" with `fused_pass` pinned to `kernel`, checked against fp64 on poisoned
+    work buffers (rows `offset` away from zero; a float mask scaled by up to 2 where mask_kind is "float", under
+    `autocast` if given), and the profiler's word that the pinned kernel is the one that ran."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    monkeypatch.setenv("TRIMUL_INPUT_PASS" if fused_pass == "input" else "TRIMUL_OUTPUT_PASS", kernel)
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
+    new = _make_new(reference, dtype, "auto", "medium")
+    pair, mask = random_inputs(batch, n, pair_dim, g)
+    if mask_kind == "float":
+        mask = mask * torch.rand(mask.shape, generator=g, dtype=torch.float64) * 2.0
+    pair = pair + offset
+    if dtype != torch.float32:
+        pair = pair.to(dtype)
+    tolerance = FUSED_TOLERANCE["medium"] if dtype == torch.float32 else TOLERANCE[dtype]
+    context = torch.autocast("cuda", autocast) if autocast is not None else contextlib.nullcontext()
+    with context:
+        _, ran = _check_model_profiled(new, reference, pair, mask.to(torch.float32 if mask_kind == "float" else torch.bool),
+                                       tolerance, seed, f"{kernel} {dtype} {autocast} {batch},{n},{hidden}", dtype,
+                                       rounding="medium")
+    names = [k for k in ran if f"{fused_pass}_pass" in k]
+    assert len(names) == 1 and PASS_KERNELS[fused_pass][kernel] in names[0], names
+
+
 @cuda
 @pytest.mark.parametrize("autocast", [None, torch.float16])
 # (1, 200, 128, 128): 625 64-position tiles, the last one half past the plane (in_plane 32); (2, 97, 128, 40):
@@ -782,24 +831,8 @@ def test_register_row_input_kernel_matches_fp64(monkeypatch, autocast, batch, n,
     """TRIMUL_INPUT_PASS=wgmma_rs: the 16-bit input kernel with the rows in registers (pair_dim 128, fp32
     rows) and its prepared weights (LayerNorm_in's affine folded in, k permuted) against fp64, on poisoned
     work buffers; the profiler checks that it is the kernel that ran."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma_rs")
-    seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(128, hidden, direction, "raw").double(), g)
-    new = _make_new(reference, torch.float32, "auto", "medium")
-    pair, mask = random_inputs(batch, n, 128, g)
-    if mask_kind == "float":
-        mask = mask * torch.rand(mask.shape, generator=g, dtype=torch.float64) * 2.0
-    pair = pair + offset
-    context = torch.autocast("cuda", autocast) if autocast is not None else contextlib.nullcontext()
-    with context:
-        _, ran = _check_model_profiled(new, reference, pair, mask.to(torch.float32 if mask_kind == "float" else torch.bool),
-                                       FUSED_TOLERANCE["medium"], seed, f"wgmma_rs {autocast} {batch},{n},{hidden}",
-                                       rounding="medium")
-    names = [k for k in ran if "input_pass" in k]
-    assert len(names) == 1 and PASS_KERNELS["input"]["wgmma_rs"] in names[0], names
+    _check_register_row_kernel(monkeypatch, "input", "wgmma_rs", 128, hidden, torch.float32, autocast, batch, n,
+                               direction, mask_kind, offset)
 
 
 @cuda
@@ -817,24 +850,8 @@ def test_wide_register_row_input_kernel_matches_fp64(monkeypatch, autocast, batc
     weights resident, its partner block the other's; the LayerNorm's mean taken out before the 16-bit
     fragments, rstd and the biases in the epilogue) against fp64 on poisoned work buffers; the profiler
     checks that it is the kernel that ran."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma_rs_wide")
-    seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(384, hidden, direction, "raw").double(), g)
-    new = _make_new(reference, torch.float32, "auto", "medium")
-    pair, mask = random_inputs(batch, n, 384, g)
-    if mask_kind == "float":
-        mask = mask * torch.rand(mask.shape, generator=g, dtype=torch.float64) * 2.0
-    pair = pair + offset
-    context = torch.autocast("cuda", autocast) if autocast is not None else contextlib.nullcontext()
-    with context:
-        _, ran = _check_model_profiled(new, reference, pair, mask.to(torch.float32 if mask_kind == "float" else torch.bool),
-                                       FUSED_TOLERANCE["medium"], seed,
-                                       f"wgmma_rs_wide {autocast} {batch},{n},{hidden}", rounding="medium")
-    names = [k for k in ran if "input_pass" in k]
-    assert len(names) == 1 and PASS_KERNELS["input"]["wgmma_rs_wide"] in names[0], names
+    _check_register_row_kernel(monkeypatch, "input", "wgmma_rs_wide", 384, hidden, torch.float32, autocast, batch, n,
+                               direction, mask_kind, offset)
 
 
 @cuda
@@ -850,23 +867,8 @@ def test_wide_register_row_output_kernel_matches_fp64(monkeypatch, dtype, batch,
     """TRIMUL_OUTPUT_PASS=wgmma_rs_wide: the register-row output kernel at pair_dim 384, H 128 ("medium": bf16 z;
     each block one half of the output channels; z's LayerNorm on ldmatrix.trans fragments, its rstd and the
     biases in the epilogue) against fp64 on poisoned work buffers; the profiler checks that it ran."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    monkeypatch.setenv("TRIMUL_OUTPUT_PASS", "wgmma_rs_wide")
-    seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(384, 128, direction, "raw").double(), g)
-    new = _make_new(reference, dtype, "auto", "medium")
-    pair, mask = random_inputs(batch, n, 384, g)
-    if mask_kind == "float":
-        mask = mask * torch.rand(mask.shape, generator=g, dtype=torch.float64) * 2.0
-    pair = pair + offset
-    tolerance = FUSED_TOLERANCE["medium"] if dtype == torch.float32 else TOLERANCE[dtype]
-    _, ran = _check_model_profiled(new, reference, pair.to(dtype),
-                                   mask.to(torch.float32 if mask_kind == "float" else torch.bool), tolerance, seed,
-                                   f"output wgmma_rs_wide {dtype} {batch},{n}", dtype, rounding="medium")
-    names = [k for k in ran if "output_pass" in k]
-    assert len(names) == 1 and PASS_KERNELS["output"]["wgmma_rs_wide"] in names[0], names
+    _check_register_row_kernel(monkeypatch, "output", "wgmma_rs_wide", 384, 128, dtype, None, batch, n, direction,
+                               mask_kind, offset)
 
 
 @cuda
@@ -875,22 +877,8 @@ def test_wide_register_row_output_kernel_matches_fp64(monkeypatch, dtype, batch,
 def test_wide_register_row_input_kernel_takes_16bit_rows_when_pinned(monkeypatch, dtype, batch, n, hidden, direction):
     """wgmma_rs_wide on bf16 / fp16 rows (8-byte loads of 4 channels) where pinned, correct against fp64;
     unpinned, pair_dim 384 goes to the wgmma kernel."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(384, hidden, direction, "raw").double(), g)
-    new = _make_new(reference, dtype, "auto", "medium")
-    for pin, kernel in (("wgmma_rs_wide", "wgmma_rs_wide"), (None, "wgmma")):
-        if pin is None:
-            monkeypatch.delenv("TRIMUL_INPUT_PASS", raising=False)
-        else:
-            monkeypatch.setenv("TRIMUL_INPUT_PASS", pin)
-        pair, mask = random_inputs(batch, n, 384, g)
-        _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, TOLERANCE[dtype], seed,
-                                       f"{pin} {dtype} {batch},{n},{hidden}", dtype, rounding="medium")
-        names = [k for k in ran if "input_pass" in k]
-        assert len(names) == 1 and PASS_KERNELS["input"][kernel] in names[0], names
+    _check_16bit_rows_under_pins(monkeypatch, 384, dtype, batch, n, hidden, direction,
+                                 (("wgmma_rs_wide", "wgmma_rs_wide"), (None, "wgmma")))
 
 
 @cuda
@@ -899,22 +887,8 @@ def test_wide_register_row_input_kernel_takes_16bit_rows_when_pinned(monkeypatch
 def test_register_row_input_kernel_takes_16bit_rows_when_pinned(monkeypatch, dtype, batch, n, hidden, direction):
     """wgmma_rs on bf16 / fp16 rows (8-byte loads of 4 channels), pinned and by default, correct against fp64;
     TRIMUL_INPUT_PASS=wgmma still takes the wgmma kernel for them."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(128, hidden, direction, "raw").double(), g)
-    new = _make_new(reference, dtype, "auto", "medium")
-    for pin, kernel in (("wgmma_rs", "wgmma_rs"), (None, "wgmma_rs"), ("wgmma", "wgmma")):
-        if pin is None:
-            monkeypatch.delenv("TRIMUL_INPUT_PASS", raising=False)
-        else:
-            monkeypatch.setenv("TRIMUL_INPUT_PASS", pin)
-        pair, mask = random_inputs(batch, n, 128, g)
-        _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, TOLERANCE[dtype], seed,
-                                       f"{pin} {dtype} {batch},{n},{hidden}", dtype, rounding="medium")
-        names = [k for k in ran if "input_pass" in k]
-        assert len(names) == 1 and PASS_KERNELS["input"][kernel] in names[0], names
+    _check_16bit_rows_under_pins(monkeypatch, 128, dtype, batch, n, hidden, direction,
+                                 (("wgmma_rs", "wgmma_rs"), (None, "wgmma_rs"), ("wgmma", "wgmma")))
 
 
 @cuda

@@ -872,6 +872,51 @@ __device__ __forceinline__ void store_part(uint8_t* buf, const uint32_t (&packed
   // part's barrier first, which every thread reaches after these reads)
 }
 
+// A register-row kernel's resident weights by TMA, issued by thread 0: tile i (of `tiles`, kStageBytes each) is
+// k-tile i % k_tiles of the 128-row chunk i / k_tiles of the map's rows from row_base, on barrier full[i]
+// (initialised here; the block syncs once between the initialisation and the loads).
+__device__ __forceinline__ void load_resident_weights(uint8_t* weights, uint64_t* full, int tiles, int k_tiles,
+                                                      const CUtensorMap* map, int row_base) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < tiles; ++i) mbar_init(&full[i], 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int i = 0; i < tiles; ++i) {
+      mbar_expect_tx(&full[i], kStageBytes);
+      tma_load_2d(weights + i * kStageBytes, map, (i % k_tiles) * (kKBytes / 2), row_base + (i / k_tiles) * kChunkRows,
+                  &full[i]);
+    }
+}
+
+// A tile's kParts (even) N = 64 parts, two accumulator sets in turn: part p + 1's products are issued before
+// part p's stores, so the products' latency hides under the epilogue. multiply(part, acc) issues and commits
+// a part's wgmmas, store(part, acc) takes its finished accumulators. (kParts a template argument, the loop
+// unrolled: with a runtime count the last round's branch merged two definitions of acc0 by register moves
+// while a wgmma wrote it, and ptxas serialized every wgmma.)
+template <int kParts, class Multiply, class Store>
+__device__ __forceinline__ void multiply_and_store_parts(Multiply&& multiply, Store&& store) {
+  static_assert(kParts % 2 == 0, "parts in pairs");
+  float acc0[32], acc1[32];
+  multiply(0, acc0);
+#pragma unroll
+  for (int part = 0; part < kParts; part += 2) {
+    multiply(part + 1, acc1);
+    wgmma_wait<1>();
+    fence_accumulators(acc0);
+    store(part, acc0);
+    if (part + 2 < kParts) {
+      multiply(part + 2, acc0);
+      wgmma_wait<1>();
+    } else {
+      wgmma_wait<0>();
+    }
+    fence_accumulators(acc1);
+    store(part + 1, acc1);
+  }
+}
+
 // kChunks: 128-row weight chunks, 2 * rows_ab / 128 (2 or 4: H <= 64, 128). TIn: the pair rows' type.
 template <Mode M, int kChunks, typename TIn>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -883,17 +928,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int w_tiles = kChunks * kKTiles;
   uint8_t* scratch_all = weights + w_tiles * kStageBytes;
   uint64_t* w_full = reinterpret_cast<uint64_t*>(scratch_all + kGroups * kScratchBytes);
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < w_tiles; ++i) mbar_init(&w_full[i], 1);
-    mbar_init_fence();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0)
-    for (int i = 0; i < w_tiles; ++i) {
-      mbar_expect_tx(&w_full[i], kStageBytes);
-      tma_load_2d(weights + i * kStageBytes, &map_w, (i % kKTiles) * (kKBytes / 2), (i / kKTiles) * kChunkRows,
-                  &w_full[i]);
-    }
+  load_resident_weights(weights, w_full, w_tiles, kKTiles, &map_w, 0);
 
   const int warp = warp_index(), lane = threadIdx.x & 31;
   const int group = warp >> 2, warp4 = warp & 3, t = lane & 3;
@@ -1006,25 +1041,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       store_part(buf, packed, static_cast<Op*>(second ? args.b_t : args.a_t) + (batch * args.h + h0) * plane + p0,
                  plane, h0, args.h, in_plane);
     };
-    float acc0[32], acc1[32];
-    multiply(0, acc0);
-    // (unrolled, kChunks a template argument: with a runtime count the last round's branch merged two
-    // definitions of acc0 by register moves while a wgmma wrote it, and ptxas serialized every wgmma)
-#pragma unroll
-    for (int part = 0; part < parts; part += 2) {
-      multiply(part + 1, acc1);
-      wgmma_wait<1>();
-      fence_accumulators(acc0);
-      store(part, acc0);
-      if (part + 2 < parts) {
-        multiply(part + 2, acc0);
-        wgmma_wait<1>();
-      } else {
-        wgmma_wait<0>();
-      }
-      fence_accumulators(acc1);
-      store(part + 1, acc1);
-    }
+    multiply_and_store_parts<parts>(multiply, store);
   }
 }
 
@@ -1108,17 +1125,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* w_full = reinterpret_cast<uint64_t*>(bias + side_rows);
   const int side = static_cast<int>(blockIdx.x & 1);  // 0: a's rows, 1: b's
   const int64_t row_base = int64_t(side) * args.rows_ab;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < w_tiles; ++i) mbar_init(&w_full[i], 1);
-    mbar_init_fence();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0)
-    for (int i = 0; i < w_tiles; ++i) {
-      mbar_expect_tx(&w_full[i], kStageBytes);
-      tma_load_2d(weights + i * kStageBytes, &map_w, (i % kKTiles) * (kKBytes / 2),
-                  static_cast<int>(row_base) + (i / kKTiles) * kChunkRows, &w_full[i]);
-    }
+  wgmma_rs::load_resident_weights(weights, w_full, w_tiles, kKTiles, &map_w, static_cast<int>(row_base));
   {
     const Op* rows = static_cast<const Op*>(args.w_in_rows);
     const int64_t pitch = args.c_pad + 64;
@@ -1214,23 +1221,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_rs::store_part(buf, packed, static_cast<Op*>(side ? args.b_t : args.a_t) + (batch * args.h + h0) * plane + p0,
                            plane, h0, args.h, in_plane);
     };
-    float acc0[32], acc1[32];
-    multiply(0, acc0);
-#pragma unroll
-    for (int part = 0; part < parts; part += 2) {
-      multiply(part + 1, acc1);
-      wgmma_wait<1>();
-      fence_accumulators(acc0);
-      store(part, acc0);
-      if (part + 2 < parts) {
-        multiply(part + 2, acc0);
-        wgmma_wait<1>();
-      } else {
-        wgmma_wait<0>();
-      }
-      fence_accumulators(acc1);
-      store(part + 1, acc1);
-    }
+    wgmma_rs::multiply_and_store_parts<parts>(multiply, store);
   }
 }
 
@@ -1289,7 +1280,7 @@ cudaError_t launch_mode(const ForwardArgs& args) {
       if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
     }
     // (pinned only, until measured against the wgmma kernel at pair_dim 384)
-    if (pinned != nullptr && std::strcmp(pinned, "wgmma_rs_wide") == 0 && wgmma_rs_wide::applicable<M, TIn>(args)) {
+    if (pin_is(pinned, "wgmma_rs_wide") && wgmma_rs_wide::applicable<M, TIn>(args)) {
       const cudaError_t status = wgmma_rs_wide::launch<M, TIn>(args);
       if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
     }

@@ -1139,8 +1139,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     int64_t out_off[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const int64_t q = q0 + 16 * warp4 + g + 8 * hf;
-      const int64_t i = q / args.ldz, j = q - i * args.ldz;
+      // (plane < 2^32, checked at launch: 32-bit division, as the other output kernels)
+      const uint32_t q = static_cast<uint32_t>(q0 + 16 * warp4 + g + 8 * hf);
+      const uint32_t i = q / static_cast<uint32_t>(args.ldz), j = q - i * static_cast<uint32_t>(args.ldz);
       const bool valid = q < plane && j < n;
       const int64_t row = valid ? batch * args.pair_sb + i * args.pair_sr + j * args.pair_sc : -1;
       out_off[hf] = valid ? ((batch * n + i) * n + j) * kC + c_base : -1;
@@ -1308,7 +1309,7 @@ cudaError_t launch_mode(const ForwardArgs& args) {
   const char* pinned = args.output_pin;
   // (pinned only, until measured against the wgmma kernel at pair_dim 384)
   if constexpr (M == Mode::bf16) {
-    if (pinned != nullptr && std::strcmp(pinned, "wgmma_rs_wide") == 0 && wgmma_rs_wide::applicable<M, TIn>(args)) {
+    if (pin_is(pinned, "wgmma_rs_wide") && wgmma_rs_wide::applicable<M, TIn>(args)) {
       const cudaError_t status = wgmma_rs_wide::launch<M, TIn>(args);
       if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
     }
