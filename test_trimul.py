@@ -746,12 +746,14 @@ def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precisi
 
 
 @cuda
-@pytest.mark.parametrize("pair_dim, dtype, takes", [(128, torch.float32, True), (128, torch.bfloat16, True),
-                                                    (128, torch.float16, True), (96, torch.float32, False),
-                                                    (384, torch.float32, False), (384, torch.bfloat16, False)])
-def test_auto_takes_register_row_input_kernel_for_rows_of_128(monkeypatch, pair_dim, dtype, takes):
+@pytest.mark.parametrize("pair_dim, dtype, kernel", [(128, torch.float32, "wgmma_rs"), (128, torch.bfloat16, "wgmma_rs"),
+                                                     (128, torch.float16, "wgmma_rs"), (96, torch.float32, "wgmma"),
+                                                     (384, torch.float32, "wgmma_rs_wide"),
+                                                     (384, torch.bfloat16, "wgmma_rs_wide")])
+def test_auto_takes_register_row_input_kernel_for_rows_of_128(monkeypatch, pair_dim, dtype, kernel):
     """With TRIMUL_INPUT_PASS unset, "medium" takes wgmma_rs for fp32 / bf16 / fp16 rows of exactly 128 channels
-    (where it measured faster, NOTES v25 and v25d) and the wgmma kernel for other pair_dims, correct either way."""
+    and wgmma_rs_wide for rows of 384 (where they measured faster, NOTES v25, v25d, v28), the wgmma kernel for
+    other pair_dims, correct either way."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma passes need an sm_90a GPU")
     monkeypatch.delenv("TRIMUL_INPUT_PASS", raising=False)
@@ -764,8 +766,30 @@ def test_auto_takes_register_row_input_kernel_for_rows_of_128(monkeypatch, pair_
     _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, tolerance, seed, f"auto {pair_dim} {dtype}",
                                    dtype, rounding="medium")
     names = [k for k in ran if "input_pass" in k]
-    kernel = "wgmma_rs" if takes else "wgmma"
     assert len(names) == 1 and PASS_KERNELS["input"][kernel] in names[0], names
+
+
+@cuda
+@pytest.mark.parametrize("hidden, gate_input, dtype, kernel", [(128, "raw", torch.float32, "wgmma_rs_wide"),
+                                                               (128, "raw", torch.bfloat16, "wgmma_rs_wide"),
+                                                               (128, "normalized", torch.float32, "wgmma"),
+                                                               (96, "raw", torch.float32, "wgmma")])
+def test_auto_takes_register_row_output_kernel_at_384(monkeypatch, hidden, gate_input, dtype, kernel):
+    """With TRIMUL_OUTPUT_PASS unset, "medium" at pair_dim 384 takes wgmma_rs_wide for H 128 and the raw gate
+    (where it measured faster, NOTES v29) and the wgmma kernel otherwise, correct either way."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma passes need an sm_90a GPU")
+    monkeypatch.delenv("TRIMUL_OUTPUT_PASS", raising=False)
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(384, hidden, "outgoing", gate_input).double(), g)
+    new = _make_new(reference, dtype, "auto", "medium")
+    pair, mask = random_inputs(1, 150, 384, g)
+    tolerance = FUSED_TOLERANCE["medium"] if dtype == torch.float32 else TOLERANCE[dtype]
+    _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, tolerance, seed,
+                                   f"auto output {hidden} {gate_input} {dtype}", dtype, rounding="medium")
+    names = [k for k in ran if "output_pass" in k]
+    assert len(names) == 1 and PASS_KERNELS["output"][kernel] in names[0], names
 
 
 def _check_16bit_rows_under_pins(monkeypatch, pair_dim, dtype, batch, n, hidden, direction, pins):
@@ -836,6 +860,21 @@ def test_register_row_input_kernel_matches_fp64(monkeypatch, autocast, batch, n,
 
 
 @cuda
+@pytest.mark.parametrize("store", ["threads", "tma"])
+@pytest.mark.parametrize("kernel, pair_dim", [("wgmma_rs", 128), ("wgmma_rs_wide", 384)])
+# (1, 200, ., 128): the last tile half past the plane (the TMA box clipped at the plane's end); (2, 97, ., 40)
+# incoming: H not a multiple of 32 (the box's h past H clipped, not written into the next batch's planes).
+@pytest.mark.parametrize("batch, n, hidden, direction", [(1, 200, 128, "outgoing"), (2, 97, 40, "incoming")])
+def test_register_row_input_kernels_store_both_ways(monkeypatch, store, kernel, pair_dim, batch, n, hidden,
+                                                    direction):
+    """TRIMUL_AB_STORE=threads|tma: the register-row input kernels write a_t / b_t by TMA box stores (the
+    default) or by their own 16-byte stores; both against fp64 on poisoned work buffers."""
+    monkeypatch.setenv("TRIMUL_AB_STORE", store)
+    _check_register_row_kernel(monkeypatch, "input", kernel, pair_dim, hidden, torch.float32, None, batch, n,
+                               direction, "bool", 0.0)
+
+
+@cuda
 @pytest.mark.parametrize("autocast", [None, torch.float16])
 # (1, 200, 384, 128): two weight chunks per side, the last tile half past the plane; (2, 97, 384, 40): one chunk
 # per side (rows_ab 128), h past H not stored, batch 2; (1, 33, 384, 96) incoming: a transposed row walk;
@@ -874,17 +913,17 @@ def test_wide_register_row_output_kernel_matches_fp64(monkeypatch, dtype, batch,
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch, n, hidden, direction", [(1, 200, 128, "outgoing"), (2, 97, 40, "incoming")])
-def test_wide_register_row_input_kernel_takes_16bit_rows_when_pinned(monkeypatch, dtype, batch, n, hidden, direction):
-    """wgmma_rs_wide on bf16 / fp16 rows (8-byte loads of 4 channels) where pinned, correct against fp64;
-    unpinned, pair_dim 384 goes to the wgmma kernel."""
+def test_wide_register_row_input_kernel_takes_16bit_rows(monkeypatch, dtype, batch, n, hidden, direction):
+    """wgmma_rs_wide on bf16 / fp16 rows (8-byte loads of 4 channels), pinned and by default, correct against
+    fp64; TRIMUL_INPUT_PASS=wgmma still takes the wgmma kernel for them."""
     _check_16bit_rows_under_pins(monkeypatch, 384, dtype, batch, n, hidden, direction,
-                                 (("wgmma_rs_wide", "wgmma_rs_wide"), (None, "wgmma")))
+                                 (("wgmma_rs_wide", "wgmma_rs_wide"), (None, "wgmma_rs_wide"), ("wgmma", "wgmma")))
 
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch, n, hidden, direction", [(1, 200, 128, "outgoing"), (2, 97, 40, "incoming")])
-def test_register_row_input_kernel_takes_16bit_rows_when_pinned(monkeypatch, dtype, batch, n, hidden, direction):
+def test_register_row_input_kernel_takes_16bit_rows(monkeypatch, dtype, batch, n, hidden, direction):
     """wgmma_rs on bf16 / fp16 rows (8-byte loads of 4 channels), pinned and by default, correct against fp64;
     TRIMUL_INPUT_PASS=wgmma still takes the wgmma kernel for them."""
     _check_16bit_rows_under_pins(monkeypatch, 128, dtype, batch, n, hidden, direction,
@@ -893,12 +932,12 @@ def test_register_row_input_kernel_takes_16bit_rows_when_pinned(monkeypatch, dty
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("first_channel, takes", [(4, True), (2, False)])
-def test_register_row_input_kernel_takes_strided_rows_only_when_aligned(monkeypatch, dtype, first_channel, takes):
-    """wgmma_rs loads 4 channels of a row at a time (16 bytes of fp32, 8 of bf16): rows of a wider tensor (136
-    channels apart) starting 4 channels in are aligned for that and it takes them; starting 2 channels in they are
-    not, it declines even when pinned, and the pass still comes out right (under the pin the streamed kernel, the
-    last in the order, takes it)."""
+@pytest.mark.parametrize("first_byte, takes", [(16, True), (8, False)])
+def test_register_row_input_kernel_takes_strided_rows_only_when_aligned(monkeypatch, dtype, first_byte, takes):
+    """wgmma_rs takes rows whose start and strides are 16-byte aligned (the fused passes' one vectorizable-rows
+    rule, rows_vectorizable): rows of a wider tensor (136 channels apart) starting 16 bytes in are, and it takes
+    them; starting 8 bytes in they are not, it declines even when pinned, and the pass still comes out right
+    (under the pin the streamed kernel, the last in the order, takes it)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the wgmma passes need an sm_90a GPU")
     monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma_rs")
@@ -907,11 +946,12 @@ def test_register_row_input_kernel_takes_strided_rows_only_when_aligned(monkeypa
     reference = random_layers(ti.Model(128, 128, "outgoing", "raw").double(), g)
     new = _make_new(reference, dtype, "auto", "medium")
     wide, mask = random_inputs(1, 90, 136, g)
+    first_channel = first_byte // torch.tensor([], dtype=dtype).element_size()
     pair = wide.to(dtype).cuda()[..., first_channel:first_channel + 128]
     assert pair.stride(2) == 136
     tolerance = FUSED_TOLERANCE["medium"] if dtype == torch.float32 else TOLERANCE[dtype]
     _, ran = _check_model_profiled(new, reference, pair, mask, tolerance, seed,
-                                   f"wgmma_rs {dtype} strided from {first_channel}", dtype, rounding="medium")
+                                   f"wgmma_rs {dtype} strided from byte {first_byte}", dtype, rounding="medium")
     names = [k for k in ran if "input_pass" in k]
     assert len(names) == 1 and (PASS_KERNELS["input"]["wgmma_rs"] in names[0]) == takes, names
 
@@ -1447,7 +1487,8 @@ def test_cuda_bad_input_raises():
     ("TRIMUL_INPUT_PLAN", "2", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
     ("TRIMUL_INPUT_PLAN", "2,8,96", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
     ("TRIMUL_PDL", "yes", "TRIMUL_PDL must be 0 or 1, not 'yes'"),
-    ("TRIMUL_INPUT_STAGING", "fast", "TRIMUL_INPUT_STAGING must be rounds or stream, not 'fast'")])
+    ("TRIMUL_INPUT_STAGING", "fast", "TRIMUL_INPUT_STAGING must be rounds or stream, not 'fast'"),
+    ("TRIMUL_AB_STORE", "bulk", "TRIMUL_AB_STORE must be threads or tma, not 'bulk'")])
 def test_bad_measuring_settings_raise(monkeypatch, variable, value, message):
     """The environment knobs for measuring (README: pinning a pass's kernel, its plan, "high"'s
     arithmetic): a value that names nothing raises instead of silently measuring the default."""

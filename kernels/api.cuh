@@ -153,6 +153,10 @@ struct ForwardArgs {
   // flight while the current one is LayerNormed (stream), or each tile's rows in load rounds between
   // named barriers (rounds). Auto: stream at pair_dim <= 128, where it measured faster (NOTES v21).
   InputStaging input_staging;
+  // TRIMUL_AB_STORE=tma|threads: how the register-row input kernels (wgmma_rs, wgmma_rs_wide) write a_t / b_t
+  // from their transposing scratch: one TMA box store per part (unset: tma, NOTES v30) or the warpgroup's own
+  // 16-byte stores.
+  bool ab_store_tma;
 };
 
 // A fused pass's kernels by their pinning names (wgmma_rs_wide in both, wgmma_rs in the input pass only).

@@ -245,6 +245,7 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   args.input_staging = staging < 0    ? trimul::InputStaging::kAuto
                        : staging == 0 ? trimul::InputStaging::kRounds
                                       : trimul::InputStaging::kStream;
+  args.ab_store_tma = env_choice("TRIMUL_AB_STORE", "threads", "tma") != 0;
   if (const char* plan = std::getenv("TRIMUL_INPUT_PLAN"); plan != nullptr && plan[0] != '\0')
     TORCH_CHECK_VALUE(trimul::parse_pass_plan(plan, &args.input_plan_buffers, &args.input_plan_stages,
                                               &args.input_plan_positions),

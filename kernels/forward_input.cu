@@ -808,7 +808,8 @@ cudaError_t plan_and_launch(const ForwardArgs& args) {
 // weights come prepared for it (ForwardArgs::w_in_rows: LayerNorm_in's affine folded in, k permuted so that
 // a k-step's fragment is 4 adjacent channels of a row, and the biases as one more k-step against ones).
 // The gated outputs go out through a per-warpgroup scratch, transposed by stmatrix.trans (32 h rows x 64
-// positions per part), as whole 128-byte runs of a_t / b_t rows.
+// positions per part), as one TMA box store per part (TRIMUL_AB_STORE=threads: 128-byte runs the warpgroup
+// stores itself).
 namespace wgmma_rs {
 
 using namespace ::trimul::tma;
@@ -848,11 +849,15 @@ struct FourChannels {
 
 // A part's gated 16-bit values out (packed[qq][k]: this thread's pairs of 8x8 block q = 2 qq + k / 2, rows of
 // half k % 2, as the accumulators hold them): each block into the warpgroup's scratch `buf` transposed
-// (stmatrix.trans: row = h, 8 positions), its 16-byte chunk XOR-swizzled by h % 8, then the part's 32 h rows
-// as 128-byte runs of `out` (h rows `plane` apart; h0 + h < hidden, positions < in_plane).
+// (stmatrix.trans: row = h, 8 positions), its 16-byte chunk XOR-swizzled by h % 8 (TMA's 128-byte swizzle,
+// `buf` 1024-byte aligned), then the part's box of 32 h x 64 positions at (batch, h0, p0) of `ab` (a_t or
+// b_t: [batch][hidden][plane]) out, h0 + h < hidden and positions < p0 + in_plane only: with `map` (ab's
+// tensor map, whose edges clip the rest) by one TMA store that the warpgroup's first thread issues, else as
+// 128-byte runs that the warpgroup stores itself.
 template <typename Op>
-__device__ __forceinline__ void store_part(uint8_t* buf, const uint32_t (&packed)[2][4], Op* out, int64_t plane,
-                                           int64_t h0, int64_t hidden, int in_plane) {
+__device__ __forceinline__ void store_part(uint8_t* buf, const uint32_t (&packed)[2][4], const CUtensorMap* map,
+                                           Op* ab, int64_t plane, int64_t batch, int64_t h0, int64_t p0,
+                                           int64_t hidden, int in_plane) {
   const int lane = threadIdx.x & 31, warp4 = (threadIdx.x >> 5) & 3, tid = threadIdx.x & 127;
   const int k = lane >> 3, i = lane & 7;  // (lane 8k + i: row i of block k)
 #pragma unroll
@@ -861,7 +866,19 @@ __device__ __forceinline__ void store_part(uint8_t* buf, const uint32_t (&packed
     stmatrix_x4<true>(smem_u32(buf) + (8 * q + i) * (2 * kPositions) + (((2 * warp4 + hf) ^ i) << 4), packed[qq][0],
                       packed[qq][1], packed[qq][2], packed[qq][3]);
   }
+  if (map != nullptr) {
+    fence_proxy_async();  // (the TMA engine reads `buf` through the async proxy)
+    // The previous part's box has left the other buffer (which the next part writes) once this barrier passes.
+    if (tid == 0) bulk_wait_read<0>();
+    named_barrier(1 + (threadIdx.x >> 7), 128);
+    if (tid == 0) {
+      tma_store(map, buf, static_cast<int>(p0), static_cast<int>(h0), static_cast<int>(batch));
+      bulk_commit();
+    }
+    return;
+  }
   named_barrier(1 + (threadIdx.x >> 7), 128);  // the warpgroup's blocks are in the scratch
+  Op* out = ab + (batch * hidden + h0) * plane + p0;
 #pragma unroll
   for (int it = 0; it < 2; ++it) {
     const int h = 16 * it + (tid >> 3), c = tid & 7;
@@ -870,6 +887,16 @@ __device__ __forceinline__ void store_part(uint8_t* buf, const uint32_t (&packed
   }
   // (no barrier after the reads: the next part writes the other buffer, and the one after it passes the next
   // part's barrier first, which every thread reaches after these reads)
+}
+
+// A register-row kernel's a_t / b_t maps for store_part (boxes of 32 h x 64 positions); false (the
+// warpgroups store themselves) where TRIMUL_AB_STORE=threads or the driver refuses them.
+template <typename Op>
+bool encode_ab_maps(const ForwardArgs& args, CUtensorMap* map_a, CUtensorMap* map_b) {
+  const int64_t plane = args.n * args.ld;
+  return args.ab_store_tma && plane < (int64_t(1) << 31) && args.batch < (int64_t(1) << 31) &&
+         encode_kmajor_map<Op>(map_a, args.a_t, args.batch, args.h, plane, 32) &&
+         encode_kmajor_map<Op>(map_b, args.b_t, args.batch, args.h, plane, 32);
 }
 
 // A register-row kernel's resident weights by TMA, issued by thread 0: tile i (of `tiles`, kStageBytes each) is
@@ -920,7 +947,8 @@ __device__ __forceinline__ void multiply_and_store_parts(Multiply&& multiply, St
 // kChunks: 128-row weight chunks, 2 * rows_ab / 128 (2 or 4: H <= 64, 128). TIn: the pair rows' type.
 template <Mode M, int kChunks, typename TIn>
 __global__ void __launch_bounds__(kThreads, 1)
-    kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch) {
+    kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, const __grid_constant__ CUtensorMap map_a,
+           const __grid_constant__ CUtensorMap map_b, bool tma_store, int64_t tiles_per_batch) {
   allow_dependent_launch();
   using Op = op_t<M>;
   extern __shared__ uint8_t smem_raw[];
@@ -1038,11 +1066,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       const bool second = r0 >= args.rows_ab;  // b's rows follow a's
       const int64_t h0 = (r0 - (second ? args.rows_ab : 0)) / 2;
-      store_part(buf, packed, static_cast<Op*>(second ? args.b_t : args.a_t) + (batch * args.h + h0) * plane + p0,
-                 plane, h0, args.h, in_plane);
+      store_part(buf, packed, tma_store ? (second ? &map_b : &map_a) : nullptr,
+                 static_cast<Op*>(second ? args.b_t : args.a_t), plane, batch, h0, p0, args.h, in_plane);
     };
     multiply_and_store_parts<parts>(multiply, store);
   }
+  if (tma_store && (threadIdx.x & 127) == 0) bulk_wait<0>();  // (the boxes written before the block retires)
 }
 
 // Whether it takes these sizes: sm_90a on Hopper, a 16-bit mode, rows of exactly kC channels in 16-byte
@@ -1059,9 +1088,10 @@ bool applicable(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args) {
-  CUtensorMap map_w;
+  CUtensorMap map_w, map_a, map_b;
   if (!encode_kmajor_map<op_t<M>>(&map_w, args.w_in_rows, 0, 2 * args.rows_ab, kKTiles * kKBytes / 2, kChunkRows))
     return cudaErrorNotSupported;
+  const bool tma_store = encode_ab_maps<op_t<M>>(args, &map_a, &map_b);
   const int64_t bytes = smem_bytes(args.rows_ab);
   const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
   const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, kGroups));
@@ -1069,7 +1099,8 @@ cudaError_t launch(const ForwardArgs& args) {
     constexpr int kChunks = decltype(chunks)::value;
     const cudaError_t status = allow_smem<kernel<M, kChunks, TIn>>(bytes);
     if (status != cudaSuccess) return status;
-    kernel<M, kChunks, TIn><<<static_cast<unsigned>(blocks), kThreads, bytes, args.stream>>>(args, map_w, tiles_per_batch);
+    kernel<M, kChunks, TIn><<<static_cast<unsigned>(blocks), kThreads, bytes, args.stream>>>(args, map_w, map_a, map_b,
+                                                                                          tma_store, tiles_per_batch);
     return cudaGetLastError();
   };
   switch (2 * args.rows_ab / kChunkRows) {
@@ -1089,7 +1120,7 @@ cudaError_t launch(const ForwardArgs& args) {
 // quad shuffles, then the centred squares); the fragments hold bf16 / fp16 (x - mean), whose rounding is
 // relative to the row's spread as a normalized value's would be, and rstd and the biases (w_in_rows'
 // columns c_pad, c_pad + 1: no bias k-step here, its tiles would not fit) apply in the epilogue.
-// Pinned only (TRIMUL_INPUT_PASS=wgmma_rs_wide) until measured.
+// First in the default order where it applies (NOTES v28).
 namespace wgmma_rs_wide {
 
 using namespace ::trimul::tma;
@@ -1113,7 +1144,8 @@ inline int64_t smem_bytes(int64_t rows_ab) {
 // kChunks: 128-row weight chunks per side, rows_ab / 128 (1 or 2: H <= 64, 128). TIn: the pair rows' type.
 template <Mode M, int kChunks, typename TIn>
 __global__ void __launch_bounds__(kThreads, 1)
-    kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch) {
+    kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, const __grid_constant__ CUtensorMap map_a,
+           const __grid_constant__ CUtensorMap map_b, bool tma_store, int64_t tiles_per_batch) {
   allow_dependent_launch();
   using Op = op_t<M>;
   using Four = wgmma_rs::FourChannels<TIn>;
@@ -1217,12 +1249,13 @@ __global__ void __launch_bounds__(kThreads, 1)
           packed[qq][k] = pack_pair<Op>(gated_16bit_half(p0v, 0.5f * g0, half_scale[hf]),
                                         gated_16bit_half(p1v, 0.5f * g1, half_scale[hf]));
         }
-      const int64_t h0 = int64_t(part) * 32;
-      wgmma_rs::store_part(buf, packed, static_cast<Op*>(side ? args.b_t : args.a_t) + (batch * args.h + h0) * plane + p0,
-                           plane, h0, args.h, in_plane);
+      wgmma_rs::store_part(buf, packed, tma_store ? (side ? &map_b : &map_a) : nullptr,
+                           static_cast<Op*>(side ? args.b_t : args.a_t), plane, batch, int64_t(part) * 32, p0, args.h,
+                           in_plane);
     };
     wgmma_rs::multiply_and_store_parts<parts>(multiply, store);
   }
+  if (tma_store && (threadIdx.x & 127) == 0) bulk_wait<0>();  // (the boxes written before the block retires)
 }
 
 // Whether it takes these sizes: sm_90a on Hopper, a 16-bit mode, rows of exactly kC channels in 16-byte
@@ -1239,9 +1272,10 @@ bool applicable(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args) {
-  CUtensorMap map_w;
+  CUtensorMap map_w, map_a, map_b;
   if (!encode_kmajor_map<op_t<M>>(&map_w, args.w_in_rows, 0, 2 * args.rows_ab, args.c_pad + 64, kChunkRows))
     return cudaErrorNotSupported;
+  const bool tma_store = wgmma_rs::encode_ab_maps<op_t<M>>(args, &map_a, &map_b);
   const int64_t bytes = smem_bytes(args.rows_ab);
   const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
   const int64_t pairs = std::min<int64_t>(sm_count() / 2, ceil_div(args.batch * tiles_per_batch, kGroups));
@@ -1249,8 +1283,8 @@ cudaError_t launch(const ForwardArgs& args) {
     constexpr int kChunks = decltype(chunks)::value;
     const cudaError_t status = allow_smem<kernel<M, kChunks, TIn>>(bytes);
     if (status != cudaSuccess) return status;
-    kernel<M, kChunks, TIn><<<static_cast<unsigned>(2 * pairs), kThreads, bytes, args.stream>>>(args, map_w,
-                                                                                            tiles_per_batch);
+    kernel<M, kChunks, TIn><<<static_cast<unsigned>(2 * pairs), kThreads, bytes, args.stream>>>(
+        args, map_w, map_a, map_b, tma_store, tiles_per_batch);
     return cudaGetLastError();
   };
   switch (args.rows_ab / kChunkRows) {
@@ -1279,8 +1313,8 @@ cudaError_t launch_mode(const ForwardArgs& args) {
       const cudaError_t status = wgmma_rs::launch<M, TIn>(args);
       if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
     }
-    // (pinned only, until measured against the wgmma kernel at pair_dim 384)
-    if (pin_is(pinned, "wgmma_rs_wide") && wgmma_rs_wide::applicable<M, TIn>(args)) {
+    // (at pair_dim 384 1-3% faster than the wgmma kernel, NOTES v28)
+    if (pin_allows(pinned, "wgmma_rs_wide") && wgmma_rs_wide::applicable<M, TIn>(args)) {
       const cudaError_t status = wgmma_rs_wide::launch<M, TIn>(args);
       if (status != cudaErrorNotSupported) return status;  // else another kernel takes it
     }

@@ -587,10 +587,6 @@ cudaError_t allow_smem(int64_t bytes) {
 inline bool pin_allows(const char* pinned, const char* name) {
   return pinned == nullptr || std::strcmp(pinned, name) == 0;
 }
-// Whether kernel `name` is pinned (for kernels taken only where pinned).
-inline bool pin_is(const char* pinned, const char* name) {
-  return pinned != nullptr && std::strcmp(pinned, name) == 0;
-}
 
 // In an input-pass kernel, first thing: its programmatic dependent (the output pass with the in-pass
 // contraction, launch_tiles' `dependent`) may launch once every block of this grid has started, so the

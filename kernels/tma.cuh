@@ -144,6 +144,35 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
       : "memory");
 #endif
 }
+// One box of a 3-D tensor map (element, row, plane) from shared memory out to global memory, in this thread's
+// bulk async-group (what of the box lies past the map's edges is not written).
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, const void* src, int col, int row, int plane) {
+#ifdef TRIMUL_SM90A
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_u32(src)), "r"(col), "r"(row), "r"(plane)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#ifdef TRIMUL_SM90A
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+// Until at most N of this thread's bulk groups still read their shared-memory sources.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+#ifdef TRIMUL_SM90A
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Until at most N of this thread's bulk groups are incomplete (their writes done).
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+#ifdef TRIMUL_SM90A
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
 // Generic-proxy shared-memory writes (st.shared) made visible to the async proxy (wgmma operands).
 __device__ __forceinline__ void fence_proxy_async() {
 #ifdef TRIMUL_SM90A
