@@ -899,6 +899,31 @@ bool encode_ab_maps(const ForwardArgs& args, CUtensorMap* map_a, CUtensorMap* ma
          encode_kmajor_map<Op>(map_b, args.b_t, args.batch, args.h, plane, 32);
 }
 
+// Whether a register-row kernel for rows of `c` channels takes these sizes: sm_90a on Hopper, rows of exactly
+// c channels in 16-byte vectors, the prepared weights (ForwardArgs::w_in_rows), H <= 128 (rows_ab <= 256) and
+// the kernel's `smem` bytes of shared memory.
+template <typename TIn>
+bool takes_rows(const ForwardArgs& args, int c, int64_t smem) {
+  return tensor_map_encoder() != nullptr && args.c == c && args.c_pad == c && args.w_in_rows != nullptr &&
+         rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair) &&
+         args.rows_ab <= 2 * kChunkRows && smem <= max_smem_optin();
+}
+
+// Launches a register-row kernel instance (both kernels' signature) on `blocks` blocks with `bytes` of shared
+// memory: the prepared weights' map (rows of c_pad + 64 columns, 128-row boxes) and the a_t / b_t maps.
+template <auto Kernel, typename Op>
+cudaError_t launch_kernel(const ForwardArgs& args, int64_t blocks, int64_t bytes, int64_t tiles_per_batch) {
+  CUtensorMap map_w, map_a, map_b;
+  if (!encode_kmajor_map<Op>(&map_w, args.w_in_rows, 0, 2 * args.rows_ab, args.c_pad + 64, kChunkRows))
+    return cudaErrorNotSupported;
+  const bool tma_store = encode_ab_maps<Op>(args, &map_a, &map_b);
+  const cudaError_t status = allow_smem<Kernel>(bytes);
+  if (status != cudaSuccess) return status;
+  Kernel<<<static_cast<unsigned>(blocks), kThreads, bytes, args.stream>>>(args, map_w, map_a, map_b, tma_store,
+                                                                          tiles_per_batch);
+  return cudaGetLastError();
+}
+
 // A register-row kernel's resident weights by TMA, issued by thread 0: tile i (of `tiles`, kStageBytes each) is
 // k-tile i % k_tiles of the 128-row chunk i / k_tiles of the map's rows from row_base, on barrier full[i]
 // (initialised here; the block syncs once between the initialisation and the loads).
@@ -1018,12 +1043,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         sum += (v.x + v.y) + (v.z + v.w);
         sum_sq = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, sum_sq))));
       }
-#pragma unroll
-      for (int offset = 1; offset < 4; offset <<= 1) {
-        sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-        sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
-      }
-      const float2 moments = shifted_moments(sum, sum_sq, kC, args.eps_in);
+      const float2 moments = shifted_moments(quad_sum(sum), quad_sum(sum_sq), kC, args.eps_in);
       const float rstd = moments.y, centre = -moments.x * rstd;
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
@@ -1074,38 +1094,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tma_store && (threadIdx.x & 127) == 0) bulk_wait<0>();  // (the boxes written before the block retires)
 }
 
-// Whether it takes these sizes: sm_90a on Hopper, a 16-bit mode, rows of exactly kC channels in 16-byte
-// vectors, the prepared weights (ForwardArgs::w_in_rows), and the resident weights in shared memory.
+// Whether it takes these sizes: a 16-bit mode and takes_rows at pair_dim 128 with all the weights resident.
 template <Mode M, typename TIn>
 bool applicable(const ForwardArgs& args) {
-  if constexpr (M == Mode::bf16 || M == Mode::f16) {
-    return tensor_map_encoder() != nullptr && args.c == kC && args.c_pad == kC && args.w_in_rows != nullptr &&
-           rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair) &&
-           args.rows_ab <= 2 * kChunkRows && smem_bytes(args.rows_ab) <= max_smem_optin();
-  }
+  if constexpr (M == Mode::bf16 || M == Mode::f16) return takes_rows<TIn>(args, kC, smem_bytes(args.rows_ab));
   return false;
 }
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args) {
-  CUtensorMap map_w, map_a, map_b;
-  if (!encode_kmajor_map<op_t<M>>(&map_w, args.w_in_rows, 0, 2 * args.rows_ab, kKTiles * kKBytes / 2, kChunkRows))
-    return cudaErrorNotSupported;
-  const bool tma_store = encode_ab_maps<op_t<M>>(args, &map_a, &map_b);
-  const int64_t bytes = smem_bytes(args.rows_ab);
   const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
   const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, kGroups));
-  const auto run = [&](auto chunks) {
-    constexpr int kChunks = decltype(chunks)::value;
-    const cudaError_t status = allow_smem<kernel<M, kChunks, TIn>>(bytes);
-    if (status != cudaSuccess) return status;
-    kernel<M, kChunks, TIn><<<static_cast<unsigned>(blocks), kThreads, bytes, args.stream>>>(args, map_w, map_a, map_b,
-                                                                                          tma_store, tiles_per_batch);
-    return cudaGetLastError();
-  };
-  switch (2 * args.rows_ab / kChunkRows) {
-    case 2: return run(std::integral_constant<int, 2>{});
-    case 4: return run(std::integral_constant<int, 4>{});
+  const int64_t bytes = smem_bytes(args.rows_ab);
+  switch (2 * args.rows_ab / kChunkRows) {  // (the weights' 128-row chunks, a's and b's)
+    case 2: return launch_kernel<kernel<M, 2, TIn>, op_t<M>>(args, blocks, bytes, tiles_per_batch);
+    case 4: return launch_kernel<kernel<M, 4, TIn>, op_t<M>>(args, blocks, bytes, tiles_per_batch);
     default: return cudaErrorNotSupported;
   }
 }
@@ -1198,9 +1201,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float sum = 0.f;
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) sum += (x[s].x + x[s].y) + (x[s].z + x[s].w);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const float mean = sum * (1.f / kC);
+      const float mean = quad_sum(sum) * (1.f / kC);
       float sum_sq = 0.f;
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
@@ -1213,12 +1214,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         frag[s][hf] = pack_pair<Op>(v.x, v.y);
         frag[s][2 + hf] = pack_pair<Op>(v.z, v.w);
         // (packed here, row by row: left free, ptxas sank the conversions to the first product. fp32 rows
-        // still take 255 registers and spill 76 bytes around the second row's 24 loads; 16-bit rows 252, none)
+        // still take 254-255 registers and spill 8 bytes (H 128) to 104 (H <= 64) around the second row's 24
+        // loads; 16-bit rows 252-254, none)
         asm volatile("" : "+r"(frag[s][hf]), "+r"(frag[s][2 + hf]));
       }
-      sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 1);
-      sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 2);
-      rstd[hf] = rsqrtf(sum_sq * (1.f / kC) + args.eps_in);
+      rstd[hf] = rsqrtf(quad_sum(sum_sq) * (1.f / kC) + args.eps_in);
     }
 
     // The side's weight rows in parts of 64 (N = 64: 32 h), two accumulator sets in turn (as wgmma_rs).
@@ -1258,38 +1258,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tma_store && (threadIdx.x & 127) == 0) bulk_wait<0>();  // (the boxes written before the block retires)
 }
 
-// Whether it takes these sizes: sm_90a on Hopper, a 16-bit mode, rows of exactly kC channels in 16-byte
-// (fp32) / 8-byte (16-bit) vectors, the prepared weights, one side's weights resident, an even grid.
+// Whether it takes these sizes: a 16-bit mode and takes_rows at pair_dim 384 with one side's weights
+// resident, and an even grid.
 template <Mode M, typename TIn>
 bool applicable(const ForwardArgs& args) {
-  if constexpr (M == Mode::bf16 || M == Mode::f16) {
-    return tensor_map_encoder() != nullptr && args.c == kC && args.c_pad == kC && args.w_in_rows != nullptr &&
-           rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair) &&
-           args.rows_ab <= 2 * kChunkRows && smem_bytes(args.rows_ab) <= max_smem_optin() && sm_count() >= 2;
-  }
+  if constexpr (M == Mode::bf16 || M == Mode::f16)
+    return wgmma_rs::takes_rows<TIn>(args, kC, smem_bytes(args.rows_ab)) && sm_count() >= 2;
   return false;
 }
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args) {
-  CUtensorMap map_w, map_a, map_b;
-  if (!encode_kmajor_map<op_t<M>>(&map_w, args.w_in_rows, 0, 2 * args.rows_ab, args.c_pad + 64, kChunkRows))
-    return cudaErrorNotSupported;
-  const bool tma_store = wgmma_rs::encode_ab_maps<op_t<M>>(args, &map_a, &map_b);
-  const int64_t bytes = smem_bytes(args.rows_ab);
   const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
   const int64_t pairs = std::min<int64_t>(sm_count() / 2, ceil_div(args.batch * tiles_per_batch, kGroups));
-  const auto run = [&](auto chunks) {
-    constexpr int kChunks = decltype(chunks)::value;
-    const cudaError_t status = allow_smem<kernel<M, kChunks, TIn>>(bytes);
-    if (status != cudaSuccess) return status;
-    kernel<M, kChunks, TIn><<<static_cast<unsigned>(2 * pairs), kThreads, bytes, args.stream>>>(
-        args, map_w, map_a, map_b, tma_store, tiles_per_batch);
-    return cudaGetLastError();
-  };
-  switch (args.rows_ab / kChunkRows) {
-    case 1: return run(std::integral_constant<int, 1>{});
-    case 2: return run(std::integral_constant<int, 2>{});
+  const int64_t bytes = smem_bytes(args.rows_ab);
+  switch (args.rows_ab / kChunkRows) {  // (one side's 128-row chunks)
+    case 1: return wgmma_rs::launch_kernel<kernel<M, 1, TIn>, op_t<M>>(args, 2 * pairs, bytes, tiles_per_batch);
+    case 2: return wgmma_rs::launch_kernel<kernel<M, 2, TIn>, op_t<M>>(args, 2 * pairs, bytes, tiles_per_batch);
     default: return cudaErrorNotSupported;
   }
 }

@@ -1117,9 +1117,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         v[s][1] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&zf[s][2 + hf]));
         sum += (v[s][0].x + v[s][0].y) + (v[s][1].x + v[s][1].y);
       }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const float mean = sum * (1.f / kH);
+      const float mean = quad_sum(sum) * (1.f / kH);
       float sum_sq = 0.f;
 #pragma unroll
       for (int s = 0; s < kZSteps; ++s)
@@ -1130,9 +1128,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           sum_sq = fmaf(v[s][u].x, v[s][u].x, fmaf(v[s][u].y, v[s][u].y, sum_sq));
           zf[s][u == 0 ? hf : 2 + hf] = pack_pair<Op>(v[s][u].x, v[s][u].y);
         }
-      sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 1);
-      sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 2);
-      z_rstd[hf] = rsqrtf(sum_sq * (1.f / kH) + args.eps_out);
+      z_rstd[hf] = rsqrtf(quad_sum(sum_sq) * (1.f / kH) + args.eps_out);
     }
     // The gate's raw rows as A fragments: channels 16 s + 2 t + {0, 1} (xf[s][hf]) and + 8 (xf[s][2 + hf]).
     uint32_t xf[kGateSteps][4];

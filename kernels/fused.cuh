@@ -33,6 +33,12 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
+// The sum over a quad (lanes 4k .. 4k + 3): the register-row kernels' per-row statistics, a row's
+// fragments spread over its quad.
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
 
 // Mean and 1/std of n values given their sum and sum of squares around `shift` (a value of the
 // row, so the subtraction loses nothing when the mean is far from zero).
