@@ -159,7 +159,7 @@ def _bad_inputs():
         ("mask rank", (pair, torch.ones(4, 4)), ValueError, "pair_mask must have shape"),
         ("int pair", (pair.to(torch.int32), mask), TypeError, "floating-point"),
         ("complex mask", (pair, mask.to(torch.complex64)), TypeError, "pair_mask must be bool"),
-        ("not a tensor", (pair.numpy(), mask), TypeError, "pair_repr must be a torch.Tensor"),
+        ("not a tensor", (pair.tolist(), mask), TypeError, "pair_repr must be a torch.Tensor"),
         ("mask elsewhere", (pair, mask.to("meta")), ValueError, "pair_mask is on meta"),
     ]
 
