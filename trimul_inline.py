@@ -5,13 +5,17 @@
     out = model(pair_repr, pair_mask)                            # (B, N, N, C)
 
 `Model` is the reference (plain PyTorch). `ModelNew` has the same parameters and state_dict keys
-and computes the triangle contraction with a CUDA kernel from kernels/, compiled on first use by
-torch.utils.cpp_extension.load_inline and cached on disk (TRIMUL_VERBOSE=1 shows the build).
+and runs the forward as three kernel roles from kernels/ (input pass, contraction, output pass),
+each chosen from the registry (kernels/registry.def) or by `kernels=`. The kernels compile on
+first use, file by file, into a shared library that the torch extension (kernels/bindings.cpp)
+loads; both are cached on disk by content (TRIMUL_VERBOSE=1 shows the build).
 
     python trimul_inline.py build                          # compile now, print where it went
+    python trimul_inline.py kernels                        # every kernel of every role
     python trimul_inline.py bundle -o trimul_notebook.py   # one self-contained file for notebooks
 """
 import argparse
+import concurrent.futures
 import contextlib
 import glob
 import hashlib
@@ -21,16 +25,19 @@ import math
 import os
 import re
 import shutil
+import subprocess
 import sys
+import threading
 import warnings
-from typing import NamedTuple, Optional
+from typing import Mapping, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 
 __all__ = [
-    "Model", "ModelNew", "VARIANTS", "Variant", "contract", "load_extension", "reload_extension",
-    "kernel_sources", "build_key", "find_toolkit", "bundle_source", "reference_forward",
+    "Model", "ModelNew", "Kernels", "KernelEntry", "ROLES", "parse_kernels", "kernel_registry",
+    "contract", "load_extension", "reload_extension", "kernel_sources", "find_toolkit", "bundle_source",
+    "reference_forward", "check_inputs",
 ]
 
 DIRECTIONS = ("outgoing", "incoming")
@@ -90,87 +97,133 @@ class Model(_TriMulLayers):
 
 
 # ------------------------------------------------------------------------------------------------
-# Kernel variants: one registry. A variant named here with backend "cuda" must be registered in
-# kernels/ with TRIMUL_REGISTER_CONTRACTION(<name>, launcher).
+# The kernel registry (kernels/registry.def, which the C++ dispatch reads too) and the one way to
+# choose kernels: Kernels, parsed by parse_kernels.
 # ------------------------------------------------------------------------------------------------
-class Variant(NamedTuple):
+ROLES = ("input", "contract", "output")  # in the order a forward runs them
+
+
+class KernelEntry(NamedTuple):
+    role: str
     name: str
-    summary: str
-    dtypes: tuple = ("float32", "bfloat16", "float16")  # operand dtypes it takes
-    precisions: tuple = PRECISIONS  # fp32 precisions it may serve; fp32-accurate kernels serve all
-    min_capability: tuple = (7, 0)
-    max_capability: tuple = (99, 99)
-    backend: str = "cuda"  # "cuda": a kernel of ours in kernels/; "torch": a PyTorch baseline
+    rank: int  # place in the role's default order, 1 first; 0: only when chosen by name
+    applies: str  # when it applies
+    summary: str  # what it is
+    torch: bool  # a PyTorch baseline (no kernel file)
 
 
-VARIANTS = {v.name: v for v in (
-    Variant("naive", "one thread per output element, fp32 FMA (the seed's approach; baseline)"),
-    Variant("tiled", "64x64 shared-memory tiles, 4x4 outputs per thread, fp32 FMA"),
-    Variant("mma", "tensor cores (mma.sync), 128x128 tiles, cp.async pipeline; 3xTF32 for highest",
-            min_capability=(8, 0)),
-    Variant("wgmma", "Hopper wgmma (sm_90a build): 128x128 tiles, two warpgroups reading 128-byte-"
-            "swizzled smem, 4-buffer cp.async pipeline; bf16/fp16 (the fused forward also feeds it "
-            "its TF32-rounded operands at \"high\")",
-            dtypes=("bfloat16", "float16"), min_capability=(9, 0), max_capability=(9, 0)),
-    Variant("wgmma_tma", "Hopper wgmma + TMA (sm_90a build): 128x256 tiles, one producer thread issuing "
-            "TMA loads into a 4-stage mbarrier pipeline, two consumer warpgroups of m64n256 (16-bit z stored "
-            "through shared memory as 16-byte rows); bf16/fp16",
-            dtypes=("bfloat16", "float16"), min_capability=(9, 0), max_capability=(9, 0)),
-    Variant("wgmma_pingpong", "Hopper wgmma + TMA (sm_90a build), persistent: 128x128 tiles taken in turn "
-            "by two consumer warpgroups, so one's stores overlap the other's products; 6-stage ring; "
-            "bf16/fp16 (not in auto: measured slower than wgmma_tma, NOTES v22)",
-            dtypes=("bfloat16", "float16"), min_capability=(9, 0), max_capability=(9, 0)),
-    Variant("bmm", "torch.bmm (cuBLAS) on the same layout; a baseline, not a kernel of ours",
-            backend="torch"),
-)}
-# kernel="auto" takes the first variant here that supports the call: fastest first.
-AUTO_ORDER = ("wgmma_tma", "wgmma", "mma", "tiled", "naive")
+_REGISTRY_LINE = re.compile(
+    r'^TRIMUL_(TORCH_)?KERNEL\(\s*(\w+)\s*,\s*(\w+)\s*,\s*(\d+)\s*,\s*"([^"]*)"\s*,\s*"([^"]*)"\s*\)\s*$', re.M)
+_REGISTRIES = {}  # registry.def text -> its entries
 
 
-def _variant_supports(variant: Variant, dtype: torch.dtype, precision: str, capability) -> bool:
-    dtype_name = str(dtype).replace("torch.", "")
-    if dtype_name not in variant.dtypes:
-        return False
-    if dtype == torch.float32 and precision not in variant.precisions:
-        return False
-    return variant.min_capability <= tuple(capability) <= variant.max_capability
+def kernel_registry(sources: Optional[dict] = None) -> tuple:
+    """Every kernel of every role, in registry.def's order (KernelEntry)."""
+    text = (sources if sources is not None else kernel_sources()).get("registry.def")
+    if text is None:
+        raise RuntimeError("trimul_inline: kernels/ has no registry.def")
+    if text not in _REGISTRIES:
+        entries = tuple(KernelEntry(role, name, int(rank), applies, summary, bool(torch_))
+                        for torch_, role, name, rank, applies, summary in _REGISTRY_LINE.findall(text))
+        lines = [line for line in text.splitlines() if line.startswith("TRIMUL_")]
+        bad = [e.role for e in entries if e.role not in ROLES]
+        if len(entries) != len(lines) or bad:
+            raise RuntimeError(f"trimul_inline: registry.def has lines it cannot read (roles {bad}); each entry is "
+                               'TRIMUL_KERNEL(role, name, rank, "applies when", "what it is") on one line')
+        _REGISTRIES[text] = entries
+    return _REGISTRIES[text]
 
 
-_TORCH_BACKED = frozenset(name for name, v in VARIANTS.items() if v.backend == "torch")
-_CAPABILITY = {}  # device index -> compute capability (a driver query costs more than a small forward)
+def default_order(role: str, sources: Optional[dict] = None) -> list:
+    """The role's kernels the default order tries, first to last."""
+    return [e.name for e in sorted((e for e in kernel_registry(sources) if e.role == role and e.rank > 0),
+                                   key=lambda e: e.rank)]
 
 
-def _capability(device: torch.device):
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITY[index]
+class Kernels(NamedTuple):
+    """The kernel of each role a ModelNew runs: a registry name, or None for the role's default order
+    (the first kernel that takes the call). `input` and `output` choose the fused passes' kernels;
+    `contract` the contraction (in the fused forward and in the autograd path's contraction op)."""
+    input: Optional[str] = None
+    contract: Optional[str] = None
+    output: Optional[str] = None
+
+    def __str__(self) -> str:
+        return ",".join(f"{role}={name}" for role, name in zip(ROLES, self) if name is not None) or "auto"
 
 
-def select_variant(name: str, dtype: torch.dtype, precision: str, device: torch.device) -> Variant:
-    """The variant that runs a contraction of `dtype` operands at `precision` on `device`."""
-    capability = _capability(device)
-    if name == "auto":
-        for candidate in AUTO_ORDER:
-            if _variant_supports(VARIANTS[candidate], dtype, precision, capability):
-                return VARIANTS[candidate]
-        raise TypeError(f"trimul_inline: no kernel supports {dtype} operands at precision "
-                        f"{precision!r} on a capability {capability} GPU")
-    variant = VARIANTS[name]
-    if not _variant_supports(variant, dtype, precision, capability):
-        raise TypeError(f"trimul_inline: kernel {name!r} does not support {dtype} operands at "
-                        f"precision {precision!r} on a capability {capability} GPU (it takes "
-                        f"{variant.dtypes}, precisions {variant.precisions}, capability "
-                        f"{variant.min_capability} to {variant.max_capability})")
-    return variant
+def parse_kernels(value, source: str = "kernels") -> Kernels:
+    """The one parser of kernel choices: None or "" or "auto" (every role's default order); a Kernels;
+    a mapping {role: name or None}; or a string "role=name,role=name" (TRIMUL_KERNELS and bench.py use
+    it). A bad role or name raises ValueError listing the valid ones."""
+    if value is None or (isinstance(value, str) and value.strip() in ("", "auto")):
+        return Kernels()
+    if isinstance(value, str):
+        chosen = {}
+        for item in value.split(","):
+            role, sep, name = item.strip().partition("=")
+            if not sep:
+                raise ValueError(f"trimul_inline: {source}: {item.strip()!r} is not role=name (roles: "
+                                 f"{', '.join(ROLES)}), e.g. 'contract=wgmma_tma,output=streamed'")
+            chosen[role.strip()] = name.strip() or None
+        value = chosen
+    elif isinstance(value, Kernels):
+        value = value._asdict()
+    if not isinstance(value, Mapping):
+        raise ValueError(f"trimul_inline: {source} must be None, a Kernels, a mapping {{role: name}} or a "
+                         f"'role=name,...' string, got {type(value).__name__}")
+    unknown = [role for role in value if role not in ROLES]
+    if unknown:
+        raise ValueError(f"trimul_inline: {source}: no role {unknown[0]!r}; the roles are {', '.join(ROLES)}")
+    registry = kernel_registry()
+    for role, name in value.items():
+        if name in (None, "auto"):
+            continue
+        names = [e.name for e in registry if e.role == role]
+        if name not in names:
+            raise ValueError(f"trimul_inline: {source}: no {role} kernel {name!r}; the {role} kernels are "
+                             f"{', '.join(names)} (None: the default order)")
+    return Kernels(**{role: (None if name == "auto" else name) for role, name in value.items()})
+
+
+def _kernels_override() -> Kernels:
+    """TRIMUL_KERNELS, the one environment override (for measuring without editing code): the roles
+    it names replace a module's choices. Read when a call is planned, not per call."""
+    return parse_kernels(os.environ.get("TRIMUL_KERNELS"), "TRIMUL_KERNELS")
+
+
+def _with_override(kernels: Kernels) -> Kernels:
+    override = _kernels_override()
+    return Kernels(*(o if o is not None else k for k, o in zip(kernels, override)))
+
+
+def _is_torch_kernel(role: str, name: Optional[str]) -> bool:
+    return name is not None and any(e.torch for e in kernel_registry() if e.role == role and e.name == name)
+
+
+def format_registry(sources: Optional[dict] = None) -> str:
+    """The registry as a table: role, name, default rank, when it applies, what it is."""
+    rows = [("role", "name", "rank", "applies when", "what it is")]
+    for e in kernel_registry(sources):
+        rank = str(e.rank) if e.rank > 0 else "-"
+        rows.append((e.role, e.name + (" (torch)" if e.torch else ""), rank, e.applies, e.summary))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]}\n"
+                     f"{'':<{widths[0] + widths[1] + widths[2] + 6}}{r[4]}" if i else
+                     f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]} / {r[4]}"
+                     for i, r in enumerate(rows))
 
 
 # ------------------------------------------------------------------------------------------------
-# Kernel sources, toolkit discovery and the build cache
+# Kernel sources, toolkit discovery and the build cache. Each kernels/*.cu compiles on its own (nvcc,
+# in parallel, cached by the content of the file and the headers it includes) into an object; the
+# objects link into the kernel library; bindings.cpp alone is the torch extension, which loads the
+# library at run time. An edit to one kernel file recompiles that file and relinks, nothing else.
 # ------------------------------------------------------------------------------------------------
 _EMBEDDED_KERNELS = None  # `python trimul_inline.py bundle` replaces this with {file name: text}
-_KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp", ".h")
-_NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", "--split-compile=0")
+_KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp", ".h", ".def")
+_HOST_SOURCE = "bindings.cpp"
+_NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC")
 _CXX_FLAGS = ("-O3",)  # torch picks the C++ standard its headers need
 
 
@@ -195,12 +248,27 @@ def kernel_sources(kernel_dir: Optional[str] = None) -> dict:
         if name.endswith(_KERNEL_SUFFIXES):
             with open(os.path.join(kernel_dir, name), encoding="utf-8") as f:
                 sources[name] = f.read()
-    if "bindings.cpp" not in sources:
-        raise RuntimeError(f"trimul_inline: {kernel_dir} has no bindings.cpp")
+    for required in (_HOST_SOURCE, "registry.def"):
+        if required not in sources:
+            raise RuntimeError(f"trimul_inline: {kernel_dir} has no {required}")
     return sources
 
 
-_LOCAL_INCLUDE = re.compile(r'\s*#\s*include\s+"([^"]+)"')
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def local_includes(name: str, sources: dict) -> tuple:
+    """The kernels/ files `name` includes, directly or through others, sorted."""
+    found, pending = set(), [name]
+    while pending:
+        current = pending.pop()
+        for header in _LOCAL_INCLUDE.findall(sources[current]):
+            if header not in sources:
+                raise RuntimeError(f"trimul_inline: kernels/{current} includes {header!r}, which is not in kernels/")
+            if header not in found:
+                found.add(header)
+                pending.append(header)
+    return tuple(sorted(found))
 
 
 def _inline_includes(name: str, sources: dict, seen: set) -> str:
@@ -223,14 +291,6 @@ def _inline_includes(name: str, sources: dict, seen: set) -> str:
             line = ""
         lines.append(line)
     return "\n".join(lines)
-
-
-def assemble_sources(sources: dict):
-    """(host source, CUDA source) for load_inline: bindings.cpp, and every .cu as one unit."""
-    host = _inline_includes("bindings.cpp", sources, set())
-    seen = set()
-    cuda = [_inline_includes(name, sources, seen) for name in sorted(sources) if name.endswith(".cu")]
-    return host, "\n".join(cuda)
 
 
 class Toolkit(NamedTuple):
@@ -332,15 +392,24 @@ def target_arch() -> str:
     return "90a"
 
 
-def build_key(sources: dict, arch: str, toolkit_version: str) -> str:
-    """Hash of everything the built .so depends on; it names the extension and its build folder."""
+def _digest(*parts) -> str:
     digest = hashlib.sha256()
-    for name in sorted(sources):
-        digest.update(name.encode() + b"\0" + sources[name].encode() + b"\0")
-    for part in (_NVCC_FLAGS, _CXX_FLAGS, torch.__version__, torch.version.cuda, toolkit_version,
-                 arch, sys.implementation.cache_tag):
-        digest.update(repr(part).encode() + b"\0")
+    for part in parts:
+        digest.update((part if isinstance(part, str) else repr(part)).encode() + b"\0")
     return digest.hexdigest()[:16]
+
+
+def object_key(name: str, sources: dict, arch: str, toolkit_version: str) -> str:
+    """Hash of everything one kernel file's object depends on: its text, its headers', the flags."""
+    files = (name,) + local_includes(name, sources)
+    return _digest(*(f + "\0" + sources[f] for f in files), _NVCC_FLAGS, arch, toolkit_version)
+
+
+def host_key(sources: dict, toolkit_version: str) -> str:
+    """Hash of everything the torch extension depends on: bindings.cpp, its headers, torch, Python."""
+    files = (_HOST_SOURCE,) + local_includes(_HOST_SOURCE, sources)
+    return _digest(*(f + "\0" + sources[f] for f in files), _CXX_FLAGS, torch.__version__, torch.version.cuda,
+                   toolkit_version, sys.implementation.cache_tag)
 
 
 def extensions_root() -> str:
@@ -357,21 +426,29 @@ def _say(message: str) -> None:
 
 
 class BuildPlan(NamedTuple):
-    name: str
-    build_dir: str
-    so_path: str
+    root: str
     arch: str
     toolkit: Toolkit
     sources: dict
+    objects: tuple  # (kernel file, object path) for each .cu
+    library: str  # the kernel library (all objects linked)
+    host_name: str  # the torch extension (bindings.cpp)
+    host_dir: str
+    host_so: str
 
 
 def plan_build(kernel_dir: Optional[str] = None) -> BuildPlan:
     sources = kernel_sources(kernel_dir)
     toolkit = find_toolkit()
     arch = target_arch()
-    name = f"trimul_inline_{build_key(sources, arch, toolkit.version)}"
-    build_dir = os.path.join(extensions_root(), name)
-    return BuildPlan(name, build_dir, os.path.join(build_dir, name + ".so"), arch, toolkit, sources)
+    root = extensions_root()
+    objects = tuple((name, os.path.join(root, "objects", f"{name[:-3]}-{object_key(name, sources, arch, toolkit.version)}.o"))
+                    for name in sorted(sources) if name.endswith(".cu"))
+    library = os.path.join(root, f"libtrimul_kernels-{_digest(*objects)}.so")
+    host_name = f"trimul_inline_{host_key(sources, toolkit.version)}"
+    host_dir = os.path.join(root, host_name)
+    return BuildPlan(root, arch, toolkit, sources, objects, library, host_name, host_dir,
+                     os.path.join(host_dir, host_name + ".so"))
 
 
 @contextlib.contextmanager
@@ -386,65 +463,175 @@ def _torch_cuda_home(home: str):
         cpp_extension.CUDA_HOME = saved
 
 
-def _compile_extension(plan: BuildPlan, verbose: bool):
+def _write_atomically(path: str, write) -> None:
+    """write(temporary path), then the temporary file renamed to `path` (another process may build it too)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def _source_snapshot(plan: BuildPlan) -> str:
+    """A folder holding this build's kernel sources as hashed (the objects compile from it, so an edit
+    made during a build cannot land in an object keyed by the text before it)."""
+    folder = os.path.join(plan.root, "sources", os.path.basename(plan.library)[len("libtrimul_kernels-"):-3])
+    if not os.path.isfile(os.path.join(folder, ".complete")):
+        for name, text in plan.sources.items():
+            def write(path, text=text):
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(text)
+            _write_atomically(os.path.join(folder, name), write)
+        with open(os.path.join(folder, ".complete"), "w") as f:
+            f.write("")
+    return folder
+
+
+def _run(command: list, what: str) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"trimul_inline: {what} failed:\n{' '.join(command)}\n{result.stdout}{result.stderr}")
+
+
+def _compile_object(plan: BuildPlan, snapshot: str, name: str, path: str, verbose: bool) -> None:
+    source = os.path.join(snapshot, name)
+    nvcc = os.path.join(plan.toolkit.home, "bin", "nvcc")
+    flags = list(_NVCC_FLAGS) + [f"-gencode=arch=compute_{plan.arch},code=sm_{plan.arch}"]
+    _write_atomically(path, lambda out: _run([nvcc, *flags, "-c", source, "-o", out], f"compiling kernels/{name}"))
+    if verbose:
+        _say(f"compiled kernels/{name}")
+
+
+def _cudart_link_flags(toolkit: Toolkit) -> list:
+    """The shared CUDA runtime, the one torch loads (a static one would keep its own current device)."""
+    for lib_dir in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"),
+                    os.path.join("targets", "sbsa-linux", "lib")):
+        if os.path.exists(os.path.join(toolkit.home, lib_dir, "libcudart.so")):
+            return ["-cudart", "shared", f"-L{os.path.join(toolkit.home, lib_dir)}"]
+    for lib_dir in toolkit.extra_lib_dirs:
+        found = sorted(glob.glob(os.path.join(lib_dir, "libcudart.so*")))
+        if found:
+            return ["-cudart", "none", found[0]]
+    raise RuntimeError(f"trimul_inline: no libcudart.so in {toolkit.home} or pip's nvidia wheels")
+
+
+def _link_library(plan: BuildPlan, verbose: bool) -> None:
+    nvcc = os.path.join(plan.toolkit.home, "bin", "nvcc")
+    objects = [path for _, path in plan.objects]
+    _write_atomically(plan.library, lambda out: _run(
+        [nvcc, "-shared", f"-gencode=arch=compute_{plan.arch},code=sm_{plan.arch}", *objects, "-o", out,
+         *_cudart_link_flags(plan.toolkit)], "linking the kernel library"))
+    if verbose:
+        _say(f"linked {plan.library}")
+
+
+def _compile_host(plan: BuildPlan, verbose: bool):
     import inspect
     from torch.utils import cpp_extension
-    host, cuda = assemble_sources(plan.sources)
-    os.makedirs(plan.build_dir, exist_ok=True)
-    nvcc_flags = list(_NVCC_FLAGS) + [f"-gencode=arch=compute_{plan.arch},code=sm_{plan.arch}"]
+    host = _inline_includes(_HOST_SOURCE, plan.sources, set())
+    os.makedirs(plan.host_dir, exist_ok=True)
     cxx_flags = list(_CXX_FLAGS) + [f"-idirafter{d}" for d in plan.toolkit.extra_includes]
-    ldflags = [f"-L{d}" for d in plan.toolkit.extra_lib_dirs]
+    ldflags = [f"-L{d}" for d in plan.toolkit.extra_lib_dirs] + ["-ldl"]
     kwargs = {}
     if "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters:
-        kwargs["no_implicit_headers"] = True  # keeps torch headers out of the nvcc unit
+        kwargs["no_implicit_headers"] = True
     with _torch_cuda_home(plan.toolkit.home):
-        return cpp_extension.load_inline(
-            name=plan.name, cpp_sources=[host], cuda_sources=[cuda], extra_cflags=cxx_flags,
-            extra_cuda_cflags=nvcc_flags, extra_ldflags=ldflags, build_directory=plan.build_dir,
-            verbose=verbose, with_cuda=True, **kwargs)
+        # (no CUDA sources, but torch reads the arch from extra_cuda_cflags, else from a GPU it may not find)
+        module = cpp_extension.load_inline(
+            name=plan.host_name, cpp_sources=[host], extra_cflags=cxx_flags, extra_ldflags=ldflags,
+            extra_cuda_cflags=[f"-gencode=arch=compute_{plan.arch},code=sm_{plan.arch}"],
+            build_directory=plan.host_dir, verbose=verbose, with_cuda=True, **kwargs)
+    with open(plan.host_so + ".ok", "w") as f:  # written only after a build finished and imported
+        f.write(plan.host_name + "\n")
+    return module
 
 
-def _import_built(plan: BuildPlan):
-    loader = importlib.machinery.ExtensionFileLoader(plan.name, plan.so_path)
-    spec = importlib.util.spec_from_file_location(plan.name, plan.so_path, loader=loader)
+def _import_host(plan: BuildPlan):
+    loader = importlib.machinery.ExtensionFileLoader(plan.host_name, plan.host_so)
+    spec = importlib.util.spec_from_file_location(plan.host_name, plan.host_so, loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module
 
 
-_LOADED = {}  # extension name -> module, for this process
+def _host_built(plan: BuildPlan) -> bool:
+    return os.path.exists(plan.host_so) and os.path.exists(plan.host_so + ".ok")
+
+
+def _build(plan: BuildPlan, verbose: bool):
+    """The torch extension (imported) and the kernel library, each built where its cache lacks it: the
+    missing objects compile in parallel, beside the extension."""
+    import time
+    missing = [(name, path) for name, path in plan.objects if not os.path.exists(path)]
+    build_host = not _host_built(plan)
+    if verbose:
+        if missing or build_host or not os.path.exists(plan.library):
+            _say(f"building for sm_{plan.arch} with {plan.toolkit.home} (CUDA {plan.toolkit.version}) in "
+                 f"{plan.root}: {len(missing)} of {len(plan.objects)} kernel files"
+                 f"{', the extension' if build_host else ''}")
+        else:
+            _say(f"reusing cached build {plan.library} and {plan.host_so}")
+    start = time.perf_counter()
+    # Longest first (the largest files), so the last to finish is not a long one started late.
+    missing.sort(key=lambda item: -len(plan.sources[item[0]]))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
+        host = pool.submit(_compile_host, plan, verbose) if build_host else None
+        snapshot = _source_snapshot(plan) if missing else None
+        compiled = [pool.submit(_compile_object, plan, snapshot, name, path, verbose) for name, path in missing]
+        for future in compiled:
+            future.result()
+        if not os.path.exists(plan.library):
+            _link_library(plan, verbose)
+        module = host.result() if host is not None else _import_host(plan)
+    if verbose and (missing or build_host):
+        _say(f"built in {time.perf_counter() - start:.1f} s")
+    return module
+
+
+def _check_registry(module, sources: dict) -> None:
+    """The library's kernels against registry.def: each entry compiled, each compiled kernel an entry."""
+    compiled = module.kernels()
+    problems = [f"kernels/ registers {role} kernel {name!r}, which registry.def does not list"
+                for role, name, _, _, in_registry, *_ in compiled if not in_registry]
+    problems += [f"registry.def lists {role} kernel {name!r}, which no kernel file registers"
+                 for role, name, _, torch_, in_registry, built, *_ in compiled
+                 if in_registry and not torch_ and not built]
+    listed = [(role, name, rank) for role, name, rank, _, in_registry, *_ in compiled if in_registry]
+    if listed != [(e.role, e.name, e.rank) for e in kernel_registry(sources)]:
+        problems.append("the library read another registry.def than this module")
+    if problems:
+        raise RuntimeError("trimul_inline: the registry and the compiled kernels disagree: " + "; ".join(problems))
+
+
+_LOADED = {}  # (extension, kernel library) -> the extension module, for this process
 _DEFAULT_EXTENSION = None
 
 
 def load_extension(kernel_dir: Optional[str] = None, verbose: Optional[bool] = None):
-    """The compiled extension for these kernel sources: memoized, else the cached .so, else built."""
+    """The torch extension with the kernel library of these sources attached: memoized, else the cached
+    builds, else built. The extension runs the library of the last load_extension call
+    (module.kernel_library names it)."""
     verbose = _verbose() if verbose is None else verbose
     plan = plan_build(kernel_dir)
-    if plan.name in _LOADED:
-        return _LOADED[plan.name]
-    done_marker = plan.so_path + ".ok"  # written only after a build finished and imported
-    if os.path.exists(plan.so_path) and os.path.exists(done_marker):
-        if verbose:
-            _say(f"reusing cached build {plan.so_path}")
-        module = _import_built(plan)
-    else:
-        if verbose:
-            _say(f"building {plan.name} for sm_{plan.arch} with {plan.toolkit.home} (CUDA "
-                 f"{plan.toolkit.version}) in {plan.build_dir}")
-        module = _compile_extension(plan, verbose)
-        with open(done_marker, "w") as f:
-            f.write(plan.name + "\n")
-    missing = [v.name for v in VARIANTS.values()
-               if v.backend == "cuda" and v.name not in module.contraction_variants()]
-    if missing:
-        raise RuntimeError(f"trimul_inline: the registry names kernels that kernels/ does not "
-                           f"register with TRIMUL_REGISTER_CONTRACTION: {missing}")
-    _LOADED[plan.name] = module
+    key = (plan.host_so, plan.library)
+    module = _LOADED.get(key)
+    if module is None:
+        module = _build(plan, verbose)
+        module.attach_kernels(plan.library)
+        module.kernel_library = plan.library
+        _check_registry(module, plan.sources)
+        _LOADED[key] = module
+    elif getattr(module, "kernel_library", None) != plan.library:
+        module.attach_kernels(plan.library)
+        module.kernel_library = plan.library
     return module
 
 
 def reload_extension(verbose: Optional[bool] = None):
-    """Re-read kernels/, rebuild if anything changed, and use the result from now on."""
+    """Re-read kernels/, rebuild what changed, and use the result from now on."""
     global _DEFAULT_EXTENSION
     _DEFAULT_EXTENSION = load_extension(verbose=verbose)
     return _DEFAULT_EXTENSION
@@ -467,28 +654,28 @@ def _float32_matmul_precision(precision: str):
         torch.set_float32_matmul_precision(saved)
 
 
-def contract_into(z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, variant: str,
+def contract_into(z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, kernel: Optional[str],
                   precision: str) -> torch.Tensor:
-    """Runs the named variant, writing z (no autograd; the building block of the op)."""
-    select_variant(variant, a.dtype, precision, a.device)  # raises if it does not take this call
-    if VARIANTS[variant].backend == "torch":
+    """Writes z = a @ b^T by the named contraction kernel (None or "": the default order); no autograd."""
+    if _is_torch_kernel("contract", kernel):
         with _float32_matmul_precision(precision):
             torch.bmm(a, b.transpose(1, 2), out=z) if z.dtype == a.dtype else \
                 z.copy_(torch.bmm(a, b.transpose(1, 2)))
         return z
-    _extension().contract(variant, a, b, z, _PRECISION_CODE[precision])
+    _extension().contract(kernel or "", a, b, z, _PRECISION_CODE[precision])
     return z
 
 
 @torch.library.custom_op("trimul_inline::contract", mutates_args=())
-def contract(a: torch.Tensor, b: torch.Tensor, variant: str, precision: str) -> torch.Tensor:
-    """z = a @ b^T for a [batch, m, k], b [batch, n, k] (contiguous CUDA); z has a's dtype."""
+def contract(a: torch.Tensor, b: torch.Tensor, kernel: str, precision: str) -> torch.Tensor:
+    """z = a @ b^T for a [batch, m, k], b [batch, n, k] (contiguous CUDA); z has a's dtype. kernel: a
+    contraction kernel's name, or "" for the default order."""
     z = a.new_empty((a.shape[0], a.shape[1], b.shape[1]))
-    return contract_into(z, a, b, variant, precision)
+    return contract_into(z, a, b, kernel, precision)
 
 
 @contract.register_fake
-def _contract_fake(a, b, variant, precision):
+def _contract_fake(a, b, kernel, precision):
     return a.new_empty((a.shape[0], a.shape[1], b.shape[1]))
 
 
@@ -511,14 +698,13 @@ contract.register_autograd(_contract_backward, setup_context=_contract_setup_con
 
 
 # ------------------------------------------------------------------------------------------------
-# The fused forward: input pass -> contraction -> output pass, one extension call
+# The fused forward: input pass -> contraction -> output pass, one extension call; or its steps
 # ------------------------------------------------------------------------------------------------
-# Compute modes of the fused kernels: the operand type in shared memory and the mma flavour.
-_MODE_CODE = {"bf16": 0, "f16": 1, "tf32": 2, "tf32x3": 3}
-_MODE_OPERAND = {"bf16": torch.bfloat16, "f16": torch.float16, "tf32": torch.float32,
-                 "tf32x3": torch.float32}
-_PRECISION_MODE = {"highest": "tf32x3", "high": "tf32", "medium": "bf16"}
-_MODE_PRECISION = {mode: precision for precision, mode in _PRECISION_MODE.items()}
+# Compute modes of the fused kernels (trimul::Mode): 16-bit operands, or fp32 inputs at "high" / "highest".
+_MODE_CODE = {"bf16": 0, "f16": 1, "high": 2, "highest": 3}
+_MODE_OPERAND = {"bf16": torch.bfloat16, "f16": torch.float16, "high": torch.float32, "highest": torch.float32}
+_MODE_PRECISION = {"bf16": "medium", "f16": "medium", "high": "high", "highest": "highest"}
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # (trimul::Dtype)
 
 
 def compute_mode(pair_dtype: torch.dtype, precision: str) -> str:
@@ -529,7 +715,7 @@ def compute_mode(pair_dtype: torch.dtype, precision: str) -> str:
         return "f16"
     if torch.is_autocast_enabled("cuda"):
         return "bf16" if torch.get_autocast_dtype("cuda") == torch.bfloat16 else "f16"
-    return _PRECISION_MODE[precision]
+    return "bf16" if precision == "medium" else precision
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -564,9 +750,9 @@ def prepare_weights(params, mode: str):
     k padded to 32 and rows to 128 with zeros; proj/gate rows in groups of 16 (rows 16g + e = proj
     and 16g + 8 + e = gate of h = 8g + e), so the input pass's mma fragment rows g and g + 8 hold
     both halves of one gated output. LayerNorm_out's weight and bias are folded into out_proj's
-    weight and bias (its own entries stay in the list for the sizes only). The 16-bit modes add the
-    register-row input kernel's weights (_register_row_weights), the fp32 modes (tf32, tf32x3) the
-    wgmma passes' scaled fp16 operands (_f16x3_weights)."""
+    weight and bias. The 16-bit modes add the register-row input kernels' weights
+    (_register_row_weights), the fp32 modes (high, highest) the wgmma passes' scaled fp16 operands
+    (_f16x3_weights). The order is bindings.cpp's forward_args'."""
     (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
      out_w, out_b, gate_w, gate_b) = [p.detach() for p in params]
     hidden, pair_dim = pa_w.shape
@@ -597,14 +783,13 @@ def prepare_weights(params, mode: str):
     operand = _MODE_OPERAND[mode]
     as_f32 = lambda t: t.to(**f32).contiguous()
     # TF32 operands go in as TF32 values, so the kernels feed the mma their bits unconverted.
-    as_operand = (lambda t: _round_to_tf32(t)) if mode == "tf32" else (lambda t: t.to(operand))
+    as_operand = (lambda t: _round_to_tf32(t)) if mode == "high" else (lambda t: t.to(operand))
     w_in = torch.cat([wa, wb])
-    prepared = [as_f32(ln_in_w), as_f32(ln_in_b), as_f32(ln_out_w), as_f32(ln_out_b),
-                as_operand(w_in), torch.cat([ba, bb]), as_operand(w_gate),
+    prepared = [as_f32(ln_in_w), as_f32(ln_in_b), as_operand(w_in), torch.cat([ba, bb]), as_operand(w_gate),
                 as_f32(gate_b), as_operand(w_out), as_f32(out_b)]
-    if mode in ("bf16", "f16"):  # (the input kernel with the rows in registers: ForwardArgs::w_in_rows)
+    if mode in ("bf16", "f16"):  # (the input kernels with the rows in registers: ForwardArgs::w_in_rows)
         prepared += _register_row_weights(w_in, torch.cat([ba, bb]), ln_in_w, ln_in_b, operand)
-    if mode in ("tf32", "tf32x3"):  # (the wgmma passes' scaled fp16 arithmetic: ForwardArgs::w_in_f16x3)
+    else:  # (the wgmma passes' scaled fp16 arithmetic: ForwardArgs::w_in_f16x3)
         prepared += _f16x3_weights(w_in, w_gate, w_out, ln_in_w.float(), ln_in_b.float(), pair_dim, hidden,
                                    torch.cat([pa_w, pb_w]).float(), torch.cat([pa_b, pb_b]).float())
     return prepared
@@ -696,34 +881,80 @@ def _round_to_tf32(t: torch.Tensor) -> torch.Tensor:
     return _round_mantissa(t, 10)
 
 
-def _extension_arguments(variant, mode, incoming, gate_normalized, eps_in, eps_out):
-    """The extension's forward arguments after (pair, mask, weights)."""
-    return (variant, _MODE_CODE[mode], incoming, gate_normalized, eps_in, eps_out)
+def _forward_options(kernels, mode: str, incoming: bool, gate_normalized: bool, eps_in: float, eps_out: float,
+                     hidden: int):
+    """The extension's ForwardOptions: a module's choices for its fused forward."""
+    return _extension().ForwardOptions([name or "" for name in kernels], _MODE_CODE[mode], incoming,
+                                       gate_normalized, eps_in, eps_out, hidden)
 
 
-def _fused_call(pair, mask, weights, *options):
-    arguments = _extension_arguments(*options)
-    variant, mode = options[:2]
-    if variant not in VARIANTS or VARIANTS[variant].backend != "torch":
-        return _extension().forward(pair, mask, weights, *arguments)
-    # The cuBLAS baseline reads the global setting: give it the one this mode stands for.
-    with _float32_matmul_precision(_MODE_PRECISION.get(mode, "medium")):
-        return _extension().forward(pair, mask, weights, *arguments)
+def _bmm_precision(kernels, mode: str):
+    """The cuBLAS baseline reads the global matmul precision: the one this mode stands for."""
+    if _is_torch_kernel("contract", kernels[1]):
+        return _float32_matmul_precision(_MODE_PRECISION[mode])
+    return contextlib.nullcontext()
 
 
 @torch.library.custom_op("trimul_inline::fused_forward", mutates_args=())
-def fused_forward(pair: torch.Tensor, mask: torch.Tensor, weights: list[torch.Tensor], variant: str,
-                  mode: str, incoming: bool, gate_normalized: bool, eps_in: float,
-                  eps_out: float) -> torch.Tensor:
-    """The whole forward on prepared weights (see prepare_weights); no autograd."""
-    return _fused_call(pair, mask, weights, variant, mode, incoming, gate_normalized, eps_in,
-                       eps_out)
+def fused_forward(pair: torch.Tensor, mask: torch.Tensor, weights: list[torch.Tensor], input_kernel: str,
+                  contract_kernel: str, output_kernel: str, mode: str, incoming: bool, gate_normalized: bool,
+                  eps_in: float, eps_out: float, hidden: int) -> torch.Tensor:
+    """The whole forward on prepared weights (see prepare_weights); no autograd. *_kernel: a kernel of
+    that role ("": its default order)."""
+    kernels = (input_kernel, contract_kernel, output_kernel)
+    options = _forward_options(kernels, mode, incoming, gate_normalized, eps_in, eps_out, hidden)
+    with _bmm_precision(kernels, mode):
+        return _extension().forward(pair, mask, weights, options)
 
 
 @fused_forward.register_fake
-def _fused_forward_fake(pair, mask, weights, variant, mode, incoming, gate_normalized, eps_in,
-                        eps_out):
+def _fused_forward_fake(pair, mask, weights, *options):
     return torch.empty_like(pair, memory_format=torch.contiguous_format)
+
+
+class ForwardSteps:
+    """One fused forward as its three steps on caller-provided buffers (ModelNew.forward_steps), so that a
+    backward can keep a/b and z or recompute them. `plan` says each role's kernel and the buffers:
+    ab [2, planes, N, ld] (a_t then b_t, the contraction's operands), z [B*H, N, ldz] (None where the
+    output pass contracts itself), out like pair_repr. Steps launch on the current stream."""
+
+    def __init__(self, pair, mask, weights, options, kernels, mode):
+        self._call = (pair, mask, weights, options)
+        self._chosen, self._mode = kernels, mode
+        self._pair = pair
+        extension = _extension()
+        self.plan = extension.forward_plan(*self._call)
+        self.kernels = Kernels(*(self.plan[role] for role in ROLES))
+
+    def new_ab(self) -> torch.Tensor:
+        return self._pair.new_empty(self.plan["ab_shape"], dtype=getattr(torch, self.plan["ab_dtype"]))
+
+    def new_z(self) -> Optional[torch.Tensor]:
+        if self.plan["z_shape"] is None:
+            return None
+        return self._pair.new_empty(self.plan["z_shape"], dtype=getattr(torch, self.plan["z_dtype"]))
+
+    def new_out(self) -> torch.Tensor:
+        return torch.empty_like(self._pair, memory_format=torch.contiguous_format)
+
+    def input_pass(self, ab: torch.Tensor) -> None:
+        _extension().input_pass(*self._call, ab)
+
+    def contraction(self, ab: torch.Tensor, z: Optional[torch.Tensor]) -> None:
+        with _bmm_precision(self._chosen, self._mode):
+            _extension().contraction(*self._call, ab, z)
+
+    def output_pass(self, out: torch.Tensor, z: Optional[torch.Tensor] = None,
+                    ab: Optional[torch.Tensor] = None) -> None:
+        _extension().output_pass(*self._call, ab, z, out)
+
+    def run(self) -> torch.Tensor:
+        """The three steps on fresh buffers: what the one-call forward computes."""
+        ab, z, out = self.new_ab(), self.new_z(), self.new_out()
+        self.input_pass(ab)
+        self.contraction(ab, z)
+        self.output_pass(out, z=z, ab=ab)
+        return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -733,29 +964,31 @@ def _float32_matmul_precision_now() -> str:
     return torch.get_float32_matmul_precision()
 
 
-_FITS = {}  # (extension, device, pair_dim, hidden, mode) -> whether the fused kernels take it
+_TAKES = {}  # (kernel library, device, pair_dim, hidden, mode, pair dtype) -> whether the fused passes take it
 
 
-def _fused_fits_now(pair_dim: int, hidden: int, mode: str) -> bool:
+def _fused_takes_now(pair_dim: int, hidden: int, mode: str, pair_dtype: torch.dtype) -> bool:
     extension = _extension()
-    key = (extension.__name__, torch.cuda.current_device(), pair_dim, hidden, mode)
-    if key not in _FITS:
-        _FITS[key] = bool(extension.fused_fits(pair_dim, hidden, _MODE_CODE[mode]))
-    return _FITS[key]
+    key = (extension.kernel_library, torch.cuda.current_device(), pair_dim, hidden, mode, pair_dtype)
+    if key not in _TAKES:
+        _TAKES[key] = bool(extension.fused_takes(pair_dim, hidden, _MODE_CODE[mode], _DTYPE_CODE[pair_dtype]))
+    return _TAKES[key]
 
 
 # Under torch.compile these are read once, at trace time (dynamo cannot trace into them).
 _float32_matmul_precision_now = torch.compiler.assume_constant_result(_float32_matmul_precision_now)
-_fused_fits_now = torch.compiler.assume_constant_result(_fused_fits_now)
+_fused_takes_now = torch.compiler.assume_constant_result(_fused_takes_now)
+_kernels_override = torch.compiler.assume_constant_result(_kernels_override)
 
-_CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the CUDA kernels take
 _FUSED_MASK_DTYPES = (torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32,
                       torch.bfloat16, torch.float16)  # read as they are by the fused kernels
-_cpu_fallback_warned = False
+_reference_warned = set()
 
 
 def check_inputs(layers: _TriMulLayers, pair_repr, pair_mask) -> None:
-    """Raises ValueError/TypeError naming the problem; silent for good input."""
+    """The one input check of every path (fused kernels, autograd path, reference fallback): raises
+    ValueError/TypeError naming the problem; silent for good input."""
     for name, value in (("pair_repr", pair_repr), ("pair_mask", pair_mask)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -782,13 +1015,20 @@ def check_inputs(layers: _TriMulLayers, pair_repr, pair_mask) -> None:
     if weight.device != pair_repr.device:
         raise ValueError(f"pair_repr is on {pair_repr.device} but the model's parameters are on "
                          f"{weight.device}; call model.to({str(pair_repr.device)!r})")
-    if pair_repr.is_cuda:
-        if pair_repr.dtype not in _CUDA_DTYPES:
-            raise TypeError(f"pair_repr dtype {pair_repr.dtype} is not supported by the CUDA "
-                            "kernels (float32, bfloat16, float16); use Model for float64")
-        if pair_repr.dtype != weight.dtype and not torch.is_autocast_enabled("cuda"):
-            raise TypeError(f"pair_repr is {pair_repr.dtype} but the parameters are {weight.dtype}; "
-                            f"convert the model (model.to({pair_repr.dtype})) or use torch.autocast")
+    autocast = pair_repr.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(pair_repr.device.type)
+    if pair_repr.dtype != weight.dtype and not autocast:
+        raise TypeError(f"pair_repr is {pair_repr.dtype} but the parameters are {weight.dtype}; "
+                        f"convert the model (model.to({pair_repr.dtype})) or use torch.autocast")
+
+
+def _warn_reference_once(pair_repr) -> None:
+    key = (pair_repr.device.type, pair_repr.dtype)
+    if key in _reference_warned:
+        return
+    _reference_warned.add(key)
+    what = "CPU tensors" if pair_repr.device.type == "cpu" else f"{pair_repr.dtype} tensors"
+    warnings.warn(f"trimul_inline: ModelNew got {what}; running the reference computation (the CUDA "
+                  "kernels take float32, bfloat16 and float16 on a GPU)", stacklevel=3)
 
 
 def _contraction_layout(t: torch.Tensor, direction: str) -> torch.Tensor:
@@ -799,36 +1039,36 @@ def _contraction_layout(t: torch.Tensor, direction: str) -> torch.Tensor:
 
 
 class ModelNew(_TriMulLayers):
-    """Model's computation with the triangle contraction on a CUDA kernel from kernels/.
+    """Model's computation on the CUDA kernels of kernels/.
 
-    kernel: a name in VARIANTS, or "auto" (the fastest that supports the call).
+    kernels: the kernel of each role (Kernels, a mapping {role: name} or "role=name,..."; see
+        `python trimul_inline.py kernels`); None: each role's default order.
     precision: for fp32 inputs, "highest" | "high" | "medium"; None follows
         torch.get_float32_matmul_precision(). bf16/fp16 inputs compute in their dtype.
-    On CPU tensors it runs the reference computation (and warns once).
+    Inputs the CUDA kernels do not take (CPU tensors, float64) run the reference computation (warning once).
     """
 
     def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "outgoing",
-                 gate_input: str = "raw", kernel: str = "auto", precision: Optional[str] = None):
+                 gate_input: str = "raw", kernels=None, precision: Optional[str] = None):
         super().__init__(pair_dim, hidden_dim, direction, gate_input)
-        if kernel != "auto" and kernel not in VARIANTS:
-            raise ValueError(f"kernel must be 'auto' or one of {sorted(VARIANTS)}, got {kernel!r}")
         if precision is not None and precision not in PRECISIONS:
             raise ValueError(f"precision must be None or one of {PRECISIONS}, got {precision!r}")
-        self.kernel, self.precision = kernel, precision
+        self.kernels, self.precision = parse_kernels(kernels), precision
         self._weights_cache = {}  # mode -> (parameter versions, prepared weights); not state
-        self._plans = {}  # call signature -> extension arguments after the weights (see _plan_key)
+        self._plans = {}  # call signature -> (mode, kernels, options) (see _plan_key)
         self._fast = None  # the last planned signature's decisions, checked in C++ (_fast_plan)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, kernel={self.kernel!r}, precision={self.precision!r}"
+        return f"{super().extra_repr()}, kernels={str(self.kernels)!r}, precision={self.precision!r}"
 
     def resolved_precision(self) -> str:
         return self.precision or _float32_matmul_precision_now()
 
     def __getstate__(self):
-        # (copy.deepcopy, pickle) the C++ plan does not copy; the copy plans its own calls
+        # (copy.deepcopy, pickle) the C++ plan and options do not copy; the copy plans its own calls
         state = self.__dict__.copy()
         state["_fast"] = None
+        state["_plans"] = {}
         return state
 
     def __setstate__(self, state):
@@ -846,20 +1086,18 @@ class ModelNew(_TriMulLayers):
         if out is not None:
             return out
         check_inputs(self, pair_repr, pair_mask)
-        if not pair_repr.is_cuda:
-            global _cpu_fallback_warned
-            if not _cpu_fallback_warned:
-                _cpu_fallback_warned = True
-                warnings.warn("trimul_inline: ModelNew got CPU tensors; running the reference "
-                              "computation (the CUDA kernels need a GPU)", stacklevel=2)
+        if not pair_repr.is_cuda or pair_repr.dtype not in _KERNEL_DTYPES:
+            _warn_reference_once(pair_repr)
             return reference_forward(self, pair_repr, pair_mask)
         if self._needs_autograd(pair_repr):
             return self._forward_unfused(pair_repr, pair_mask)
         precision = self.resolved_precision()
         mode = compute_mode(pair_repr.dtype, precision)
-        if not self._fused_fits(mode):
+        kernels = _with_override(self.kernels)
+        if kernels.input is None and kernels.output is None and \
+                not _fused_takes_now(self.pair_dim, self.hidden_dim, mode, pair_repr.dtype):
             return self._forward_unfused(pair_repr, pair_mask)
-        return self._forward_fused(pair_repr, pair_mask, mode, precision)
+        return self._forward_fused(pair_repr, pair_mask, mode, kernels)
 
     def _needs_autograd(self, pair_repr) -> bool:
         # The fused kernels are forward-only; training takes the unfused path, whose contraction
@@ -868,9 +1106,6 @@ class ModelNew(_TriMulLayers):
             return False
         return pair_repr.requires_grad or any(p.requires_grad for p in self.parameters())
 
-    def _fused_fits(self, mode: str) -> bool:
-        return _fused_fits_now(self.pair_dim, self.hidden_dim, mode)
-
     def _plan_key(self, pair_repr, pair_mask):
         """Everything check_inputs and the path choice read, apart from the parameters (whose
         changes clear the plans): equal keys get equal decisions and extension arguments."""
@@ -878,7 +1113,7 @@ class ModelNew(_TriMulLayers):
         modules = self._modules
         return (pair_repr.shape, pair_repr.dtype, pair_repr.device, pair_repr.stride(-1), pair_mask.shape,
                 pair_mask.dtype, pair_mask.device, self.resolved_precision(),
-                autocast, self.kernel, self.direction, self.gate_input, modules["layer_norm_in"].eps,
+                autocast, self.kernels, self.direction, self.gate_input, modules["layer_norm_in"].eps,
                 modules["layer_norm_out"].eps)
 
     def _forward_planned(self, pair_repr, pair_mask):
@@ -891,12 +1126,13 @@ class ModelNew(_TriMulLayers):
         plan = self._plans.get(self._plan_key(pair_repr, pair_mask))
         if plan is None:
             return None
-        mode, arguments = plan
+        mode, kernels, options = plan
         weights, refreshed = self._prepared_weights_and_freshness(mode)
         if refreshed:  # parameters changed (device, dtype...): check the call again
             self._plans.clear()
             return None
-        return _extension().forward(pair_repr, pair_mask, weights, *arguments)
+        with _bmm_precision(kernels, mode):
+            return _extension().forward(pair_repr, pair_mask, weights, options)
 
     def refresh_weights(self) -> None:
         """Drops the kernel-layout copies of the weights. They refresh by themselves when a
@@ -919,38 +1155,62 @@ class ModelNew(_TriMulLayers):
         cached = self._weights_cache[mode] = (version, prepare_weights(params, mode))
         return cached[1], True
 
-    def _forward_fused(self, pair_repr, pair_mask, mode, precision):
-        original = (pair_repr, pair_mask)
-        variant = select_variant(self.kernel, _MODE_OPERAND[mode], precision, pair_repr.device).name
-        if self.kernel == "auto":
-            variant = "auto"  # the extension picks wgmma/mma, or folds it into the output pass
+    def _fused_inputs(self, pair_repr, pair_mask):
+        """pair_repr with channel stride 1 and a mask the kernels read (a copy or conversion only where needed)."""
         if pair_repr.stride(-1) != 1:
             pair_repr = pair_repr.contiguous()
         if pair_mask.dtype not in _FUSED_MASK_DTYPES:
             pair_mask = pair_mask.to(torch.float32)
-        options = (variant, mode, self.direction == "incoming", self.gate_input == "normalized",
-                   self.layer_norm_in.eps, self.layer_norm_out.eps)
+        return pair_repr, pair_mask
+
+    def _option_values(self, mode: str):
+        return (mode, self.direction == "incoming", self.gate_input == "normalized", self.layer_norm_in.eps,
+                self.layer_norm_out.eps, self.hidden_dim)
+
+    def _forward_fused(self, pair_repr, pair_mask, mode, kernels):
+        original = (pair_repr, pair_mask)
+        pair_repr, pair_mask = self._fused_inputs(pair_repr, pair_mask)
+        values = self._option_values(mode)
         if torch.compiler.is_compiling():
             weights = prepare_weights(_param_list(self), mode)
-            return fused_forward(pair_repr, pair_mask, weights, *options)
+            return fused_forward(pair_repr, pair_mask, weights, *(name or "" for name in kernels), *values)
         # Eager: skip the dispatcher (its overhead is most of a small call) and reuse weights.
         weights = self._prepared_weights(mode)
-        out = _fused_call(pair_repr, pair_mask, weights, *options)
-        if (not torch.is_grad_enabled() and variant not in _TORCH_BACKED
+        options = _forward_options(kernels, *values)
+        try:
+            with _bmm_precision(kernels, mode):
+                out = _extension().forward(pair_repr, pair_mask, weights, options)
+        except NotImplementedError:  # nothing of a default order takes this call: the unfused path
+            return self._forward_unfused(*original)
+        if (not torch.is_grad_enabled() and not _is_torch_kernel("contract", kernels.contract)
                 and pair_repr is original[0] and pair_mask is original[1]):
             # This signature passed check_inputs and needs no copy or conversion: plan it.
-            arguments = _extension_arguments(*options)
-            self._plans[self._plan_key(pair_repr, pair_mask)] = (mode, arguments)
-            self._fast = self._fast_plan(pair_repr, pair_mask, precision, weights, arguments)
+            self._plans[self._plan_key(pair_repr, pair_mask)] = (mode, kernels, options)
+            self._fast = self._fast_plan(pair_repr, pair_mask, self.resolved_precision(), weights, options)
         return out
 
-    def _fast_plan(self, pair_repr, pair_mask, precision, weights, arguments):
+    def forward_steps(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor) -> ForwardSteps:
+        """The fused forward of this call as its three steps on caller-provided buffers (ForwardSteps):
+        the same checks, precision and kernel choice as a call; a ValueError where the call would not
+        take the fused kernels (CPU, float64, sizes they do not take)."""
+        check_inputs(self, pair_repr, pair_mask)
+        if not pair_repr.is_cuda or pair_repr.dtype not in _KERNEL_DTYPES:
+            raise ValueError(f"trimul_inline: the fused steps take CUDA float32/bfloat16/float16 inputs, not "
+                             f"{pair_repr.device.type} {pair_repr.dtype}")
+        mode = compute_mode(pair_repr.dtype, self.resolved_precision())
+        kernels = _with_override(self.kernels)
+        pair_repr, pair_mask = self._fused_inputs(pair_repr, pair_mask)
+        try:
+            return ForwardSteps(pair_repr, pair_mask, self._prepared_weights(mode),
+                                _forward_options(kernels, *self._option_values(mode)), kernels, mode)
+        except NotImplementedError as error:
+            raise ValueError(f"trimul_inline: the fused kernels do not take this call ({error})") from error
+
+    def _fast_plan(self, pair_repr, pair_mask, precision, weights, options):
         """The C++ side of the planned path (the extension's PlannedForward): the signature and
         what _plan_key and the weights' freshness read, compared without Python per call. None
-        under autocast, with parameters outside the modules' own dicts (parametrizations), or
-        with an extension that lacks it."""
-        planned = getattr(_extension(), "PlannedForward", None)
-        if planned is None or torch.is_autocast_enabled("cuda"):
+        under autocast or with parameters outside the modules' own dicts (parametrizations)."""
+        if torch.is_autocast_enabled("cuda"):
             return None
         modules = self._modules
         entries = [(modules, name, modules[name]) for name in _SUBMODULES]
@@ -962,9 +1222,10 @@ class ModelNew(_TriMulLayers):
                 return None
             entries.append((owner, name, param))
             params.append(param)
-        attributes = [(None, name, getattr(self, name)) for name in ("kernel", "direction", "gate_input")]
+        attributes = [(None, name, getattr(self, name)) for name in ("kernels", "direction", "gate_input")]
         attributes += [(modules[name], "eps", modules[name].eps) for name in ("layer_norm_in", "layer_norm_out")]
-        return planned(entries, attributes, params, pair_repr, pair_mask, precision, weights, *arguments)
+        return _extension().PlannedForward(entries, attributes, params, pair_repr, pair_mask, precision, weights,
+                                           options)
 
     def _gated_projection(self, x, proj, gate, mask):
         p = proj(x)
@@ -976,10 +1237,9 @@ class ModelNew(_TriMulLayers):
         mask = pair_mask.unsqueeze(-1)
         a = self._gated_projection(x, self.proj_a, self.gate_a, mask)
         b = self._gated_projection(x, self.proj_b, self.gate_b, mask)
-        precision = self.resolved_precision()
-        variant = select_variant(self.kernel, a.dtype, precision, a.device)
+        kernel = _with_override(self.kernels).contract or ""
         z = contract(_contraction_layout(a, self.direction), _contraction_layout(b, self.direction),
-                     variant.name, precision)
+                     kernel, self.resolved_precision())
         z = z.view(batch, self.hidden_dim, n, n).permute(0, 2, 3, 1)
         o = self.out_proj(self.layer_norm_out(z))
         gate_source = pair_repr if self.gate_input == "raw" else x
@@ -1021,17 +1281,22 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     bundle = sub.add_parser("bundle", help="write one self-contained file with the kernels embedded")
     bundle.add_argument("-o", "--output", default="trimul_notebook.py")
-    sub.add_parser("build", help="compile the CUDA extension now (or reuse the cached build)")
+    sub.add_parser("build", help="compile the CUDA extension and kernel library now (or reuse the cached build)")
+    sub.add_parser("kernels", help="every kernel of every role: name, default rank, when it applies (no build)")
     args = parser.parse_args(argv)
     if args.command == "bundle":
         text = bundle_source()
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(text)
         print(f"wrote {args.output} ({len(text)} bytes); exec it or paste it into a notebook cell")
+    elif args.command == "kernels":
+        print(format_registry())
     else:
         module = load_extension(verbose=True if _verbose() else None)
-        print(f"{module.__name__}: {module.__file__}")
-        print("kernels:", ", ".join(module.contraction_variants()))
+        print(f"extension: {module.__file__}\nkernel library: {module.kernel_library}")
+        for role in ROLES:
+            print(f"{role}: " + ", ".join(name for r, name, _, torch_, *_ in module.kernels()
+                                          if r == role and not torch_))
     return 0
 
 

@@ -1,6 +1,8 @@
-// bindings.cpp — thin pybind functions: check tensors, pick the launcher, launch on PyTorch's
-// current stream, check the launch. Ops are registered from Python (torch.library.custom_op),
-// never with TORCH_LIBRARY here, so a rebuilt .so can be loaded into the same process.
+// bindings.cpp — the torch extension: check tensors, lay out the forward's arguments and buffers, call
+// the kernel library (api.cuh: loaded at run time by attach_kernels, so an edited kernel rebuilds only
+// its own file and the library, never this) on PyTorch's current stream, and check every launch. Ops
+// are registered from Python (torch.library.custom_op), never with TORCH_LIBRARY here, so a rebuilt
+// extension can be loaded into the same process.
 #include <torch/extension.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -8,8 +10,10 @@
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <dlfcn.h>
+
 #include <algorithm>
-#include <cstdlib>
+#include <array>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -19,6 +23,48 @@
 
 namespace {
 
+// ---- the kernel library ------------------------------------------------------------------------
+const trimul::KernelLibrary* g_library = nullptr;  // the one attach_kernels loaded last
+
+// Loads a kernel library built from kernels/*.cu (trimul_inline.py builds it) and uses it from now on.
+// Libraries stay loaded: work launched from an earlier one may still be in flight.
+void attach_kernels(const std::string& path) {
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  TORCH_CHECK(handle != nullptr, "trimul_inline: cannot load the kernel library ", path, ": ", dlerror());
+  using Entry = const trimul::KernelLibrary* (*)();
+  auto entry = reinterpret_cast<Entry>(dlsym(handle, "trimul_kernel_library"));
+  TORCH_CHECK(entry != nullptr, "trimul_inline: ", path, " has no trimul_kernel_library()");
+  const trimul::KernelLibrary* library = entry();
+  TORCH_CHECK(library != nullptr && library->abi == trimul::kKernelAbi &&
+                  library->forward_args_bytes == sizeof(trimul::ForwardArgs) &&
+                  library->contract_args_bytes == sizeof(trimul::ContractArgs) &&
+                  library->forward_plan_bytes == sizeof(trimul::ForwardPlan),
+              "trimul_inline: the kernel library ", path, " was built from another api.cuh than this extension");
+  g_library = library;
+}
+
+const trimul::KernelLibrary& library() {
+  TORCH_CHECK(g_library != nullptr, "trimul_inline: no kernel library attached (trimul_inline.load_extension does it)");
+  return *g_library;
+}
+
+const char* const kRoleNames[trimul::kRoles] = {"input", "contract", "output"};
+
+// (role, name, rank, torch, in_registry, built, applies, summary) of every kernel the library knows.
+std::vector<py::tuple> kernels() {
+  const trimul::KernelLibrary& lib = library();
+  std::vector<py::tuple> out;
+  for (int i = 0; i < lib.kernel_count; ++i) {
+    const trimul::KernelInfo& k = lib.kernels[i];
+    out.push_back(py::make_tuple(kRoleNames[static_cast<int>(k.role)], k.name, k.rank, k.torch, k.in_registry,
+                                 k.built, k.applies, k.summary));
+  }
+  return out;
+}
+
+const char* kernel_name(int index) { return library().kernels[index].name; }
+
+// ---- checks --------------------------------------------------------------------------------------
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 trimul::Dtype dtype_code(const at::Tensor& t, const char* what) {
@@ -28,44 +74,62 @@ trimul::Dtype dtype_code(const at::Tensor& t, const char* what) {
     case at::kHalf: return trimul::Dtype::f16;
     default: break;
   }
-  TORCH_CHECK_TYPE(false, "trimul_inline: ", what, " must be float32, bfloat16 or float16, got ",
-                   t.scalar_type());
+  TORCH_CHECK_TYPE(false, "trimul_inline: ", what, " must be float32, bfloat16 or float16, got ", t.scalar_type());
 }
 
-void check_launch(cudaError_t status, const char* what) {
-  TORCH_CHECK(status != cudaErrorNotSupported, "trimul_inline: ", what,
-              " does not support these sizes/dtypes on this GPU");
+const char* dtype_name(trimul::Dtype dtype) {
+  switch (dtype) {
+    case trimul::Dtype::bf16: return "bfloat16";
+    case trimul::Dtype::f16: return "float16";
+    default: return "float32";
+  }
+}
+
+at::ScalarType scalar_type(trimul::Dtype dtype) {
+  switch (dtype) {
+    case trimul::Dtype::bf16: return at::kBFloat16;
+    case trimul::Dtype::f16: return at::kHalf;
+    default: return at::kFloat;
+  }
+}
+
+void check_launch(cudaError_t status, const std::string& what, const char* message = "") {
+  TORCH_CHECK(status != cudaErrorNotSupported, "trimul_inline: ", what, " does not support these sizes/dtypes on this GPU",
+              message[0] != '\0' ? " (" : "", message, message[0] != '\0' ? ")" : "");
   C10_CUDA_CHECK(status);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// A plan that failed: a name or a chosen kernel that does not take the call is the caller's ValueError;
+// nothing of the default order taking it is NotImplementedError (the module then runs its unfused path).
+void check_plan(trimul::PlanStatus status, const char* message) {
+  TORCH_CHECK_NOT_IMPLEMENTED(status != trimul::PlanStatus::no_kernel, message);
+  TORCH_CHECK_VALUE(status == trimul::PlanStatus::ok, message);
+}
+
 void check_matrix_stack(const at::Tensor& t, const char* what) {
   TORCH_CHECK_VALUE(t.is_cuda(), "trimul_inline: ", what, " must be a CUDA tensor");
-  TORCH_CHECK_VALUE(t.dim() == 3, "trimul_inline: ", what, " must be 3-D [batch, rows, k], got ",
-                    t.dim(), "-D");
+  TORCH_CHECK_VALUE(t.dim() == 3, "trimul_inline: ", what, " must be 3-D [batch, rows, k], got ", t.dim(), "-D");
   TORCH_CHECK_VALUE(t.is_contiguous(), "trimul_inline: ", what, " must be contiguous");
 }
 
-// z[batch, i, j] = sum_k a[batch, i, k] * b[batch, j, k], written into z by the named variant.
-void contract(const std::string& variant, const at::Tensor& a, const at::Tensor& b, at::Tensor& z,
-              int64_t precision) {
+// ---- the standalone contraction -----------------------------------------------------------------
+// z[batch, i, j] = sum_k a[batch, i, k] * b[batch, j, k], written into z by the named kernel ("": the
+// default order's first that takes these operands).
+void contract(const std::string& name, const at::Tensor& a, const at::Tensor& b, at::Tensor& z, int64_t precision) {
   check_matrix_stack(a, "a");
   check_matrix_stack(b, "b");
   check_matrix_stack(z, "z");
   TORCH_CHECK_VALUE(a.device() == b.device() && a.device() == z.device(),
                     "trimul_inline: a, b and z must be on one device");
-  TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "trimul_inline: a and b dtypes differ (",
-                   a.scalar_type(), " vs ", b.scalar_type(), ")");
-  TORCH_CHECK_VALUE(a.size(0) == b.size(0) && a.size(2) == b.size(2),
-                    "trimul_inline: a ", a.sizes(), " and b ", b.sizes(), " do not share batch and k");
-  TORCH_CHECK_VALUE(z.size(0) == a.size(0) && z.size(1) == a.size(1) && z.size(2) == b.size(1),
-                    "trimul_inline: z ", z.sizes(), " must be [batch, a rows, b rows]");
+  TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "trimul_inline: a and b dtypes differ (", a.scalar_type(),
+                   " vs ", b.scalar_type(), ")");
+  TORCH_CHECK_VALUE(a.size(0) == b.size(0) && a.size(2) == b.size(2), "trimul_inline: a ", a.sizes(), " and b ",
+                    b.sizes(), " do not share batch and k");
+  TORCH_CHECK_VALUE(z.size(0) == a.size(0) && z.size(1) == a.size(1) && z.size(2) == b.size(1), "trimul_inline: z ",
+                    z.sizes(), " must be [batch, a rows, b rows]");
   TORCH_CHECK_VALUE(precision >= 0 && precision <= 2, "trimul_inline: precision code ", precision,
                     " is not 0 (highest), 1 (high) or 2 (medium)");
-  const trimul::ContractFn fn = trimul::find_contraction(variant.c_str());
-  TORCH_CHECK_VALUE(fn != nullptr, "trimul_inline: no contraction kernel named '", variant,
-                    "' in this build");
-
   const c10::cuda::CUDAGuard guard(a.device());
   // Kernels read whole 64-byte k-slabs: give them rows padded with zeros to a multiple of 32.
   const int64_t k = a.size(2), k_pad = round_up(std::max<int64_t>(k, 1), 32);
@@ -88,9 +152,13 @@ void contract(const std::string& variant, const at::Tensor& a, const at::Tensor&
   args.out = dtype_code(z, "z");
   args.precision = static_cast<trimul::Precision>(precision);
   args.stream = c10::cuda::getCurrentCUDAStream(a.device().index()).stream();
-  check_launch(fn(args), ("contraction kernel '" + variant + "'").c_str());
+  char message[1024] = "";
+  int kernel = -1;
+  check_plan(library().plan_contraction(&args, name.c_str(), &kernel, message, sizeof(message)), message);
+  check_launch(library().run_contraction(kernel, &args), std::string("contraction kernel '") + kernel_name(kernel) + "'");
 }
 
+// ---- the fused forward --------------------------------------------------------------------------
 trimul::MaskKind mask_kind(const at::Tensor& mask) {
   switch (mask.scalar_type()) {
     case at::kBool:
@@ -103,81 +171,43 @@ trimul::MaskKind mask_kind(const at::Tensor& mask) {
     default: break;
   }
   TORCH_CHECK_TYPE(false, "trimul_inline: pair_mask dtype ", mask.scalar_type(),
-                   " is not supported by the fused kernels (bool, uint8, int32, int64, float32, "
-                   "bfloat16, float16)");
+                   " is not supported by the fused kernels (bool, uint8, int32, int64, float32, bfloat16, float16)");
 }
 
-// A fused pass's pinned kernel from `variable` (nullptr when unset or empty): a name that is no
-// kernel raises rather than silently measuring the default order.
-const char* pass_pin(const char* variable) {
-  const char* pin = std::getenv(variable);
-  if (pin == nullptr || pin[0] == '\0') return nullptr;
-  const bool input = std::strcmp(variable, "TRIMUL_INPUT_PASS") == 0;
-  TORCH_CHECK_VALUE(trimul::known_pass_kernel(pin, input), "trimul_inline: ", variable, " must be ",
-                    input ? "wgmma_rs, " : "", "wgmma_rs_wide, wgmma, resident or streamed, not '", pin, "'");
-  return pin;
-}
+// What a module's call fixes besides its tensors: the kernel chosen for each role ("": the default
+// order), the compute mode (trimul::Mode), the options, the LayerNorms' eps and hidden_dim. Made once per
+// planned signature in Python.
+struct ForwardOptions {
+  std::array<std::string, trimul::kRoles> kernels;
+  int64_t mode;
+  bool incoming, gate_normalized;
+  double eps_in, eps_out;
+  int64_t hidden;
 
-// A two-valued measuring knob (README): -1 where it is unset or empty, else the index of its value in
-// {first, second}; any other value raises a ValueError that names both.
-int env_choice(const char* variable, const char* first, const char* second) {
-  const char* value = std::getenv(variable);
-  if (value == nullptr || value[0] == '\0') return -1;
-  const bool is_second = std::strcmp(value, second) == 0;
-  TORCH_CHECK_VALUE(is_second || std::strcmp(value, first) == 0, "trimul_inline: ", variable, " must be ", first,
-                    " or ", second, ", not '", value, "'");
-  return is_second ? 1 : 0;
-}
-
-trimul::Precision contraction_precision(trimul::Mode mode) {
-  switch (mode) {
-    case trimul::Mode::tf32x3: return trimul::Precision::highest;
-    case trimul::Mode::tf32: return trimul::Precision::high;
-    default: return trimul::Precision::medium;
+  std::array<const char*, trimul::kRoles> chosen() const {
+    return {kernels[0].c_str(), kernels[1].c_str(), kernels[2].c_str()};
   }
-}
+};
 
-// The whole forward: input pass -> contraction (the named variant, or "auto") -> output pass.
-// `weights` are the host-prepared tensors (see ForwardArgs): ln_in_w, ln_in_b, ln_out_w, ln_out_b,
-// w_in, b_in, w_gate, b_gate, w_out, b_out (ln_out_* are folded into w_out / b_out already and only
-// give hidden's size here), and in the "highest" mode w_in_f16x3, w_gate_f16x3, w_out_f16x3 and
-// f16x3_scales (ForwardArgs).
-// Sizes must pass fused_fits.
-at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
-                   const std::string& variant, int64_t mode_code, bool incoming, bool gate_normalized,
-                   double eps_in, double eps_out) {
+// The forward's arguments from its tensors, no buffers yet. `weights` are the host-prepared tensors
+// (trimul_inline.prepare_weights): ln_in_w, ln_in_b, w_in, b_in, w_gate, b_gate, w_out, b_out, then in
+// the 16-bit modes w_in_rows, in the fp32 modes w_in_f16x3, w_gate_f16x3, w_out_f16x3, f16x3_scales.
+trimul::ForwardArgs forward_args(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
+                                 const ForwardOptions& options) {
   TORCH_CHECK_VALUE(pair.is_cuda() && pair.dim() == 4 && pair.size(1) == pair.size(2),
                     "trimul_inline: pair must be a CUDA tensor (B, N, N, C)");
   TORCH_CHECK_VALUE(pair.stride(3) == 1, "trimul_inline: pair's channel stride must be 1");
-  TORCH_CHECK_VALUE(mask.device() == pair.device() && mask.dim() == 3 &&
-                        mask.sizes().equals(pair.sizes().slice(0, 3)),
+  TORCH_CHECK_VALUE(mask.device() == pair.device() && mask.dim() == 3 && mask.sizes().equals(pair.sizes().slice(0, 3)),
                     "trimul_inline: mask must be (B, N, N) on pair's device");
-  TORCH_CHECK_VALUE(mode_code >= 0 && mode_code <= 3, "trimul_inline: mode code ", mode_code);
-  // (the fp32 modes' wgmma passes may multiply scaled fp16: ForwardArgs::w_in_f16x3)
-  const bool f16x3_weights = static_cast<trimul::Mode>(mode_code) == trimul::Mode::tf32x3 ||
-                             static_cast<trimul::Mode>(mode_code) == trimul::Mode::tf32;
-  TORCH_CHECK_VALUE(weights.size() == (f16x3_weights ? 14u : 11u), "trimul_inline: forward takes ",
-                    f16x3_weights ? 14 : 11, " prepared weights in this mode, got ", weights.size());
+  TORCH_CHECK_VALUE(options.mode >= 0 && options.mode <= 3, "trimul_inline: mode code ", options.mode);
+  const auto mode = static_cast<trimul::Mode>(options.mode);
+  const bool fp32_mode = mode == trimul::Mode::high || mode == trimul::Mode::highest;
+  TORCH_CHECK_VALUE(weights.size() == (fp32_mode ? 12u : 9u), "trimul_inline: forward takes ", fp32_mode ? 12 : 9,
+                    " prepared weights in this mode, got ", weights.size());
   for (const auto& w : weights)
-    TORCH_CHECK_VALUE(w.device() == pair.device() && w.is_contiguous() &&
-                          reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
+    TORCH_CHECK_VALUE(w.device() == pair.device() && w.is_contiguous() && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
                       "trimul_inline: prepared weights must be contiguous, 16-byte aligned, on pair's device");
-  // "auto": wgmma_tma or wgmma (sm_90a; 16-bit or TF32 operands) or mma, or for N <= kFusedContractionMaxN the output
-  // pass contracts itself.
-  const bool fuse_contraction = variant == "auto" && pair.size(1) <= trimul::kFusedContractionMaxN;
-  std::vector<std::string> kernels{variant};
-  if (variant == "auto") {
-    kernels = {"wgmma_tma", "wgmma", "mma"};  // each declines what it does not take (3xTF32, pre-Hopper)
-  }
-  for (const auto& name : kernels)
-    TORCH_CHECK_VALUE(name == "bmm" || fuse_contraction || trimul::find_contraction(name.c_str()) != nullptr,
-                      "trimul_inline: no contraction kernel '", name, "' in this build");
-  const c10::cuda::CUDAGuard guard(pair.device());
-  const auto mode = static_cast<trimul::Mode>(mode_code);
-  const at::ScalarType op_type = weights[4].scalar_type();
-  const int64_t batch = pair.size(0), n = pair.size(1), c = pair.size(3);
-  const int64_t hidden = weights[2].size(0);
-
+  const int64_t c = pair.size(3), hidden = options.hidden;
   trimul::ForwardArgs args{};
   args.pair = pair.data_ptr();
   args.pair_dtype = dtype_code(pair, "pair");
@@ -189,173 +219,222 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   args.mask_sb = mask.stride(0);
   args.mask_sr = mask.stride(1);
   args.mask_sc = mask.stride(2);
-  args.batch = batch;
-  args.n = n;
+  args.mask_at_most_one = mask.scalar_type() == at::kBool;
+  args.batch = pair.size(0);
+  args.n = pair.size(1);
   args.c = c;
   args.h = hidden;
-  args.incoming = incoming;
-  args.gate_normalized = gate_normalized;
+  args.incoming = options.incoming;
+  args.gate_normalized = options.gate_normalized;
   args.mode = mode;
-  args.eps_in = static_cast<float>(eps_in);
-  args.eps_out = static_cast<float>(eps_out);
+  args.eps_in = static_cast<float>(options.eps_in);
+  args.eps_out = static_cast<float>(options.eps_out);
   args.ln_in_w = weights[0].data_ptr<float>();
   args.ln_in_b = weights[1].data_ptr<float>();
-  args.w_in = weights[4].data_ptr();
-  args.b_in = weights[5].data_ptr<float>();
-  args.rows_ab = weights[4].size(0) / 2;
-  args.w_gate = weights[6].data_ptr();
-  args.b_gate = weights[7].data_ptr<float>();
-  args.w_out = weights[8].data_ptr();
-  args.b_out = weights[9].data_ptr<float>();
-  args.c_pad = weights[4].size(1);
-  args.h_pad = weights[8].size(1);
+  args.w_in = weights[2].data_ptr();
+  args.b_in = weights[3].data_ptr<float>();
+  args.rows_ab = weights[2].size(0) / 2;
+  args.w_gate = weights[4].data_ptr();
+  args.b_gate = weights[5].data_ptr<float>();
+  args.w_out = weights[6].data_ptr();
+  args.b_out = weights[7].data_ptr<float>();
+  args.c_pad = weights[2].size(1);
+  args.h_pad = weights[6].size(1);
   TORCH_CHECK_VALUE(args.c_pad == round_up(c, 32) && args.h_pad == round_up(hidden, 32) &&
-                        args.rows_ab == round_up(2 * hidden, 128) && weights[6].size(1) == args.c_pad,
+                        args.rows_ab == round_up(2 * hidden, 128) && weights[4].size(1) == args.c_pad,
                     "trimul_inline: prepared weights do not match pair_dim ", c, " / hidden ", hidden);
-  if (!f16x3_weights) {
-    TORCH_CHECK_VALUE(weights[10].scalar_type() == op_type && weights[10].dim() == 2 &&
-                          weights[10].size(0) == weights[4].size(0) && weights[10].size(1) == weights[4].size(1) + 64,
+  if (!fp32_mode) {
+    TORCH_CHECK_VALUE(weights[8].scalar_type() == weights[2].scalar_type() && weights[8].dim() == 2 &&
+                          weights[8].size(0) == weights[2].size(0) && weights[8].size(1) == weights[2].size(1) + 64,
                       "trimul_inline: prepared register-row weights do not match pair_dim ", c, " / hidden ", hidden);
-    args.w_in_rows = weights[10].data_ptr();
+    args.w_in_rows = weights[8].data_ptr();
   } else {
     const auto is_f16x3 = [](const at::Tensor& w, int64_t rows, int64_t k_pad) {
       return w.scalar_type() == at::kHalf && w.dim() == 2 && w.size(0) == rows && w.size(1) == 2 * round_up(k_pad, 64);
     };
     const int64_t rows_c = round_up(c, 128);
-    TORCH_CHECK_VALUE(is_f16x3(weights[10], 2 * args.rows_ab, args.c_pad) && is_f16x3(weights[11], rows_c, args.c_pad) &&
-                          is_f16x3(weights[12], rows_c, args.h_pad) && weights[13].scalar_type() == at::kFloat &&
-                          weights[13].numel() == trimul::kF16x3Scales,
+    TORCH_CHECK_VALUE(is_f16x3(weights[8], 2 * args.rows_ab, args.c_pad) && is_f16x3(weights[9], rows_c, args.c_pad) &&
+                          is_f16x3(weights[10], rows_c, args.h_pad) && weights[11].scalar_type() == at::kFloat &&
+                          weights[11].numel() == trimul::kF16x3Scales,
                       "trimul_inline: prepared fp16x3 weights do not match pair_dim ", c, " / hidden ", hidden);
-    args.w_in_f16x3 = weights[10].data_ptr();
-    args.w_gate_f16x3 = weights[11].data_ptr();
-    args.w_out_f16x3 = weights[12].data_ptr();
-    args.f16x3_scales = weights[13].data_ptr<float>();
+    args.w_in_f16x3 = weights[8].data_ptr();
+    args.w_gate_f16x3 = weights[9].data_ptr();
+    args.w_out_f16x3 = weights[10].data_ptr();
+    args.f16x3_scales = weights[11].data_ptr<float>();
   }
-  args.ld = round_up(n, 32);
-  args.z_dtype = trimul::z_dtype_for(mode);
-  // (16-bit z rows 16-byte aligned, for the contraction's 16-byte stores)
-  args.ldz = round_up(n, args.z_dtype == trimul::Dtype::f32 ? 4 : 8);
   args.stream = c10::cuda::getCurrentCUDAStream(pair.device().index()).stream();
-  // The measuring knobs (ForwardArgs::input_pin ..), read at each forward so a running process can switch.
-  args.input_pin = pass_pin("TRIMUL_INPUT_PASS");
-  args.output_pin = pass_pin("TRIMUL_OUTPUT_PASS");
-  // (unset: on, on GPUs that have it: launch_tiles)
-  args.dependent_output_launch = env_choice("TRIMUL_PDL", "0", "1") != 0;
-  const int staging = env_choice("TRIMUL_INPUT_STAGING", "rounds", "stream");
-  args.input_staging = staging < 0    ? trimul::InputStaging::kAuto
-                       : staging == 0 ? trimul::InputStaging::kRounds
-                                      : trimul::InputStaging::kStream;
-  args.ab_store_tma = env_choice("TRIMUL_AB_STORE", "threads", "tma") != 0;
-  if (const char* plan = std::getenv("TRIMUL_INPUT_PLAN"); plan != nullptr && plan[0] != '\0')
-    TORCH_CHECK_VALUE(trimul::parse_pass_plan(plan, &args.input_plan_buffers, &args.input_plan_stages,
-                                              &args.input_plan_positions),
-                      "trimul_inline: TRIMUL_INPUT_PLAN must be 'buffers,stages' or 'buffers,stages,positions' with "
-                      "buffers 1 or 2, stages 2 to 8 and positions 64 or 128, not '", plan, "'");
-  TORCH_CHECK(trimul::input_pass_smem(args) > 0 && trimul::output_pass_smem(args) > 0,
-              "trimul_inline: pair_dim ", c, " / hidden ", hidden,
-              " do not fit the fused kernels' shared memory (check fused_fits first)");
+  return args;
+}
 
-  const auto options = pair.options();
-  const auto new_out = [&] { return at::empty_like(pair, options.memory_format(at::MemoryFormat::Contiguous)); };
-  if (batch == 0 || n == 0) return new_out();
-  // "highest" with a separate contraction on Hopper: the input pass splits each operand into its
-  // TF32 part and remainder (twice the planes), so wgmma_tma runs 3xTF32 as three TF32 GEMMs.
-  const bool split = mode == trimul::Mode::tf32x3 && !fuse_contraction &&
-                     (variant == "auto" || variant == "wgmma_tma") && trimul::wgmma_tma_available();
-  // "high" as scaled fp16 in the wgmma passes and the contraction (NOTES v14: high geomean 1742 -> 1196 µs
-  // on an H200); TRIMUL_HIGH_ARITH=tf32 keeps the native TF32 kernels, for comparing the two.
-  if (mode == trimul::Mode::tf32) {
-    const char* high_arith = std::getenv("TRIMUL_HIGH_ARITH");
-    const bool f16 = high_arith == nullptr || std::strcmp(high_arith, "f16") == 0;
-    TORCH_CHECK_VALUE(f16 || std::strcmp(high_arith, "tf32") == 0,
-                      "trimul_inline: TRIMUL_HIGH_ARITH must be f16 or tf32, not '", high_arith, "'");
-    args.high_f16 = f16 && trimul::wgmma_tma_available();
+// A call's arguments and plan: which kernel takes each role, and the buffers they need.
+struct Planned {
+  trimul::ForwardArgs args;
+  trimul::ForwardPlan plan;
+};
+
+Planned plan_call(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
+                  const ForwardOptions& options) {
+  Planned planned{forward_args(pair, mask, weights, options), {}};
+  char message[1024] = "";
+  const auto chosen = options.chosen();
+  check_plan(library().plan_forward(&planned.args, chosen.data(), &planned.plan, message, sizeof(message)), message);
+  return planned;
+}
+
+std::vector<int64_t> ab_shape(const Planned& p) { return {2, p.plan.ab_planes, p.args.n, p.args.ld}; }
+std::vector<int64_t> z_shape(const Planned& p) { return {p.args.batch * p.args.h, p.args.n, p.args.ldz}; }
+
+void check_buffer(const at::Tensor& t, const std::vector<int64_t>& shape, at::ScalarType dtype, const at::Tensor& pair,
+                  const char* what) {
+  TORCH_CHECK_VALUE(t.device() == pair.device() && t.is_contiguous() && t.scalar_type() == dtype &&
+                        t.sizes().equals(shape),
+                    "trimul_inline: ", what, " must be a contiguous ", dtype, " tensor of shape ", at::IntArrayRef(shape),
+                    " on pair's device (forward_plan says), got ", t.scalar_type(), " ", t.sizes());
+}
+
+// The steps, each on the caller's buffers (forward_plan gives their shapes and dtypes): the input pass
+// writes ab ([2, planes, N, ld]: a_t, then b_t), the contraction z from ab, the output pass `out` from z
+// (or from ab where the output pass contracts: plan "z_shape" None).
+void set_ab(Planned& p, const at::Tensor& ab) {
+  p.args.a_t = ab.data_ptr();
+  p.args.b_t = static_cast<char*>(ab.data_ptr()) + ab.stride(0) * ab.element_size();
+}
+
+void run(const Planned& p, trimul::Role role) {
+  char message[512] = "";
+  const cudaError_t status = library().run_step(role, &p.plan, &p.args, message, sizeof(message));
+  check_launch(status, std::string("the ") + kRoleNames[static_cast<int>(role)] + " kernel '" +
+                           kernel_name(p.plan.kernels[static_cast<int>(role)]) + "'",
+               message);
+}
+
+void run_input(Planned& p, const at::Tensor& ab) {
+  set_ab(p, ab);
+  run(p, trimul::Role::input);
+}
+
+void run_contraction(Planned& p, const at::Tensor& ab, const at::Tensor& z) {
+  if (!p.plan.z_buffer) return;
+  set_ab(p, ab);
+  if (p.plan.torch_contraction) {  // cuBLAS on the same buffers, a baseline
+    const at::Tensor product = at::bmm(ab[0], ab[1].transpose(1, 2)).to(z.scalar_type());
+    z.narrow(2, 0, p.args.n).copy_(product);
+    return;
   }
-  // The contraction's operands as fp16 (split: parts and remainders; half the bytes of TF32 ones,
-  // twice the tensor-core rate) where the scale from the parameters bounds them: a mask of at most 1
-  // (bool); other masks keep TF32 operands. Only wgmma_tma scales the products back.
-  args.ab_f16 = (split || (args.high_f16 && !fuse_contraction && (variant == "auto" || variant == "wgmma_tma"))) &&
-                mask.scalar_type() == at::kBool;
-  if (split || args.ab_f16) kernels = {"wgmma_tma"};
-  const at::ScalarType ab_type = args.ab_f16 ? at::kHalf : op_type;
-  // a_t and b_t [B*H, N, ld] each (split: [2, B*H, N, ld]), filled by the input pass: one allocation
-  // [2, planes, N, ld] (a small forward's host time is mostly per-call work like each at::empty).
-  const auto input_pass = [&] {
-    const int64_t planes = (split ? 2 : 1) * batch * hidden;
-    at::Tensor ab = at::empty({2, planes, n, args.ld}, options.dtype(ab_type));
-    args.a_t = ab.data_ptr();
-    args.b_t = static_cast<char*>(ab.data_ptr()) + planes * n * args.ld * ab.element_size();
-    args.small_offset = split ? batch * hidden * n * args.ld : 0;
-    check_launch(trimul::launch_input_pass(args), "the input pass");
-    return ab;
-  };
-  if (fuse_contraction) {
-    const auto ab = input_pass();
-    at::Tensor out = new_out();
-    args.z = nullptr;
-    args.out = out.data_ptr();
-    check_launch(trimul::launch_output_pass(args), "the output pass");
+  p.args.z = z.data_ptr();
+  run(p, trimul::Role::contract);
+}
+
+void run_output(Planned& p, const at::Tensor& ab, const c10::optional<at::Tensor>& z, const at::Tensor& out) {
+  p.args.z = p.plan.z_buffer ? z->data_ptr() : nullptr;
+  if (!p.plan.z_buffer) set_ab(p, ab);
+  p.args.out = out.data_ptr();
+  run(p, trimul::Role::output);
+}
+
+at::Tensor new_out(const at::Tensor& pair) {
+  return at::empty_like(pair, pair.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+// The whole forward in one call: input pass -> contraction -> output pass.
+at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
+                   const ForwardOptions& options) {
+  const c10::cuda::CUDAGuard guard(pair.device());
+  Planned p = plan_call(pair, mask, weights, options);
+  if (p.args.batch == 0 || p.args.n == 0) return new_out(pair);
+  const auto options_for = [&](trimul::Dtype dtype) { return pair.options().dtype(scalar_type(dtype)); };
+  // a_t and b_t in one allocation (a small forward's host time is mostly per-call work like each at::empty)
+  at::Tensor ab = at::empty(ab_shape(p), options_for(p.plan.ab_dtype));
+  run_input(p, ab);
+  if (!p.plan.z_buffer) {
+    at::Tensor out = new_out(pair);
+    run_output(p, ab, c10::nullopt, out);
     return out;
   }
-  at::Tensor z = at::empty({batch * hidden, n, args.ldz},
-                           options.dtype(args.z_dtype == trimul::Dtype::bf16 ? at::kBFloat16 : at::kFloat));
-  {
-    const auto ab = input_pass();
-    if (variant == "bmm") {  // cuBLAS on the same buffers, a baseline
-      at::Tensor product = at::bmm(ab[0], ab[1].transpose(1, 2)).to(z.scalar_type());
-      z.narrow(2, 0, n).copy_(product);
-    } else {
-      trimul::ContractArgs contract{};
-      contract.a = args.a_t;
-      contract.b = args.b_t;
-      contract.z = z.data_ptr();
-      contract.batch = batch * hidden;
-      contract.m = n;
-      contract.n = n;
-      contract.k = n;
-      contract.lda = args.ld;
-      contract.ldz = args.ldz;
-      contract.operand = dtype_code(ab, "a_t");
-      contract.out = args.z_dtype;
-      contract.precision = contraction_precision(mode);
-      contract.tf32_rounded = mode == trimul::Mode::tf32;
-      contract.split = split;
-      contract.z_scale = args.ab_f16 ? args.f16x3_scales + trimul::kZDown : nullptr;
-      contract.stream = args.stream;
-      // The first kernel that takes these operands on this GPU (auto lists the fastest first).
-      cudaError_t status = cudaErrorNotSupported;
-      std::string used = kernels.back();
-      for (const auto& name : kernels) {
-        status = trimul::find_contraction(name.c_str())(contract);
-        used = name;
-        if (status != cudaErrorNotSupported) break;
-      }
-      check_launch(status, ("contraction kernel '" + used + "'").c_str());
-    }
-  }  // a_t and b_t go back to the allocator, so `out` can reuse their memory (peak: z + max(a+b, out))
-  at::Tensor out = new_out();
-  args.z = z.data_ptr();
-  args.out = out.data_ptr();
-  check_launch(trimul::launch_output_pass(args), "the output pass");
+  at::Tensor z = at::empty(z_shape(p), options_for(p.args.z_dtype));
+  run_contraction(p, ab, z);
+  ab.reset();  // back to the allocator, so `out` can reuse its memory (peak: z + max(a+b, out))
+  at::Tensor out = new_out(pair);
+  run_output(p, at::Tensor(), z, out);
   return out;
 }
 
-// Whether the fused passes take this pair_dim / hidden_dim in this mode on the current GPU.
-bool fused_fits(int64_t c, int64_t hidden, int64_t mode_code) {
-  TORCH_CHECK_VALUE(mode_code >= 0 && mode_code <= 3, "trimul_inline: mode code ", mode_code);
-  trimul::ForwardArgs args{};
-  args.c = c;
-  args.h = hidden;
-  args.c_pad = round_up(c, 32);
-  args.h_pad = round_up(hidden, 32);
-  args.mode = static_cast<trimul::Mode>(mode_code);
-  return trimul::input_pass_smem(args) > 0 && trimul::output_pass_smem(args) > 0;
+// The plan of a call: each role's kernel and the buffers the steps take (dtypes by torch name).
+py::dict forward_plan(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
+                      const ForwardOptions& options) {
+  const c10::cuda::CUDAGuard guard(pair.device());
+  const Planned p = plan_call(pair, mask, weights, options);
+  py::dict d;
+  for (int r = 0; r < trimul::kRoles; ++r) d[kRoleNames[r]] = kernel_name(p.plan.kernels[r]);
+  d["ab_shape"] = ab_shape(p);
+  d["ab_dtype"] = dtype_name(p.plan.ab_dtype);
+  if (p.plan.z_buffer) {
+    d["z_shape"] = z_shape(p);
+    d["z_dtype"] = dtype_name(p.args.z_dtype);
+  } else {
+    d["z_shape"] = py::none();
+    d["z_dtype"] = py::none();
+  }
+  return d;
+}
+
+Planned plan_step(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
+                  const ForwardOptions& options, const at::Tensor& ab) {
+  Planned p = plan_call(pair, mask, weights, options);
+  check_buffer(ab, ab_shape(p), scalar_type(p.plan.ab_dtype), pair, "ab");
+  return p;
+}
+
+void input_pass(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
+                const ForwardOptions& options, const at::Tensor& ab) {
+  const c10::cuda::CUDAGuard guard(pair.device());
+  Planned p = plan_step(pair, mask, weights, options, ab);
+  if (p.args.batch > 0 && p.args.n > 0) run_input(p, ab);
+}
+
+void contraction(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
+                 const ForwardOptions& options, const at::Tensor& ab, const c10::optional<at::Tensor>& z) {
+  const c10::cuda::CUDAGuard guard(pair.device());
+  Planned p = plan_step(pair, mask, weights, options, ab);
+  if (!p.plan.z_buffer) {
+    TORCH_CHECK_VALUE(!z.has_value(), "trimul_inline: this plan has no z buffer (the output pass contracts)");
+    return;
+  }
+  TORCH_CHECK_VALUE(z.has_value(), "trimul_inline: this plan needs a z buffer");
+  check_buffer(*z, z_shape(p), scalar_type(p.args.z_dtype), pair, "z");
+  if (p.args.batch > 0 && p.args.n > 0) run_contraction(p, ab, *z);
+}
+
+void output_pass(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
+                 const ForwardOptions& options, const c10::optional<at::Tensor>& ab, const c10::optional<at::Tensor>& z,
+                 const at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(pair.device());
+  Planned p = plan_call(pair, mask, weights, options);
+  TORCH_CHECK_VALUE(out.device() == pair.device() && out.is_contiguous() && out.scalar_type() == pair.scalar_type() &&
+                        out.sizes().equals(pair.sizes()),
+                    "trimul_inline: out must be a contiguous tensor of pair's shape and dtype on its device");
+  if (p.plan.z_buffer) {
+    TORCH_CHECK_VALUE(z.has_value(), "trimul_inline: this plan's output pass reads z");
+    check_buffer(*z, z_shape(p), scalar_type(p.args.z_dtype), pair, "z");
+  } else {
+    TORCH_CHECK_VALUE(ab.has_value(), "trimul_inline: this plan's output pass contracts: it reads ab");
+    check_buffer(*ab, ab_shape(p), scalar_type(p.plan.ab_dtype), pair, "ab");
+  }
+  if (p.args.batch > 0 && p.args.n > 0) run_output(p, ab.value_or(at::Tensor()), z, out);
+}
+
+// Whether the fused passes take pair_dim / hidden in this mode for pairs of this dtype (trimul::Dtype code)
+// on the current GPU.
+bool fused_takes(int64_t c, int64_t hidden, int64_t mode, int64_t pair_dtype) {
+  TORCH_CHECK_VALUE(mode >= 0 && mode <= 3 && pair_dtype >= 0 && pair_dtype <= 2, "trimul_inline: mode ", mode,
+                    " / dtype code ", pair_dtype);
+  return library().fused_takes(c, hidden, static_cast<trimul::Mode>(mode), static_cast<trimul::Dtype>(pair_dtype));
 }
 
 // A checked eager call's decisions, kept so the next no-grad call with the same signature goes from
 // Python straight to forward(): the Python around a small forward (its signature, the parameters'
-// freshness, module.__call__) cost more than the GPU work at the seed shapes (NOTES v19). run()
-// returns None, and the caller takes its full path, unless all of these still hold:
+// freshness, module.__call__) costs more than the GPU work at the seed shapes. run() returns None, and
+// the caller takes its full path, unless all of these still hold:
 // - the signature: pair's and mask's sizes, dtypes and devices, pair's channel stride, the resolved
 //   float32 matmul precision (passed in), grad mode and CUDA autocast off;
 // - the same objects under each (dict, key) of `entries` (the module's submodules, their parameters)
@@ -365,8 +444,7 @@ bool fused_fits(int64_t c, int64_t hidden, int64_t mode_code) {
 class PlannedForward {
  public:
   PlannedForward(py::list entries, py::list attributes, std::vector<at::Tensor> params, const at::Tensor& pair,
-                 const at::Tensor& mask, py::str precision, std::vector<at::Tensor> weights, std::string variant,
-                 int64_t mode_code, bool incoming, bool gate_normalized, double eps_in, double eps_out)
+                 const at::Tensor& mask, py::str precision, std::vector<at::Tensor> weights, ForwardOptions options)
       : params_(std::move(params)),
         pair_sizes_(pair.sizes().vec()),
         mask_sizes_(mask.sizes().vec()),
@@ -376,12 +454,7 @@ class PlannedForward {
         pair_channel_stride_(pair.stride(-1)),
         precision_(std::move(precision)),
         weights_(std::move(weights)),
-        variant_(std::move(variant)),
-        mode_code_(mode_code),
-        incoming_(incoming),
-        gate_normalized_(gate_normalized),
-        eps_in_(eps_in),
-        eps_out_(eps_out) {
+        options_(std::move(options)) {
     // (raw pointers into tuples that held_ keeps alive: the per-call checks skip pybind's accessors)
     for (const auto& entry : entries) {
       const auto t = entry.cast<py::tuple>();
@@ -431,8 +504,7 @@ class PlannedForward {
 
   py::object run(py::handle module, py::handle pair, py::handle mask, py::handle precision) const {
     if (!matches(module, pair, mask, precision)) return py::none();
-    return py::cast(forward(THPVariable_Unpack(pair.ptr()), THPVariable_Unpack(mask.ptr()), weights_, variant_,
-                            mode_code_, incoming_, gate_normalized_, eps_in_, eps_out_));
+    return py::cast(forward(THPVariable_Unpack(pair.ptr()), THPVariable_Unpack(mask.ptr()), weights_, options_));
   }
 
  private:
@@ -451,28 +523,31 @@ class PlannedForward {
   int64_t pair_channel_stride_;
   py::str precision_;
   std::vector<at::Tensor> weights_;
-  std::string variant_;
-  int64_t mode_code_;
-  bool incoming_, gate_normalized_;
-  double eps_in_, eps_out_;
+  ForwardOptions options_;
 };
-
-std::vector<std::string> contraction_variants() {
-  const char* names[64];
-  const int count = trimul::list_contractions(names, 64);
-  return std::vector<std::string>(names, names + (count < 64 ? count : 64));
-}
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("contract", &contract, "z = a @ b^T per batch, by the named kernel variant (writes z)");
-  m.def("fused_fits", &fused_fits, "whether the fused passes take these sizes in this mode");
+  m.def("attach_kernels", &attach_kernels, "load a kernel library (kernels/*.cu) and use it from now on");
+  m.def("kernels", &kernels, "(role, name, rank, torch, in_registry, built, applies, summary) of every kernel");
+  m.def("contract", &contract, "z = a @ b^T per batch, by the named contraction kernel ('': the default order)");
+  py::class_<ForwardOptions>(m, "ForwardOptions", "a module's choices for the fused forward")
+      .def(py::init([](std::array<std::string, trimul::kRoles> kernels, int64_t mode, bool incoming,
+                       bool gate_normalized, double eps_in, double eps_out, int64_t hidden) {
+             return ForwardOptions{std::move(kernels), mode, incoming, gate_normalized, eps_in, eps_out, hidden};
+           }),
+           py::arg("kernels"), py::arg("mode"), py::arg("incoming"), py::arg("gate_normalized"), py::arg("eps_in"),
+           py::arg("eps_out"), py::arg("hidden"));
   m.def("forward", &forward, "the fused forward: input pass, contraction, output pass");
-  m.def("contraction_variants", &contraction_variants, "names of the contraction kernels built in");
+  m.def("forward_plan", &forward_plan, "each role's kernel and the buffers of the steps, for a call");
+  m.def("input_pass", &input_pass, "the input pass into ab");
+  m.def("contraction", &contraction, "the contraction of ab into z (nothing where the output pass contracts)");
+  m.def("output_pass", &output_pass, "the output pass from z (or ab) into out");
+  m.def("fused_takes", &fused_takes, "whether the fused passes take these sizes in this mode");
   py::class_<PlannedForward>(m, "PlannedForward", "a checked eager call's decisions (ModelNew._fast)")
       .def(py::init<py::list, py::list, std::vector<at::Tensor>, const at::Tensor&, const at::Tensor&, py::str,
-                    std::vector<at::Tensor>, std::string, int64_t, bool, bool, double, double>())
+                    std::vector<at::Tensor>, ForwardOptions>())
       .def("matches", &PlannedForward::matches, "whether run() would take this call")
       .def("run", &PlannedForward::run, "forward() for a call that matches, else None");
 }

@@ -1,8 +1,8 @@
-// common.cuh — device helpers shared by every kernel file, and the variant table behind
-// TRIMUL_REGISTER_CONTRACTION. All kernels/*.cu files are compiled as one translation unit, so
-// each kernel file keeps its own helpers in its own namespace.
+// common.cuh — what every kernel file shares: the registration macros (registry.cuh), dtype
+// dispatch, conversions and the device's limits. Each kernels/*.cu is its own translation unit:
+// whatever a header defines is inline or a template.
 #pragma once
-#include "api.cuh"
+#include "registry.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -12,44 +12,6 @@
 #include <utility>
 
 namespace trimul {
-
-// ---- the variant table ----------------------------------------------------------------------
-struct ContractEntry {
-  const char* name;
-  ContractFn fn;
-};
-constexpr int kMaxContractions = 64;
-
-// Construct-on-first-use: registrations run from static initialisers in file order.
-inline ContractEntry* contraction_table(int** count) {
-  static ContractEntry table[kMaxContractions];
-  static int registered = 0;
-  *count = &registered;
-  return table;
-}
-
-bool register_contraction(const char* name, ContractFn fn) {
-  int* count;
-  ContractEntry* table = contraction_table(&count);
-  if (*count >= kMaxContractions) return false;
-  table[(*count)++] = ContractEntry{name, fn};
-  return true;
-}
-
-ContractFn find_contraction(const char* name) {
-  int* count;
-  ContractEntry* table = contraction_table(&count);
-  for (int i = 0; i < *count; ++i)
-    if (std::strcmp(table[i].name, name) == 0) return table[i].fn;
-  return nullptr;
-}
-
-int list_contractions(const char** names, int capacity) {
-  int* count;
-  ContractEntry* table = contraction_table(&count);
-  for (int i = 0; i < *count && i < capacity; ++i) names[i] = table[i].name;
-  return *count;
-}
 
 // ---- dtype plumbing ---------------------------------------------------------------------------
 template <typename T>
@@ -96,6 +58,26 @@ template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
 
 __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Device limits, read once per device (a small forward must not pay driver queries each call).
+inline int64_t device_attribute(cudaDeviceAttr attr, int slot) {
+  constexpr int kMaxDevices = 64;
+  static int64_t cache[5][kMaxDevices] = {};
+  int device = 0, value = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
+  if (cache[slot][device] == 0 && cudaDeviceGetAttribute(&value, attr, device) == cudaSuccess)
+    cache[slot][device] = int64_t(value) + 1;  // (+ 1: a cached 0 stays distinct from "not read yet")
+  return cache[slot][device] > 0 ? cache[slot][device] - 1 : 0;
+}
+inline int64_t max_smem_optin() { return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 0); }
+inline int64_t max_smem_per_sm() { return device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, 1); }
+inline int64_t sm_count() { return device_attribute(cudaDevAttrMultiProcessorCount, 2); }
+// (programmatic dependent launch: compute capability 9.0 and later)
+inline int64_t compute_capability_major() { return device_attribute(cudaDevAttrComputeCapabilityMajor, 3); }
+// major * 10 + minor, e.g. 90 on Hopper
+inline int64_t compute_capability() {
+  return 10 * compute_capability_major() + device_attribute(cudaDevAttrComputeCapabilityMinor, 4);
+}
 
 // gridDim.y is capped at 65535; kernels loop over the batch with this stride.
 inline unsigned batch_grid(int64_t batch) { return static_cast<unsigned>(batch < 65535 ? batch : 65535); }

@@ -79,19 +79,25 @@ cudaError_t launch_mode(const ContractArgs& args) {
       args, Tile::kThreads, kSmemBytes);
 }
 
-cudaError_t launch(const ContractArgs& args) {
-  if (args.batch == 0 || args.m == 0 || args.n == 0) return cudaSuccess;
+// mma.sync's bf16 and TF32 shapes: compute capability 8.0 and later; operands stored whole (no split or
+// scaled fp16 ones); whole 64-byte slabs are read, so rows are padded (see ContractArgs).
+bool applies(const ContractArgs& args) {
   const int64_t esize = args.operand == Dtype::f32 ? 4 : 2;
-  // Whole 64-byte slabs are read: rows must be 16-byte aligned and padded (see ContractArgs).
-  if ((args.lda * esize) % kSlabBytes != 0 || args.lda < args.k) return cudaErrorNotSupported;
+  return compute_capability() >= 80 && !args.split && args.z_scale == nullptr &&
+         (args.lda * esize) % kSlabBytes == 0 && args.lda >= args.k;
+}
+
+cudaError_t launch(const ContractArgs& args) {
+  if (!applies(args)) return cudaErrorNotSupported;
+  if (args.batch == 0 || args.m == 0 || args.n == 0) return cudaSuccess;
   return dispatch_out(args.out, [&](auto out_tag) -> cudaError_t {
     using TOut = typename decltype(out_tag)::type;
     switch (args.operand) {
       case Dtype::bf16: return launch_mode<Mode::bf16, TOut>(args);
       case Dtype::f16: return launch_mode<Mode::f16, TOut>(args);
       case Dtype::f32:
-        if (args.precision == Precision::highest) return launch_mode<Mode::tf32x3, TOut>(args);
-        return args.tf32_rounded ? launch_mode<Mode::tf32, TOut, true>(args) : launch_mode<Mode::tf32, TOut>(args);
+        if (args.precision == Precision::highest) return launch_mode<Mode::highest, TOut>(args);
+        return args.tf32_rounded ? launch_mode<Mode::high, TOut, true>(args) : launch_mode<Mode::high, TOut>(args);
     }
     return cudaErrorInvalidValue;
   });
@@ -100,4 +106,4 @@ cudaError_t launch(const ContractArgs& args) {
 }  // namespace contract_mma
 }  // namespace trimul
 
-TRIMUL_REGISTER_CONTRACTION(mma, trimul::contract_mma::launch);
+TRIMUL_REGISTER_CONTRACTION(mma, trimul::contract_mma::applies, trimul::contract_mma::launch);

@@ -22,6 +22,9 @@ __global__ void contract_kernel(const T* __restrict__ a, const T* __restrict__ b
   }
 }
 
+// Any operands stored whole (no split or scaled fp16 ones, which only wgmma_tma takes).
+bool applies(const ContractArgs& args) { return !args.split && args.z_scale == nullptr; }
+
 cudaError_t launch(const ContractArgs& args) {
   return dispatch_dtypes(args.operand, args.out, [&](auto op_tag, auto out_tag) {
     using T = typename decltype(op_tag)::type;
@@ -40,4 +43,4 @@ cudaError_t launch(const ContractArgs& args) {
 }  // namespace naive
 }  // namespace trimul
 
-TRIMUL_REGISTER_CONTRACTION(naive, trimul::naive::launch);
+TRIMUL_REGISTER_CONTRACTION(naive, trimul::naive::applies, trimul::naive::launch);

@@ -72,6 +72,9 @@ contract_kernel(const T* __restrict__ a, const T* __restrict__ b, TOut* __restri
   }
 }
 
+// Any operands stored whole (no split or scaled fp16 ones, which only wgmma_tma takes).
+bool applies(const ContractArgs& args) { return !args.split && args.z_scale == nullptr; }
+
 cudaError_t launch(const ContractArgs& args) {
   return dispatch_dtypes(args.operand, args.out, [&](auto op_tag, auto out_tag) {
     using T = typename decltype(op_tag)::type;
@@ -89,4 +92,4 @@ cudaError_t launch(const ContractArgs& args) {
 }  // namespace tiled
 }  // namespace trimul
 
-TRIMUL_REGISTER_CONTRACTION(tiled, trimul::tiled::launch);
+TRIMUL_REGISTER_CONTRACTION(tiled, trimul::tiled::applies, trimul::tiled::launch);

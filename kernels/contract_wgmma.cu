@@ -86,14 +86,18 @@ cudaError_t launch_types(const ContractArgs& args) {
   return fused::launch_contraction<contract_kernel<Op, TOut>, Op, TOut, BM, BN>(args, kThreads, kSmemBytes);
 }
 
-// fp32 operands only as TF32 values already (the fused input pass rounds them; the tensor cores
-// would truncate raw fp32) and only where TF32 is allowed.
-cudaError_t launch(const ContractArgs& args) {
+// sm_90a on Hopper; fp32 operands only as TF32 values already (the fused input pass rounds them; the
+// tensor cores would truncate raw fp32) and only where TF32 is allowed; no split or scaled operands;
+// rows are read up to their padded length.
+bool applies(const ContractArgs& args) {
   const bool tf32 = args.operand == Dtype::f32;
-  if (!sm90a_ready() || (tf32 && (!args.tf32_rounded || args.precision == Precision::highest)))
-    return cudaErrorNotSupported;
+  return sm90a_ready() && !(tf32 && (!args.tf32_rounded || args.precision == Precision::highest)) && !args.split &&
+         args.z_scale == nullptr && args.lda >= args.k;
+}
+
+cudaError_t launch(const ContractArgs& args) {
+  if (!applies(args)) return cudaErrorNotSupported;
   if (args.batch == 0 || args.m == 0 || args.n == 0) return cudaSuccess;
-  if (args.lda < args.k) return cudaErrorNotSupported;  // rows are read up to their padded length
   return dispatch_dtypes(args.operand, args.out, [&](auto op_tag, auto out_tag) {
     return launch_types<typename decltype(op_tag)::type, typename decltype(out_tag)::type>(args);
   });
@@ -102,4 +106,4 @@ cudaError_t launch(const ContractArgs& args) {
 }  // namespace contract_wgmma
 }  // namespace trimul
 
-TRIMUL_REGISTER_CONTRACTION(wgmma, trimul::contract_wgmma::launch);
+TRIMUL_REGISTER_CONTRACTION(wgmma, trimul::contract_wgmma::applies, trimul::contract_wgmma::launch);

@@ -117,6 +117,8 @@ cudaError_t launch_kernel(const ContractArgs& args, const CUtensorMap& map_a, co
                                                                         sizeof(TOut) == 2 ? kSmemBytes16 : kSmemBytes);
 }
 
+bool applies(const ContractArgs& args) { return takes_tma_contraction(args); }
+
 cudaError_t launch(const ContractArgs& args) {
   return launch_tma_contraction<BM, BN>(args, [&](auto op_tag, auto out_tag, auto scaled, const CUtensorMap& map_a,
                                                    const CUtensorMap& map_b) {
@@ -127,8 +129,7 @@ cudaError_t launch(const ContractArgs& args) {
 
 }  // namespace contract_wgmma_tma
 
-bool wgmma_tma_available() { return tma::tensor_map_encoder() != nullptr; }
 
 }  // namespace trimul
 
-TRIMUL_REGISTER_CONTRACTION(wgmma_tma, trimul::contract_wgmma_tma::launch);
+TRIMUL_REGISTER_CONTRACTION(wgmma_tma, trimul::contract_wgmma_tma::applies, trimul::contract_wgmma_tma::launch);

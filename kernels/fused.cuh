@@ -518,22 +518,6 @@ __device__ void stage_rows(bool vectorized, uint32_t* a_res, int a_stride, const
                                eps, warp);
 }
 
-// Device limits, read once per device (a small forward must not pay driver queries each call).
-inline int64_t device_attribute(cudaDeviceAttr attr, int slot) {
-  constexpr int kMaxDevices = 64;
-  static int64_t cache[4][kMaxDevices] = {};
-  int device = 0, value = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return 0;
-  if (cache[slot][device] == 0 && cudaDeviceGetAttribute(&value, attr, device) == cudaSuccess)
-    cache[slot][device] = value;
-  return cache[slot][device];
-}
-inline int64_t max_smem_optin() { return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 0); }
-inline int64_t max_smem_per_sm() { return device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, 1); }
-inline int64_t sm_count() { return device_attribute(cudaDevAttrMultiProcessorCount, 2); }
-// (programmatic dependent launch: compute capability 9.0 and later)
-inline int64_t compute_capability_major() { return device_attribute(cudaDevAttrComputeCapabilityMajor, 3); }
-
 // `bytes` if a persistent pass (one block per SM working through tiles) has at least `slots_per_sm`
 // tiles for every SM and its shared memory fits; else 0. Smaller problems run faster as a
 // streamed kernel's many small blocks (each persistent block first loads its weights).
@@ -554,23 +538,25 @@ inline std::pair<bool, int64_t> choose_tiling(int64_t wide_bytes, int64_t narrow
   return {false, 0};
 }
 
-// Calls f(mode tag, pair type tag) for the (mode, pair dtype) pairs a fused pass takes: fp32
-// pairs in any mode, bf16/fp16 pairs only in their own mode; cudaErrorNotSupported otherwise.
-template <typename F>
-cudaError_t dispatch_pass(const ForwardArgs& args, F&& f) {
-  return dispatch_mode(args.mode, [&](auto mode) -> cudaError_t {
+// f(mode tag, pair type tag) for the (mode, pair dtype) pairs a fused pass takes: fp32 pairs in any
+// mode, bf16/fp16 pairs only in their own mode; `otherwise` for the rest.
+template <typename R, typename F>
+R dispatch_pass(const ForwardArgs& args, R otherwise, F&& f) {
+  R result = otherwise;
+  dispatch_mode(args.mode, [&](auto mode) -> cudaError_t {
     constexpr Mode M = decltype(mode)::value;
     switch (args.pair_dtype) {
-      case Dtype::f32: return f(mode, TypeTag<float>{});
+      case Dtype::f32: result = f(mode, TypeTag<float>{}); break;
       case Dtype::bf16:
-        if constexpr (M == Mode::bf16) return f(mode, TypeTag<__nv_bfloat16>{});
+        if constexpr (M == Mode::bf16) result = f(mode, TypeTag<__nv_bfloat16>{});
         break;
       case Dtype::f16:
-        if constexpr (M == Mode::f16) return f(mode, TypeTag<__half>{});
+        if constexpr (M == Mode::f16) result = f(mode, TypeTag<__half>{});
         break;
     }
-    return cudaErrorNotSupported;
+    return cudaSuccess;
   });
+  return result;
 }
 
 // Raises a kernel's dynamic shared memory limit once per device and size. The kernel is a
@@ -586,12 +572,6 @@ cudaError_t allow_smem(int64_t bytes) {
   status = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (status == cudaSuccess && device < kMaxDevices) allowed[device] = bytes;
   return status;
-}
-
-// Whether kernel `name` may take the pass: nothing pinned (ForwardArgs::input_pin / output_pin), or
-// this one.
-inline bool pin_allows(const char* pinned, const char* name) {
-  return pinned == nullptr || std::strcmp(pinned, name) == 0;
 }
 
 // In an input-pass kernel, first thing: its programmatic dependent (the output pass with the in-pass
@@ -639,22 +619,11 @@ cudaError_t launch_tiles(const ForwardArgs& args, int64_t positions, int64_t sme
 }
 
 // Launches the tiling a pass's choose_tiling picked ({wide?, bytes}; bytes 0: none fits).
-template <auto WideKernel, class Wide, auto NarrowKernel, class Narrow>
+template <auto Kernel128, class Tiles128, auto Kernel64, class Tiles64>
 cudaError_t launch_chosen(const ForwardArgs& args, std::pair<bool, int64_t> choice, int64_t positions) {
   if (choice.second == 0) return cudaErrorNotSupported;
-  return choice.first ? launch_tiles<WideKernel, Wide>(args, positions, choice.second)
-                      : launch_tiles<NarrowKernel, Narrow>(args, positions, choice.second);
-}
-
-// The shared memory `choose(mode tag)` picks for args.mode (0: none fits).
-template <typename Choose>
-int64_t chosen_bytes(const ForwardArgs& args, Choose&& choose) {
-  int64_t bytes = 0;
-  dispatch_mode(args.mode, [&](auto mode) {
-    bytes = choose(mode).second;
-    return cudaSuccess;
-  });
-  return bytes;
+  return choice.first ? launch_tiles<Kernel128, Tiles128>(args, positions, choice.second)
+                      : launch_tiles<Kernel64, Tiles64>(args, positions, choice.second);
 }
 
 // Rows [0, rows) of row_bytes each (a multiple of 16, also the source pitch) from src row
@@ -698,3 +667,21 @@ cudaError_t launch_contraction(const ContractArgs& args, int threads, int64_t sm
 
 }  // namespace fused
 }  // namespace trimul
+
+// Registers pass kernel NAME of ROLE (input or output) whose namespace NS defines, for each mode M and
+// pair type TIn, applicable<M, TIn>(const ForwardArgs&) -> bool and launch<M, TIn>(const ForwardArgs&)
+// -> cudaError_t (registry.cuh: Implementation).
+#define TRIMUL_REGISTER_PASS(ROLE, NAME, NS)                                                               \
+  static const bool trimul_registered_##ROLE##_##NAME = ::trimul::register_implementation(               \
+      {::trimul::Role::ROLE, #NAME,                                                                        \
+       [](const ::trimul::ForwardArgs& args) {                                                             \
+         return ::trimul::fused::dispatch_pass(args, false, [&](auto mode, auto pair) {                    \
+           return NS::applicable<decltype(mode)::value, typename decltype(pair)::type>(args);              \
+         });                                                                                               \
+       },                                                                                                  \
+       [](const ::trimul::ForwardArgs& args) {                                                             \
+         return ::trimul::fused::dispatch_pass(args, cudaErrorNotSupported, [&](auto mode, auto pair) {    \
+           return NS::launch<decltype(mode)::value, typename decltype(pair)::type>(args);                  \
+         });                                                                                               \
+       },                                                                                                  \
+       nullptr, nullptr, false})

@@ -17,9 +17,9 @@ struct Operand<Mode::bf16> { using type = __nv_bfloat16; };
 template <>
 struct Operand<Mode::f16> { using type = __half; };
 template <>
-struct Operand<Mode::tf32> { using type = float; };
+struct Operand<Mode::high> { using type = float; };
 template <>
-struct Operand<Mode::tf32x3> { using type = float; };
+struct Operand<Mode::highest> { using type = float; };
 
 template <Mode M>
 using op_t = typename Operand<M>::type;
@@ -120,7 +120,7 @@ __device__ __forceinline__ void warp_slab(float (&acc)[MT][NT][4], const uint32_
       bf[2 * np + 1][0] = r[2];
       bf[2 * np + 1][1] = r[3];
     }
-    if constexpr (M == Mode::tf32x3) {
+    if constexpr (M == Mode::highest) {
       // x = big + small, both tf32; acc += a_big*b_small + a_small*b_big + a_big*b_big keeps
       // about fp32 accuracy (the small*small term is below fp32 rounding).
       uint32_t a_small[MT][4];
@@ -145,7 +145,7 @@ __device__ __forceinline__ void warp_slab(float (&acc)[MT][NT][4], const uint32_
         }
       }
     } else {
-      if constexpr (M == Mode::tf32 && !PreRounded) {
+      if constexpr (M == Mode::high && !PreRounded) {
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
@@ -353,8 +353,8 @@ cudaError_t dispatch_mode(Mode mode, F&& f) {
   switch (mode) {
     case Mode::bf16: return f(std::integral_constant<Mode, Mode::bf16>{});
     case Mode::f16: return f(std::integral_constant<Mode, Mode::f16>{});
-    case Mode::tf32: return f(std::integral_constant<Mode, Mode::tf32>{});
-    case Mode::tf32x3: return f(std::integral_constant<Mode, Mode::tf32x3>{});
+    case Mode::high: return f(std::integral_constant<Mode, Mode::high>{});
+    case Mode::highest: return f(std::integral_constant<Mode, Mode::highest>{});
   }
   return cudaErrorInvalidValue;
 }
@@ -363,7 +363,7 @@ cudaError_t dispatch_mode(Mode mode, F&& f) {
 // written (PreRounded products then feed their bits to the mma as they are).
 template <Mode M>
 __device__ __forceinline__ op_t<M> to_operand(float v) {
-  if constexpr (M == Mode::tf32) return __uint_as_float(to_tf32(v));
+  if constexpr (M == Mode::high) return __uint_as_float(to_tf32(v));
   else return from_float<op_t<M>>(v);
 }
 

@@ -490,15 +490,17 @@ constexpr int kStageBytes = kChunkRows * kKBytes;
 constexpr int kGroupRowBytes = 64 * kKBytes;  // an MMA warpgroup's rows of a stage
 constexpr int kMaxStages = 8;                 // resident weights: at most this many stages
 
-// The operand type in shared memory (kF16: scaled fp16, see ForwardArgs::w_in_f16x3; always at
-// "highest", and at "high" where ForwardArgs::high_f16 asks), the row planes and the weight
-// k-segments per chunk of mode M ("highest": fp16x3, parts and remainders).
-template <Mode M, bool kF16 = M == Mode::tf32x3>
+// Whether a wgmma pass multiplies mode M in scaled fp16 (the fp32 modes: ForwardArgs::w_in_f16x3),
+// the operand type in shared memory, the row planes and the weight k-segments per chunk of mode M
+// ("highest": fp16x3, parts and remainders).
+template <Mode M>
+constexpr bool kF16Arith = M == Mode::high || M == Mode::highest;
+template <Mode M, bool kF16 = kF16Arith<M>>
 using pass_op_t = std::conditional_t<kF16, __half, mma::op_t<M>>;
 template <Mode M>
-constexpr int kRowPlanes = M == Mode::tf32x3 ? 2 : 1;
+constexpr int kRowPlanes = M == Mode::highest ? 2 : 1;
 template <Mode M>
-constexpr int kSegments = M == Mode::tf32x3 ? 2 : 1;  // (split: the weights' [hi | lo])
+constexpr int kSegments = M == Mode::highest ? 2 : 1;  // (split: the weights' [hi | lo])
 
 // 128-byte k-tiles in `cols` operands of op_bytes each.
 __host__ __device__ inline int k_tiles(int64_t cols, int op_bytes) {
@@ -509,14 +511,6 @@ __host__ __device__ inline int k_tiles(int64_t cols, int op_bytes) {
 // whole 128-byte k-tiles (ForwardArgs::w_in_f16x3).
 inline int64_t f16_weight_cols(int64_t k_pad) { return 2 * k_tiles(k_pad, 2) * (kKBytes / 2); }
 
-// Calls run(std::bool_constant<kF16>) with kF16 = whether a wgmma pass multiplies mode M in scaled
-// fp16: always at "highest", at "high" where ForwardArgs::high_f16 asks.
-template <Mode M, class Run>
-cudaError_t with_f16_arith(const ForwardArgs& args, Run&& run) {
-  if constexpr (M == Mode::tf32)
-    if (args.high_f16) return run(std::true_type{});
-  return run(std::bool_constant<M == Mode::tf32x3>{});
-}
 }  // namespace ws
 
 // Row buffers and weight stages of a warp-specialized pass, and the bytes to request.
@@ -530,7 +524,7 @@ struct PassPlan {
 // is the kernel's need from a 1024-byte boundary).
 template <class Bytes>
 PassPlan sized_plan(Bytes bytes, int buffers, int stages) {
-  const int64_t need = bytes(buffers, stages), limit = fused::max_smem_optin();
+  const int64_t need = bytes(buffers, stages), limit = max_smem_optin();
   return need <= limit ? PassPlan{buffers, stages, std::min(need + 1023, limit)} : PassPlan{};
 }
 
@@ -540,7 +534,7 @@ PassPlan sized_plan(Bytes bytes, int buffers, int stages) {
 // plan's business.)
 template <class Bytes>
 PassPlan plan_pass(Bytes bytes, int w_tiles, int max_stages) {
-  const int64_t limit = fused::max_smem_optin();
+  const int64_t limit = max_smem_optin();
   for (int buffers = 2; buffers >= 1; --buffers) {
     int stages = 0;
     if (w_tiles <= max_stages && bytes(buffers, w_tiles) <= limit) stages = w_tiles;
@@ -612,25 +606,28 @@ cudaError_t launch_contraction_kernel(const ContractArgs& args, const CUtensorMa
   return cudaGetLastError();
 }
 
-// The TMA contraction kernels' launch (wgmma_tma, wgmma_pingpong): what they take (16-bit operands;
-// fp32 ones only as TF32 values already, where TF32 is allowed, or as split operands, 3xTF32 or fp16x3
-// scaled back by *z_scale), their operands' tensor maps (boxes of BM and BN rows), then
-// launch(op_tag, out_tag, scaled, map_a, map_b). TMA wants 16-byte-aligned operands and row pitches
-// (lda a multiple of 32) and coordinates that fit 32 bits; cudaErrorNotSupported otherwise (the next
-// kernel in auto's list takes it).
-template <int BM, int BN, class Launch>
-cudaError_t launch_tma_contraction(const ContractArgs& args, Launch&& launch) {
+// What a TMA contraction kernel takes: 16-bit operands; fp32 ones only as TF32 values already, where
+// TF32 is allowed, or as split operands (3xTF32, or fp16x3 scaled back by *z_scale); row pitches TMA
+// can read (lda a multiple of 32) and coordinates that fit 32 bits.
+inline bool takes_tma_contraction(const ContractArgs& args) {
   const bool tf32 = args.operand == Dtype::f32;
   // (split fp16 operands only scaled, as fp16x3; split bf16 ones are not made)
-  if (tensor_map_encoder() == nullptr || (args.split && args.operand == Dtype::bf16) ||
-      (args.split && args.operand == Dtype::f16 && args.z_scale == nullptr) ||
-      (args.z_scale != nullptr && args.operand != Dtype::f16) ||
-      (tf32 && !args.split && (!args.tf32_rounded || args.precision == Precision::highest)))
-    return cudaErrorNotSupported;
+  return tensor_map_encoder() != nullptr && !(args.split && args.operand == Dtype::bf16) &&
+         !(args.split && args.operand == Dtype::f16 && args.z_scale == nullptr) &&
+         !(args.z_scale != nullptr && args.operand != Dtype::f16) &&
+         !(tf32 && !args.split && (!args.tf32_rounded || args.precision == Precision::highest)) &&
+         args.lda >= args.k && args.lda % 32 == 0 && args.m < (int64_t(1) << 31) && args.n < (int64_t(1) << 31) &&
+         2 * args.batch < (int64_t(1) << 31);
+}
+
+// A TMA contraction kernel's launch: its operands' tensor maps (boxes of BM and BN rows, 16-byte-aligned
+// operands), then launch(op_tag, out_tag, scaled, map_a, map_b); cudaErrorNotSupported where it does not
+// take the call.
+template <int BM, int BN, class Launch>
+cudaError_t launch_tma_contraction(const ContractArgs& args, Launch&& launch) {
+  if (!takes_tma_contraction(args)) return cudaErrorNotSupported;
   if (args.batch == 0 || args.m == 0 || args.n == 0) return cudaSuccess;
-  if (args.lda < args.k || args.lda % 32 != 0 || reinterpret_cast<uintptr_t>(args.a) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(args.b) % 16 != 0 || args.m >= (int64_t(1) << 31) ||
-      args.n >= (int64_t(1) << 31) || 2 * args.batch >= (int64_t(1) << 31))
+  if (reinterpret_cast<uintptr_t>(args.a) % 16 != 0 || reinterpret_cast<uintptr_t>(args.b) % 16 != 0)
     return cudaErrorNotSupported;
   return dispatch_dtypes(args.operand, args.out, [&](auto op_tag, auto out_tag) -> cudaError_t {
     using Op = typename decltype(op_tag)::type;
