@@ -2,6 +2,7 @@
 
     python bench.py                                   # default shapes, every contender
     python bench.py --shapes 1,256,128,128 --kernels tiled --precision high --json out.json
+    python bench.py --profile --kernels input=wgmma_rs,input=wgmma_ws   # A/B two kernels in one process
 
 For each shape (B, N, C, H) each contender is first checked against the reference model run in
 float64 (relative error ||out - ref|| / ||ref||); a contender over its tolerance prints FAIL and is
@@ -10,12 +11,9 @@ the 10th-90th percentile spread, and the peak memory the call allocated beyond w
 allocated. Without CUDA it says so and runs a small CPU comparison.
 """
 import argparse
-import contextlib
 import datetime
-import itertools
 import json
 import math
-import os
 import platform
 import statistics
 import sys
@@ -91,8 +89,11 @@ def randomize(model, generator):
 
 
 class Contender:
-    def __init__(self, name, make, tolerance_key):
-        self.name, self.make, self.tolerance_key = name, make, tolerance_key
+    """`group`: contenders of one kernel choice at several precisions, of which a shape times only the
+    first whose call the choice takes (None: each is timed)."""
+
+    def __init__(self, name, make, tolerance_key, group=None):
+        self.name, self.make, self.tolerance_key, self.group = name, make, tolerance_key, group
 
 
 def cuequivariance():
@@ -135,6 +136,22 @@ def cast_once(fn, pair_dtype, mask_dtype):
     return run
 
 
+def parse_kernel_choices(text):
+    """--kernels: comma-separated choices, each `auto`, a contraction kernel's name, or role=name with
+    further roles joined by '+' (input=wgmma_ws+output=resident); ti.parse_kernels checks the names."""
+    choices = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        if "=" in item or item == "auto":
+            choices.append(ti.parse_kernels(item.replace("+", ","), "--kernels"))
+        else:
+            choices.append(ti.parse_kernels({"contract": item}, "--kernels"))
+    if not choices:
+        raise argparse.ArgumentTypeError("--kernels names no kernel")
+    return choices
+
+
 def make_new_bf16_io(ref):
     """ModelNew[auto] in bf16, given bf16 inputs (cast once, outside the timed calls) and writing bf16:
     the like-for-like row against cuEquivariance bf16, which reads and writes bf16 too (the "medium"
@@ -143,9 +160,9 @@ def make_new_bf16_io(ref):
     return cast_once(new, torch.bfloat16, torch.bool)
 
 
-def make_model_new(ref, kernel="auto", precision=None):
+def make_model_new(ref, kernels=None, precision=None):
     """ModelNew with the reference's weights, on the reference's device."""
-    new = ti.ModelNew(ref.pair_dim, ref.hidden_dim, ref.direction, ref.gate_input, kernel=kernel,
+    new = ti.ModelNew(ref.pair_dim, ref.hidden_dim, ref.direction, ref.gate_input, kernels=kernels,
                       precision=precision)
     new.load_state_dict(ref.state_dict())
     return new.to(ref.proj_a.weight.device)
@@ -185,30 +202,14 @@ def contenders(args):
     if "new-bf16" in args.contenders:
         found.append(Contender("new[auto] bf16 in/out", make_new_bf16_io, "bfloat16"))
     if "new" in args.contenders:
-        # auto at every precision; each named variant at the first precision whose operands it
-        # takes (wgmma: bf16/fp16 only, so "medium").
+        # auto at every precision; a named choice at the first precision whose call it takes.
         for precision in args.precision:
-            for kernel in args.kernels:
-                if kernel != "auto" and precision != first_precision_taken(kernel, args.precision):
-                    continue
-                found.append(Contender(f"new[{kernel}] {precision}",
-                                       lambda ref, k=kernel, p=precision: make_model_new(ref, k, p),
-                                       precision))
-        for kernel in args.kernels:
-            if kernel != "auto" and first_precision_taken(kernel, args.precision) is None:
-                log(f"new[{kernel}]: takes none of --precision {','.join(args.precision)}; not timed")
+            for choice in args.kernels:
+                named = choice != ti.Kernels()
+                found.append(Contender(f"new[{choice}] {precision}",
+                                       lambda ref, k=choice, p=precision: make_model_new(ref, k, p),
+                                       precision, group=str(choice) if named else None))
     return found
-
-
-def first_precision_taken(kernel, precisions):
-    """The first precision whose fused-path operands (fp32 for highest/high, bf16 for medium) the
-    variant takes, or None."""
-    dtypes = ti.VARIANTS[kernel].dtypes
-    for precision in precisions:
-        operand = "bfloat16" if ti.compute_mode(torch.float32, precision) == "bf16" else "float32"
-        if operand in dtypes and (operand != "float32" or precision in ti.VARIANTS[kernel].precisions):
-            return precision
-    return None
 
 
 def warm_up(fn, seconds=0.025, min_calls=2):
@@ -278,7 +279,10 @@ def bench_shape(shape, args, index, total):
     gate_inputs = {args.gate_input} | ({"normalized"} if "cueq" in args.contenders else set())
     expected_for = {gate_input: fp64_output(ref, pair, mask, gate_input) for gate_input in gate_inputs}
     rows = []
+    timed_groups = set()
     for contender in contenders(args):
+        if contender.group is not None and contender.group in timed_groups:
+            continue
         label = f"[{index + 1}/{total}] {shape} {contender.name}"
         row = {"shape": list(shape), "contender": contender.name, "status": "ok"}
         try:
@@ -291,6 +295,8 @@ def bench_shape(shape, args, index, total):
                                         else args.gate_input]
                 err = relative_error(out, expected)
                 del out
+                if contender.group is not None:
+                    timed_groups.add(contender.group)
                 row["rel_error"] = err
                 tolerance = TOLERANCE[contender.tolerance_key]
                 if not (err <= tolerance):  # NaN fails too
@@ -304,6 +310,9 @@ def bench_shape(shape, args, index, total):
                            peak_mib=peak_memory_mib(call))
                 row["tflops"] = model_flops(*shape) / (median * 1e-6) / 1e12
         except Exception as error:  # one broken contender must not hide the others
+            if isinstance(error, ValueError) and "take this call" in str(error):
+                log(f"{label}: the kernels chosen do not take this call; not timed")  # (a named choice: its
+                continue                                                            # next precision)
             row["status"] = "ERROR"
             row["error"] = f"{type(error).__name__}: {error}"[:300]
             log(f"{label}: ERROR {row['error']}")
@@ -350,33 +359,6 @@ def geomeans(rows):
             for name, times in by_contender.items() if len(times) == len(wanted)}
 
 
-@contextlib.contextmanager
-def environment(name, value):
-    """os.environ[name] = value inside (None: unset); the previous state after. The extension reads
-    its measuring knobs (README) at each forward, so one process can alternate them."""
-    before = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
-def parse_knob(text):
-    """--knob NAME=v1,v2,...: (name, [values]); an empty value means unset. Values that hold commas
-    themselves (TRIMUL_INPUT_PLAN's "2,4") are separated by "|" instead: NAME=|2,2|2,4."""
-    name, sep, values = text.partition("=")
-    if not sep or not name or not values:
-        raise argparse.ArgumentTypeError(f"--knob wants NAME=v1,v2,... or NAME=v1|v2|..., not {text!r}")
-    return name, [v or None for v in values.split("|" if "|" in values else ",")]
-
-
 def kernel_times(new, pair, mask, calls=5):
     """{kernel name: CUDA microseconds per forward} over `calls` profiled forwards."""
     from torch.profiler import ProfilerActivity, profile
@@ -408,51 +390,49 @@ def forward_against_kernels(new, pair, mask, budget_s):
 
 
 def profile_kernels(shapes, args, repeat_only=0):
-    """Per-kernel CUDA time of ModelNew[kernel] for each --kernels at each precision (torch.profiler), for finding where
-    a forward's time goes. With --knob NAME=v1,v2: each value in turn, twice round (v1 v2 v1 v2: one
-    process, so no machine-to-machine spread), each value's output checked against fp64 first.
-    After the kernels, each value's forward timed as the bench times it (--budget seconds), and the
-    kernels' sum again right after that sustained run."""
-    knob, values = args.knob if args.knob else (None, [None])
-    rounds = 2 if args.knob else 1
+    """Per-kernel CUDA time of ModelNew for each --kernels choice at each precision (torch.profiler), for
+    finding where a forward's time goes. With several choices: an A/B in one process (no
+    machine-to-machine spread), each choice checked against fp64 first, then profiled twice round (c1 c2
+    c1 c2). After the kernels, each choice's forward timed as the table times it (--budget seconds), and
+    the kernels' sum again right after that sustained run."""
+    rounds = 2 if len(args.kernels) > 1 else 1
     for shape in shapes:
         ref, pair, mask = seeded_case(shape, args, args.seed)
-        expected = fp64_output(ref, pair, mask) if args.knob and not repeat_only else None
-        for precision, kernel in itertools.product(args.precision, args.kernels):
-            new = make_model_new(ref, kernel=kernel, precision=precision)
-            measured = {value: [] for value in values}
-            forwards = {value: [] for value in values}
+        expected = fp64_output(ref, pair, mask) if len(args.kernels) > 1 and not repeat_only else None
+        for precision in args.precision:
+            models = {str(choice): make_model_new(ref, choice, precision) for choice in args.kernels}
+            measured = {name: [] for name in models}
+            forwards = {name: [] for name in models}
             errors = {}
             for _ in range(rounds):
-                for value in values:
-                    with environment(knob, value) if knob else contextlib.nullcontext():
-                        with torch.inference_mode():
-                            for _ in range(repeat_only or 3):
-                                out = new(pair, mask)
-                            torch.cuda.synchronize()
-                            if expected is not None:
-                                errors[value] = relative_error(out, expected)
-                            del out
-                        if not repeat_only:
-                            measured[value].append(kernel_times(new, pair, mask))
-                            forwards[value].append(forward_against_kernels(new, pair, mask, args.budget))
+                for name, new in models.items():
+                    with torch.inference_mode():
+                        for _ in range(repeat_only or 3):
+                            out = new(pair, mask)
+                        torch.cuda.synchronize()
+                        if expected is not None:
+                            errors[name] = relative_error(out, expected)
+                        del out
+                    if not repeat_only:
+                        measured[name].append(kernel_times(new, pair, mask))
+                        forwards[name].append(forward_against_kernels(new, pair, mask, args.budget))
             if repeat_only:
                 continue
-            print(f"\n{shape} {precision} new[{kernel}]: CUDA time per forward by kernel (TFLOP/s and GB/s from"
-                  f" kernel_work's useful FLOPs and fewest bytes)")
-            for value in values:
-                if knob:
-                    print(f"  {knob}={value or '(unset)'}: rel error vs fp64 {errors[value]:.1e}; mean of {rounds}"
-                          f" rounds, total {sum(sum(t[k][0] for k in t) for t in measured[value]) / rounds:.1f} us")
-                keys = {k for t in measured[value] for k in t}
-                mean = {k: sum(t.get(k, (0, 0))[0] for t in measured[value]) / rounds for k in keys}
-                count = {k: max(t.get(k, (0, 0))[1] for t in measured[value]) for k in keys}
+            print(f"\n{shape} {precision}: CUDA time per forward by kernel (TFLOP/s and GB/s from kernel_work's"
+                  f" useful FLOPs and fewest bytes)")
+            for name in models:
+                error = f"rel error vs fp64 {errors[name]:.1e}; " if name in errors else ""
+                print(f"  new[{name}]: {error}mean of {rounds} round(s), total "
+                      f"{sum(sum(t[k][0] for k in t) for t in measured[name]) / rounds:.1f} us")
+                keys = {k for t in measured[name] for k in t}
+                mean = {k: sum(t.get(k, (0, 0))[0] for t in measured[name]) / rounds for k in keys}
+                count = {k: max(t.get(k, (0, 0))[1] for t in measured[name]) for k in keys}
                 for key in sorted(keys, key=lambda k: -mean[k])[:8]:
                     us = mean[key]
                     work = kernel_work(key, *shape, precision)
                     rates = f"{work[0] / us / 1e6:7.1f} {work[1] / us / 1e3:7.0f}" if work and us > 0 else " " * 15
                     print(f"  {us:10.1f} us  {count[key]:3d}x  {rates}  {key[:90]}")
-                for f in forwards[value]:
+                for f in forwards[name]:
                     clock = f"; SM clock {f['clock']} MHz" if f["clock"] else ""
                     print(f"  forward (events, {f['reps']} back-to-back calls) {f['median']:.1f} us"
                           f" (p10-p90 {f['p10']:.0f}-{f['p90']:.0f}); kernels' sum right after"
@@ -488,10 +468,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES,
                         help="B,N,C,H;B,N,C,H;... (default: the nine standard shapes)")
-    parser.add_argument("--kernels",
-                        help=f"ModelNew kernels to time (from {sorted(ti.VARIANTS)} and auto; default all); "
-                             "all at the first --precision, only auto at the others; with --profile or "
-                             "--repeat-only: the kernels to profile (default auto)")
+    parser.add_argument("--kernels", type=parse_kernel_choices,
+                        help="ModelNew kernel choices to time, comma-separated: auto, a contraction kernel, or "
+                             "role=name[+role=name...] (`python trimul_inline.py kernels` lists them; default: auto "
+                             "and every contraction kernel); a named choice at the first --precision whose call "
+                             "it takes; with --profile or --repeat-only the choices to profile (default auto), "
+                             "several: an A/B in one process")
     parser.add_argument("--contenders", default=DEFAULT_CONTENDERS,
                         help="which of ref-eager, ref-compile, ref-autocast, cueq (when "
                              "cuequivariance_torch imports), new-bf16 (ModelNew with bf16 in/out, as cueq "
@@ -509,17 +491,11 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="print ModelNew's per-kernel CUDA time per shape instead of the table, then its forward "
                              "timed as the table times it and the kernels' sum right after (a hot GPU)")
-    parser.add_argument("--knob", type=parse_knob, metavar="NAME=V1,V2",
-                        help="with --profile: A/B a measuring environment variable (README) in one process, "
-                             "each value checked against fp64 and profiled twice round (an empty value: unset)")
     args = parser.parse_args(argv)
-    if args.knob and not args.profile:
-        parser.error("--knob goes with --profile")
-    default_kernels = ["auto"] if args.profile or args.repeat_only else sorted(ti.VARIANTS) + ["auto"]
-    args.kernels = [k for k in args.kernels.split(",") if k] if args.kernels else default_kernels
-    for kernel in args.kernels:
-        if kernel != "auto" and kernel not in ti.VARIANTS:
-            parser.error(f"unknown kernel {kernel!r}; known: {sorted(ti.VARIANTS)} and auto")
+    if args.kernels is None:
+        contractions = [e.name for e in ti.kernel_registry() if e.role == "contract"]
+        args.kernels = [ti.Kernels()] + ([] if args.profile or args.repeat_only else
+                                        [ti.Kernels(contract=name) for name in contractions])
     args.contenders = set(args.contenders.split(","))
     args.precision = [p for p in args.precision.split(",") if p]
     for precision in args.precision:

@@ -134,7 +134,7 @@ def test_state_dict_round_trip():
 
 
 def test_cpu_fallback_runs_reference_and_warns_once(monkeypatch):
-    monkeypatch.setattr(ti, "_cpu_fallback_warned", False)
+    monkeypatch.setattr(ti, "_reference_warned", set())
     g = torch.Generator().manual_seed(fresh_seed())
     ref = random_layers(ti.Model(8, 4, "incoming", "normalized"), g)
     new = ti.ModelNew(8, 4, "incoming", "normalized")
@@ -161,6 +161,11 @@ def _bad_inputs():
         ("complex mask", (pair, mask.to(torch.complex64)), TypeError, "pair_mask must be bool"),
         ("not a tensor", (pair.tolist(), mask), TypeError, "pair_repr must be a torch.Tensor"),
         ("mask elsewhere", (pair, mask.to("meta")), ValueError, "pair_mask is on meta"),
+        # (the CPU path runs the same check as the GPU's: a dtype the parameters do not have is named)
+        ("float64 pair", (pair.double(), mask), TypeError, "pair_repr is torch.float64 but the parameters are "
+                                                           r"torch.float32; convert the model"),
+        ("float16 pair", (pair.half(), mask), TypeError, "pair_repr is torch.float16 but the parameters are "
+                                                         "torch.float32"),
     ]
 
 
@@ -171,6 +176,20 @@ def test_bad_input_raises_clear_error(case):
         ti.ModelNew(8, 4)(*args)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_cpu_path_computes_the_dtypes_the_reference_does(dtype):
+    """A model and input of one dtype the reference handles run on the CPU (warning once), as Model does."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    ref = random_layers(ti.Model(8, 4).to(dtype), g)
+    new = ti.ModelNew(8, 4).to(dtype)
+    new.load_state_dict(ref.state_dict())
+    pair, mask = random_inputs(1, 5, 8, g, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = new(pair, mask)
+    assert out.dtype == dtype and torch.equal(out, ref(pair, mask))
+
+
 def test_parameters_on_other_device_raise():
     model = ti.ModelNew(8, 4).to("meta")
     with pytest.raises(ValueError, match="parameters are on meta"):
@@ -179,11 +198,122 @@ def test_parameters_on_other_device_raise():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"direction": "sideways"}, "direction"), ({"gate_input": "gated"}, "gate_input"),
-    ({"kernel": "nope"}, "kernel must be"), ({"precision": "fast"}, "precision must be"),
+    ({"kernels": "input=nope"}, "no input kernel 'nope'; the input kernels are wgmma_rs, "),
+    ({"kernels": {"inputs": "streamed"}}, "no role 'inputs'; the roles are input, contract, output"),
+    ({"kernels": "streamed"}, "'streamed' is not role=name"), ({"kernels": 3}, "kernels must be None"),
+    ({"kernels": {"output": "wgmma_rs"}}, "no output kernel 'wgmma_rs'"), ({"precision": "fast"}, "precision must be"),
 ])
 def test_bad_options_raise(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=re.escape(message) if "'" in message else message):
         ti.ModelNew(8, 4, **kwargs)
+
+
+def test_one_parser_takes_every_form_of_kernel_choice():
+    """ModelNew(kernels=...), TRIMUL_KERNELS and bench.py --kernels go through parse_kernels: None, "", "auto",
+    a Kernels, a mapping and a "role=name,..." string name the same choices."""
+    want = ti.Kernels(input="streamed", contract="mma")
+    assert ti.parse_kernels("input=streamed, contract=mma") == want
+    assert ti.parse_kernels({"contract": "mma", "input": "streamed"}) == want
+    assert ti.parse_kernels(want) == want and ti.parse_kernels(dict(want._asdict())) == want
+    assert ti.parse_kernels({"input": "streamed", "contract": "mma", "output": "auto"}) == want
+    for nothing in (None, "", "auto", {}, ti.Kernels()):
+        assert ti.parse_kernels(nothing) == ti.Kernels()
+    assert str(want) == "input=streamed,contract=mma" and str(ti.Kernels()) == "auto"
+    assert ti.ModelNew(8, 4, kernels="output=streamed").kernels == ti.Kernels(output="streamed")
+
+
+def test_kernels_override_fills_in_and_replaces_the_modules_choice(monkeypatch):
+    """TRIMUL_KERNELS, the one environment override: the roles it names replace the module's choices, the
+    others stay; a bad value raises the parser's error naming the variable."""
+    chosen = ti.Kernels(input="streamed", contract="mma")
+    monkeypatch.setenv("TRIMUL_KERNELS", "contract=tiled,output=resident")
+    assert ti._with_override(chosen) == ti.Kernels(input="streamed", contract="tiled", output="resident")
+    monkeypatch.setenv("TRIMUL_KERNELS", "")
+    assert ti._with_override(chosen) == chosen
+    monkeypatch.setenv("TRIMUL_KERNELS", "contract=wgmma_rs")
+    with pytest.raises(ValueError, match="TRIMUL_KERNELS: no contract kernel 'wgmma_rs'"):
+        ti._with_override(chosen)
+
+
+def test_registry_lists_each_role_in_rank_order_with_a_kernel_file():
+    """registry.def, read by Python here (and by dispatch.cu in the build): every entry has a known role, a
+    unique name and rank in its role; every kernel of ours is implemented by a kernel file that opens with
+    '// <name> — description' and registers it under its role and name; no file registers anything else."""
+    sources = ti.kernel_sources(KERNEL_DIR)
+    registry = ti.kernel_registry(sources)
+    assert {e.role for e in registry} == set(ti.ROLES)
+    for role in ti.ROLES:
+        entries = [e for e in registry if e.role == role]
+        assert len({e.name for e in entries}) == len(entries), role
+        ranks = [e.rank for e in entries if e.rank > 0]
+        assert sorted(ranks) == list(range(1, len(ranks) + 1)), (role, ranks)
+        assert ti.default_order(role, sources) == [e.name for e in sorted(entries, key=lambda e: e.rank) if e.rank]
+        assert all(e.applies and e.summary for e in entries)
+    registered = {}
+    patterns = (r"^TRIMUL_REGISTER_PASS\((input|output), (\w+),", r"^TRIMUL_REGISTER_CONTRACTION\(()(\w+),",
+                r"^TRIMUL_REGISTER_CONTRACTION_IN_OUTPUT_PASS\(()(\w+),")
+    for name, text in sources.items():
+        for pattern in patterns:
+            for role, kernel in re.findall(pattern, text, re.M):
+                registered[(role or "contract", kernel)] = name
+    ours = {(e.role, e.name) for e in registry if not e.torch}
+    assert set(registered) == ours, (set(registered) ^ ours)
+    for (role, kernel), name in registered.items():
+        if kernel != "in_output_pass":  # (registered beside the output kernel that does it)
+            assert name == (f"contract_{kernel}.cu" if role == "contract" else f"{role}_{kernel}.cu"), name
+            first = sources[name].splitlines()[0]
+            assert first.startswith(f"// {kernel} — "), f"{name} must open with '// {kernel} — ...'"
+
+
+def test_registry_table_prints_without_a_build():
+    """`python trimul_inline.py kernels`: every role's kernels, rank and conditions, with no GPU and no build."""
+    run = subprocess.run([sys.executable, os.path.join(HERE, "trimul_inline.py"), "kernels"], capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, TORCH_EXTENSIONS_DIR="/nonexistent"))
+    assert run.returncode == 0, run.stderr
+    for e in ti.kernel_registry():
+        assert re.search(rf"^{e.role}\s+{e.name}\b.*\s{e.rank if e.rank else '-'}\s+", run.stdout, re.M), e
+
+
+def test_the_library_and_the_registry_agree():
+    """The built library's kernels (dispatch.cu's view: registry.def matched to what the kernel files
+    registered) against registry.def; load_extension checks this, and names what disagrees."""
+    module = ti.load_extension(KERNEL_DIR)
+    compiled = module.kernels()
+    assert [(role, name, rank) for role, name, rank, *_ in compiled] == \
+        [(e.role, e.name, e.rank) for e in ti.kernel_registry()]
+    assert all(built != torch_ for _, _, _, torch_, _, built, *_ in compiled)
+    ti._check_registry(module, ti.kernel_sources(KERNEL_DIR))
+
+    class Missing:  # registry.def names a kernel nothing registers
+        @staticmethod
+        def kernels():
+            return [row if row[1] != "tiled" else row[:5] + (False,) + row[6:] for row in compiled]
+
+    class Extra:  # a kernel file registers a kernel registry.def lacks
+        @staticmethod
+        def kernels():
+            return list(compiled) + [("input", "mine", 0, False, False, True, "", "")]
+
+    with pytest.raises(RuntimeError, match="registry.def lists contract kernel 'tiled', which no kernel file"):
+        ti._check_registry(Missing, ti.kernel_sources(KERNEL_DIR))
+    with pytest.raises(RuntimeError, match="registers input kernel 'mine', which registry.def does not list"):
+        ti._check_registry(Extra, ti.kernel_sources(KERNEL_DIR))
+
+
+def test_product_code_has_no_measuring_switches_or_dated_figures():
+    """Choices are arguments (kernels=, the one override TRIMUL_KERNELS read in Python): nothing in kernels/
+    reads the environment; comments state invariants and reasons, with no version tags or dated figures
+    (bench/NOTES.md keeps those)."""
+    for name, text in ti.kernel_sources(KERNEL_DIR).items():
+        assert "getenv" not in text, name
+        comments = "\n".join(re.findall(r"//.*$", text, re.M))
+        tag = re.search(r"NOTES[ ,]*v\d|\(v\d{1,2}[a-e]?[,) ]|\bv\d{2}[a-e]?\b|\bv\d[a-e]\b|profile \d+", comments)
+        assert not tag, (name, tag and tag.group(0))
+        figure = re.search(r"\d+(\.\d+)? ?(us|µs)\b", comments)
+        assert not figure, (name, figure and figure.group(0))
+    module_text = open(os.path.join(HERE, "trimul_inline.py"), encoding="utf-8").read()
+    assert set(re.findall(r"TRIMUL_\w+", module_text)) <= {"TRIMUL_VERBOSE", "TRIMUL_CUDA_ARCH", "TRIMUL_KERNELS",
+                                                            "TRIMUL_REGISTER_PASS", "TRIMUL_KERNEL"}
 
 
 def test_empty_batch_and_size_one():
@@ -200,25 +330,25 @@ def test_planned_calls_skip_checks_until_a_parameter_changes(monkeypatch):
     calls = []
 
     class FakeExtension:
-        __name__ = "fake"
+        kernel_library = "fake"
 
-        def forward(self, pair, mask, weights, *arguments):
-            calls.append(arguments)
+        def forward(self, pair, mask, weights, options):
+            calls.append(options)
             return pair
 
     monkeypatch.setattr(ti, "_DEFAULT_EXTENSION", FakeExtension())
     model = ti.ModelNew(16, 8, precision="medium").eval()
     pair, mask = torch.randn(1, 5, 5, 16), torch.ones(1, 5, 5, dtype=torch.bool)
-    arguments = ("auto", ti._MODE_CODE["bf16"], False, False, 1e-5, 1e-5)
+    options = object()
     with torch.no_grad():
         assert model._forward_planned(pair, mask) is None  # nothing planned yet
         model._prepared_weights("bf16")
-        model._plans[model._plan_key(pair, mask)] = ("bf16", arguments)
-        assert model(pair, mask) is pair and calls == [arguments]
+        model._plans[model._plan_key(pair, mask)] = ("bf16", ti.Kernels(), options)
+        assert model(pair, mask) is pair and calls == [options]
         assert model._forward_planned(pair.double(), mask) is None  # another signature
         model.out_proj.weight.mul_(2.0)
         assert model._forward_planned(pair, mask) is None and not model._plans  # re-validate
-    model._plans[model._plan_key(pair, mask)] = ("bf16", arguments)
+    model._plans[model._plan_key(pair, mask)] = ("bf16", ti.Kernels(), options)
     assert model._forward_planned(pair, mask) is None  # grad mode: the autograd-aware path
     assert len(calls) == 1
 
@@ -230,10 +360,10 @@ def test_planned_forward_takes_only_an_unchanged_signature_and_module(monkeypatc
     monkeypatch.setattr(ti, "_DEFAULT_EXTENSION", ti.load_extension(KERNEL_DIR))
     model = ti.ModelNew(16, 8).eval()
     pair, mask = torch.randn(1, 5, 5, 16), torch.rand(1, 5, 5) > 0.2
-    arguments = ti._extension_arguments("auto", "bf16", False, False, 1e-5, 1e-5)
+    options = ti._forward_options(ti.Kernels(), *model._option_values("bf16"))
 
     def plan():
-        return model._fast_plan(pair, mask, "high", model._prepared_weights("bf16"), arguments)
+        return model._fast_plan(pair, mask, "high", model._prepared_weights("bf16"), options)
 
     def takes(p=None, m=None, precision="high"):
         return fast.matches(model, pair if p is None else p, mask if m is None else m, precision)
@@ -245,7 +375,7 @@ def test_planned_forward_takes_only_an_unchanged_signature_and_module(monkeypatc
         assert not takes(p=pair.double()) and not takes(m=mask.float()) and not takes(p="a string")
         assert not takes(p=pair[:, :4, :4].contiguous(), m=mask[:, :4, :4])
         assert not takes(p=torch.randn(1, 5, 5, 32)[..., ::2])  # channel stride 2
-        for owner, name, other in ((model, "kernel", "mma"), (model, "direction", "incoming"),
+        for owner, name, other in ((model, "kernels", ti.Kernels(contract="mma")), (model, "direction", "incoming"),
                                    (model, "gate_input", "normalized"), (model.layer_norm_out, "eps", 1e-3)):
             before = getattr(owner, name)
             setattr(owner, name, other)
@@ -292,9 +422,9 @@ def test_plans_follow_the_global_precision_and_module_options():
         assert model._plan_key(pair, mask) != key
         torch.set_float32_matmul_precision("highest")
         assert model._plan_key(pair, mask) == key
-        model.kernel = "mma"
+        model.kernels = ti.Kernels(contract="mma")
         assert model._plan_key(pair, mask) != key
-        model.kernel = "auto"
+        model.kernels = ti.Kernels()
         assert model._plan_key(pair, mask) == key
         assert model._plan_key(pair[:, :4, :4].contiguous(), mask[:, :4, :4]) != key
         assert model._plan_key(pair.transpose(1, 2), mask) == key  # strides beyond C's are the kernels' business
@@ -309,14 +439,16 @@ def test_bench_kernel_work_adds_up_to_the_forward():
     import bench
     batch, n, c, h = 2, 40, 24, 8
     work = {k: bench.kernel_work(name, batch, n, c, h, "medium")
-            for k, name in (("in", "trimul::input_pass::kernel<"), ("z", "trimul::contract_wgmma_tma::kernel<"),
+            for k, name in (("in", "trimul::input_pass::streamed::kernel<"),
+                            ("z", "trimul::contract_wgmma_tma::kernel<"),
                             ("out", "trimul::output_pass::resident::kernel<"))}
     assert sum(w[0] for w in work.values()) == bench.model_flops(batch, n, c, h)
     pairs = batch * n * n
     assert work["in"][1] == 4 * pairs * c + pairs + 2 * 2 * pairs * h
     assert work["z"][1] == 2 * 2 * pairs * h + 4 * pairs * h
     assert work["out"][1] == 8 * pairs * c + 4 * pairs * h
-    assert bench.kernel_work("trimul::input_pass::kernel<", batch, n, c, h, "highest")[1] == work["in"][1] + 4 * pairs * h
+    assert bench.kernel_work("trimul::input_pass::wgmma_ws::kernel<", batch, n, c, h, "highest")[1] == \
+        work["in"][1] + 4 * pairs * h
     assert bench.kernel_work("elementwise_kernel", batch, n, c, h, "medium") is None
 
 
@@ -333,30 +465,18 @@ def test_bench_profile_sets_the_forward_against_its_kernels(monkeypatch):
     assert got == {"median": 812.5, "p10": 800.0, "p90": 830.0, "reps": 77, "hot_kernels": 712.5, "clock": 1755}
 
 
-def test_bench_knob_parses_and_restores_the_environment(monkeypatch):
-    """bench.py --profile --knob NAME=v1,v2 alternates a measuring variable in one process: the values
-    parse (an empty one means unset), each is set only inside its turn, and what was set before (or
-    unset) comes back, also after an error."""
+def test_bench_kernel_choices_parse_through_the_one_parser():
+    """bench.py --kernels: comma-separated choices (auto, a contraction kernel, role=name joined by '+'), each
+    checked by ti.parse_kernels; a name that is no kernel fails before anything runs."""
     import argparse
-    import os
     import bench
-    assert bench.parse_knob("TRIMUL_INPUT_STAGING=rounds,stream") == ("TRIMUL_INPUT_STAGING", ["rounds", "stream"])
-    assert bench.parse_knob("TRIMUL_PDL=,0") == ("TRIMUL_PDL", [None, "0"])
-    assert bench.parse_knob("TRIMUL_INPUT_PLAN=|2,2|2,4") == ("TRIMUL_INPUT_PLAN", [None, "2,2", "2,4"])
-    for bad in ("TRIMUL_PDL", "=1", "TRIMUL_PDL="):
-        with pytest.raises(argparse.ArgumentTypeError, match="NAME=v1,v2"):
-            bench.parse_knob(bad)
-    monkeypatch.setenv("TRIMUL_KNOB_PROBE", "before")
-    with bench.environment("TRIMUL_KNOB_PROBE", None):
-        assert "TRIMUL_KNOB_PROBE" not in os.environ
-    assert os.environ["TRIMUL_KNOB_PROBE"] == "before"
-    monkeypatch.delenv("TRIMUL_KNOB_PROBE")
-    with pytest.raises(RuntimeError), bench.environment("TRIMUL_KNOB_PROBE", "1"):
-        assert os.environ["TRIMUL_KNOB_PROBE"] == "1"
-        raise RuntimeError
-    assert "TRIMUL_KNOB_PROBE" not in os.environ
+    assert bench.parse_kernel_choices("auto,tiled,input=wgmma_ws+output=resident") == [
+        ti.Kernels(), ti.Kernels(contract="tiled"), ti.Kernels(input="wgmma_ws", output="resident")]
+    for bad in ("tiledd", "input=wgmma", ","):
+        with pytest.raises((ValueError, argparse.ArgumentTypeError)):
+            bench.parse_kernel_choices(bad)
     with pytest.raises(SystemExit):
-        bench.main(["--knob", "TRIMUL_PDL=0,1"])  # (without --profile)
+        bench.main(["--kernels", "input=nope"])
 
 
 def test_bench_bf16_io_contender_casts_its_inputs_once():
@@ -374,78 +494,84 @@ def test_bench_bf16_io_contender_casts_its_inputs_once():
     assert seen[2][0] is not seen[0][0] and torch.equal(seen[2][0], (pair + 1).to(torch.bfloat16))
     assert "new-bf16" in bench.DEFAULT_CONTENDERS.split(",")
     names = [c.name for c in bench.contenders(argparse.Namespace(contenders={"new-bf16"}, precision=["medium"],
-                                                                 kernels=["auto"]))]
+                                                                 kernels=[ti.Kernels()]))]
     assert names == ["new[auto] bf16 in/out"]
 
 
-# ---- kernel sources, registry, build cache --------------------------------------------------------
-def test_every_registered_cuda_variant_has_a_kernel_file_and_description():
+def test_object_keys_follow_each_kernel_file_and_its_headers():
+    """The build cache's keys: an edit to one kernel file changes that file's object key only (the
+    rest reuse their objects), an edit to a header every file that includes it, and the extension's
+    key (bindings.cpp and api.cuh) neither."""
     sources = ti.kernel_sources(KERNEL_DIR)
-    registered = {}
-    for name, text in sources.items():
-        for variant in re.findall(r"^TRIMUL_REGISTER_CONTRACTION\((\w+),", text, re.M):
-            registered[variant] = name
-            first = text.splitlines()[0]
-            assert first.startswith(f"// {variant} — "), f"{name} must open with '// {variant} — ...'"
-    cuda_variants = {v.name for v in ti.VARIANTS.values() if v.backend == "cuda"}
-    assert cuda_variants == set(registered), (cuda_variants, registered)
-    assert set(ti.AUTO_ORDER) <= set(ti.VARIANTS)
-
-
-def test_assembled_sources_inline_headers_once():
-    host, cuda_src = ti.assemble_sources(ti.kernel_sources(KERNEL_DIR))
-    assert cuda_src.count("struct ContractArgs {") == 1 and host.count("struct ContractArgs {") == 1
-    assert "#include \"" not in cuda_src.replace("// (already included) #include", "")
-    assert '#line 1 "kernels/contract_tiled.cu"' in cuda_src
+    kernel_files = [name for name in sources if name.endswith(".cu")]
+    keys = {name: ti.object_key(name, sources, "90a", "13000") for name in kernel_files}
+    host = ti.host_key(sources, "13000")
+    edited = dict(sources, **{"contract_tiled.cu": sources["contract_tiled.cu"] + "\n// edit\n"})
+    changed = {n for n in kernel_files if ti.object_key(n, edited, "90a", "13000") != keys[n]}
+    assert changed == {"contract_tiled.cu"} and ti.host_key(edited, "13000") == host
+    edited = dict(sources, **{"tma.cuh": sources["tma.cuh"] + "\n// edit\n"})
+    changed = {n for n in kernel_files if ti.object_key(n, edited, "90a", "13000") != keys[n]}
+    assert changed == {n for n in kernel_files if "tma.cuh" in ti.local_includes(n, sources)}
+    assert "contract_naive.cu" not in changed and "input_wgmma_ws.cu" in changed
+    edited = dict(sources, **{"api.cuh": sources["api.cuh"] + "\n// edit\n"})
+    assert ti.host_key(edited, "13000") != host
+    assert all(ti.object_key(n, sources, "80", "13000") != keys[n] for n in kernel_files)
+    assert all(ti.object_key(n, sources, "90a", "12080") != keys[n] for n in kernel_files)
     with pytest.raises(RuntimeError, match="missing.cuh"):
-        ti.assemble_sources({"bindings.cpp": '#include "missing.cuh"\n'})
+        ti.local_includes("x.cu", {"x.cu": '#include "missing.cuh"\n'})
 
 
-def test_build_key_tracks_sources_flags_and_arch():
-    sources = ti.kernel_sources(KERNEL_DIR)
-    key = ti.build_key(sources, "90a", "13000")
-    assert key == ti.build_key(dict(sources), "90a", "13000")
-    edited = dict(sources, **{"contract_naive.cu": sources["contract_naive.cu"] + "\n// edit\n"})
-    assert ti.build_key(edited, "90a", "13000") != key
-    assert ti.build_key(sources, "80", "13000") != key
-    assert ti.build_key(sources, "90a", "12080") != key
-    added = dict(sources, **{"extra.cuh": "// new header\n"})
-    assert ti.build_key(added, "90a", "13000") != key
-
-
-def test_build_cache_rebuilds_exactly_once_per_edit(tmp_path, monkeypatch):
+def test_build_cache_rebuilds_only_what_an_edit_touches(tmp_path, monkeypatch):
+    """load_extension compiles each missing object once, links the library once per set of objects and
+    builds the extension once per bindings: an edit to one kernel file recompiles that file alone."""
     kernel_dir = tmp_path / "kernels"
     shutil.copytree(KERNEL_DIR, kernel_dir)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
     monkeypatch.setattr(ti, "_LOADED", {})
     monkeypatch.setattr(ti, "find_toolkit", lambda: ti.Toolkit("/fake/cuda", "13000", (), ()))
-    compiles, imports = [], []
+    objects, links, hosts, imports, attached = [], [], [], [], []
 
     class FakeExtension:
-        @staticmethod
-        def contraction_variants():
-            return [v.name for v in ti.VARIANTS.values() if v.backend == "cuda"]
+        def attach_kernels(self, path):
+            attached.append(path)
 
-    def fake_compile(plan, verbose):
-        compiles.append(plan.name)
-        os.makedirs(plan.build_dir, exist_ok=True)
-        open(plan.so_path, "w").close()
+        def kernels(self):
+            return [(e.role, e.name, e.rank, e.torch, True, not e.torch, e.applies, e.summary)
+                    for e in ti.kernel_registry(ti.kernel_sources(str(kernel_dir)))]
+
+    def touch(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "w").close()
+
+    monkeypatch.setattr(ti, "_compile_object", lambda plan, snapshot, name, path, verbose: (objects.append(name),
+                                                                                            touch(path)))
+    monkeypatch.setattr(ti, "_link_library", lambda plan, verbose: (links.append(plan.library), touch(plan.library)))
+
+    def fake_host(plan, verbose):
+        hosts.append(plan.host_name)
+        touch(plan.host_so)
+        touch(plan.host_so + ".ok")
         return FakeExtension()
 
-    monkeypatch.setattr(ti, "_compile_extension", fake_compile)
-    monkeypatch.setattr(ti, "_import_built", lambda plan: imports.append(plan.name) or FakeExtension())
+    monkeypatch.setattr(ti, "_compile_host", fake_host)
+    monkeypatch.setattr(ti, "_import_host", lambda plan: imports.append(plan.host_name) or FakeExtension())
+    kernel_files = sorted(n for n in os.listdir(kernel_dir) if n.endswith(".cu"))
 
     first = ti.load_extension(str(kernel_dir))
-    assert len(compiles) == 1 and not imports
+    assert sorted(objects) == kernel_files and len(links) == 1 and len(hosts) == 1 and not imports
     assert ti.load_extension(str(kernel_dir)) is first  # memoized in-process
     ti._LOADED.clear()  # as a second process would start
     ti.load_extension(str(kernel_dir))
-    assert len(compiles) == 1 and imports == compiles  # reused the .so, no compile
+    assert len(objects) == len(kernel_files) and len(links) == 1 and imports == hosts  # all from the cache
     with open(kernel_dir / "contract_tiled.cu", "a") as f:
         f.write("\n// an edit\n")
     ti.load_extension(str(kernel_dir))
+    assert objects[len(kernel_files):] == ["contract_tiled.cu"] and len(links) == 2 and len(hosts) == 1
+    assert attached[-1] == links[-1]
+    with open(kernel_dir / "bindings.cpp", "a") as f:
+        f.write("\n// an edit\n")
     ti.load_extension(str(kernel_dir))
-    assert len(compiles) == 2 and compiles[0] != compiles[1]
+    assert len(objects) == len(kernel_files) + 1 and len(links) == 2 and len(hosts) == 2
 
 
 def test_missing_toolkit_names_what_is_missing(tmp_path):
@@ -458,10 +584,10 @@ def test_missing_toolkit_names_what_is_missing(tmp_path):
 
 
 def test_extension_builds_and_a_second_process_reuses_it():
-    """Compiles the real extension (CI builds it first) and checks a fresh process skips the build."""
+    """Compiles the real extension and kernel library (CI builds them first) and checks that a fresh
+    process takes both from the cache."""
     module = ti.load_extension(KERNEL_DIR)
-    cuda_variants = [v.name for v in ti.VARIANTS.values() if v.backend == "cuda"]
-    assert sorted(module.contraction_variants()) == sorted(cuda_variants)
+    assert os.path.exists(module.kernel_library)
     env = dict(os.environ, TRIMUL_VERBOSE="1")
     run = subprocess.run([sys.executable, "-c", "import trimul_inline as t; t.load_extension()"],
                          cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
@@ -485,22 +611,22 @@ def _cuobjdump():
 
 def test_no_wgmma_kernel_is_serialized():
     """ptxas serializes every wgmma of a kernel (C7514: a note in the build log, not an error) where
-    it finds accumulators that a wgmma in flight could still write being read; v16's descriptor
-    arithmetic did that to the split input kernel ("highest" at pair_dim 384: 4501 -> 5067 us)
-    unnoticed. In the built extension's SASS every kernel with wgmmas (HGMMA) must keep some in flight
-    somewhere (WARPGROUP.DEPBAR.LE gsb0 with a count above 0: 1, or 2 where a k-tile is two commit
-    groups), as each of ours is written to."""
+    it finds accumulators that a wgmma in flight could still write being read; descriptor arithmetic
+    once did that to the split input kernel unnoticed (bench/NOTES-archive.md, v16). In the built kernel
+    library's SASS every kernel with wgmmas (HGMMA) must keep some in flight somewhere
+    (WARPGROUP.DEPBAR.LE gsb0 with a count above 0: 1, or 2 where a k-tile is two commit groups), as
+    each of ours is written to."""
     if ti.target_arch() != "90a":
         pytest.skip(f"the wgmma kernels are in sm_90a builds only (this build: sm_{ti.target_arch()})")
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump (CUDA toolkit, PATH or triton) to read the SASS with")
     module = ti.load_extension(KERNEL_DIR)
-    sass = subprocess.run([tool, "-sass", module.__file__], capture_output=True, text=True, timeout=600,
+    sass = subprocess.run([tool, "-sass", module.kernel_library], capture_output=True, text=True, timeout=600,
                           check=True).stdout
     kernels = dict(f.split("\n", 1) for f in re.split(r"\n\s*Function : ", sass)[1:])
     with_wgmma = {name.strip(): body for name, body in kernels.items() if "HGMMA" in body}
-    assert len(with_wgmma) >= 40, sorted(with_wgmma)  # (input, output and contraction kernels: 49 in v18)
+    assert len(with_wgmma) >= 30, sorted(with_wgmma)  # (input, output and contraction kernels)
     serialized = [name for name, body in with_wgmma.items()
                   if not re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9]", body)]
     assert not serialized, serialized
@@ -550,11 +676,15 @@ def test_bundle_is_self_contained(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# CUDA: every variant against an fp64 reference
+# CUDA: every kernel against an fp64 reference
 # ------------------------------------------------------------------------------------------------
-ALL_VARIANTS = sorted(ti.VARIANTS)
-FP32_VARIANTS = [v for v in ALL_VARIANTS if "float32" in ti.VARIANTS[v].dtypes]
+CONTRACTIONS = [e.name for e in ti.kernel_registry() if e.role == "contract" and e.name != "in_output_pass"]
+# The operand dtypes each standalone contraction takes (registry.def's "applies when", as the test expects it).
+CONTRACTION_DTYPES = {"wgmma": (torch.bfloat16, torch.float16), "wgmma_tma": (torch.bfloat16, torch.float16)}
+FP32_CONTRACTIONS = [k for k in CONTRACTIONS if torch.float32 in CONTRACTION_DTYPES.get(k, (torch.float32,))]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                            reason="needs a Hopper GPU (sm_90a kernels)")
 
 
 def poison_allocator():
@@ -564,37 +694,54 @@ def poison_allocator():
 
 
 @cuda
-@pytest.mark.parametrize("variant", ALL_VARIANTS)
+@pytest.mark.parametrize("kernel", CONTRACTIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 # (2, 200, 520, 96): 16-bit z rows of a multiple of 8 elements, so wgmma_tma's staged 16-byte stores
 # take the whole tiles and its plain stores the row and column tails.
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1), (3, 7, 5, 9), (2, 33, 33, 33), (1, 64, 64, 64),
                                    (1, 65, 127, 70), (2, 257, 257, 257), (2, 200, 520, 96)])
-def test_contraction_matches_fp64(variant, dtype, shape):
+def test_contraction_matches_fp64(kernel, dtype, shape):
     seed = fresh_seed()
     g = torch.Generator(device="cuda").manual_seed(seed)
     batch, m, n, k = shape
     a = torch.randn(batch, m, k, device="cuda", generator=g).to(dtype)
     b = torch.randn(batch, n, k, device="cuda", generator=g).to(dtype)
     z = torch.full((batch, m, n), float("nan"), device="cuda", dtype=dtype)
-    if str(dtype).replace("torch.", "") not in ti.VARIANTS[variant].dtypes:
-        with pytest.raises(TypeError, match=f"kernel '{variant}' does not support"):
-            ti.contract_into(z, a, b, variant, "highest")
+    takes = dtype in CONTRACTION_DTYPES.get(kernel, (torch.float32, torch.bfloat16, torch.float16))
+    if kernel in ("wgmma", "wgmma_tma") and torch.cuda.get_device_capability() != (9, 0):
+        takes = False
+    if not takes:
+        with pytest.raises(ValueError, match=f"the contract kernel '{kernel}' does not take this call"):
+            ti.contract_into(z, a, b, kernel, "highest")
         return
-    ti.contract_into(z, a, b, variant, "highest")
+    ti.contract_into(z, a, b, kernel, "highest")
     ref = torch.bmm(a.double(), b.double().transpose(1, 2))
-    assert not z.isnan().any(), f"{variant}: unwritten outputs (seed {seed})"
+    assert not z.isnan().any(), f"{kernel}: unwritten outputs (seed {seed})"
     err = rel_error(z, ref)
-    assert err < TOLERANCE[dtype], f"{variant} {dtype} {shape}: error {err} (seed {seed})"
+    assert err < TOLERANCE[dtype], f"{kernel} {dtype} {shape}: error {err} (seed {seed})"
+
+
+@cuda
+def test_contraction_default_order_takes_the_first_that_applies():
+    """contract_into(kernel=None): the registry's default order (in_output_pass never standalone): on Hopper
+    wgmma_tma for 16-bit operands; fp32 ones at "highest" are no TF32 values, so mma takes them."""
+    a = torch.randn(2, 70, 40, device="cuda")
+    z = torch.empty(2, 70, 70, device="cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        ran = _cuda_kernels_launched(lambda: ti.contract_into(z.to(dtype), a.to(dtype), a.to(dtype), None, "highest"))
+        ours = [k for k in ran if "trimul::" in k]
+        want = "contract_wgmma_tma::" if dtype != torch.float32 and torch.cuda.get_device_capability() == (9, 0) \
+            else "contract_mma::"
+        assert len(ours) == 1 and want in ours[0], ours
 
 
 FUSED_TOLERANCE = {"highest": 1e-5, "high": 3e-3, "medium": 1.5e-2}
 ROUNDING = {"high": "high", "medium": "medium"}  # (_check_model's rounding: none for "highest")
 
 
-def _make_new(reference, dtype, variant="auto", precision=None):
+def _make_new(reference, dtype, kernels=None, precision=None):
     new = ti.ModelNew(reference.pair_dim, reference.hidden_dim, reference.direction,
-                      reference.gate_input, kernel=variant, precision=precision)
+                      reference.gate_input, kernels=kernels, precision=precision)
     new.load_state_dict(reference.state_dict())
     return new.to(device="cuda", dtype=dtype)
 
@@ -623,6 +770,13 @@ def _check_model(new, reference, pair, mask, tolerance, seed, label, dtype=torch
     return err
 
 
+def _cuda_kernels_launched(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def _check_model_profiled(new, reference, pair, mask, tolerance, seed, label, dtype=torch.float32, rounding=None):
     """_check_model with the checked call profiled: (error, the CUDA kernels it launched)."""
     errors = []
@@ -631,43 +785,49 @@ def _check_model_profiled(new, reference, pair, mask, tolerance, seed, label, dt
     return errors[0], kernels
 
 
-def _check_fresh_model_profiled(batch, n, pair_dim, hidden, precision, label, direction="outgoing"):
+def _ran(names, role, kernel):
+    """Whether the profiled kernel names hold exactly one of `role`'s pass kernels, and it is `kernel`
+    (each pass kernel lives in the namespace <role>_pass::<its registry name>)."""
+    ours = [k for k in names if f"{role}_pass::" in k]
+    return len(ours) == 1 and f"{role}_pass::{kernel}::kernel<" in ours[0]
+
+
+def _check_fresh_model_profiled(batch, n, pair_dim, hidden, precision, label, direction="outgoing", kernels=None):
     """A fresh random fp32 ModelNew (raw gate input) checked against its fp64 reference on fresh
     inputs under the profiler: the CUDA kernels the checked call launched."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
-    new = _make_new(reference, torch.float32, "auto", precision)
+    new = _make_new(reference, torch.float32, kernels, precision)
     pair, mask = random_inputs(batch, n, pair_dim, g)
     return _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed, label)[1]
 
 
 # (2, 97, 32, 24): a separate contraction with batch > 1 ("highest" on Hopper: split operands, whose
-# remainder planes sit batch * hidden planes after the TF32 ones).
+# remainder planes sit batch * hidden planes after the first parts).
 SHAPES = [(1, 1, 8, 4), (2, 7, 16, 8), (1, 33, 32, 16), (1, 257, 24, 12), (2, 40, 128, 128),
           (1, 64, 48, 20), (1, 130, 64, 32), (2, 97, 32, 24)]
-# "auto" is its own path at N <= 64: the output pass computes the contraction (two launches).
-# 16-bit-only kernels (wgmma) are covered by the half-precision and reduced-precision tests.
-MODEL_KERNELS = FP32_VARIANTS + ["auto"]
 
 
 @cuda
-@pytest.mark.parametrize("variant", MODEL_KERNELS)
+@pytest.mark.parametrize("contract", FP32_CONTRACTIONS + [None])
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 @pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", SHAPES)
-def test_fused_matches_fp64_reference(variant, direction, gate_input, batch, n, pair_dim, hidden):
+def test_fused_matches_fp64_reference(contract, direction, gate_input, batch, n, pair_dim, hidden):
+    """Every contraction that takes fp32 operands, and the default order (at N <= 64: the output pass
+    contracts), in the fused forward at "highest"."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(pair_dim, hidden, direction, gate_input).double(), g)
-    new = _make_new(reference, torch.float32, variant)
+    new = _make_new(reference, torch.float32, {"contract": contract}, "highest")
     pair, mask = random_inputs(batch, n, pair_dim, g)
-    _check_model(new, reference, pair, mask, 1e-5, seed, f"{variant} {direction} {gate_input} N={n}")
+    _check_model(new, reference, pair, mask, 1e-5, seed, f"{contract} {direction} {gate_input} N={n}")
 
 
 @cuda
-@pytest.mark.parametrize("variant, precision", [("mma", "high"), ("mma", "medium"), ("auto", "high"),
-                                                ("auto", "medium"), ("wgmma", "medium")])
+@pytest.mark.parametrize("contract, precision", [("mma", "high"), ("mma", "medium"), (None, "high"),
+                                                 (None, "medium"), ("wgmma", "medium")])
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 # (1, 200, 128, 128): the 16-bit resident-weight passes with hidden = 128 (the output pass's unguarded
 # z loads; big enough to fill every SM, which they require); (1, 72, 128, 128): the streamed passes at
@@ -681,150 +841,126 @@ def test_fused_matches_fp64_reference(variant, direction, gate_input, batch, n, 
                                                         (1, 200, 128, 128), (1, 72, 384, 128),
                                                         (1, 200, 384, 128), (2, 130, 200, 40),
                                                         (1, 264, 32, 20)])
-def test_fused_reduced_precisions(variant, precision, direction, batch, n, pair_dim, hidden):
+def test_fused_reduced_precisions(contract, precision, direction, batch, n, pair_dim, hidden):
+    if contract == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs a Hopper GPU")
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(pair_dim, hidden, direction, "normalized").double(), g)
-    new = _make_new(reference, torch.float32, variant, precision)
+    new = _make_new(reference, torch.float32, {"contract": contract}, precision)
     pair, mask = random_inputs(batch, n, pair_dim, g)
     err = _check_model(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed, precision)
     if precision == "high":  # really reduced: tf32 must not be silently fp32-accurate, nor worse
         assert err > 1e-6
 
 
-# Kernel names (as the profiler shows them) of each fused pass's kernels, by pinned name.
-PASS_KERNELS = {"input": {"wgmma_rs": "input_pass::wgmma_rs::kernel<", "wgmma_rs_wide": "input_pass::wgmma_rs_wide::kernel<",
-                          "wgmma": "input_pass::wgmma_tiles::kernel<", "resident": "input_pass::resident::kernel<",
-                          "streamed": "input_pass::kernel<"},
-                "output": {"wgmma_rs_wide": "output_pass::wgmma_rs_wide::kernel<", "wgmma": "output_pass::wgmma_tiles::kernel<", "resident": "output_pass::resident::kernel<",
-                           "streamed": "output_pass::kernel<"}}
-
-
 @cuda
-@pytest.mark.parametrize("fused_pass, kernel, precision", [
-    ("input", "wgmma", "medium"), ("input", "resident", "medium"), ("input", "streamed", "medium"),
-    ("input", "wgmma", "high"), ("input", "wgmma", "high-tf32"), ("input", "streamed", "high"),
-    ("input", "wgmma", "highest"), ("input", "streamed", "highest"),
-    ("output", "wgmma", "medium"), ("output", "resident", "medium"), ("output", "streamed", "medium"),
-    ("output", "wgmma", "high"), ("output", "wgmma", "high-tf32"), ("output", "streamed", "high"),
-    ("output", "wgmma", "highest"), ("output", "streamed", "highest")])
-# (1, 200, 384, 128): the output pass's wgmma kernel with 64-position tiles and streamed weights
-# (two row buffers at bf16, one at TF32). (2, 97, 32, 24): fewer weight k-tiles than ring stages
-# (split weights must stream anyway: they are split in place). (16, 32, 64, 32): a seed shape, the
-# contraction in the output pass, fewer tiles than SMs (where auto takes the wgmma input kernel since
-# v17, so the pinned streamed input kernels are checked there only here).
+@pytest.mark.parametrize("role, kernel, precision", [
+    ("input", "wgmma_ws", "medium"), ("input", "resident", "medium"), ("input", "streamed", "medium"),
+    ("input", "wgmma_ws", "high"), ("input", "streamed", "high"), ("input", "wgmma_ws", "highest"),
+    ("input", "streamed", "highest"),
+    ("output", "resident", "medium"), ("output", "streamed", "medium"), ("output", "wgmma_ws", "high"),
+    ("output", "streamed", "high"), ("output", "wgmma_ws", "highest"), ("output", "streamed", "highest")])
+# (1, 200, 128, 128): the resident kernels (pair_dim 128, enough tiles for every SM's warp pairs);
+# (2, 130, 200, 40): k-tiles past pair_dim, h rows past hidden; (1, 200, 384, 128): the output pass's wgmma
+# kernel with 64-position tiles and streamed weights; (2, 97, 32, 24): fewer weight k-tiles than ring stages
+# (split weights must stream anyway); (16, 32, 64, 32): a seed shape, fewer tiles than SMs, where the default
+# order takes the wgmma input kernel and the output pass contracts (so the pinned kernels are checked
+# there only here; an output kernel that does not contract moves the contraction to its own launch).
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 200, 128, 128), (2, 130, 200, 40), (1, 200, 384, 128),
                                                         (2, 97, 32, 24), (16, 32, 64, 32)])
-def test_every_pass_kernel_matches_fp64(monkeypatch, fused_pass, kernel, precision, batch, n, pair_dim, hidden):
-    """TRIMUL_INPUT_PASS / TRIMUL_OUTPUT_PASS pin a fused pass to one kernel. auto runs only the
-    first that applies (on Hopper the input pass's wgmma kernel; the output pass's wgmma kernel at
-    pair_dim > 128 or "highest"), so this keeps every kernel checked against fp64, and
-    profiles the call to be sure the pinned kernel is the one that ran. "highest" at N=200 runs the
-    split-operand contraction, so the input pass writes both planes. "high" runs the wgmma kernels in
-    scaled fp16 (kF16, the default), "high-tf32" in native TF32 (TRIMUL_HIGH_ARITH=tf32)."""
-    if kernel == "wgmma" and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
+def test_every_pass_kernel_matches_fp64(role, kernel, precision, batch, n, pair_dim, hidden):
+    """kernels={role: kernel} pins a fused pass to one kernel. The default order runs only the first that
+    applies, so this keeps every kernel checked against fp64, and profiles the call to be sure the chosen
+    kernel is the one that ran. "highest" at N = 200 runs the split-operand contraction, so the input pass
+    writes both planes; "high" and "highest" run the wgmma kernels in scaled fp16 (their kF16 template flag)."""
+    if kernel == "wgmma_ws" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma passes need a Hopper GPU")
     if kernel == "resident" and (pair_dim > 128 or n < 128):
-        pytest.skip("the resident passes take pair_dim <= 128 and enough positions for every SM's warp pairs")
-    if fused_pass == "output" and kernel == "wgmma" and n <= 64:
-        pytest.skip("at N <= 64 auto contracts in the output pass, which only the mma.sync output kernels do")
-    monkeypatch.setenv("TRIMUL_INPUT_PASS" if fused_pass == "input" else "TRIMUL_OUTPUT_PASS", kernel)
-    # (the rounds staging here: the streamed staging, auto's at pair_dim <= 128, has its own tests)
-    monkeypatch.setenv("TRIMUL_INPUT_STAGING", "rounds")
-    arith_f16 = precision in ("high", "highest")  # (the wgmma kernels' kF16 template flag)
-    if precision == "high-tf32":
-        monkeypatch.setenv("TRIMUL_HIGH_ARITH", "tf32")
-        precision = "high"
-    ran = _check_fresh_model_profiled(batch, n, pair_dim, hidden, precision, f"{fused_pass} {kernel} {precision}")
-    names = [k for k in ran if f"{fused_pass}_pass" in k]
-    assert len(names) == 1 and PASS_KERNELS[fused_pass][kernel] in names[0], names
-    if kernel == "wgmma":
-        # (the input kernel's last template flag is the streamed staging's, off here)
-        flags = "%s, false" if fused_pass == "input" else "%s"
-        assert re.search(r"wgmma_tiles::kernel<[^>]*, %s>\(" % (flags % ("true" if arith_f16 else "false")),
-                         names[0]), names
+        pytest.skip("the resident kernels take pair_dim <= 128 and tiles enough for every SM's warp pairs")
+    if (role, kernel) == ("output", "wgmma_ws") and batch * n * n < 132 * 128:
+        pytest.skip("the wgmma output kernel takes problems that give every SM a tile")
+    ran = _check_fresh_model_profiled(batch, n, pair_dim, hidden, precision, f"{role} {kernel} {precision}",
+                                      kernels={role: kernel})
+    assert _ran(ran, role, kernel), ran
+    if kernel == "wgmma_ws":  # (kernel<Mode, pair type, positions, kF16[, streamed staging]>)
+        ours = next(k for k in ran if f"{role}_pass::wgmma_ws::kernel<" in k)
+        f16 = "true" if precision in ("high", "highest") else "false"
+        assert re.search(r"wgmma_ws::kernel<[^>]*, \d+, %s[,>]" % f16, ours), ours
 
 
 @cuda
+@pytest.mark.parametrize("role, kernel, precision, shape", [
+    ("output", "wgmma_ws", "medium", (1, 200, 128, 128)),  # (the resident kernel's sizes: measured faster there)
+    ("input", "wgmma_rs", "medium", (1, 200, 64, 32)),     # (rows of 128 only)
+    ("input", "resident", "highest", (1, 200, 64, 32)),    # (16-bit operands only)
+    ("output", "resident", "medium", (1, 40, 64, 32)),     # (a z buffer: forces a contraction launch, then too
+])                                                          #  few tiles for every SM's warp pairs)
+def test_a_chosen_kernel_that_does_not_apply_raises(role, kernel, precision, shape):
+    """A kernel chosen by name that does not take the call raises a ValueError naming it and the registry's
+    "applies when", instead of running another one silently."""
+    if torch.cuda.get_device_capability() != (9, 0) and kernel.startswith("wgmma"):
+        pytest.skip("the wgmma passes need a Hopper GPU")
+    batch, n, pair_dim, hidden = shape
+    entry = next(e for e in ti.kernel_registry() if (e.role, e.name) == (role, kernel))
+    new = ti.ModelNew(pair_dim, hidden, kernels={role: kernel}, precision=precision).cuda()
+    pair, mask = torch.randn(batch, n, n, pair_dim, device="cuda"), torch.ones(batch, n, n, device="cuda")
+    with torch.no_grad(), pytest.raises(ValueError, match=re.escape(f"the {role} kernel '{kernel}' does not take this "
+                                                                    "call") + ".*" + re.escape(entry.applies)):
+        new(pair, mask)
+
+
+@cuda
+@HOPPER
 @pytest.mark.parametrize("pair_dim, dtype, kernel", [(128, torch.float32, "wgmma_rs"), (128, torch.bfloat16, "wgmma_rs"),
-                                                     (128, torch.float16, "wgmma_rs"), (96, torch.float32, "wgmma"),
-                                                     (384, torch.float32, "wgmma_rs_wide"),
-                                                     (384, torch.bfloat16, "wgmma_rs_wide")])
-def test_auto_takes_register_row_input_kernel_for_rows_of_128(monkeypatch, pair_dim, dtype, kernel):
-    """With TRIMUL_INPUT_PASS unset, "medium" takes wgmma_rs for fp32 / bf16 / fp16 rows of exactly 128 channels
-    and wgmma_rs_wide for rows of 384 (where they measured faster, NOTES v25, v25d, v28), the wgmma kernel for
-    other pair_dims, correct either way."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    monkeypatch.delenv("TRIMUL_INPUT_PASS", raising=False)
+                                                     (128, torch.float16, "wgmma_rs"), (96, torch.float32, "wgmma_ws"),
+                                                     (384, torch.float32, "wgmma_rs_384"),
+                                                     (384, torch.bfloat16, "wgmma_rs_384")])
+def test_default_input_kernel_at_medium(pair_dim, dtype, kernel):
+    """The input role's default order at "medium": wgmma_rs for fp32 / bf16 / fp16 rows of exactly 128
+    channels, wgmma_rs_384 for rows of 384, the wgmma_ws kernel for other pair_dims; correct either way, and
+    forward_steps' plan names the kernel that ran."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(pair_dim, 128, "outgoing", "raw").double(), g)
-    new = _make_new(reference, dtype, "auto", "medium")
+    new = _make_new(reference, dtype, None, "medium")
     pair, mask = random_inputs(1, 150, pair_dim, g)
     tolerance = FUSED_TOLERANCE["medium"] if dtype == torch.float32 else TOLERANCE[dtype]
     _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, tolerance, seed, f"auto {pair_dim} {dtype}",
                                    dtype, rounding="medium")
-    names = [k for k in ran if "input_pass" in k]
-    assert len(names) == 1 and PASS_KERNELS["input"][kernel] in names[0], names
+    assert _ran(ran, "input", kernel), ran
+    assert new.forward_steps(pair.to(dtype).cuda(), mask.cuda()).kernels.input == kernel
 
 
 @cuda
-@pytest.mark.parametrize("hidden, gate_input, dtype, kernel", [(128, "raw", torch.float32, "wgmma_rs_wide"),
-                                                               (128, "raw", torch.bfloat16, "wgmma_rs_wide"),
-                                                               (128, "normalized", torch.float32, "wgmma"),
-                                                               (96, "raw", torch.float32, "wgmma")])
-def test_auto_takes_register_row_output_kernel_at_384(monkeypatch, hidden, gate_input, dtype, kernel):
-    """With TRIMUL_OUTPUT_PASS unset, "medium" at pair_dim 384 takes wgmma_rs_wide for H 128 and the raw gate
-    (where it measured faster, NOTES v29) and the wgmma kernel otherwise, correct either way."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    monkeypatch.delenv("TRIMUL_OUTPUT_PASS", raising=False)
+@HOPPER
+@pytest.mark.parametrize("hidden, gate_input, dtype, kernel", [(128, "raw", torch.float32, "wgmma_rs_384"),
+                                                               (128, "raw", torch.bfloat16, "wgmma_rs_384"),
+                                                               (128, "normalized", torch.float32, "wgmma_ws"),
+                                                               (96, "raw", torch.float32, "wgmma_ws")])
+def test_default_output_kernel_at_384(hidden, gate_input, dtype, kernel):
+    """The output role's default order at "medium", pair_dim 384: wgmma_rs_384 for H 128 and the raw gate, the
+    wgmma_ws kernel otherwise; correct either way."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(384, hidden, "outgoing", gate_input).double(), g)
-    new = _make_new(reference, dtype, "auto", "medium")
+    new = _make_new(reference, dtype, None, "medium")
     pair, mask = random_inputs(1, 150, 384, g)
     tolerance = FUSED_TOLERANCE["medium"] if dtype == torch.float32 else TOLERANCE[dtype]
     _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, tolerance, seed,
                                    f"auto output {hidden} {gate_input} {dtype}", dtype, rounding="medium")
-    names = [k for k in ran if "output_pass" in k]
-    assert len(names) == 1 and PASS_KERNELS["output"][kernel] in names[0], names
+    assert _ran(ran, "output", kernel), ran
 
 
-def _check_16bit_rows_under_pins(monkeypatch, pair_dim, dtype, batch, n, hidden, direction, pins):
-    """One bf16 / fp16 model at pair_dim checked against fp64 under each (TRIMUL_INPUT_PASS value or None for
-    unset, the input kernel that must run) of `pins`, fresh inputs each."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
-    new = _make_new(reference, dtype, "auto", "medium")
-    for pin, kernel in pins:
-        if pin is None:
-            monkeypatch.delenv("TRIMUL_INPUT_PASS", raising=False)
-        else:
-            monkeypatch.setenv("TRIMUL_INPUT_PASS", pin)
-        pair, mask = random_inputs(batch, n, pair_dim, g)
-        _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, TOLERANCE[dtype], seed,
-                                       f"{pin} {dtype} {batch},{n},{hidden}", dtype, rounding="medium")
-        names = [k for k in ran if "input_pass" in k]
-        assert len(names) == 1 and PASS_KERNELS["input"][kernel] in names[0], names
-
-
-def _check_register_row_kernel(monkeypatch, fused_pass, kernel, pair_dim, hidden, dtype, autocast, batch, n,
-                               direction, mask_kind, offset):
-    """A fresh raw-gate model at "medium" with `fused_pass` pinned to `kernel`, checked against fp64 on poisoned
+def _check_register_row_kernel(role, kernel, pair_dim, hidden, dtype, autocast, batch, n, direction, mask_kind,
+                               offset):
+    """A fresh raw-gate model at "medium" with `role` pinned to `kernel`, checked against fp64 on poisoned
     work buffers (rows `offset` away from zero; a float mask scaled by up to 2 where mask_kind is "float", under
-    `autocast` if given), and the profiler's word that the pinned kernel is the one that ran."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    monkeypatch.setenv("TRIMUL_INPUT_PASS" if fused_pass == "input" else "TRIMUL_OUTPUT_PASS", kernel)
+    `autocast` if given), and the profiler's word that the chosen kernel is the one that ran."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
-    new = _make_new(reference, dtype, "auto", "medium")
+    new = _make_new(reference, dtype, {role: kernel}, "medium")
     pair, mask = random_inputs(batch, n, pair_dim, g)
     if mask_kind == "float":
         mask = mask * torch.rand(mask.shape, generator=g, dtype=torch.float64) * 2.0
@@ -837,63 +973,49 @@ def _check_register_row_kernel(monkeypatch, fused_pass, kernel, pair_dim, hidden
         _, ran = _check_model_profiled(new, reference, pair, mask.to(torch.float32 if mask_kind == "float" else torch.bool),
                                        tolerance, seed, f"{kernel} {dtype} {autocast} {batch},{n},{hidden}", dtype,
                                        rounding="medium")
-    names = [k for k in ran if f"{fused_pass}_pass" in k]
-    assert len(names) == 1 and PASS_KERNELS[fused_pass][kernel] in names[0], names
+    assert _ran(ran, role, kernel), ran
 
 
 @cuda
+@HOPPER
 @pytest.mark.parametrize("autocast", [None, torch.float16])
-# (1, 200, 128, 128): 625 64-position tiles, the last one half past the plane (in_plane 32); (2, 97, 128, 40):
-# H not a multiple of 64 (a chunk's h past H are not stored), batch 2; (1, 33, 128, 96) incoming: a transposed
-# row walk, a tile per 64 positions over rows of 64 (ld) with k >= n padding; (3, 7, 128, 8): fewer tiles than
-# warpgroups; (1, 130, 128, 64) with a float mask and rows 40 away from zero (the LayerNorm's shift).
+# (1, 200, 128, 128): 625 64-position tiles, the last one half past the plane (its TMA box clipped at the
+# plane's end); (2, 97, 128, 40): H not a multiple of 64 (a chunk's h past H not stored), batch 2, and
+# incoming (H not a multiple of 32: the box's h past H clipped, not written into the next batch's planes);
+# (1, 33, 128, 96) incoming: a transposed row walk, a tile per 64 positions over rows of 64 (ld) with k >= n
+# padding; (3, 7, 128, 8): fewer tiles than warpgroups; (1, 130, 128, 64) with a float mask and rows 40 away
+# from zero (the LayerNorm's shift).
 @pytest.mark.parametrize("batch, n, hidden, direction, mask_kind, offset", [
-    (1, 200, 128, "outgoing", "bool", 0.0), (2, 97, 40, "outgoing", "bool", 0.0), (1, 33, 96, "incoming", "bool", 0.0),
-    (3, 7, 8, "outgoing", "bool", 0.0), (1, 130, 64, "outgoing", "float", 40.0)])
-def test_register_row_input_kernel_matches_fp64(monkeypatch, autocast, batch, n, hidden, direction, mask_kind,
-                                                offset):
-    """TRIMUL_INPUT_PASS=wgmma_rs: the 16-bit input kernel with the rows in registers (pair_dim 128, fp32
-    rows) and its prepared weights (LayerNorm_in's affine folded in, k permuted) against fp64, on poisoned
-    work buffers; the profiler checks that it is the kernel that ran."""
-    _check_register_row_kernel(monkeypatch, "input", "wgmma_rs", 128, hidden, torch.float32, autocast, batch, n,
-                               direction, mask_kind, offset)
+    (1, 200, 128, "outgoing", "bool", 0.0), (2, 97, 40, "outgoing", "bool", 0.0), (2, 97, 40, "incoming", "bool", 0.0),
+    (1, 33, 96, "incoming", "bool", 0.0), (3, 7, 8, "outgoing", "bool", 0.0), (1, 130, 64, "outgoing", "float", 40.0)])
+def test_register_row_input_kernel_matches_fp64(autocast, batch, n, hidden, direction, mask_kind, offset):
+    """input=wgmma_rs: the 16-bit input kernel with the rows in registers (pair_dim 128, fp32 rows) and its
+    prepared weights (LayerNorm_in's affine folded in, k permuted) against fp64, on poisoned work buffers."""
+    _check_register_row_kernel("input", "wgmma_rs", 128, hidden, torch.float32, autocast, batch, n, direction,
+                               mask_kind, offset)
 
 
 @cuda
-@pytest.mark.parametrize("store", ["threads", "tma"])
-@pytest.mark.parametrize("kernel, pair_dim", [("wgmma_rs", 128), ("wgmma_rs_wide", 384)])
-# (1, 200, ., 128): the last tile half past the plane (the TMA box clipped at the plane's end); (2, 97, ., 40)
-# incoming: H not a multiple of 32 (the box's h past H clipped, not written into the next batch's planes).
-@pytest.mark.parametrize("batch, n, hidden, direction", [(1, 200, 128, "outgoing"), (2, 97, 40, "incoming")])
-def test_register_row_input_kernels_store_both_ways(monkeypatch, store, kernel, pair_dim, batch, n, hidden,
-                                                    direction):
-    """TRIMUL_AB_STORE=threads|tma: the register-row input kernels write a_t / b_t by TMA box stores (the
-    default) or by their own 16-byte stores; both against fp64 on poisoned work buffers."""
-    monkeypatch.setenv("TRIMUL_AB_STORE", store)
-    _check_register_row_kernel(monkeypatch, "input", kernel, pair_dim, hidden, torch.float32, None, batch, n,
-                               direction, "bool", 0.0)
-
-
-@cuda
+@HOPPER
 @pytest.mark.parametrize("autocast", [None, torch.float16])
 # (1, 200, 384, 128): two weight chunks per side, the last tile half past the plane; (2, 97, 384, 40): one chunk
-# per side (rows_ab 128), h past H not stored, batch 2; (1, 33, 384, 96) incoming: a transposed row walk;
-# (3, 7, 384, 8): fewer tiles than warpgroup pairs; (1, 130, 384, 64) with a float mask and rows 40 away
+# per side (rows_ab 128), h past H not stored, batch 2, both directions; (1, 33, 384, 96) incoming: a transposed
+# row walk; (3, 7, 384, 8): fewer tiles than warpgroup pairs; (1, 130, 384, 64) with a float mask and rows 40 away
 # from zero (the centred fragments' rounding); (1, 333, 384, 128): several tiles per warpgroup.
 @pytest.mark.parametrize("batch, n, hidden, direction, mask_kind, offset", [
-    (1, 200, 128, "outgoing", "bool", 0.0), (2, 97, 40, "outgoing", "bool", 0.0), (1, 33, 96, "incoming", "bool", 0.0),
-    (3, 7, 8, "outgoing", "bool", 0.0), (1, 130, 64, "outgoing", "float", 40.0), (1, 333, 128, "outgoing", "bool", 0.0)])
-def test_wide_register_row_input_kernel_matches_fp64(monkeypatch, autocast, batch, n, hidden, direction, mask_kind,
-                                                     offset):
-    """TRIMUL_INPUT_PASS=wgmma_rs_wide: the register-row input kernel at pair_dim 384 (each block one side's
-    weights resident, its partner block the other's; the LayerNorm's mean taken out before the 16-bit
-    fragments, rstd and the biases in the epilogue) against fp64 on poisoned work buffers; the profiler
-    checks that it is the kernel that ran."""
-    _check_register_row_kernel(monkeypatch, "input", "wgmma_rs_wide", 384, hidden, torch.float32, autocast, batch, n,
-                               direction, mask_kind, offset)
+    (1, 200, 128, "outgoing", "bool", 0.0), (2, 97, 40, "outgoing", "bool", 0.0), (2, 97, 40, "incoming", "bool", 0.0),
+    (1, 33, 96, "incoming", "bool", 0.0), (3, 7, 8, "outgoing", "bool", 0.0), (1, 130, 64, "outgoing", "float", 40.0),
+    (1, 333, 128, "outgoing", "bool", 0.0)])
+def test_register_row_384_input_kernel_matches_fp64(autocast, batch, n, hidden, direction, mask_kind, offset):
+    """input=wgmma_rs_384: the register-row input kernel at pair_dim 384 (each block one side's weights
+    resident, its partner block the other's; the LayerNorm's mean taken out before the 16-bit fragments, rstd
+    and the biases in the epilogue) against fp64 on poisoned work buffers."""
+    _check_register_row_kernel("input", "wgmma_rs_384", 384, hidden, torch.float32, autocast, batch, n, direction,
+                               mask_kind, offset)
 
 
 @cuda
+@HOPPER
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # (1, 200, 384, 128): the last tile of the plane partial (z's TMA box past the plane reads zeros); (2, 97, 384,
 # 128) incoming: batch 2 (z rows of the second batch), padding positions j >= n inside the plane (ldz 104);
@@ -902,93 +1024,87 @@ def test_wide_register_row_input_kernel_matches_fp64(monkeypatch, autocast, batc
 @pytest.mark.parametrize("batch, n, direction, mask_kind, offset", [
     (1, 200, "outgoing", "bool", 0.0), (2, 97, "incoming", "bool", 0.0), (1, 130, "outgoing", "float", 40.0),
     (1, 333, "outgoing", "bool", 0.0)])
-def test_wide_register_row_output_kernel_matches_fp64(monkeypatch, dtype, batch, n, direction, mask_kind, offset):
-    """TRIMUL_OUTPUT_PASS=wgmma_rs_wide: the register-row output kernel at pair_dim 384, H 128 ("medium": bf16 z;
-    each block one half of the output channels; z's LayerNorm on ldmatrix.trans fragments, its rstd and the
-    biases in the epilogue) against fp64 on poisoned work buffers; the profiler checks that it ran."""
-    _check_register_row_kernel(monkeypatch, "output", "wgmma_rs_wide", 384, 128, dtype, None, batch, n, direction,
-                               mask_kind, offset)
+def test_register_row_384_output_kernel_matches_fp64(dtype, batch, n, direction, mask_kind, offset):
+    """output=wgmma_rs_384: the register-row output kernel at pair_dim 384, H 128 ("medium": bf16 z; each block
+    one half of the output channels; z's LayerNorm on ldmatrix.trans fragments, its rstd and the biases in the
+    epilogue) against fp64 on poisoned work buffers."""
+    _check_register_row_kernel("output", "wgmma_rs_384", 384, 128, dtype, None, batch, n, direction, mask_kind,
+                               offset)
 
 
 @cuda
+@HOPPER
+@pytest.mark.parametrize("pair_dim, register_kernel", [(128, "wgmma_rs"), (384, "wgmma_rs_384")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch, n, hidden, direction", [(1, 200, 128, "outgoing"), (2, 97, 40, "incoming")])
-def test_wide_register_row_input_kernel_takes_16bit_rows(monkeypatch, dtype, batch, n, hidden, direction):
-    """wgmma_rs_wide on bf16 / fp16 rows (8-byte loads of 4 channels), pinned and by default, correct against
-    fp64; TRIMUL_INPUT_PASS=wgmma still takes the wgmma kernel for them."""
-    _check_16bit_rows_under_pins(monkeypatch, 384, dtype, batch, n, hidden, direction,
-                                 (("wgmma_rs_wide", "wgmma_rs_wide"), (None, "wgmma_rs_wide"), ("wgmma", "wgmma")))
+def test_register_row_input_kernels_take_16bit_rows(pair_dim, register_kernel, dtype, batch, n, hidden, direction):
+    """The register-row input kernels on bf16 / fp16 rows (8-byte loads of 4 channels), chosen and by default,
+    correct against fp64; input=wgmma_ws still takes the wgmma_ws kernel for them."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
+    for chosen, kernel in ((register_kernel, register_kernel), (None, register_kernel), ("wgmma_ws", "wgmma_ws")):
+        new = _make_new(reference, dtype, {"input": chosen}, "medium")
+        pair, mask = random_inputs(batch, n, pair_dim, g)
+        _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, TOLERANCE[dtype], seed,
+                                       f"{chosen} {dtype} {batch},{n},{hidden}", dtype, rounding="medium")
+        assert _ran(ran, "input", kernel), ran
 
 
 @cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("batch, n, hidden, direction", [(1, 200, 128, "outgoing"), (2, 97, 40, "incoming")])
-def test_register_row_input_kernel_takes_16bit_rows(monkeypatch, dtype, batch, n, hidden, direction):
-    """wgmma_rs on bf16 / fp16 rows (8-byte loads of 4 channels), pinned and by default, correct against fp64;
-    TRIMUL_INPUT_PASS=wgmma still takes the wgmma kernel for them."""
-    _check_16bit_rows_under_pins(monkeypatch, 128, dtype, batch, n, hidden, direction,
-                                 (("wgmma_rs", "wgmma_rs"), (None, "wgmma_rs"), ("wgmma", "wgmma")))
-
-
-@cuda
+@HOPPER
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("first_byte, takes", [(16, True), (8, False)])
-def test_register_row_input_kernel_takes_strided_rows_only_when_aligned(monkeypatch, dtype, first_byte, takes):
+def test_register_row_input_kernel_takes_strided_rows_only_when_aligned(dtype, first_byte, takes):
     """wgmma_rs takes rows whose start and strides are 16-byte aligned (the fused passes' one vectorizable-rows
     rule, rows_vectorizable): rows of a wider tensor (136 channels apart) starting 16 bytes in are, and it takes
-    them; starting 8 bytes in they are not, it declines even when pinned, and the pass still comes out right
-    (under the pin the streamed kernel, the last in the order, takes it)."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma_rs")
+    them; starting 8 bytes in they are not: chosen by name it raises, and the default order gives the rows to
+    another kernel, correct."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(128, 128, "outgoing", "raw").double(), g)
-    new = _make_new(reference, dtype, "auto", "medium")
     wide, mask = random_inputs(1, 90, 136, g)
     first_channel = first_byte // torch.tensor([], dtype=dtype).element_size()
     pair = wide.to(dtype).cuda()[..., first_channel:first_channel + 128]
     assert pair.stride(2) == 136
     tolerance = FUSED_TOLERANCE["medium"] if dtype == torch.float32 else TOLERANCE[dtype]
+    chosen = _make_new(reference, dtype, {"input": "wgmma_rs"}, "medium")
+    if not takes:
+        with torch.no_grad(), pytest.raises(ValueError, match="the input kernel 'wgmma_rs' does not take this call"):
+            chosen(pair, mask.cuda())
+    new = chosen if takes else _make_new(reference, dtype, None, "medium")
     _, ran = _check_model_profiled(new, reference, pair, mask, tolerance, seed,
                                    f"wgmma_rs {dtype} strided from byte {first_byte}", dtype, rounding="medium")
-    names = [k for k in ran if "input_pass" in k]
-    assert len(names) == 1 and (PASS_KERNELS["input"]["wgmma_rs"] in names[0]) == takes, names
+    assert _ran(ran, "input", "wgmma_rs") == takes, ran
 
 
 @cuda
+@HOPPER
 @pytest.mark.parametrize("precision", ti.PRECISIONS)
 # (16, 32, 64, 32): a seed shape (128 tiles, the contraction in the output pass); (1, 7, 24, 12): one
 # tile per batch, mostly padding; (1, 100, 64, 32) incoming: 100 tiles and a separate contraction.
 @pytest.mark.parametrize("batch, n, pair_dim, hidden, direction", [(16, 32, 64, 32, "outgoing"),
                                                                    (1, 7, 24, 12, "outgoing"),
                                                                    (1, 100, 64, 32, "incoming")])
-def test_wgmma_input_pass_takes_small_problems(monkeypatch, precision, batch, n, pair_dim, hidden, direction):
-    """The default order gives the wgmma input kernel problems with fewer 128-position tiles than SMs
-    too (it measured faster there than the streamed kernels, NOTES v17)."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    monkeypatch.delenv("TRIMUL_INPUT_PASS", raising=False)
+def test_wgmma_input_pass_takes_small_problems(precision, batch, n, pair_dim, hidden, direction):
+    """The default order gives the wgmma_ws input kernel problems with fewer 128-position tiles than SMs
+    too (it measured faster there than the mma.sync kernels)."""
     ran = _check_fresh_model_profiled(batch, n, pair_dim, hidden, precision, f"{precision} N={n}", direction)
-    names = [k for k in ran if "input_pass" in k]
-    assert len(names) == 1 and PASS_KERNELS["input"]["wgmma"] in names[0], names
+    assert _ran(ran, "input", "wgmma_ws"), ran
 
 
 @cuda
+@HOPPER
 @pytest.mark.parametrize("precision", ["highest", "high"])
 @pytest.mark.parametrize("ln_scale, weight_scale, pair_scale", [(1e-4, 1e4, 1e5), (1e3, 1e-3, 1e-4), (1.0, 1.0, 1.0)])
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 200, 384, 128), (2, 97, 32, 24)])
-def test_scaled_f16_wgmma_passes_hold_at_extreme_scales(monkeypatch, precision, ln_scale, weight_scale, pair_scale,
-                                                        batch, n, pair_dim, hidden):
+def test_scaled_f16_wgmma_passes_hold_at_extreme_scales(precision, ln_scale, weight_scale, pair_scale, batch, n,
+                                                        pair_dim, hidden):
     """The wgmma passes multiply "highest" as fp16x3 and "high" as scaled fp16 with power-of-two
     scalings (ForwardArgs::w_in_f16x3): chosen from the parameters for the LayerNorm-ed rows, per
     position for out_gate's raw rows. LayerNorm weights and projections far from 1, and inputs past
     fp16's range (2e5) or deep in its subnormals, must neither overflow nor lose the remainders (the
     products stay O(1))."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma")
-    monkeypatch.setenv("TRIMUL_OUTPUT_PASS", "wgmma")
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(pair_dim, hidden, "outgoing", "raw").double(), g)
@@ -999,84 +1115,85 @@ def test_scaled_f16_wgmma_passes_hold_at_extreme_scales(monkeypatch, precision, 
         for layer in (reference.proj_a, reference.gate_a, reference.proj_b, reference.gate_b, reference.out_proj):
             layer.weight.mul_(weight_scale)
         reference.out_gate.weight.div_(pair_scale)
-    new = _make_new(reference, torch.float32, "auto", precision)
+    output = "wgmma_ws" if batch * n * n >= 132 * 128 else None  # (the wgmma output kernel wants a tile per SM)
+    new = _make_new(reference, torch.float32, {"input": "wgmma_ws", "output": output}, precision)
     pair, mask = random_inputs(batch, n, pair_dim, g)
     _, ran = _check_model_profiled(new, reference, pair * pair_scale, mask, FUSED_TOLERANCE[precision], seed,
                                    f"{precision} scales {ln_scale} {weight_scale} {pair_scale}")
-    for fused_pass in ("input", "output"):
-        names = [k for k in ran if f"{fused_pass}_pass" in k]
-        assert len(names) == 1 and PASS_KERNELS[fused_pass]["wgmma"] in names[0], names
+    assert _ran(ran, "input", "wgmma_ws"), ran
+    assert output is None or _ran(ran, "output", "wgmma_ws"), ran
 
 
 @cuda
-@pytest.mark.parametrize("input_kernel", ["wgmma", "streamed"])
+@HOPPER
+@pytest.mark.parametrize("input_kernel", ["wgmma_ws", "streamed"])
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
-def test_highest_split_contraction_both_operand_formats(monkeypatch, input_kernel, mask_dtype):
-    """At "highest" with a separate contraction (N > 64) on Hopper the input pass writes the
-    contraction's operands split: as fp16 parts and remainders scaled by a bound that assumes a mask
-    of at most 1 (bool masks), else as TF32 parts and remainders. A float mask past 1 must take the
-    second (each input-pass kernel writes both formats)."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the split contraction needs an sm_90a GPU")
-    monkeypatch.setenv("TRIMUL_INPUT_PASS", input_kernel)
+def test_highest_split_contraction_both_operand_formats(input_kernel, mask_dtype):
+    """At "highest" with a separate contraction (N > 64) on Hopper the plan takes wgmma_tma on split
+    operands: fp16 parts and remainders scaled by a bound that assumes a mask of at most 1 (bool masks),
+    else TF32 parts and remainders. A float mask past 1 must take the second (each input kernel writes
+    both formats); forward_steps' plan says which."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(128, 64, "outgoing", "raw").double(), g)
-    new = _make_new(reference, torch.float32, "auto", "highest")
+    new = _make_new(reference, torch.float32, {"input": input_kernel}, "highest")
     pair, mask = random_inputs(1, 200, 128, g)
     if mask_dtype == torch.float32:
         mask = mask * (torch.rand(mask.shape, generator=g) * 3.0)  # values in [0, 3)
-    _check_model(new, reference, pair, mask.to(mask_dtype), FUSED_TOLERANCE["highest"], seed,
-                 f"{input_kernel} {mask_dtype}")
+    mask = mask.to(mask_dtype)
+    _check_model(new, reference, pair, mask, FUSED_TOLERANCE["highest"], seed, f"{input_kernel} {mask_dtype}")
+    plan = new.forward_steps(pair.float().cuda(), mask.cuda()).plan
+    assert plan["contract"] == "wgmma_tma" and plan["ab_shape"][1] == 2 * 64  # (parts, then remainders)
+    assert plan["ab_dtype"] == ("float16" if mask_dtype == torch.bool else "float32"), plan
 
 
 @cuda
-@pytest.mark.parametrize("input_kernel, mask_dtype", [("wgmma", torch.bool), ("streamed", torch.bool),
-                                                      ("wgmma", torch.float32)])
+@HOPPER
+@pytest.mark.parametrize("input_kernel, mask_dtype", [("wgmma_ws", torch.bool), ("streamed", torch.bool),
+                                                      ("wgmma_ws", torch.float32)])
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 200, 384, 128), (1, 200, 128, 128), (2, 97, 32, 24)])
-def test_high_as_scaled_f16_by_default(monkeypatch, input_kernel, mask_dtype, batch, n, pair_dim, hidden):
+def test_high_as_scaled_f16(input_kernel, mask_dtype, batch, n, pair_dim, hidden):
     """"high" runs the wgmma passes in scaled fp16 (TF32's 11-bit significand) and, with a bool mask,
-    the contraction on scaled fp16 operands (TRIMUL_HIGH_ARITH unset); a float mask keeps TF32
-    operands, and the streamed input kernel writes either. The error must stay within "high"'s budget
-    and stay reduced (not silently fp32-accurate)."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    monkeypatch.delenv("TRIMUL_HIGH_ARITH", raising=False)
-    monkeypatch.setenv("TRIMUL_INPUT_PASS", input_kernel)
+    the contraction on scaled fp16 operands; a float mask keeps TF32 operands, and the streamed input
+    kernel writes either. The error must stay within "high"'s budget and stay reduced (not silently
+    fp32-accurate)."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(pair_dim, hidden, "outgoing", "raw").double(), g)
-    new = _make_new(reference, torch.float32, "auto", "high")
+    new = _make_new(reference, torch.float32, {"input": input_kernel}, "high")
     pair, mask = random_inputs(batch, n, pair_dim, g)
     if mask_dtype == torch.float32:
         mask = mask * (torch.rand(mask.shape, generator=g) * 3.0)
-    err, names = _check_model_profiled(new, reference, pair, mask.to(mask_dtype), FUSED_TOLERANCE["high"], seed,
+    mask = mask.to(mask_dtype)
+    err, names = _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE["high"], seed,
                                        f"high f16 {input_kernel} {mask_dtype}")
     assert err > 1e-6
     output = [k for k in names if "output_pass" in k]
-    assert len(output) == 1 and any(f"output_pass::wgmma_tiles::kernel<(trimul::Mode)2, float, {positions}, true>"
-                                    in output[0] for positions in (64, 128)), output
-    if input_kernel == "wgmma":
-        assert any("input_pass::wgmma_tiles::kernel<(trimul::Mode)2, float, 128, true, false>" in k for k in names), names
+    if batch * n * n >= 132 * 128:  # (the wgmma output kernel wants a tile per SM)
+        assert len(output) == 1 and re.search(r"output_pass::wgmma_ws::kernel<\(trimul::Mode\)2, float, (64|128), "
+                                              r"true>", output[0]), output
+    if input_kernel == "wgmma_ws":
+        assert any("input_pass::wgmma_ws::kernel<(trimul::Mode)2, float, 128, true, false>" in k for k in names), names
+    plan = new.forward_steps(pair.float().cuda(), mask.cuda()).plan
+    assert plan["ab_dtype"] == ("float16" if mask_dtype == torch.bool else "float32"), plan
 
 
 @cuda
+@HOPPER
 @pytest.mark.parametrize("precision", ["highest", "high"])
 @pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
 @pytest.mark.parametrize("rows", ["odd_pair_dim", "strided"])
-def test_scaled_f16_passes_take_rows_of_any_layout(monkeypatch, precision, gate_input, rows):
+def test_scaled_f16_passes_take_rows_of_any_layout(precision, gate_input, rows):
     """The wgmma passes' scaled fp16 arithmetic ("highest" and "high") with pair
     rows that the 16-byte staging cannot take (pair_dim 30; rows 66 channels apart, a slice of a wider
     tensor):
     the input pass stages them one value at a time, the output pass's wgmma kernel declines them
     (its per-position scaling needs the vectorized staging) for the mma.sync kernels."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     pair_dim = 30 if rows == "odd_pair_dim" else 64
     reference = random_layers(ti.Model(pair_dim, 16, "outgoing", gate_input).double(), g)
-    new = _make_new(reference, torch.float32, "auto", precision)
+    new = _make_new(reference, torch.float32, None, precision)
     if rows == "odd_pair_dim":
         pair, mask = random_inputs(1, 200, pair_dim, g)
         pair_cuda = pair.cuda().float()
@@ -1100,7 +1217,7 @@ def test_prepared_weights_follow_parameter_changes():
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(32, 16).double(), g)
-    new = _make_new(reference, torch.float32)
+    new = _make_new(reference, torch.float32, precision="highest")
     pair, mask = random_inputs(1, 9, 32, g)
 
     def check(label):
@@ -1140,26 +1257,91 @@ def test_a_repeated_eager_call_takes_the_cpp_plan(monkeypatch):
         assert torch.equal(model(pair, mask), first)
 
 
-def _cuda_kernels_launched(fn):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 @cuda
 @pytest.mark.parametrize("precision", ti.PRECISIONS)
 def test_seed_shapes_take_two_launches(precision):
-    """Issue 3: at the seed's shapes the eager forward is at most two kernel launches."""
+    """At the seed's shapes the eager forward is two kernel launches (the output pass contracts)."""
     g = torch.Generator().manual_seed(fresh_seed())
     reference = random_layers(ti.Model(64, 32).double(), g)
-    new = _make_new(reference, torch.float32, "auto", precision)
+    new = _make_new(reference, torch.float32, None, precision)
     for batch in (1, 16):
         pair, mask = random_inputs(batch, 32, 64, g, dtype=torch.float32, device="cuda")
         with torch.no_grad():
             new(pair, mask)  # weights prepared, extension loaded
             kernels = _cuda_kernels_launched(lambda: new(pair, mask))
         assert len(kernels) <= 2, kernels
+
+
+@cuda
+@pytest.mark.parametrize("precision", ti.PRECISIONS)
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 1, 8, 4), (2, 7, 16, 8), (3, 33, 24, 8), (16, 32, 64, 32),
+                                                        (1, 64, 48, 20)])
+def test_output_pass_that_contracts_matches_fp64(precision, direction, batch, n, pair_dim, hidden):
+    """At N <= 64 the default contraction is in_output_pass: the output pass computes z from the input pass's
+    a / b, launched as a programmatic dependent of the input pass (on Hopper) that waits for it before
+    reading them: the fp64 result over repeated calls that reuse the same memory (a missing wait would read
+    a / b half written), in two launches."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
+    new = _make_new(reference, torch.float32, None, precision)
+    for call in range(3):
+        pair, mask = random_inputs(batch, n, pair_dim, g)
+        _, ran = _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed,
+                                       f"{precision} call {call}", rounding=ROUNDING.get(precision))
+        ours = [k for k in ran if "trimul::" in k]
+        assert len(ours) == 2 and _ran(ours, "output", "streamed"), ours
+    assert new.forward_steps(pair.float().cuda(), mask.cuda()).plan["contract"] == "in_output_pass"
+
+
+@cuda
+@HOPPER
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+# (1, 1, 8, 4): one row group of one position; (2, 7, 16, 8): mostly padding; (3, 33, 24, 8): odd N
+# and C; (16, 32, 64, 32): a seed shape; (1, 200, 96, 128): several tiles per block, so the round-robin
+# groups carry over from tile to tile.
+@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 1, 8, 4), (2, 7, 16, 8), (3, 33, 24, 8), (16, 32, 64, 32),
+                                                        (1, 200, 96, 128)])
+def test_wgmma_input_kernel_streams_rows_at_pair_dim_up_to_128(dtype, direction, batch, n, pair_dim, hidden):
+    """The wgmma_ws input kernel at "medium" with rows of pair_dim <= 128 in 16-byte vectors: the stagers take
+    row groups round-robin across tiles, locate their own rows and load the next group while they LayerNorm
+    the current one (its kStream instantiation): the fp64 result, over calls that reuse the memory."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
+    new = _make_new(reference, dtype, {"input": "wgmma_ws"}, "medium")
+    for call in range(2):  # (a second call reuses the memory: stale rows must not leak in)
+        pair, mask = random_inputs(batch, n, pair_dim, g)
+        tolerance = FUSED_TOLERANCE["medium"] if dtype == torch.float32 else TOLERANCE[dtype]
+        _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, tolerance, seed, f"stream call {call}",
+                                       dtype, rounding="medium")
+        names = [k for k in ran if "input_pass" in k]
+        assert len(names) == 1 and re.search(r"input_pass::wgmma_ws::kernel<[^>]*, false, true>\(", names[0]), names
+
+
+@cuda
+@HOPPER
+@pytest.mark.parametrize("pair_dim, streamed", [(128, True), (64, True), (384, False)])
+def test_wgmma_input_kernel_stages_wider_rows_in_rounds(pair_dim, streamed):
+    """The wgmma_ws input kernel's staging at "medium": streamed rows at pair_dim <= 128, rounds above (where
+    the streamed staging measured slower), correct either way."""
+    ran = _check_fresh_model_profiled(1, 150, pair_dim, 128, "medium", f"staging {pair_dim}",
+                                      kernels={"input": "wgmma_ws"})
+    names = [k for k in ran if "input_pass" in k]
+    flag = "true" if streamed else "false"
+    assert len(names) == 1 and re.search(r"input_pass::wgmma_ws::kernel<[^>]*, false, %s>\(" % flag, names[0]), names
+
+
+@cuda
+@HOPPER
+def test_highest_at_pair_dim_384_takes_64_position_tiles():
+    """The wgmma_ws input kernel's plan rule: "highest" rows at pair_dim 384 (two 128-position split buffers do
+    not fit) go through it in 64-position tiles (one buffer, 6 weight stages), correct."""
+    ran = _check_fresh_model_profiled(1, 150, 384, 128, "highest", "highest 384")
+    names = [k for k in ran if "input_pass" in k]
+    assert len(names) == 1 and re.search(r"wgmma_ws::kernel<[^,]*, [^,]*, 64,", names[0]), names
 
 
 @cuda
@@ -1184,14 +1366,69 @@ def test_precision_follows_torch_setting():
 @cuda
 @pytest.mark.parametrize("pair_dim, hidden", [(384, 128), (520, 40), (2048, 8)])
 def test_fused_wide_pair_dims(pair_dim, hidden):
-    """384/520: the narrow tilings and the uncached LayerNorm rows; 2048: too wide to fuse, so the
-    unfused path must answer instead."""
+    """384/520: the 64-position tilings and the uncached LayerNorm rows; 2048: too wide for the fused
+    kernels' shared memory, so the unfused path must answer instead."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(pair_dim, hidden, "incoming", "normalized").double(), g)
-    new = _make_new(reference, torch.float32)
+    new = _make_new(reference, torch.float32, precision="highest")
     pair, mask = random_inputs(1, 9, pair_dim, g)
     _check_model(new, reference, pair, mask, 1e-5, seed, f"C={pair_dim}")
+    takes = ti._fused_takes_now(pair_dim, hidden, "highest", torch.float32)
+    assert takes == (pair_dim != 2048)
+    if not takes:
+        with pytest.raises(ValueError, match="the fused kernels do not take this call"):
+            new.forward_steps(pair.float().cuda(), mask.cuda())
+
+
+@cuda
+@pytest.mark.parametrize("precision", ti.PRECISIONS)
+@pytest.mark.parametrize("contract", [None, "bmm"])
+# (16, 32, 64, 32): the output pass contracts (no z); (1, 200, 128, 128): a z buffer; (2, 97, 32, 24) at
+# "highest": split operands (two planes per side).
+@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(16, 32, 64, 32), (1, 200, 128, 128), (2, 97, 32, 24)])
+def test_forward_steps_compose_to_the_forward(precision, contract, batch, n, pair_dim, hidden):
+    """ModelNew.forward_steps: the fused forward as its three steps on caller-provided buffers (what a backward
+    builds on) gives exactly the one-call forward's output (the same kernels, run the same way); its plan says
+    each role's kernel and the buffers; buffers of another shape or dtype raise."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden).double(), g)
+    new = _make_new(reference, torch.float32, {"contract": contract}, precision)
+    pair, mask = random_inputs(batch, n, pair_dim, g, dtype=torch.float32, device="cuda")
+    with torch.no_grad():
+        whole = new(pair, mask)
+        steps = new.forward_steps(pair, mask)
+        poison_allocator()
+        by_steps = steps.run()
+    assert torch.equal(whole, by_steps), f"seed {seed}"
+    plan = steps.plan
+    assert steps.kernels.contract == (contract or plan["contract"])
+    assert (plan["z_shape"] is None) == (plan["contract"] == "in_output_pass")
+    assert plan["ab_shape"][0] == 2 and plan["ab_shape"][2] == n and plan["ab_shape"][3] % 32 == 0
+    ab = steps.new_ab()
+    with pytest.raises(ValueError, match="ab must be a contiguous"):
+        steps.input_pass(ab[:, :, :-1])
+    with pytest.raises(ValueError, match="ab must be a contiguous"):
+        steps.input_pass(ab.double())
+
+
+@cuda
+def test_kernels_override_reaches_the_plan(monkeypatch):
+    """TRIMUL_KERNELS, read when a call is planned, chooses kernels for a model that leaves them to the
+    default order; a bad value raises at the call."""
+    reference = random_layers(ti.Model(64, 32).double(), torch.Generator().manual_seed(fresh_seed()))
+    pair, mask = random_inputs(1, 100, 64, torch.Generator().manual_seed(fresh_seed()), dtype=torch.float32,
+                               device="cuda")
+    monkeypatch.setenv("TRIMUL_KERNELS", "input=streamed,contract=mma")
+    new = _make_new(reference, torch.float32, None, "high")
+    assert new.forward_steps(pair, mask).kernels[:2] == ("streamed", "mma")
+    with torch.no_grad():
+        ran = _cuda_kernels_launched(lambda: new(pair, mask))
+    assert _ran(ran, "input", "streamed") and any("contract_mma::" in k for k in ran), ran
+    monkeypatch.setenv("TRIMUL_KERNELS", "input=nope")
+    with torch.no_grad(), pytest.raises(ValueError, match="TRIMUL_KERNELS: no input kernel 'nope'"):
+        _make_new(reference, torch.float32, None, "high")(pair, mask)
 
 
 @cuda
@@ -1199,7 +1436,7 @@ def test_training_path_gradients_match_fp64():
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(16, 8, "incoming").double(), g).cuda()
-    new = _make_new(reference, torch.float32)
+    new = _make_new(reference, torch.float32, precision="highest")
     pair, mask = random_inputs(2, 21, 16, g, device="cuda")
     ref_pair, new_pair = pair.clone().requires_grad_(), pair.float().requires_grad_()
     reference(ref_pair, mask).square().sum().backward()
@@ -1214,7 +1451,7 @@ def test_cuda_graph_capture_of_the_fused_forward():
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(64, 32).double(), g)
-    new = _make_new(reference, torch.float32)
+    new = _make_new(reference, torch.float32, precision="highest")
     pair, mask = random_inputs(2, 32, 64, g)
     static_pair, static_mask = pair.float().cuda(), mask.cuda()
     with torch.no_grad():
@@ -1289,7 +1526,7 @@ def test_fused_medium_at_pair_dim_128_under_torch_compile():
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(128, 128).double(), g)
-    new = _make_new(reference, torch.float32, "auto", "medium")
+    new = _make_new(reference, torch.float32, None, "medium")
     compiled = torch.compile(new, fullgraph=True)
     pair, mask = random_inputs(1, 150, 128, g)
     ref = reference.cuda()(pair.cuda(), mask.cuda())
@@ -1321,7 +1558,7 @@ def test_fused_matches_under_torch_compile_large(precision):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(384, 128).double(), g)
-    new = _make_new(reference, torch.float32, "auto", precision)
+    new = _make_new(reference, torch.float32, None, precision)
     compiled = torch.compile(new, fullgraph=True)
     pair, mask = random_inputs(1, 200, 384, g)
     ref = reference.cuda()(pair.cuda(), mask.cuda())
@@ -1332,24 +1569,24 @@ def test_fused_matches_under_torch_compile_large(precision):
         assert rel_error(out, ref) > 1e-6, f"seed {seed}"
 
 
-def _make_pair(reference, dtype, direction, gate_input, variant, pair_dim, hidden):
-    new = ti.ModelNew(pair_dim, hidden, direction, gate_input, kernel=variant)
+def _make_pair(reference, dtype, direction, gate_input, contract, pair_dim, hidden):
+    new = ti.ModelNew(pair_dim, hidden, direction, gate_input, kernels={"contract": contract})
     new.load_state_dict(reference.state_dict())
     return new.to(device="cuda", dtype=dtype)
 
 
 @cuda
-@pytest.mark.parametrize("variant", FP32_VARIANTS)
+@pytest.mark.parametrize("contract", FP32_CONTRACTIONS + [None])
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 @pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 1, 8, 4), (2, 7, 16, 8), (1, 257, 24, 12)])
-def test_unfused_autograd_path_matches_fp64(variant, direction, gate_input, batch, n, pair_dim,
-                                            hidden):
-    """Grad enabled and parameters requiring grad: the unfused path (torch layers + our op)."""
+def test_unfused_autograd_path_matches_fp64(contract, direction, gate_input, batch, n, pair_dim, hidden):
+    """Grad enabled and parameters requiring grad: the unfused path (torch layers + our contraction op)."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(pair_dim, hidden, direction, gate_input).double(), g)
-    new = _make_pair(reference, torch.float32, direction, gate_input, variant, pair_dim, hidden)
+    new = _make_pair(reference, torch.float32, direction, gate_input, contract, pair_dim, hidden)
+    new.precision = "highest"
     pair, mask = random_inputs(batch, n, pair_dim, g)
     ref = reference.cuda()(pair.cuda(), mask.cuda())
     poison_allocator()
@@ -1357,19 +1594,19 @@ def test_unfused_autograd_path_matches_fp64(variant, direction, gate_input, batc
     assert out.dtype == torch.float32 and out.shape == ref.shape
     assert not out.isnan().any(), f"seed {seed}: NaN in output"
     err = rel_error(out, ref)
-    assert err < 1e-5, f"{variant} {direction} {gate_input} N={n}: error {err} (seed {seed})"
+    assert err < 1e-5, f"{contract} {direction} {gate_input} N={n}: error {err} (seed {seed})"
 
 
 PATHS = pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 
 
-def _half_input_error(variant, dtype, fused, shape, direction, seed):
+def _half_input_error(contract, dtype, fused, shape, direction, seed):
     """Relative error of ModelNew on bf16 / fp16 pair_repr against the fp64 reference, which sees
     the same rounded parameters and inputs as the kernel does (outputs poisoned first)."""
     batch, n, pair_dim, hidden = shape
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(pair_dim, hidden, direction).double(), g)
-    new = _make_pair(reference, dtype, direction, "raw", variant, pair_dim, hidden)
+    new = _make_pair(reference, dtype, direction, "raw", contract, pair_dim, hidden)
     reference.load_state_dict({k: v.to(dtype).double() for k, v in reference.state_dict().items()})
     pair, mask = random_inputs(batch, n, pair_dim, g)
     pair = pair.to(dtype)
@@ -1388,19 +1625,21 @@ def test_wide_pair_dim_half_precision_inputs(dtype, batch, n, pair_dim, hidden):
     """bf16 / fp16 pair_repr at pair_dim > 128 on a problem that fills the GPU: the wgmma input pass
     reads 16-bit rows (on Hopper; the streamed kernel elsewhere)."""
     seed = fresh_seed()
-    err = _half_input_error("auto", dtype, True, (batch, n, pair_dim, hidden), "incoming", seed)
+    err = _half_input_error(None, dtype, True, (batch, n, pair_dim, hidden), "incoming", seed)
     assert err < TOLERANCE[dtype], f"{dtype} {(batch, n, pair_dim, hidden)}: error {err} (seed {seed})"
 
 
 @cuda
 @PATHS
-@pytest.mark.parametrize("variant", ALL_VARIANTS + ["auto"])
+@pytest.mark.parametrize("contract", CONTRACTIONS + [None])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [45, 200])
-def test_model_half_precision_inputs(variant, dtype, fused, n):
+def test_model_half_precision_inputs(contract, dtype, fused, n):
+    if contract in ("wgmma", "wgmma_tma") and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a Hopper GPU")
     seed = fresh_seed()
-    err = _half_input_error(variant, dtype, fused, (2, n, 32, 16), "outgoing", seed)
-    assert err < TOLERANCE[dtype], f"{variant} {dtype}: error {err} (seed {seed})"
+    err = _half_input_error(contract, dtype, fused, (2, n, 32, 16), "outgoing", seed)
+    assert err < TOLERANCE[dtype], f"{contract} {dtype}: error {err} (seed {seed})"
 
 
 @cuda
@@ -1461,161 +1700,23 @@ def test_runs_on_the_current_stream(fused):
 
 
 @cuda
-def test_cuda_bad_input_raises():
+def test_cuda_bad_input_raises_and_float64_runs_the_reference(monkeypatch):
+    """The same check as on the CPU: mismatched dtypes and devices raise, naming them; float64 (which the
+    kernels do not take) runs the reference computation, warning once."""
+    monkeypatch.setattr(ti, "_reference_warned", set())
     model = ti.ModelNew(8, 4).cuda()
     pair = torch.randn(1, 4, 4, 8, device="cuda")
-    with pytest.raises(TypeError, match="float64"):
-        model.double()(pair.double(), torch.ones(1, 4, 4, device="cuda"))
+    mask = torch.ones(1, 4, 4, device="cuda")
+    with pytest.raises(TypeError, match="pair_repr is torch.float64 but the parameters are torch.float32"):
+        model(pair.double(), mask)
     with pytest.raises(TypeError, match="parameters are torch.float32"):
-        model.float()(pair.bfloat16(), torch.ones(1, 4, 4, device="cuda"))
+        model(pair.bfloat16(), mask)
     with pytest.raises(ValueError, match="pair_mask is on cpu"):
         model(pair, torch.ones(1, 4, 4))
     with pytest.raises(ValueError, match="parameters are on cpu"):
-        ti.ModelNew(8, 4)(pair, torch.ones(1, 4, 4, device="cuda"))
-
-
-@cuda
-@pytest.mark.parametrize("variable, value, message", [
-    ("TRIMUL_HIGH_ARITH", "bf16", "TRIMUL_HIGH_ARITH must be f16 or tf32, not 'bf16'"),
-    ("TRIMUL_INPUT_PASS", "wgma", "TRIMUL_INPUT_PASS must be wgmma_rs, wgmma_rs_wide, wgmma, resident or streamed, "
-                                  "not 'wgma'"),
-    ("TRIMUL_OUTPUT_PASS", "mma", "TRIMUL_OUTPUT_PASS must be wgmma_rs_wide, wgmma, resident or streamed, not 'mma'"),
-    ("TRIMUL_OUTPUT_PASS", "wgmma_rs", "TRIMUL_OUTPUT_PASS must be wgmma_rs_wide, wgmma, resident or streamed, "
-                                       "not 'wgmma_rs'"),
-    ("TRIMUL_INPUT_PLAN", "3,4", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
-    ("TRIMUL_INPUT_PLAN", "2,9", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
-    ("TRIMUL_INPUT_PLAN", "2", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
-    ("TRIMUL_INPUT_PLAN", "2,8,96", "TRIMUL_INPUT_PLAN must be 'buffers,stages'"),
-    ("TRIMUL_PDL", "yes", "TRIMUL_PDL must be 0 or 1, not 'yes'"),
-    ("TRIMUL_INPUT_STAGING", "fast", "TRIMUL_INPUT_STAGING must be rounds or stream, not 'fast'"),
-    ("TRIMUL_AB_STORE", "bulk", "TRIMUL_AB_STORE must be threads or tma, not 'bulk'")])
-def test_bad_measuring_settings_raise(monkeypatch, variable, value, message):
-    """The environment knobs for measuring (README: pinning a pass's kernel, its plan, "high"'s
-    arithmetic): a value that names nothing raises instead of silently measuring the default."""
-    model = ti.ModelNew(8, 4, precision="high").cuda()
-    pair, mask = torch.randn(1, 4, 4, 8, device="cuda"), torch.ones(1, 4, 4, device="cuda")
-    monkeypatch.setenv(variable, value)
-    with torch.no_grad(), pytest.raises(ValueError, match=re.escape(message)):
-        model(pair, mask)
-
-
-def _input_plan_fits(plan, precision, pair_dim):
-    """Whether the wgmma input kernel's TRIMUL_INPUT_PLAN fits Hopper's 227 KB of shared memory at
-    pair_dim 384: row buffers of `positions` rows x 6 k-tiles of 128 bytes (two planes at "highest":
-    parts and remainders), 16 KB weight stages, the per-position scales and offsets, the barriers."""
-    buffers, stages, *rest = (int(v) for v in plan.split(","))
-    positions = rest[0] if rest else 128
-    planes = 2 if precision == "highest" else 1
-    k_tiles = -(-pair_dim * 2 // 128)  # 16-bit operands (fp16 parts at "high" and "highest")
-    need = (buffers * planes * k_tiles * positions * 128 + stages * 16384 + buffers * positions * 4 + positions * 8
-            + 2 * (stages + buffers) * 8)
-    return need <= 227 * 1024
-
-
-@cuda
-@pytest.mark.parametrize("precision", ti.PRECISIONS)
-@pytest.mark.parametrize("plan", ["1,2", "1,8", "2,2", "2,8", "2,8,64", "1,8,64", "2,4,128"])
-@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 200, 384, 128), (2, 97, 32, 24)])
-def test_input_plan_setting_sizes_the_wgmma_input_kernel(monkeypatch, precision, plan, batch, n, pair_dim, hidden):
-    """TRIMUL_INPUT_PLAN=buffers,stages[,positions] sizes the wgmma input kernel's row buffers, weight
-    ring and tile (for measuring); where they do not fit in shared memory that kernel declines and
-    another takes the pass, still correct. At pair_dim 384 a 128-position row buffer is 96 KB (192 KB
-    at "highest": parts and remainders) and a weight stage 16 KB, of 227 KB. (2, 97, 32, 24): every
-    plan fits (its few weight k-tiles stay resident), tails in every 64- or 128-position tile."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    fits = pair_dim != 384 or _input_plan_fits(plan, precision, pair_dim)
-    assert pair_dim != 384 or _input_plan_fits("1,2", precision, pair_dim)  # (the rule itself is not vacuous)
-    assert pair_dim != 384 or not _input_plan_fits("2,8", precision, pair_dim)
-    monkeypatch.setenv("TRIMUL_INPUT_PLAN", plan)
-    # (pinned: at pair_dim 384 auto takes wgmma_rs_wide first; under the pin a declining wgmma kernel leaves the
-    # pass to the streamed one)
-    monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma")
-    ran = _check_fresh_model_profiled(batch, n, pair_dim, hidden, precision, f"{precision} plan {plan}")
-    names = [k for k in ran if "input_pass" in k]
-    assert len(names) == 1 and (PASS_KERNELS["input"]["wgmma"] in names[0]) == fits, names
-    positions = plan.split(",")[2] if plan.count(",") == 2 else "128"
-    if fits:  # the kernel's template arguments: <Mode, input type, positions per tile, kF16>
-        assert re.search(r"wgmma_tiles::kernel<[^,]*, [^,]*, %s," % positions, names[0]), names
-
-
-@cuda
-@pytest.mark.parametrize("precision", ti.PRECISIONS)
-@pytest.mark.parametrize("direction", ti.DIRECTIONS)
-@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 1, 8, 4), (2, 7, 16, 8), (3, 33, 24, 8), (16, 32, 64, 32),
-                                                        (1, 64, 48, 20)])
-@pytest.mark.parametrize("pdl", ["1", "0"])
-def test_dependent_output_launch_matches_fp64(monkeypatch, pdl, precision, direction, batch, n, pair_dim, hidden):
-    """At N <= 64 the output pass, which computes the contraction from the input pass's a / b, is
-    launched as a programmatic dependent of the input pass (the default on Hopper; TRIMUL_PDL=0: a
-    plain launch) and waits for it before reading them: still the fp64 result either way (a missing
-    wait would read a / b half written), over repeated calls that reuse the same memory."""
-    monkeypatch.setenv("TRIMUL_PDL", pdl)
-    seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
-    new = _make_new(reference, torch.float32, "auto", precision)
-    for call in range(3):
-        pair, mask = random_inputs(batch, n, pair_dim, g)
-        _, ran = _check_model_profiled(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed,
-                                       f"{precision} call {call}", rounding=ROUNDING.get(precision))
-        ours = [k for k in ran if "trimul::" in k]
-        assert len(ours) == 2 and any("output_pass::kernel<" in k for k in ours), ours
-
-
-@cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("direction", ti.DIRECTIONS)
-# (1, 1, 8, 4): one row group of one position; (2, 7, 16, 8): mostly padding; (3, 33, 24, 8): odd N
-# and C; (16, 32, 64, 32): a seed shape; (1, 200, 128, 128): several tiles per block, so the round-robin
-# groups carry over from tile to tile; (2, 130, 384, 128): pair_dim 384 (3 vectors per lane, streamed
-# weights).
-@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 1, 8, 4), (2, 7, 16, 8), (3, 33, 24, 8), (16, 32, 64, 32),
-                                                        (1, 200, 128, 128), (2, 130, 384, 128)])
-def test_streamed_input_staging_matches_fp64(monkeypatch, dtype, direction, batch, n, pair_dim, hidden):
-    """TRIMUL_INPUT_STAGING=stream: the wgmma input kernel whose stagers take row groups round-robin
-    across tiles, locate their own rows and load the next group while they LayerNorm the current one
-    (ForwardArgs::input_staging), "medium" and bf16 inputs (16-bit rows only): the fp64 result, from
-    the stream instantiation, also at pair_dim 384 where auto takes the rounds staging."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    monkeypatch.setenv("TRIMUL_INPUT_STAGING", "stream")
-    monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma")  # (auto takes wgmma_rs for fp32 rows at pair_dim 128)
-    seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
-    new = _make_new(reference, dtype, "auto", "medium")
-    for call in range(2):  # (a second call reuses the memory: stale rows must not leak in)
-        pair, mask = random_inputs(batch, n, pair_dim, g)
-        tolerance = FUSED_TOLERANCE["medium"] if dtype == torch.float32 else TOLERANCE[dtype]
-        _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, tolerance, seed, f"stream call {call}",
-                                       dtype, rounding="medium")
-        names = [k for k in ran if "input_pass" in k]
-        assert len(names) == 1 and re.search(r"input_pass::wgmma_tiles::kernel<[^>]*, false, true>\(", names[0]), names
-
-
-@cuda
-@pytest.mark.parametrize("pair_dim, streamed", [(128, True), (64, True), (384, False)])
-def test_input_staging_auto_streams_at_pair_dim_128(monkeypatch, pair_dim, streamed):
-    """With TRIMUL_INPUT_STAGING unset, "medium" takes the streamed staging at pair_dim <= 128 and the
-    rounds staging above (where the streamed one measured slower, NOTES v21), correct either way."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    monkeypatch.delenv("TRIMUL_INPUT_STAGING", raising=False)
-    monkeypatch.setenv("TRIMUL_INPUT_PASS", "wgmma")  # (auto takes wgmma_rs for fp32 rows at pair_dim 128)
-    ran = _check_fresh_model_profiled(1, 150, pair_dim, 128, "medium", f"auto staging {pair_dim}")
-    names = [k for k in ran if "input_pass" in k]
-    flag = "true" if streamed else "false"
-    assert len(names) == 1 and re.search(r"input_pass::wgmma_tiles::kernel<[^>]*, false, %s>\(" % flag,
-                                         names[0]), names
-
-
-@cuda
-def test_highest_input_plan_at_pair_dim_384_takes_64_position_tiles():
-    """v19's plan rule: "highest" rows at pair_dim 384 (two 128-position split buffers do not fit) go
-    through the wgmma input kernel in 64-position tiles (one buffer, 6 weight stages), correct."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the wgmma passes need an sm_90a GPU")
-    ran = _check_fresh_model_profiled(1, 150, 384, 128, "highest", "highest 384")
-    names = [k for k in ran if "input_pass" in k]
-    assert len(names) == 1 and re.search(r"wgmma_tiles::kernel<[^,]*, [^,]*, 64,", names[0]), names
+        ti.ModelNew(8, 4)(pair, mask)
+    reference = ti.Model(8, 4).cuda().double()
+    model.double().load_state_dict(reference.state_dict())
+    with pytest.warns(UserWarning, match="torch.float64 tensors; running the reference"):
+        out = model(pair.double(), mask)
+    assert torch.equal(out, reference(pair.double(), mask))

@@ -59,8 +59,8 @@ def main(argv=None):
             eager = per_call_us(forward, args.calls)
             gpu = graph_us(forward, args.calls)
             # The extension arguments the eager calls above planned for this signature.
-            mode, arguments = model._plans[model._plan_key(pair, mask)]
-            bare_args = (pair, mask, model._prepared_weights(mode)) + arguments
+            mode, _, options = model._plans[model._plan_key(pair, mask)]
+            bare_args = (pair, mask, model._prepared_weights(mode), options)
             ext = ti._extension()
             bare = per_call_us(lambda: ext.forward(*bare_args), args.calls)
             print(f"({batch},{n},{c},{h}): eager {eager:7.1f} us/call   GPU alone (graph) {gpu:6.1f}"

@@ -248,9 +248,11 @@ PlanStatus plan_forward(ForwardArgs* args, const char* const* chosen, ForwardPla
   int short_role = 0;
   while (short_role < kRoles - 1 && found[short_role]) ++short_role;
   say(message, size,
-      "trimul_inline: no %s kernel takes this call%s (pair_dim %lld, hidden %lld, N %lld, mode %s)",
-      kRoleNames[short_role], any_chosen ? " together with the kernels chosen" : "", static_cast<long long>(args->c),
-      static_cast<long long>(args->h), static_cast<long long>(args->n), kModeNames[static_cast<int>(args->mode)]);
+      any_chosen ? "trimul_inline: the kernels chosen do not take this call: no %s kernel goes with them (pair_dim "
+                   "%lld, hidden %lld, N %lld, mode %s)"
+                 : "trimul_inline: no %s kernel takes this call (pair_dim %lld, hidden %lld, N %lld, mode %s)",
+      kRoleNames[short_role], static_cast<long long>(args->c), static_cast<long long>(args->h),
+      static_cast<long long>(args->n), kModeNames[static_cast<int>(args->mode)]);
   return any_chosen ? PlanStatus::not_applies : PlanStatus::no_kernel;
 }
 

@@ -30,7 +30,7 @@ __device__ __forceinline__ void locate_position(const ForwardArgs& args, int64_t
 }
 
 // Two adjacent operand values (the destination is aligned for both: positions are even).
-// tf32x3 with small_offset != 0: the TF32 part here and the remainder small_offset further on,
+// "highest" with small_offset != 0: the TF32 part here and the remainder small_offset further on,
 // so the contraction needs no splitting of its own (ForwardArgs::small_offset).
 template <Mode M>
 __device__ __forceinline__ void store_operand_pair(op_t<M>* dst, float v0, float v1, int64_t small_offset = 0);

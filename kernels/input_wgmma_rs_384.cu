@@ -13,7 +13,6 @@ namespace input_pass {
 // quad shuffles, then the centred squares); the fragments hold bf16 / fp16 (x - mean), whose rounding is
 // relative to the row's spread as a normalized value's would be, and rstd and the biases (w_in_rows'
 // columns c_pad, c_pad + 1: no bias k-step here, its tiles would not fit) apply in the epilogue.
-// First in the default order where it applies (NOTES v28).
 namespace wgmma_rs_384 {
 
 using namespace ::trimul::tma;

@@ -5,36 +5,35 @@
 namespace trimul {
 namespace input_pass {
 
-// ---- wgmma + TMA, warp-specialized (sm_90a) ----------------------------------------------------
 // One block per SM of 16 warps (4 per scheduler: 128 registers each) with three jobs, so that
 // loading a tile's rows (DRAM latency), multiplying (tensor cores) and storing overlap instead of
 // taking turns:
 // - the producer warp: one thread streams the grouped proj/gate weights with TMA, 128 rows x 128
 //   bytes of k per stage, through an mbarrier ring running ahead into the next tile's weights; or,
 //   where all of them fit in the ring, loads them once (they are the same for every tile);
-// - 7 stager warps LayerNorm a tile's 128 positions (P; 64 where TRIMUL_INPUT_PLAN asks) into
+// - 7 stager warps LayerNorm a tile's 128 positions (P; 64 for split rows at wide pair_dim, plan()) into
 //   128-byte-swizzled k-tiles (wgmma's B operand), into one of two row buffers while the MMA warps
 //   multiply the other;
 // - two MMA warpgroups each multiply 64 of every 128 weight rows (A) by the staged tile: m64n128
 //   (m64n64 at P = 64; k16 for 16-bit operands, k8 for TF32), accumulators started from the biases. Rows grouped by
 //   16 put a thread's proj and gate of one h at the same two positions, so the gated pair goes
 //   straight to a_t / b_t, as in the streamed kernel.
-// Where two row buffers do not fit (TF32 and split at pair_dim 384) there is one: staging and products then
-// take turns, as in the first (v7a) version of this kernel.
+// Where two row buffers do not fit (split rows at pair_dim 384) there is one: staging and products then
+// take turns.
 // "highest" multiplies fp16x3 (ForwardArgs::w_in_f16x3): the stagers write each row, scaled by 2^s_in,
 // as its fp16 part and fp16 remainder (two planes); the prepared weights hold [hi | lo] per row,
 // and each hi k-tile multiplies the rows' hi and lo k-tiles, each lo k-tile their hi: hi.hi + hi.lo + lo.hi,
-// about 3xTF32's accuracy at twice its tensor-core rate and half its shared memory (NOTES v11).
-// a_t / b_t get the split contraction's operands (store_contraction_pair: fp16 or TF32 parts and
-// remainders). "high" takes the same scaled fp16 arithmetic with one plane and one product where
-// ForwardArgs::high_f16 asks (kF16: TF32's 11-bit significand at the fp16 rate; the default, NOTES v14).
+// about 3xTF32's accuracy at twice its tensor-core rate and half its shared memory.
+// a_t / b_t get the planned contraction's operands (store_contraction_pair: whole, or fp16 or TF32 parts
+// and remainders). "high" takes the same scaled fp16 arithmetic with one plane and one product (kF16:
+// TF32's 11-bit significand at the fp16 rate).
 namespace wgmma_ws {
 
 using namespace ::trimul::tma;
 using namespace ::trimul::tma::ws;
 
 constexpr int kStagingLoads = 12;  // 16-byte loads in flight per stager lane
-constexpr int kStreamLoads = 4;    // the same for TRIMUL_INPUT_STAGING=stream, double-buffered (8 spilled there)
+constexpr int kStreamLoads = 4;    // the same for the streamed staging, double-buffered (8 spilled there)
 
 // Shared memory for `buffers` row buffers of `positions` rows (the wgmma's N: 128 or 64) and
 // `planes` planes (2: split operands), and `stages` weight stages, from a 1024-byte boundary.
@@ -50,7 +49,7 @@ struct Plan {
 
 // 16-bit a / b (not kF16's scaled or split operands) go out through a per-MMA-warp scratch of 8 rows
 // x P values (stage_row_pairs_x4, store_staged_rows) where the launch leaves room for it after the
-// plan's bytes (pair_dim 128; at 384 the plan's buffers and stages fill shared memory: NOTES v23).
+// plan's bytes (pair_dim 128; at 384 the plan's buffers and stages fill shared memory).
 template <Mode M, bool kF16>
 constexpr bool kStagedAb = !kF16 && (M == Mode::bf16 || M == Mode::f16);
 constexpr int kMmaWarps = kMmaThreads / 32;
@@ -59,7 +58,7 @@ __host__ __device__ constexpr int64_t ab_scratch_bytes(int positions) { return k
 // The proj/gate product of one h at one position, gated and masked (tanh.approx on 16-bit paths),
 // from the position's scale: gate_scale(mask), computed once per position by the stagers. The gate
 // from its accumulator, its bias and (kF16) the products' scale back, gate_down: on the 16-bit paths
-// the bias and tanh's halving are one FFMA (~10% of the wgmma input epilogue's instructions, profile 14).
+// the bias and tanh's halving are one FFMA (a tenth of the epilogue's instructions, by ncu's count).
 template <Mode M>
 __device__ __forceinline__ float gate_scale(float mask) {
   return M == Mode::bf16 || M == Mode::f16 ? 0.5f * mask : mask;
@@ -74,7 +73,7 @@ __device__ __forceinline__ float gated(float proj, float gate_acc, float gate_bi
   }
 }
 
-// Streamed staging (ForwardArgs::input_staging): the stagers' row groups
+// Streamed staging (streams_rows): the stagers' row groups
 // (Stager::group_rows() rows each) are numbered over this block's tiles in order and handed out
 // round-robin, so a warp that staged two groups of one tile stages fewer of the next (the rounds
 // kernel gives warps 0-3 two load rounds of every 128-position tile and warps 4-6 one); each lane
@@ -82,8 +81,8 @@ __device__ __forceinline__ float gated(float proj, float gate_acc, float gate_bi
 // stager thread still arrives once per tile on rows_full, after its groups of that tile.
 // Double-buffered: a warp issues its next group's loads (possibly the next tile's, whose buffer may
 // still be in use: only registers are written) before it LayerNorms and stores the current one, so
-// the loads' latency overlaps the arithmetic (ncu, profile 14: the stagers waited on their own loads
-// ~30% of their time). The masks wait in registers until the group's buffer is known to be free.
+// the loads' latency overlaps the arithmetic (ncu: staging in rounds, the stagers wait on their own loads
+// for a large part of their time). The masks wait in registers until the group's buffer is known to be free.
 // (The stager is built per tile, as the rounds kernel's stage_rows_vec does: kept live across the tile
 // loop, its hoisted LayerNorm weights made the loop spill.)
 template <Mode M, typename TIn, int P, int VECS>
@@ -189,8 +188,8 @@ __device__ __forceinline__ void stream_tile_rows(const ForwardArgs& args, int k_
   }
 }
 
-// kStream: the stagers take TRIMUL_INPUT_STAGING=stream's round-robin row groups (stream_tile_rows; a
-// separate instantiation, so its register pressure stays out of the default kernel).
+// kStream: the stagers take the streamed staging's round-robin row groups (stream_tile_rows; a separate
+// instantiation, so its register pressure stays out of the rounds kernel).
 template <Mode M, typename TIn, int P, bool kF16, bool kStream>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, int64_t tiles_per_batch, int buffers,
@@ -264,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       down = args.f16x3_scales[kInDown];
     }
     if constexpr (kStream) {
-      static_assert(!kF16, "TRIMUL_INPUT_STAGING=stream: plain 16-bit rows only (launch_positions)");
+      static_assert(!kF16, "the streamed staging: plain 16-bit rows only (streams_rows)");
       if (with_row_vectors<TIn>(vectorized, k_fill, [&](auto vecs, int lanes_log2) {
             stream_tile_rows<M, TIn, P, decltype(vecs)::value>(args, k_fill, lanes_log2, rows, buffer_bytes, scale_v,
                                                                rows_full, rows_empty, buffers, tiles, tiles_per_batch,

@@ -330,7 +330,7 @@ __device__ __forceinline__ void gemm_streamed_swapped(float (&acc)[T::MT][T::NT]
 // Stores v0 (and v1 at dst + 1 when `both`) to global memory, as one 8- or 4-byte store when `paired`
 // says the destination is aligned for it. (The fp32 pair as st.global.v2.f32 written out: from a float2
 // store NVVM emitted two st.global.f32 in the output passes, each warp store instruction half-filling 8
-// sectors; ncu: the resident output pass L1-bound at 86%, 29% of its global sectors excess; NOTES v24.)
+// sectors, and ncu found the resident output pass L1-bound on the excess sectors.)
 template <typename TOut>
 __device__ __forceinline__ void store_pair(TOut* dst, float v0, float v1, bool both, bool paired) {
   if (both && paired) {

@@ -119,7 +119,7 @@ __device__ void contract_tile_staged(float* z_raw, uint8_t* stage, const Forward
   const int b_off = valid ? (a_rows + static_cast<int>(j)) * row_stride : 0;
   // Copy lanes: 2^shift per row (>= chunks), so a lane's chunk and first row come from shifts and its
   // (h, row) walk advances by a carry instead of two integer divisions per chunk (those were a quarter
-  // of this kernel's instructions at (16,32,64,32), ncu 2026-12-01).
+  // of this kernel's instructions at the seed shapes, by ncu's count).
   const int shift = 32 - __clz(chunks - 1), slots = T::kThreads >> shift;
   const int ch = threadIdx.x & ((1 << shift) - 1), slot = threadIdx.x >> shift;
   const int step_h = slots / rows_per_h, step_r = slots - step_h * rows_per_h;
@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(T::kThreads, 2) kernel(const ForwardArgs args,
     } else {
       if (fused_z) {
         // The gate rows read only the caller's pair_repr: staged before waiting for the input pass (launched
-        // as its programmatic dependent, TRIMUL_PDL), so they load during its tail, off the chain after it.
+        // as its programmatic dependent: launch_tiling), so they load during its tail, off the chain after it.
         __syncthreads();  // row_off is in
         stage_gate_rows();
       }

@@ -16,7 +16,7 @@ namespace output_pass {
 // there (quad shuffles; the fragments hold bf16 (z - mean), rstd applies in the epilogue); loads the gate's raw
 // pair rows as A fragments straight from global memory (two channels per load: w_gate's own k order); then per
 // 64 output channels the gate product (K = 384) and out_proj's (K = 128), and out = sigmoid(gate + b) *
-// (rstd proj + b) is stored from the accumulators. First in the default order where it applies (NOTES v29).
+// (rstd proj + b) is stored from the accumulators.
 namespace wgmma_rs_384 {
 
 using namespace ::trimul::tma;

@@ -7,9 +7,8 @@
 namespace trimul {
 namespace output_pass {
 
-// ---- wgmma + TMA, warp-specialized (sm_90a) ----------------------------------------------------
-// First in auto at pair_dim > 128 and at "highest" (output_wgmma_first says why). The input pass's v8a design
-// applied to this pass: one block per SM of 16 warps,
+// The input pass's wgmma_ws design applied to this pass (where it takes the call: plan() says, the registry
+// why): one block per SM of 16 warps,
 // - the producer warp streams out_gate's and out_proj's rows with TMA, per chunk of 128 output
 //   channels out_gate's k-tiles then out_proj's (or loads them all once where they fit);
 // - 7 stager warps write each tile's positions (128, or 64 where 128 leave room for one row
@@ -24,8 +23,7 @@ namespace output_pass {
 // both row sets as fp16 parts and remainders, each GEMM three k-segments against the prepared
 // [hi | lo] weights. z's rows (normalized: at most sqrt(H) in magnitude) take one scale; the
 // gate's source rows, of no known range, each take their own (F16ScaledRows), which the epilogue
-// undoes per position before the biases. "high" takes the same with one part per operand where
-// ForwardArgs::high_f16 asks (kF16; the default, NOTES v14).
+// undoes per position before the biases. "high" takes the same with one part per operand (kF16).
 namespace wgmma_ws {
 
 using namespace ::trimul::tma;
@@ -72,8 +70,8 @@ __device__ void stage_z_rows(Dst dst, const z_t<M>* __restrict__ z_tile, int64_t
   const int h0 = sub * per_lane;
   if (hidden == kMaxHPad && fill == kMaxHPad) {
     // H = 128 (the issue's shapes): no guard or select per h, and the LayerNorm as one FFMA on the
-    // shifted values (profile 14: the guarded loop was ~10% of the pair_dim-384 kernel's
-    // instructions). A position-less lane reads the tile's first position (always in the plane)
+    // shifted values (ncu: the guarded loop was a tenth of the pair_dim-384 kernel's instructions).
+    // A position-less lane reads the tile's first position (always in the plane)
     // and gets rstd = centre = 0: zeros.
     for (int m0 = warp * kSlots; m0 < P; m0 += kStagerWarps * kSlots) {
       const int m = m0 + slot;

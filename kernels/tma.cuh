@@ -284,8 +284,8 @@ __device__ __forceinline__ void wgmma_rs_64x64(float (&d)[32], const uint32_t (&
 // k-steps, 32 bytes further along k each (start address + 2 in the descriptors), committed as one
 // wgmma group. kWideAdd: the k-steps' descriptors by 64-bit adds instead of desc_add, for the split
 // input kernel: with desc_add ptxas allocated its registers so that it serialized every wgmma of that
-// kernel (C7514; its pair_dim-384 "highest" input pass 4501 -> 5067 us from v15 to v16), while the
-// 64-bit adds cost it a 32-byte spill, as in v15. overwrite: the first k-step replaces the
+// kernel (C7514, a note in the build log only; test_no_wgmma_kernel_is_serialized guards it), while the
+// 64-bit adds cost it a 32-byte spill. overwrite: the first k-step replaces the
 // accumulators instead of adding to them (a product's first k-tile: no accumulator start needed).
 template <typename Op, bool kWideAdd = false, int kAcc>
 __device__ __forceinline__ void wgmma_k_tile(float (&acc)[kAcc], uint64_t desc_a, uint64_t desc_b,
@@ -341,7 +341,7 @@ __device__ __forceinline__ uint32_t pack_pair(float v0, float v1) {
 // `scratch` (8 x 2P bytes, 16-byte aligned) in two steps: stage_row_pairs_x4 for blocks 4q .. 4q + 3
 // (stmatrix: each block a 16-byte chunk of each row, XOR-swizzled by row), then store_staged_rows:
 // P / 8 lanes store a row's 2P contiguous bytes with 16-byte stores, where a 16-bit pair per lane
-// writes 16 bytes of each of 8 rows per instruction (what cost wgmma_tma's 16-bit z 17%, NOTES v22).
+// writes 4 bytes of each of 8 rows per instruction (which made wgmma_tma's 16-bit z slower than fp32 z).
 // stmatrix x4: four 8x8 blocks of 16-bit pairs (p[k]: block k, row lane / 4, columns 2 (lane % 4) + {0, 1}),
 // lane 8k + r giving the shared address of block k's row r; kTrans stores each block transposed.
 template <bool kTrans = false>
@@ -399,7 +399,7 @@ constexpr int kStoreScratchBytes = 2 * 8 * 64 * 2;
 // store_accumulators for a 16-bit z, 64 columns at a time, through this warp's `scratch`
 // (kStoreScratchBytes, 16-byte aligned): each 8-row half of the warp's 16 rows as
 // stage_row_pairs_x4 / store_staged_rows take a warp's 8 accumulator rows (the plain stores write 4
-// bytes per lane across 8 rows, and bf16 z through them measured slower than fp32 z: NOTES v22). Only
+// bytes per lane across 8 rows, and bf16 z through them measured slower than fp32 z). Only
 // for a warp tile wholly inside z with 16-byte-aligned rows (the caller checks; else store_accumulators).
 template <int BN, typename TOut>
 __device__ __forceinline__ void store_accumulators_staged(TOut* z_mat, const float (&acc)[BN / 2], int64_t row0,

@@ -7,10 +7,9 @@
 namespace trimul {
 namespace input_pass {
 
-// ---- wgmma with the rows in registers (sm_90a; 16-bit modes, rows of pair_dim 128) -----------------
-// wgmma_tiles stages LayerNorm-ed rows in shared memory (wgmma's B operand) through 7 stager warps whose
-// loads in flight are bounded by their registers (~28 KB per SM at pair_dim 128, about the 1.9 TB/s that
-// kernel reaches there; NOTES v25). Here the rows are wgmma's A operand, from registers: each MMA
+// wgmma_ws stages LayerNorm-ed rows in shared memory (wgmma's B operand) through 7 stager warps whose
+// loads in flight are bounded by their registers (~28 KB per SM at pair_dim 128, which bounds that kernel's
+// bandwidth there). Here the rows are wgmma's A operand, from registers: each MMA
 // warpgroup loads its own 64-position tiles (a thread: two rows, 32 channels of each: 8 loads of 4
 // channels per row), LayerNorms them in registers (statistics over a quad: two shuffles), and multiplies
 // them by the resident weights in parts of 64 weight rows (N = 64), two accumulator sets in turn; the next
@@ -18,8 +17,7 @@ namespace input_pass {
 // weights come prepared for it (ForwardArgs::w_in_rows: LayerNorm_in's affine folded in, k permuted so that
 // a k-step's fragment is 4 adjacent channels of a row, and the biases as one more k-step against ones).
 // The gated outputs go out through a per-warpgroup scratch, transposed by stmatrix.trans (32 h rows x 64
-// positions per part), as one TMA box store per part (TRIMUL_AB_STORE=threads: 128-byte runs the warpgroup
-// stores itself).
+// positions per part), as one TMA box store per part.
 namespace wgmma_rs {
 
 using namespace ::trimul::tma;
