@@ -343,13 +343,16 @@ def test_planned_calls_skip_checks_until_a_parameter_changes(monkeypatch):
     with torch.no_grad():
         assert model._forward_planned(pair, mask) is None  # nothing planned yet
         model._prepared_weights("bf16")
-        model._plans[model._plan_key(pair, mask)] = ("bf16", ti.Kernels(), options)
+        model._plans[model._plan_key(pair, mask)] = ("bf16", ti.Kernels(), options, ti._DEFAULT_EXTENSION)
         assert model(pair, mask) is pair and calls == [options]
         assert model._forward_planned(pair.double(), mask) is None  # another signature
         model.out_proj.weight.mul_(2.0)
         assert model._forward_planned(pair, mask) is None and not model._plans  # re-validate
-    model._plans[model._plan_key(pair, mask)] = ("bf16", ti.Kernels(), options)
+    model._plans[model._plan_key(pair, mask)] = ("bf16", ti.Kernels(), options, ti._DEFAULT_EXTENSION)
     assert model._forward_planned(pair, mask) is None  # grad mode: the autograd-aware path
+    with torch.no_grad():
+        monkeypatch.setattr(ti, "_DEFAULT_EXTENSION", FakeExtension())  # another extension (a reload)
+        assert model._forward_planned(pair, mask) is None and not model._plans
     assert len(calls) == 1
 
 
@@ -402,8 +405,8 @@ def test_planned_forward_takes_only_an_unchanged_signature_and_module(monkeypatc
         fast = plan()
         assert takes()
     assert not takes()  # grad mode
-    model._fast = fast
-    assert copy.deepcopy(model)._fast is None and model._fast is fast
+    model._fast = (ti._DEFAULT_EXTENSION, fast)
+    assert copy.deepcopy(model)._fast is None and model._fast[1] is fast
     gone = weakref.ref(model)
     del model
     gc.collect()

@@ -223,7 +223,9 @@ def format_registry(sources: Optional[dict] = None) -> str:
 _EMBEDDED_KERNELS = None  # `python trimul_inline.py bundle` replaces this with {file name: text}
 _KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp", ".h", ".def")
 _HOST_SOURCE = "bindings.cpp"
-_NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC")
+# (-fno-gnu-unique: the headers' inline functions keep their static caches per library, not one per process
+# shared by every kernel library a process loads, RTLD_LOCAL or not)
+_NVCC_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC,-fno-gnu-unique")
 _CXX_FLAGS = ("-O3",)  # torch picks the C++ standard its headers need
 
 
@@ -1055,8 +1057,8 @@ class ModelNew(_TriMulLayers):
             raise ValueError(f"precision must be None or one of {PRECISIONS}, got {precision!r}")
         self.kernels, self.precision = parse_kernels(kernels), precision
         self._weights_cache = {}  # mode -> (parameter versions, prepared weights); not state
-        self._plans = {}  # call signature -> (mode, kernels, options) (see _plan_key)
-        self._fast = None  # the last planned signature's decisions, checked in C++ (_fast_plan)
+        self._plans = {}  # call signature -> (mode, kernels, ForwardOptions, extension) (see _plan_key)
+        self._fast = None  # (extension, the last planned signature's decisions checked in C++: _fast_plan)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kernels={str(self.kernels)!r}, precision={self.precision!r}"
@@ -1078,8 +1080,8 @@ class ModelNew(_TriMulLayers):
     def forward(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling():
             fast = self._fast
-            if fast is not None:
-                out = fast.run(self, pair_repr, pair_mask, self.resolved_precision())
+            if fast is not None and fast[0] is _DEFAULT_EXTENSION:  # (planned by the extension in use)
+                out = fast[1].run(self, pair_repr, pair_mask, self.resolved_precision())
                 if out is not None:
                     return out
         out = self._forward_planned(pair_repr, pair_mask)
@@ -1126,13 +1128,13 @@ class ModelNew(_TriMulLayers):
         plan = self._plans.get(self._plan_key(pair_repr, pair_mask))
         if plan is None:
             return None
-        mode, kernels, options = plan
+        mode, kernels, options, extension = plan
         weights, refreshed = self._prepared_weights_and_freshness(mode)
-        if refreshed:  # parameters changed (device, dtype...): check the call again
+        if refreshed or extension is not _extension():  # parameters changed (device, dtype...), or a reload
             self._plans.clear()
             return None
         with _bmm_precision(kernels, mode):
-            return _extension().forward(pair_repr, pair_mask, weights, options)
+            return extension.forward(pair_repr, pair_mask, weights, options)
 
     def refresh_weights(self) -> None:
         """Drops the kernel-layout copies of the weights. They refresh by themselves when a
@@ -1185,8 +1187,10 @@ class ModelNew(_TriMulLayers):
         if (not torch.is_grad_enabled() and not _is_torch_kernel("contract", kernels.contract)
                 and pair_repr is original[0] and pair_mask is original[1]):
             # This signature passed check_inputs and needs no copy or conversion: plan it.
-            self._plans[self._plan_key(pair_repr, pair_mask)] = (mode, kernels, options)
-            self._fast = self._fast_plan(pair_repr, pair_mask, self.resolved_precision(), weights, options)
+            extension = _extension()
+            self._plans[self._plan_key(pair_repr, pair_mask)] = (mode, kernels, options, extension)
+            fast = self._fast_plan(pair_repr, pair_mask, self.resolved_precision(), weights, options)
+            self._fast = None if fast is None else (extension, fast)
         return out
 
     def forward_steps(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor) -> ForwardSteps:

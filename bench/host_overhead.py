@@ -59,7 +59,7 @@ def main(argv=None):
             eager = per_call_us(forward, args.calls)
             gpu = graph_us(forward, args.calls)
             # The extension arguments the eager calls above planned for this signature.
-            mode, _, options = model._plans[model._plan_key(pair, mask)]
+            mode, _, options, _ = model._plans[model._plan_key(pair, mask)]
             bare_args = (pair, mask, model._prepared_weights(mode), options)
             ext = ti._extension()
             bare = per_call_us(lambda: ext.forward(*bare_args), args.calls)

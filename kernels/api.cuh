@@ -138,6 +138,11 @@ struct ForwardArgs {
   bool gate_rows_first;  // (set by the output pass's launch: the in-pass contraction's z has its own region)
   void* out;              // [B, N, N, C] contiguous, pair_dtype
   cudaStream_t stream;
+  // The output pass is launched right after the input pass on `stream` (the one-call forward): where
+  // it contracts itself it may then be launched as the input pass's programmatic dependent, and read
+  // what no kernel writes (pair, weights) before it waits for that grid. Steps called one by one leave
+  // it false: the kernel before the output pass is then the caller's.
+  bool output_follows_input;
 };
 
 // Largest N for which the output pass computes z itself (z == nullptr).
@@ -200,7 +205,7 @@ struct KernelLibrary {
 
 // Changes whenever a struct above changes, so a library and an extension built from different
 // versions of this file refuse each other.
-constexpr uint32_t kKernelAbi = 2;
+constexpr uint32_t kKernelAbi = 3;
 
 }  // namespace trimul
 

@@ -284,12 +284,15 @@ Planned plan_call(const at::Tensor& pair, const at::Tensor& mask, const std::vec
 std::vector<int64_t> ab_shape(const Planned& p) { return {2, p.plan.ab_planes, p.args.n, p.args.ld}; }
 std::vector<int64_t> z_shape(const Planned& p) { return {p.args.batch * p.args.h, p.args.n, p.args.ldz}; }
 
+// A caller's buffer for a step: the plan's shape and dtype, contiguous, on pair's device, 16-byte aligned
+// (the kernels' vector accesses and tensor maps).
 void check_buffer(const at::Tensor& t, const std::vector<int64_t>& shape, at::ScalarType dtype, const at::Tensor& pair,
                   const char* what) {
   TORCH_CHECK_VALUE(t.device() == pair.device() && t.is_contiguous() && t.scalar_type() == dtype &&
-                        t.sizes().equals(shape),
-                    "trimul_inline: ", what, " must be a contiguous ", dtype, " tensor of shape ", at::IntArrayRef(shape),
-                    " on pair's device (forward_plan says), got ", t.scalar_type(), " ", t.sizes());
+                        t.sizes().equals(shape) && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+                    "trimul_inline: ", what, " must be a contiguous, 16-byte aligned ", dtype, " tensor of shape ",
+                    at::IntArrayRef(shape), " on pair's device (forward_plan says), got ", t.scalar_type(), " ",
+                    t.sizes());
 }
 
 // The steps, each on the caller's buffers (forward_plan gives their shapes and dtypes): the input pass
@@ -342,6 +345,7 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   const c10::cuda::CUDAGuard guard(pair.device());
   Planned p = plan_call(pair, mask, weights, options);
   if (p.args.batch == 0 || p.args.n == 0) return new_out(pair);
+  p.args.output_follows_input = true;  // (one call: nothing runs between the passes)
   const auto options_for = [&](trimul::Dtype dtype) { return pair.options().dtype(scalar_type(dtype)); };
   // a_t and b_t in one allocation (a small forward's host time is mostly per-call work like each at::empty)
   at::Tensor ab = at::empty(ab_shape(p), options_for(p.plan.ab_dtype));
@@ -410,9 +414,7 @@ void output_pass(const at::Tensor& pair, const at::Tensor& mask, const std::vect
                  const at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(pair.device());
   Planned p = plan_call(pair, mask, weights, options);
-  TORCH_CHECK_VALUE(out.device() == pair.device() && out.is_contiguous() && out.scalar_type() == pair.scalar_type() &&
-                        out.sizes().equals(pair.sizes()),
-                    "trimul_inline: out must be a contiguous tensor of pair's shape and dtype on its device");
+  check_buffer(out, pair.sizes().vec(), pair.scalar_type(), pair, "out");
   if (p.plan.z_buffer) {
     TORCH_CHECK_VALUE(z.has_value(), "trimul_inline: this plan's output pass reads z");
     check_buffer(*z, z_shape(p), scalar_type(p.args.z_dtype), pair, "z");

@@ -266,7 +266,19 @@ cudaError_t run_step(Role role, const ForwardPlan* plan, const ForwardArgs* args
       say(message, size, "trimul_inline: contraction '%s' is not a kernel of this library", lib.kernels[index].name);
       return cudaErrorInvalidValue;
     }
-    const cudaError_t status = impl->contract_launch(contract_args(*args, plan->ab_dtype, plan->split));
+    const ContractArgs contract = contract_args(*args, plan->ab_dtype, plan->split);
+    cudaError_t status = impl->contract_launch(contract);
+    // Declined at launch (a tensor map the driver refuses): the next of the default order that takes
+    // operands of this format.
+    if (status == cudaErrorNotSupported && !plan->chosen[role_index(role)]) {
+      const std::vector<int>& order = lib.order[role_index(role)];
+      for (auto next = std::find(order.begin(), order.end(), index); next != order.end() && status == cudaErrorNotSupported;
+           ++next) {
+        const Implementation* other = lib.implementation[*next];
+        if (*next != index && other != nullptr && other->contract_launch != nullptr && other->contract_applies(contract))
+          status = other->contract_launch(contract);
+      }
+    }
     if (status == cudaErrorNotSupported)
       say(message, size, "trimul_inline: contraction kernel '%s' declined at launch", lib.kernels[index].name);
     return status;

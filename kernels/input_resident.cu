@@ -133,7 +133,11 @@ bool applicable(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args) {
-  return launch_persistent<kernel<M, TIn>>(args, args.n * args.ld, kRows, kPairs, kThreads, smem<M>(args));
+  if constexpr (M != Mode::bf16 && M != Mode::f16) {
+    return cudaErrorNotSupported;
+  } else {
+    return launch_persistent<kernel<M, TIn>>(args, args.n * args.ld, kRows, kPairs, kThreads, smem<M>(args));
+  }
 }
 
 }  // namespace resident

@@ -233,10 +233,14 @@ bool applicable(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args) {
-  const int64_t bytes = smem<M>(args);
-  if (args.c == kMaxHidden && args.c_pad == kMaxHidden && args.h == kMaxHidden && args.h_pad == kMaxHidden)
-    return launch_persistent<kernel<M, TIn, true>>(args, args.n * args.ldz, kRows, kPairs, kThreads, bytes);
-  return launch_persistent<kernel<M, TIn, false>>(args, args.n * args.ldz, kRows, kPairs, kThreads, bytes);
+  if constexpr (M != Mode::bf16 && M != Mode::f16) {
+    return cudaErrorNotSupported;
+  } else {
+    const int64_t bytes = smem<M>(args);
+    if (args.c == kMaxHidden && args.c_pad == kMaxHidden && args.h == kMaxHidden && args.h_pad == kMaxHidden)
+      return launch_persistent<kernel<M, TIn, true>>(args, args.n * args.ldz, kRows, kPairs, kThreads, bytes);
+    return launch_persistent<kernel<M, TIn, false>>(args, args.n * args.ldz, kRows, kPairs, kThreads, bytes);
+  }
 }
 
 }  // namespace resident

@@ -380,10 +380,10 @@ cudaError_t launch_tiling(const ForwardArgs& args, int64_t base) {
   staged.gate_rows_first = z_bytes > 0;
   base += z_bytes;
   staged.contract_stage_bytes = contract_stage_bytes<M, T>(args, base);
-  // (with the in-pass contraction, a programmatic dependent of the input pass: its prologue overlaps
-  // that kernel's tail, and it waits for a_t / b_t before it reads them)
+  // (with the in-pass contraction right after the input pass, its programmatic dependent: its prologue
+  // overlaps that kernel's tail, and it waits for a_t / b_t before it reads them)
   return launch_tiles<kernel<M, TIn, T>, T>(staged, args.n * args.ldz, base + staged.contract_stage_bytes,
-                                            args.z == nullptr);
+                                            args.z == nullptr && args.output_follows_input);
 }
 
 // Any mode, any sizes whose tile fits in shared memory; without z (in_output_pass) N <= kFusedContractionMaxN.
