@@ -230,6 +230,9 @@ def test_kernels_override_fills_in_and_replaces_the_modules_choice(monkeypatch):
     assert ti._with_override(chosen) == ti.Kernels(input="streamed", contract="tiled", output="resident")
     monkeypatch.setenv("TRIMUL_KERNELS", "")
     assert ti._with_override(chosen) == chosen
+    monkeypatch.setenv("TRIMUL_KERNELS", "input=wgmma_ws")  # (traced by dynamo as forward traces it)
+    compiled = torch.compile(ti._with_override, fullgraph=True)(chosen)
+    assert compiled == ti.Kernels(input="wgmma_ws", contract="mma") and isinstance(compiled, ti.Kernels)
     monkeypatch.setenv("TRIMUL_KERNELS", "contract=wgmma_rs")
     with pytest.raises(ValueError, match="TRIMUL_KERNELS: no contract kernel 'wgmma_rs'"):
         ti._with_override(chosen)

@@ -186,15 +186,16 @@ def parse_kernels(value, source: str = "kernels") -> Kernels:
     return Kernels(**{role: (None if name == "auto" else name) for role, name in value.items()})
 
 
-def _kernels_override() -> Kernels:
-    """TRIMUL_KERNELS, the one environment override (for measuring without editing code): the roles
-    it names replace a module's choices. Read when a call is planned, not per call."""
-    return parse_kernels(os.environ.get("TRIMUL_KERNELS"), "TRIMUL_KERNELS")
+def _kernels_override() -> tuple:
+    """TRIMUL_KERNELS, the one environment override (for measuring without editing code), as one name or
+    "" per role: the roles it names replace a module's choices. Read when a call is planned, not per call
+    (under torch.compile: at trace time)."""
+    return tuple(name or "" for name in parse_kernels(os.environ.get("TRIMUL_KERNELS"), "TRIMUL_KERNELS"))
 
 
 def _with_override(kernels: Kernels) -> Kernels:
     override = _kernels_override()
-    return Kernels(*(o if o is not None else k for k, o in zip(kernels, override)))
+    return Kernels(override[0] or kernels[0], override[1] or kernels[1], override[2] or kernels[2])
 
 
 def _is_torch_kernel(role: str, name: Optional[str]) -> bool:

@@ -65,6 +65,15 @@ std::vector<py::tuple> kernels() {
 const char* kernel_name(int index) { return library().kernels[index].name; }
 
 // ---- checks --------------------------------------------------------------------------------------
+// Messages format numbers with std::to_string, never through std::ostream: an extension built by the
+// GPU machine's g++ crashed (SIGSEGV in ostream::_M_insert<long>) formatting an integer in a message.
+std::string text(int64_t value) { return std::to_string(value); }
+std::string text(at::IntArrayRef values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+  return out + "]";
+}
+
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 trimul::Dtype dtype_code(const at::Tensor& t, const char* what) {
@@ -109,7 +118,7 @@ void check_plan(trimul::PlanStatus status, const char* message) {
 
 void check_matrix_stack(const at::Tensor& t, const char* what) {
   TORCH_CHECK_VALUE(t.is_cuda(), "trimul_inline: ", what, " must be a CUDA tensor");
-  TORCH_CHECK_VALUE(t.dim() == 3, "trimul_inline: ", what, " must be 3-D [batch, rows, k], got ", t.dim(), "-D");
+  TORCH_CHECK_VALUE(t.dim() == 3, "trimul_inline: ", what, " must be 3-D [batch, rows, k], got ", text(t.dim()), "-D");
   TORCH_CHECK_VALUE(t.is_contiguous(), "trimul_inline: ", what, " must be contiguous");
 }
 
@@ -124,11 +133,11 @@ void contract(const std::string& name, const at::Tensor& a, const at::Tensor& b,
                     "trimul_inline: a, b and z must be on one device");
   TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "trimul_inline: a and b dtypes differ (", a.scalar_type(),
                    " vs ", b.scalar_type(), ")");
-  TORCH_CHECK_VALUE(a.size(0) == b.size(0) && a.size(2) == b.size(2), "trimul_inline: a ", a.sizes(), " and b ",
-                    b.sizes(), " do not share batch and k");
+  TORCH_CHECK_VALUE(a.size(0) == b.size(0) && a.size(2) == b.size(2), "trimul_inline: a ", text(a.sizes()), " and b ",
+                    text(b.sizes()), " do not share batch and k");
   TORCH_CHECK_VALUE(z.size(0) == a.size(0) && z.size(1) == a.size(1) && z.size(2) == b.size(1), "trimul_inline: z ",
-                    z.sizes(), " must be [batch, a rows, b rows]");
-  TORCH_CHECK_VALUE(precision >= 0 && precision <= 2, "trimul_inline: precision code ", precision,
+                    text(z.sizes()), " must be [batch, a rows, b rows]");
+  TORCH_CHECK_VALUE(precision >= 0 && precision <= 2, "trimul_inline: precision code ", text(precision),
                     " is not 0 (highest), 1 (high) or 2 (medium)");
   const c10::cuda::CUDAGuard guard(a.device());
   // Kernels read whole 64-byte k-slabs: give them rows padded with zeros to a multiple of 32.
@@ -199,11 +208,11 @@ trimul::ForwardArgs forward_args(const at::Tensor& pair, const at::Tensor& mask,
   TORCH_CHECK_VALUE(pair.stride(3) == 1, "trimul_inline: pair's channel stride must be 1");
   TORCH_CHECK_VALUE(mask.device() == pair.device() && mask.dim() == 3 && mask.sizes().equals(pair.sizes().slice(0, 3)),
                     "trimul_inline: mask must be (B, N, N) on pair's device");
-  TORCH_CHECK_VALUE(options.mode >= 0 && options.mode <= 3, "trimul_inline: mode code ", options.mode);
+  TORCH_CHECK_VALUE(options.mode >= 0 && options.mode <= 3, "trimul_inline: mode code ", text(options.mode));
   const auto mode = static_cast<trimul::Mode>(options.mode);
   const bool fp32_mode = mode == trimul::Mode::high || mode == trimul::Mode::highest;
-  TORCH_CHECK_VALUE(weights.size() == (fp32_mode ? 12u : 9u), "trimul_inline: forward takes ", fp32_mode ? 12 : 9,
-                    " prepared weights in this mode, got ", weights.size());
+  TORCH_CHECK_VALUE(weights.size() == (fp32_mode ? 12u : 9u), "trimul_inline: forward takes ", fp32_mode ? "12" : "9",
+                    " prepared weights in this mode, got ", text(static_cast<int64_t>(weights.size())));
   for (const auto& w : weights)
     TORCH_CHECK_VALUE(w.device() == pair.device() && w.is_contiguous() && reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0,
                       "trimul_inline: prepared weights must be contiguous, 16-byte aligned, on pair's device");
@@ -242,11 +251,12 @@ trimul::ForwardArgs forward_args(const at::Tensor& pair, const at::Tensor& mask,
   args.h_pad = weights[6].size(1);
   TORCH_CHECK_VALUE(args.c_pad == round_up(c, 32) && args.h_pad == round_up(hidden, 32) &&
                         args.rows_ab == round_up(2 * hidden, 128) && weights[4].size(1) == args.c_pad,
-                    "trimul_inline: prepared weights do not match pair_dim ", c, " / hidden ", hidden);
+                    "trimul_inline: prepared weights do not match pair_dim ", text(c), " / hidden ", text(hidden));
   if (!fp32_mode) {
     TORCH_CHECK_VALUE(weights[8].scalar_type() == weights[2].scalar_type() && weights[8].dim() == 2 &&
                           weights[8].size(0) == weights[2].size(0) && weights[8].size(1) == weights[2].size(1) + 64,
-                      "trimul_inline: prepared register-row weights do not match pair_dim ", c, " / hidden ", hidden);
+                      "trimul_inline: prepared register-row weights do not match pair_dim ", text(c), " / hidden ",
+                      text(hidden));
     args.w_in_rows = weights[8].data_ptr();
   } else {
     const auto is_f16x3 = [](const at::Tensor& w, int64_t rows, int64_t k_pad) {
@@ -256,7 +266,8 @@ trimul::ForwardArgs forward_args(const at::Tensor& pair, const at::Tensor& mask,
     TORCH_CHECK_VALUE(is_f16x3(weights[8], 2 * args.rows_ab, args.c_pad) && is_f16x3(weights[9], rows_c, args.c_pad) &&
                           is_f16x3(weights[10], rows_c, args.h_pad) && weights[11].scalar_type() == at::kFloat &&
                           weights[11].numel() == trimul::kF16x3Scales,
-                      "trimul_inline: prepared fp16x3 weights do not match pair_dim ", c, " / hidden ", hidden);
+                      "trimul_inline: prepared fp16x3 weights do not match pair_dim ", text(c), " / hidden ",
+                      text(hidden));
     args.w_in_f16x3 = weights[8].data_ptr();
     args.w_gate_f16x3 = weights[9].data_ptr();
     args.w_out_f16x3 = weights[10].data_ptr();
@@ -291,8 +302,8 @@ void check_buffer(const at::Tensor& t, const std::vector<int64_t>& shape, at::Sc
   TORCH_CHECK_VALUE(t.device() == pair.device() && t.is_contiguous() && t.scalar_type() == dtype &&
                         t.sizes().equals(shape) && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
                     "trimul_inline: ", what, " must be a contiguous, 16-byte aligned ", dtype, " tensor of shape ",
-                    at::IntArrayRef(shape), " on pair's device (forward_plan says), got ", t.scalar_type(), " ",
-                    t.sizes());
+                    text(shape), " on pair's device (forward_plan says), got ", t.scalar_type(), " ",
+                    text(t.sizes()));
 }
 
 // The steps, each on the caller's buffers (forward_plan gives their shapes and dtypes): the input pass
@@ -428,8 +439,8 @@ void output_pass(const at::Tensor& pair, const at::Tensor& mask, const std::vect
 // Whether the fused passes take pair_dim / hidden in this mode for pairs of this dtype (trimul::Dtype code)
 // on the current GPU.
 bool fused_takes(int64_t c, int64_t hidden, int64_t mode, int64_t pair_dtype) {
-  TORCH_CHECK_VALUE(mode >= 0 && mode <= 3 && pair_dtype >= 0 && pair_dtype <= 2, "trimul_inline: mode ", mode,
-                    " / dtype code ", pair_dtype);
+  TORCH_CHECK_VALUE(mode >= 0 && mode <= 3 && pair_dtype >= 0 && pair_dtype <= 2, "trimul_inline: mode ", text(mode),
+                    " / dtype code ", text(pair_dtype));
   return library().fused_takes(c, hidden, static_cast<trimul::Mode>(mode), static_cast<trimul::Dtype>(pair_dtype));
 }
 
