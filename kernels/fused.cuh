@@ -538,21 +538,31 @@ inline std::pair<bool, int64_t> choose_tiling(int64_t wide_bytes, int64_t narrow
   return {false, 0};
 }
 
-// f(mode tag, pair type tag) for the (mode, pair dtype) pairs a fused pass takes: fp32 pairs in any
-// mode, bf16/fp16 pairs only in their own mode; `otherwise` for the rest.
-template <typename R, typename F>
+// The modes a pass kernel is built for (TRIMUL_REGISTER_PASS): a bit per Mode.
+enum ModeSet : unsigned {
+  kAllModes = 0xFu,
+  k16BitModes = (1u << static_cast<int>(Mode::bf16)) | (1u << static_cast<int>(Mode::f16)),
+  kBf16Mode = 1u << static_cast<int>(Mode::bf16),
+};
+
+// f(mode tag, pair type tag) for the (mode, pair dtype) pairs a fused pass takes, of the modes in kModes:
+// fp32 pairs in any mode, bf16/fp16 pairs only in their own mode; `otherwise` for the rest (f is not
+// instantiated for them).
+template <unsigned kModes, typename R, typename F>
 R dispatch_pass(const ForwardArgs& args, R otherwise, F&& f) {
   R result = otherwise;
   dispatch_mode(args.mode, [&](auto mode) -> cudaError_t {
     constexpr Mode M = decltype(mode)::value;
-    switch (args.pair_dtype) {
-      case Dtype::f32: result = f(mode, TypeTag<float>{}); break;
-      case Dtype::bf16:
-        if constexpr (M == Mode::bf16) result = f(mode, TypeTag<__nv_bfloat16>{});
-        break;
-      case Dtype::f16:
-        if constexpr (M == Mode::f16) result = f(mode, TypeTag<__half>{});
-        break;
+    if constexpr (((kModes >> static_cast<int>(M)) & 1u) != 0) {
+      switch (args.pair_dtype) {
+        case Dtype::f32: result = f(mode, TypeTag<float>{}); break;
+        case Dtype::bf16:
+          if constexpr (M == Mode::bf16) result = f(mode, TypeTag<__nv_bfloat16>{});
+          break;
+        case Dtype::f16:
+          if constexpr (M == Mode::f16) result = f(mode, TypeTag<__half>{});
+          break;
+      }
     }
     return cudaSuccess;
   });
@@ -668,19 +678,20 @@ cudaError_t launch_contraction(const ContractArgs& args, int threads, int64_t sm
 }  // namespace fused
 }  // namespace trimul
 
-// Registers pass kernel NAME of ROLE (input or output) whose namespace NS defines, for each mode M and
-// pair type TIn, applicable<M, TIn>(const ForwardArgs&) -> bool and launch<M, TIn>(const ForwardArgs&)
-// -> cudaError_t (registry.cuh: Implementation).
-#define TRIMUL_REGISTER_PASS(ROLE, NAME, NS)                                                               \
+// Registers pass kernel NAME of ROLE (input or output), built for the modes MODES (a ModeSet), whose
+// namespace NS defines, for each of those modes M and pair type TIn, applicable<M, TIn>(const
+// ForwardArgs&) -> bool and launch<M, TIn>(const ForwardArgs&) -> cudaError_t (registry.cuh:
+// Implementation). It takes no call in another mode.
+#define TRIMUL_REGISTER_PASS(ROLE, NAME, NS, MODES)                                                        \
   static const bool trimul_registered_##ROLE##_##NAME = ::trimul::register_implementation(               \
       {::trimul::Role::ROLE, #NAME,                                                                        \
        [](const ::trimul::ForwardArgs& args) {                                                             \
-         return ::trimul::fused::dispatch_pass(args, false, [&](auto mode, auto pair) {                    \
+         return ::trimul::fused::dispatch_pass<MODES>(args, false, [&](auto mode, auto pair) {             \
            return NS::applicable<decltype(mode)::value, typename decltype(pair)::type>(args);              \
          });                                                                                               \
        },                                                                                                  \
        [](const ::trimul::ForwardArgs& args) {                                                             \
-         return ::trimul::fused::dispatch_pass(args, cudaErrorNotSupported, [&](auto mode, auto pair) {    \
+         return ::trimul::fused::dispatch_pass<MODES>(args, cudaErrorNotSupported, [&](auto mode, auto pair) { \
            return NS::launch<decltype(mode)::value, typename decltype(pair)::type>(args);                  \
          });                                                                                               \
        },                                                                                                  \

@@ -118,12 +118,8 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
 // <= 128, the weights in shared memory, and tiles enough to keep every pair of warps busy.
 template <Mode M>
 int64_t smem(const ForwardArgs& args) {
-  if constexpr (M != Mode::bf16 && M != Mode::f16) {
-    return 0;
-  } else {
-    if (args.c_pad * static_cast<int64_t>(sizeof(op_t<M>)) > kMaxSlabs * kSlabBytes) return 0;
-    return persistent_bytes(args.batch * ceil_div(args.n * args.ld, kRows), kPairs, bytes<M>(args));
-  }
+  if (args.c_pad * static_cast<int64_t>(sizeof(op_t<M>)) > kMaxSlabs * kSlabBytes) return 0;
+  return persistent_bytes(args.batch * ceil_div(args.n * args.ld, kRows), kPairs, bytes<M>(args));
 }
 
 template <Mode M, typename TIn>
@@ -133,15 +129,11 @@ bool applicable(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args) {
-  if constexpr (M != Mode::bf16 && M != Mode::f16) {
-    return cudaErrorNotSupported;
-  } else {
-    return launch_persistent<kernel<M, TIn>>(args, args.n * args.ld, kRows, kPairs, kThreads, smem<M>(args));
-  }
+  return launch_persistent<kernel<M, TIn>>(args, args.n * args.ld, kRows, kPairs, kThreads, smem<M>(args));
 }
 
 }  // namespace resident
 }  // namespace input_pass
 }  // namespace trimul
 
-TRIMUL_REGISTER_PASS(input, resident, trimul::input_pass::resident);
+TRIMUL_REGISTER_PASS(input, resident, trimul::input_pass::resident, trimul::fused::k16BitModes);

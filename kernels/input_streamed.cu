@@ -136,4 +136,4 @@ cudaError_t launch(const ForwardArgs& args) {
 }  // namespace input_pass
 }  // namespace trimul
 
-TRIMUL_REGISTER_PASS(input, streamed, trimul::input_pass::streamed);
+TRIMUL_REGISTER_PASS(input, streamed, trimul::input_pass::streamed, trimul::fused::kAllModes);

@@ -129,26 +129,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   if ((threadIdx.x & 127) == 0) bulk_wait<0>();  // (the boxes written before the block retires)
 }
 
-// Whether it takes these sizes: a 16-bit mode and takes_rows at pair_dim 128 with all the weights resident.
+// Whether it takes these sizes (a 16-bit mode: its registration): takes_rows at pair_dim 128 with all the
+// weights resident.
 template <Mode M, typename TIn>
 bool applicable(const ForwardArgs& args) {
-  if constexpr (M == Mode::bf16 || M == Mode::f16) return takes_rows<TIn>(args, kC, smem_bytes(args.rows_ab));
-  return false;
+  return takes_rows<TIn>(args, kC, smem_bytes(args.rows_ab));
 }
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args) {
-  if constexpr (M != Mode::bf16 && M != Mode::f16) {
-    return cudaErrorNotSupported;
-  } else {
-    const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
-    const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, kGroups));
-    const int64_t bytes = smem_bytes(args.rows_ab);
-    switch (2 * args.rows_ab / kChunkRows) {  // (the weights' 128-row chunks, a's and b's)
-      case 2: return launch_kernel<kernel<M, 2, TIn>, op_t<M>>(args, blocks, bytes, tiles_per_batch);
-      case 4: return launch_kernel<kernel<M, 4, TIn>, op_t<M>>(args, blocks, bytes, tiles_per_batch);
-      default: return cudaErrorNotSupported;
-    }
+  const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
+  const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, kGroups));
+  const int64_t bytes = smem_bytes(args.rows_ab);
+  switch (2 * args.rows_ab / kChunkRows) {  // (the weights' 128-row chunks, a's and b's)
+    case 2: return launch_kernel<kernel<M, 2, TIn>, op_t<M>>(args, blocks, bytes, tiles_per_batch);
+    case 4: return launch_kernel<kernel<M, 4, TIn>, op_t<M>>(args, blocks, bytes, tiles_per_batch);
+    default: return cudaErrorNotSupported;
   }
 }
 
@@ -156,4 +152,4 @@ cudaError_t launch(const ForwardArgs& args) {
 }  // namespace input_pass
 }  // namespace trimul
 
-TRIMUL_REGISTER_PASS(input, wgmma_rs, trimul::input_pass::wgmma_rs);
+TRIMUL_REGISTER_PASS(input, wgmma_rs, trimul::input_pass::wgmma_rs, trimul::fused::k16BitModes);

@@ -148,24 +148,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 // resident, and an even grid.
 template <Mode M, typename TIn>
 bool applicable(const ForwardArgs& args) {
-  if constexpr (M == Mode::bf16 || M == Mode::f16)
-    return wgmma_rs::takes_rows<TIn>(args, kC, smem_bytes(args.rows_ab)) && sm_count() >= 2;
-  return false;
+  return wgmma_rs::takes_rows<TIn>(args, kC, smem_bytes(args.rows_ab)) && sm_count() >= 2;
 }
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args) {
-  if constexpr (M != Mode::bf16 && M != Mode::f16) {
-    return cudaErrorNotSupported;
-  } else {
-    const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
-    const int64_t pairs = std::min<int64_t>(sm_count() / 2, ceil_div(args.batch * tiles_per_batch, kGroups));
-    const int64_t bytes = smem_bytes(args.rows_ab);
-    switch (args.rows_ab / kChunkRows) {  // (one side's 128-row chunks)
-      case 1: return wgmma_rs::launch_kernel<kernel<M, 1, TIn>, op_t<M>>(args, 2 * pairs, bytes, tiles_per_batch);
-      case 2: return wgmma_rs::launch_kernel<kernel<M, 2, TIn>, op_t<M>>(args, 2 * pairs, bytes, tiles_per_batch);
-      default: return cudaErrorNotSupported;
-    }
+  const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
+  const int64_t pairs = std::min<int64_t>(sm_count() / 2, ceil_div(args.batch * tiles_per_batch, kGroups));
+  const int64_t bytes = smem_bytes(args.rows_ab);
+  switch (args.rows_ab / kChunkRows) {  // (one side's 128-row chunks)
+    case 1: return wgmma_rs::launch_kernel<kernel<M, 1, TIn>, op_t<M>>(args, 2 * pairs, bytes, tiles_per_batch);
+    case 2: return wgmma_rs::launch_kernel<kernel<M, 2, TIn>, op_t<M>>(args, 2 * pairs, bytes, tiles_per_batch);
+    default: return cudaErrorNotSupported;
   }
 }
 
@@ -174,4 +168,4 @@ cudaError_t launch(const ForwardArgs& args) {
 }  // namespace input_pass
 }  // namespace trimul
 
-TRIMUL_REGISTER_PASS(input, wgmma_rs_384, trimul::input_pass::wgmma_rs_384);
+TRIMUL_REGISTER_PASS(input, wgmma_rs_384, trimul::input_pass::wgmma_rs_384, trimul::fused::k16BitModes);

@@ -490,4 +490,4 @@ cudaError_t launch(const ForwardArgs& args) {
 }  // namespace input_pass
 }  // namespace trimul
 
-TRIMUL_REGISTER_PASS(input, wgmma_ws, trimul::input_pass::wgmma_ws);
+TRIMUL_REGISTER_PASS(input, wgmma_ws, trimul::input_pass::wgmma_ws, trimul::fused::kAllModes);

@@ -217,13 +217,9 @@ __global__ void __launch_bounds__(kThreads, 1) kernel(const ForwardArgs args, in
 // pair_dim and hidden <= 128, the weights in shared memory, tiles enough to keep every pair of warps busy.
 template <Mode M>
 int64_t smem(const ForwardArgs& args) {
-  if constexpr (M != Mode::bf16 && M != Mode::f16) {
-    return 0;
-  } else {
-    if (args.z == nullptr || args.z_dtype != z_dtype_for(M) || args.h_pad > kMaxHidden) return 0;
-    if (args.c_pad * static_cast<int64_t>(sizeof(op_t<M>)) > kMaxSlabs * kSlabBytes) return 0;
-    return persistent_bytes(args.batch * ceil_div(args.n * args.ldz, kRows), kPairs, bytes<M>(args));
-  }
+  if (args.z == nullptr || args.z_dtype != z_dtype_for(M) || args.h_pad > kMaxHidden) return 0;
+  if (args.c_pad * static_cast<int64_t>(sizeof(op_t<M>)) > kMaxSlabs * kSlabBytes) return 0;
+  return persistent_bytes(args.batch * ceil_div(args.n * args.ldz, kRows), kPairs, bytes<M>(args));
 }
 
 template <Mode M, typename TIn>
@@ -233,18 +229,14 @@ bool applicable(const ForwardArgs& args) {
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args) {
-  if constexpr (M != Mode::bf16 && M != Mode::f16) {
-    return cudaErrorNotSupported;
-  } else {
-    const int64_t bytes = smem<M>(args);
-    if (args.c == kMaxHidden && args.c_pad == kMaxHidden && args.h == kMaxHidden && args.h_pad == kMaxHidden)
-      return launch_persistent<kernel<M, TIn, true>>(args, args.n * args.ldz, kRows, kPairs, kThreads, bytes);
-    return launch_persistent<kernel<M, TIn, false>>(args, args.n * args.ldz, kRows, kPairs, kThreads, bytes);
-  }
+  const int64_t bytes = smem<M>(args);
+  if (args.c == kMaxHidden && args.c_pad == kMaxHidden && args.h == kMaxHidden && args.h_pad == kMaxHidden)
+    return launch_persistent<kernel<M, TIn, true>>(args, args.n * args.ldz, kRows, kPairs, kThreads, bytes);
+  return launch_persistent<kernel<M, TIn, false>>(args, args.n * args.ldz, kRows, kPairs, kThreads, bytes);
 }
 
 }  // namespace resident
 }  // namespace output_pass
 }  // namespace trimul
 
-TRIMUL_REGISTER_PASS(output, resident, trimul::output_pass::resident);
+TRIMUL_REGISTER_PASS(output, resident, trimul::output_pass::resident, trimul::fused::k16BitModes);

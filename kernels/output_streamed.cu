@@ -411,5 +411,5 @@ inline bool contracts_here(const ContractArgs& args) {
 }  // namespace output_pass
 }  // namespace trimul
 
-TRIMUL_REGISTER_PASS(output, streamed, trimul::output_pass::streamed);
+TRIMUL_REGISTER_PASS(output, streamed, trimul::output_pass::streamed, trimul::fused::kAllModes);
 TRIMUL_REGISTER_CONTRACTION_IN_OUTPUT_PASS(in_output_pass, trimul::output_pass::streamed::contracts_here);

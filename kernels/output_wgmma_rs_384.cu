@@ -210,14 +210,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 // exactly, the gate on the raw rows in 16-byte vectors, a separate contraction's z, an even grid.
 template <Mode M, typename TIn>
 bool applicable(const ForwardArgs& args) {
-  if constexpr (M == Mode::bf16) {
-    return tensor_map_encoder() != nullptr && args.z != nullptr && args.z_dtype == Dtype::bf16 && args.c == kC &&
-           args.c_pad == kC && args.h == kH && args.h_pad == kH && !args.gate_normalized &&
-           rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair) &&
-           (args.n * args.ldz) % 8 == 0 && args.batch * kH < (int64_t(1) << 31) && kSmemBytes <= max_smem_optin() &&
-           sm_count() >= 2;
-  }
-  return false;
+  return tensor_map_encoder() != nullptr && args.z != nullptr && args.z_dtype == Dtype::bf16 && args.c == kC &&
+         args.c_pad == kC && args.h == kH && args.h_pad == kH && !args.gate_normalized &&
+         rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair) &&
+         (args.n * args.ldz) % 8 == 0 && args.batch * kH < (int64_t(1) << 31) && kSmemBytes <= max_smem_optin() &&
+         sm_count() >= 2;
 }
 
 template <Mode M, typename TIn>
@@ -243,4 +240,4 @@ cudaError_t launch(const ForwardArgs& args) {
 }  // namespace output_pass
 }  // namespace trimul
 
-TRIMUL_REGISTER_PASS(output, wgmma_rs_384, trimul::output_pass::wgmma_rs_384);
+TRIMUL_REGISTER_PASS(output, wgmma_rs_384, trimul::output_pass::wgmma_rs_384, trimul::fused::kBf16Mode);

@@ -448,4 +448,4 @@ cudaError_t launch(const ForwardArgs& args) {
 }  // namespace output_pass
 }  // namespace trimul
 
-TRIMUL_REGISTER_PASS(output, wgmma_ws, trimul::output_pass::wgmma_ws);
+TRIMUL_REGISTER_PASS(output, wgmma_ws, trimul::output_pass::wgmma_ws, trimul::fused::kAllModes);
