@@ -921,35 +921,35 @@ class ForwardSteps:
     ab [2, planes, N, ld] (a_t then b_t, the contraction's operands), z [B*H, N, ldz] (None where the
     output pass contracts itself), out like pair_repr. Steps launch on the current stream."""
 
-    def __init__(self, pair, mask, weights, options, kernels, mode):
+    def __init__(self, pair, mask, weights, options, mode):
         self._call = (pair, mask, weights, options)
-        self._chosen, self._mode = kernels, mode
-        self._pair = pair
-        extension = _extension()
-        self.plan = extension.forward_plan(*self._call)
+        self._mode = mode
+        self._extension = _extension()  # (options belongs to it)
+        self.plan = self._extension.forward_plan(*self._call)
         self.kernels = Kernels(*(self.plan[role] for role in ROLES))
 
+    def _new(self, shape, dtype: str) -> torch.Tensor:
+        return self._call[0].new_empty(shape, dtype=getattr(torch, dtype))
+
     def new_ab(self) -> torch.Tensor:
-        return self._pair.new_empty(self.plan["ab_shape"], dtype=getattr(torch, self.plan["ab_dtype"]))
+        return self._new(self.plan["ab_shape"], self.plan["ab_dtype"])
 
     def new_z(self) -> Optional[torch.Tensor]:
-        if self.plan["z_shape"] is None:
-            return None
-        return self._pair.new_empty(self.plan["z_shape"], dtype=getattr(torch, self.plan["z_dtype"]))
+        return None if self.plan["z_shape"] is None else self._new(self.plan["z_shape"], self.plan["z_dtype"])
 
     def new_out(self) -> torch.Tensor:
-        return torch.empty_like(self._pair, memory_format=torch.contiguous_format)
+        return torch.empty_like(self._call[0], memory_format=torch.contiguous_format)
 
     def input_pass(self, ab: torch.Tensor) -> None:
-        _extension().input_pass(*self._call, ab)
+        self._extension.input_pass(*self._call, ab)
 
     def contraction(self, ab: torch.Tensor, z: Optional[torch.Tensor]) -> None:
-        with _bmm_precision(self._chosen, self._mode):
-            _extension().contraction(*self._call, ab, z)
+        with _bmm_precision(self.kernels, self._mode):
+            self._extension.contraction(*self._call, ab, z)
 
     def output_pass(self, out: torch.Tensor, z: Optional[torch.Tensor] = None,
                     ab: Optional[torch.Tensor] = None) -> None:
-        _extension().output_pass(*self._call, ab, z, out)
+        self._extension.output_pass(*self._call, ab, z, out)
 
     def run(self) -> torch.Tensor:
         """The three steps on fresh buffers: what the one-call forward computes."""
@@ -1207,7 +1207,7 @@ class ModelNew(_TriMulLayers):
         pair_repr, pair_mask = self._fused_inputs(pair_repr, pair_mask)
         try:
             return ForwardSteps(pair_repr, pair_mask, self._prepared_weights(mode),
-                                _forward_options(kernels, *self._option_values(mode)), kernels, mode)
+                                _forward_options(kernels, *self._option_values(mode)), mode)
         except NotImplementedError as error:
             raise ValueError(f"trimul_inline: the fused kernels do not take this call ({error})") from error
 

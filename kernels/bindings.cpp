@@ -292,12 +292,13 @@ Planned plan_call(const at::Tensor& pair, const at::Tensor& mask, const std::vec
   return planned;
 }
 
-std::vector<int64_t> ab_shape(const Planned& p) { return {2, p.plan.ab_planes, p.args.n, p.args.ld}; }
-std::vector<int64_t> z_shape(const Planned& p) { return {p.args.batch * p.args.h, p.args.n, p.args.ldz}; }
+// (arrays, not vectors: no heap allocation for a shape on every forward)
+std::array<int64_t, 4> ab_shape(const Planned& p) { return {2, p.plan.ab_planes, p.args.n, p.args.ld}; }
+std::array<int64_t, 3> z_shape(const Planned& p) { return {p.args.batch * p.args.h, p.args.n, p.args.ldz}; }
 
 // A caller's buffer for a step: the plan's shape and dtype, contiguous, on pair's device, 16-byte aligned
 // (the kernels' vector accesses and tensor maps).
-void check_buffer(const at::Tensor& t, const std::vector<int64_t>& shape, at::ScalarType dtype, const at::Tensor& pair,
+void check_buffer(const at::Tensor& t, at::IntArrayRef shape, at::ScalarType dtype, const at::Tensor& pair,
                   const char* what) {
   TORCH_CHECK_VALUE(t.device() == pair.device() && t.is_contiguous() && t.scalar_type() == dtype &&
                         t.sizes().equals(shape) && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
@@ -381,10 +382,10 @@ py::dict forward_plan(const at::Tensor& pair, const at::Tensor& mask, const std:
   const Planned p = plan_call(pair, mask, weights, options);
   py::dict d;
   for (int r = 0; r < trimul::kRoles; ++r) d[kRoleNames[r]] = kernel_name(p.plan.kernels[r]);
-  d["ab_shape"] = ab_shape(p);
+  d["ab_shape"] = py::cast(ab_shape(p));
   d["ab_dtype"] = dtype_name(p.plan.ab_dtype);
   if (p.plan.z_buffer) {
-    d["z_shape"] = z_shape(p);
+    d["z_shape"] = py::cast(z_shape(p));
     d["z_dtype"] = dtype_name(p.args.z_dtype);
   } else {
     d["z_shape"] = py::none();
@@ -425,7 +426,7 @@ void output_pass(const at::Tensor& pair, const at::Tensor& mask, const std::vect
                  const at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(pair.device());
   Planned p = plan_call(pair, mask, weights, options);
-  check_buffer(out, pair.sizes().vec(), pair.scalar_type(), pair, "out");
+  check_buffer(out, pair.sizes(), pair.scalar_type(), pair, "out");
   if (p.plan.z_buffer) {
     TORCH_CHECK_VALUE(z.has_value(), "trimul_inline: this plan's output pass reads z");
     check_buffer(*z, z_shape(p), scalar_type(p.args.z_dtype), pair, "z");

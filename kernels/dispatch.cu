@@ -183,8 +183,8 @@ PlanStatus plan_forward(ForwardArgs* args, const char* const* chosen, ForwardPla
   // of a plane in 32 bits (the kernels' position arithmetic).
   args->ld = (args->n + 31) / 32 * 32;
   args->z_dtype = z_dtype_for(args->mode);
-  args->ldz = (args->n + (args->z_dtype == Dtype::f32 ? 3 : 7)) / (args->z_dtype == Dtype::f32 ? 4 : 8) *
-              (args->z_dtype == Dtype::f32 ? 4 : 8);
+  const int64_t z_align = args->z_dtype == Dtype::f32 ? 4 : 8;
+  args->ldz = (args->n + z_align - 1) / z_align * z_align;
   const int64_t plane_limit = (int64_t(1) << 32) - 128;
   if (args->n * args->ld >= plane_limit || args->n * args->ldz >= plane_limit) {
     say(message, size, "trimul_inline: N = %lld is past the fused kernels' 32-bit position arithmetic",
@@ -192,13 +192,14 @@ PlanStatus plan_forward(ForwardArgs* args, const char* const* chosen, ForwardPla
     return PlanStatus::no_kernel;
   }
   const Library& lib = library();
-  std::vector<int> contractions;
-  if (pick[contract] >= 0) contractions.push_back(pick[contract]);
-  else contractions = lib.order[contract];
+  // (the chosen contraction, else the default order; no copy: this runs on every forward)
+  const int* contractions = pick[contract] >= 0 ? &pick[contract] : lib.order[contract].data();
+  const size_t contraction_count = pick[contract] >= 0 ? 1 : lib.order[contract].size();
   Format options[3];
   const int option_count = formats(*args, options);
   bool found[kRoles] = {false, false, false};
-  for (int c : contractions) {
+  for (size_t i = 0; i < contraction_count; ++i) {
+    const int c = contractions[i];
     const KernelInfo& info = lib.kernels[c];
     const Implementation* impl = lib.implementation[c];
     if (!info.torch && impl == nullptr) continue;
@@ -256,44 +257,44 @@ PlanStatus plan_forward(ForwardArgs* args, const char* const* chosen, ForwardPla
   return any_chosen ? PlanStatus::not_applies : PlanStatus::no_kernel;
 }
 
+// run(implementation, true) for the planned kernel `index` of `role` (its applies() held when planned);
+// where that declines at launch (cudaErrorNotSupported: a tensor map the driver refuses) and was not chosen by
+// name, run(implementation, false) for each later kernel of the role's default order in turn, which returns
+// cudaErrorNotSupported for one that does not take the call.
+template <class Run>
+cudaError_t launch_in_order(Role role, int index, bool chosen, Run&& run) {
+  const Library& lib = library();
+  cudaError_t status = run(*lib.implementation[index], true);
+  if (status != cudaErrorNotSupported || chosen) return status;
+  const std::vector<int>& order = lib.order[role_index(role)];
+  for (auto next = std::find(order.begin(), order.end(), index); next != order.end() && status == cudaErrorNotSupported;
+       ++next)
+    if (*next != index && lib.implementation[*next] != nullptr) status = run(*lib.implementation[*next], false);
+  return status;
+}
+
 cudaError_t run_step(Role role, const ForwardPlan* plan, const ForwardArgs* args, char* message, int size) {
   const Library& lib = library();
   const int index = plan->kernels[role_index(role)];
-  const Implementation* impl = lib.implementation[index];
+  const bool chosen = plan->chosen[role_index(role)];
+  cudaError_t status;
   if (role == Role::contract) {
     if (!plan->z_buffer) return cudaSuccess;  // (the output pass contracts)
-    if (plan->torch_contraction || impl == nullptr) {
+    if (plan->torch_contraction || lib.implementation[index] == nullptr) {
       say(message, size, "trimul_inline: contraction '%s' is not a kernel of this library", lib.kernels[index].name);
       return cudaErrorInvalidValue;
     }
+    // (a fallback takes operands of the same format)
     const ContractArgs contract = contract_args(*args, plan->ab_dtype, plan->split);
-    cudaError_t status = impl->contract_launch(contract);
-    // Declined at launch (a tensor map the driver refuses): the next of the default order that takes
-    // operands of this format.
-    if (status == cudaErrorNotSupported && !plan->chosen[role_index(role)]) {
-      const std::vector<int>& order = lib.order[role_index(role)];
-      for (auto next = std::find(order.begin(), order.end(), index); next != order.end() && status == cudaErrorNotSupported;
-           ++next) {
-        const Implementation* other = lib.implementation[*next];
-        if (*next != index && other != nullptr && other->contract_launch != nullptr && other->contract_applies(contract))
-          status = other->contract_launch(contract);
-      }
-    }
-    if (status == cudaErrorNotSupported)
-      say(message, size, "trimul_inline: contraction kernel '%s' declined at launch", lib.kernels[index].name);
-    return status;
-  }
-  cudaError_t status = impl->pass_launch(*args);
-  // A kernel of the default order that declines at launch (a tensor map the driver refuses) hands
-  // the call to the next one that takes it.
-  if (status == cudaErrorNotSupported && !plan->chosen[role_index(role)]) {
-    const std::vector<int>& order = lib.order[role_index(role)];
-    for (auto next = std::find(order.begin(), order.end(), index); next != order.end() && status == cudaErrorNotSupported;
-         ++next) {
-      if (*next == index) continue;
-      const Implementation* other = lib.implementation[*next];
-      if (other != nullptr && other->pass_applies(*args)) status = other->pass_launch(*args);
-    }
+    status = launch_in_order(role, index, chosen, [&](const Implementation& impl, bool planned) {
+      return planned || (impl.contract_launch != nullptr && impl.contract_applies(contract))
+                 ? impl.contract_launch(contract)
+                 : cudaErrorNotSupported;
+    });
+  } else {
+    status = launch_in_order(role, index, chosen, [&](const Implementation& impl, bool planned) {
+      return planned || impl.pass_applies(*args) ? impl.pass_launch(*args) : cudaErrorNotSupported;
+    });
   }
   if (status == cudaErrorNotSupported)
     say(message, size, "trimul_inline: the %s kernel '%s' declined at launch", kRoleNames[role_index(role)],
