@@ -3,21 +3,32 @@
     python bench.py                                   # default shapes, every contender
     python bench.py --shapes 1,256,128,128 --kernels tiled --precision high --json out.json
     python bench.py --profile --kernels input=wgmma_rs,input=wgmma_ws   # A/B two kernels in one process
+    python bench.py --backward --precision highest,high,medium --json train.json   # training steps
 
 For each shape (B, N, C, H) each contender is first checked against the reference model run in
 float64 (relative error ||out - ref|| / ||ref||); a contender over its tolerance prints FAIL and is
 not timed. Timing: CUDA events around each forward call, after warm-up, median of many calls with
 the 10th-90th percentile spread, and the peak memory the call allocated beyond what was already
 allocated. Without CUDA it says so and runs a small CPU comparison.
+
+--backward times one training step per call instead (gradients set to None, forward, loss = mean of
+out² in fp32, backward), after checking each contender's gradients (d pair_repr and every parameter's)
+against the reference's in float64 (per-tensor relative errors; over tolerance: FAIL, not timed); peak
+memory is counted above the inputs and parameters, the previous step's gradients released. Its gate
+input defaults to "normalized" (cuEquivariance's). Without CUDA it checks ModelNew's gradients on CPU.
 """
 import argparse
+import contextlib
 import datetime
 import json
 import math
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -29,6 +40,10 @@ DEFAULT_SHAPES = [(1, 32, 64, 32), (16, 32, 64, 32), (2, 256, 128, 128), (1, 512
 # The geomean row covers the seven shapes large enough not to be launch-bound (issue 3's table).
 GEOMEAN_SHAPES = DEFAULT_SHAPES[2:]
 TOLERANCE = {"highest": 1e-5, "high": 2e-3, "medium": 1e-2, "bfloat16": 2e-2}
+# --backward: (d pair_repr, each parameter's gradient) relative errors against fp64.
+GRAD_TOLERANCE = {"highest": (1e-5, 1e-5), "high": (2e-3, 2e-3), "medium": (1e-2, 3e-2),
+                  "bfloat16": (1e-2, 3e-2)}
+CPU_BACKWARD_SHAPES = [(1, 7, 16, 8), (2, 9, 12, 20)]
 
 
 def log(message: str) -> None:
@@ -104,20 +119,29 @@ def cuequivariance():
     return cuequivariance_torch
 
 
+# cuEquivariance's weight arguments -> the Model parameters they hold; two: stacked [first; second] on dim 0.
+CUEQ_WEIGHTS = {"norm_in_weight": ("layer_norm_in.weight",), "norm_in_bias": ("layer_norm_in.bias",),
+                "p_in_weight": ("proj_a.weight", "proj_b.weight"), "p_in_bias": ("proj_a.bias", "proj_b.bias"),
+                "g_in_weight": ("gate_a.weight", "gate_b.weight"), "g_in_bias": ("gate_a.bias", "gate_b.bias"),
+                "norm_out_weight": ("layer_norm_out.weight",), "norm_out_bias": ("layer_norm_out.bias",),
+                "p_out_weight": ("out_proj.weight",), "p_out_bias": ("out_proj.bias",),
+                "g_out_weight": ("out_gate.weight",), "g_out_bias": ("out_gate.bias",)}
+
+
+def cueq_weights(ref, dtype):
+    """cuEquivariance's weight arguments (CUEQ_WEIGHTS) from the reference's parameters: detached
+    copies in `dtype`."""
+    params = dict(ref.named_parameters())
+    return {arg: torch.cat([params[name] for name in names]).detach().to(dtype).contiguous()
+            for arg, names in CUEQ_WEIGHTS.items()}
+
+
 def make_cueq(ref, dtype):
     """cuEquivariance's fused triangle update on the reference's weights. It gates the output with
     the normalized input (AlphaFold2's convention), so it is checked against gate_input='normalized'.
     Inputs are cast to `dtype` once, outside the timed call."""
     cuet = cuequivariance()
-    cat = lambda first, second: torch.cat([first, second], dim=0)
-    weights = dict(
-        norm_in_weight=ref.layer_norm_in.weight, norm_in_bias=ref.layer_norm_in.bias,
-        p_in_weight=cat(ref.proj_a.weight, ref.proj_b.weight), p_in_bias=cat(ref.proj_a.bias, ref.proj_b.bias),
-        g_in_weight=cat(ref.gate_a.weight, ref.gate_b.weight), g_in_bias=cat(ref.gate_a.bias, ref.gate_b.bias),
-        norm_out_weight=ref.layer_norm_out.weight, norm_out_bias=ref.layer_norm_out.bias,
-        p_out_weight=ref.out_proj.weight, p_out_bias=ref.out_proj.bias,
-        g_out_weight=ref.out_gate.weight, g_out_bias=ref.out_gate.bias)
-    weights = {k: v.detach().to(dtype).contiguous() for k, v in weights.items()}
+    weights = cueq_weights(ref, dtype)
     return cast_once(lambda x, m: cuet.triangle_multiplicative_update(x, direction=ref.direction, mask=m, eps=1e-5,
                                                                      **weights), dtype, dtype)
 
@@ -259,13 +283,28 @@ def peak_memory_mib(fn) -> float:
     return peak / 2**20
 
 
-def fp64_output(ref, pair, mask, gate_input=None):
-    """The reference's output in float64 (its weights; another gate input where given), on ref's device."""
+def fp64_model(ref, gate_input=None):
+    """The reference in float64 (its weights; another gate input where given), on ref's device."""
     ref64 = ti.Model(ref.pair_dim, ref.hidden_dim, ref.direction, gate_input or ref.gate_input)
     ref64 = ref64.to(ref.proj_a.weight.device).double()
     ref64.load_state_dict(ref.state_dict())
+    return ref64
+
+
+def fp64_output(ref, pair, mask, gate_input=None):
+    """The reference's output in float64 (its weights; another gate input where given), on ref's device."""
+    ref64 = fp64_model(ref, gate_input)
     with torch.inference_mode():
         return ref64(pair.double(), mask)
+
+
+def fp64_gradients(ref, pair, mask, gate_input=None):
+    """The reference's gradients of out.square().mean() in float64 (its weights; another gate input
+    where given): {"pair_repr": d pair_repr, each parameter's name: its gradient}."""
+    ref64 = fp64_model(ref, gate_input)
+    pair64 = pair.detach().double().requires_grad_(True)
+    ref64(pair64, mask).square().mean().backward()
+    return {"pair_repr": pair64.grad, **{name: p.grad for name, p in ref64.named_parameters()}}
 
 
 def relative_error(out, expected):
@@ -464,6 +503,283 @@ def cpu_comparison():
     return 0
 
 
+class Trainable(NamedTuple):
+    """A contender ready for training steps: forward(pair, mask), the tensors its gradients land on
+    (`leaves`) and gradients() -> {Model's parameter name: its gradient}."""
+    forward: Callable
+    leaves: list
+    gradients: Callable
+
+
+class TrainingContender:
+    """A --backward contender: make(ref) -> Trainable; inputs in `dtype` (pair_repr) and `mask_dtype`;
+    gradients checked with GRAD_TOLERANCE[tolerance_key]. `informational`: over tolerance is reported
+    and the row timed anyway."""
+
+    def __init__(self, name, make, tolerance_key, dtype=torch.float32, mask_dtype=torch.bool,
+                 informational=False):
+        self.name, self.make, self.tolerance_key = name, make, tolerance_key
+        self.dtype, self.mask_dtype, self.informational = dtype, mask_dtype, informational
+
+
+def trainable_module(module, forward=None, autocast=False):
+    """Trainable of a module with Model's parameter names: `forward` (default: the module itself), under
+    bf16 autocast where asked, training the module's parameters."""
+    forward = module if forward is None else forward
+    params = dict(module.named_parameters())
+
+    def run(pair, mask):
+        with torch.autocast("cuda", torch.bfloat16) if autocast else contextlib.nullcontext():
+            return forward(pair, mask)
+    return Trainable(run, list(params.values()), lambda: {name: p.grad for name, p in params.items()})
+
+
+def cueq_gradients(leaves):
+    """{Model's parameter name: gradient} from the gradients of cuEquivariance's weight arguments
+    (`leaves`, by argument name): the stacked ones split in halves, as CUEQ_WEIGHTS stacks them."""
+    gradients = {}
+    for arg, names in CUEQ_WEIGHTS.items():
+        grad = leaves[arg].grad
+        gradients.update(zip(names, [None] * len(names) if grad is None else grad.chunk(len(names))))
+    return gradients
+
+
+def trainable_cueq(ref, dtype):
+    """cuEquivariance's update with the reference's weights in `dtype` as leaves requiring grad."""
+    cuet = cuequivariance()
+    leaves = {arg: w.requires_grad_(True) for arg, w in cueq_weights(ref, dtype).items()}
+    return Trainable(lambda x, m: cuet.triangle_multiplicative_update(x, direction=ref.direction, mask=m,
+                                                                     eps=1e-5, **leaves),
+                     list(leaves.values()), lambda: cueq_gradients(leaves))
+
+
+BACKWARD_CONTENDERS = "ref-eager,ref-compile,ref-autocast,cueq-bf16,cueq-fp32,new,new-bf16,new-autocast"
+
+
+def backward_contenders(args):
+    """The --backward contenders that --contenders names (`new`: one row per --precision)."""
+    bf16 = torch.bfloat16
+    found = []
+    if "ref-eager" in args.contenders:
+        found.append(TrainingContender("ref-eager", trainable_module, "highest"))
+    if "ref-compile" in args.contenders:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        found.append(TrainingContender("ref-compile", lambda ref: trainable_module(ref, torch.compile(ref)),
+                                       "highest"))
+    if "ref-autocast" in args.contenders:
+        found.append(TrainingContender("ref-autocast", lambda ref: trainable_module(ref, autocast=True),
+                                       "bfloat16", informational=True))
+    if "cueq-bf16" in args.contenders and cuequivariance() is not None:
+        found.append(TrainingContender("cueq-bf16", lambda ref: trainable_cueq(ref, bf16), "bfloat16",
+                                       dtype=bf16, mask_dtype=bf16))
+    if "cueq-fp32" in args.contenders and cuequivariance() is not None:
+        found.append(TrainingContender("cueq-fp32", lambda ref: trainable_cueq(ref, torch.float32), "high",
+                                       mask_dtype=torch.float32))
+    if "new" in args.contenders:
+        for precision in args.precision:
+            found.append(TrainingContender(f"new-{precision}", lambda ref, p=precision: trainable_module(
+                make_model_new(ref, precision=p)), precision))
+    if "new-bf16" in args.contenders:
+        found.append(TrainingContender("new-bf16", lambda ref: trainable_module(make_model_new(ref).to(bf16)),
+                                       "bfloat16", dtype=bf16))
+    if "new-autocast" in args.contenders:
+        found.append(TrainingContender("new-autocast", lambda ref: trainable_module(make_model_new(ref),
+                                                                                    autocast=True), "bfloat16"))
+    return found
+
+
+def clear_gradients(trainable, pair):
+    """Sets the gradients of pair_repr and of the trained tensors to None (their memory released)."""
+    for tensor in (pair, *trainable.leaves):
+        tensor.grad = None
+
+
+def training_step(trainable, pair, mask):
+    """One training step as --backward times it: the gradients set to None (inside the step: host work
+    that hands their memory back to PyTorch's cache), forward, loss = mean of out² in fp32, backward.
+    `pair`: a leaf requiring grad."""
+    def step():
+        clear_gradients(trainable, pair)
+        trainable.forward(pair, mask).float().square().mean().backward()
+    return step
+
+
+def step_gradients(trainable, pair):
+    """{"pair_repr": d pair_repr, Model's parameter name: gradient} after a step."""
+    return {"pair_repr": pair.grad, **trainable.gradients()}
+
+
+def gradient_check(gradients, expected, tolerance_key):
+    """(errors, passed): the relative error ||g - g_ref|| / ||g_ref|| of each gradient in `gradients`
+    against `expected` (fp64, same names; a missing gradient: inf), and whether pair_repr's and each
+    parameter's are within GRAD_TOLERANCE[tolerance_key] (NaN is not)."""
+    pair_tolerance, parameter_tolerance = GRAD_TOLERANCE[tolerance_key]
+    errors = {name: math.inf if gradients.get(name) is None else relative_error(gradients[name], reference)
+              for name, reference in expected.items()}
+    passed = all(error <= (pair_tolerance if name == "pair_repr" else parameter_tolerance)
+                 for name, error in errors.items())
+    return errors, passed
+
+
+def worst_gradient(errors):
+    """(name, error) of the largest of gradient_check's errors, NaN counting as the largest."""
+    name = max(errors, key=lambda n: math.inf if math.isnan(errors[n]) else errors[n])
+    return name, errors[name]
+
+
+def bench_backward_contender(contender, ref, pair, mask, expected, shape, label, budget):
+    """One --backward row: a training step's gradients checked against `expected` (fp64), then, within
+    tolerance (or informational), the step timed and its peak memory above the inputs and parameters
+    (the previous step's gradients released first)."""
+    row = {"shape": list(shape), "contender": contender.name, "status": "ok"}
+    try:
+        trainable = contender.make(ref)
+        pair_in = pair.detach().to(contender.dtype).requires_grad_(True)
+        step = training_step(trainable, pair_in, mask.to(contender.mask_dtype))
+        step()
+        errors, passed = gradient_check(step_gradients(trainable, pair_in), expected, contender.tolerance_key)
+        worst_name, worst_error = worst_gradient(errors)
+        row.update(grad_errors=errors, worst_tensor=worst_name, worst_error=worst_error, over_tolerance=not passed)
+        tolerance = "d pair_repr {:.0e}, parameters {:.0e}".format(*GRAD_TOLERANCE[contender.tolerance_key])
+        if not (passed or contender.informational):
+            row["status"] = "FAIL"
+            log(f"{label}: FAIL, worst gradient error {worst_error:.2e} ({worst_name}) over tolerance "
+                f"({tolerance}); not timed")
+            return row
+        verdict = "ok" if passed else f"over tolerance ({tolerance}; informational)"
+        log(f"{label}: worst gradient error {worst_error:.2e} ({worst_name}) {verdict}; timing")
+        median, low, high, reps = time_cuda(step, budget_s=budget)
+        clear_gradients(trainable, pair_in)
+        row.update(median_us=median, p10_us=low, p90_us=high, reps=reps, peak_mib=peak_memory_mib(step))
+        clear_gradients(trainable, pair_in)
+    except Exception as error:  # one broken contender must not hide the others
+        row["status"] = "ERROR"
+        row["error"] = f"{type(error).__name__}: {error}"[:300]
+        log(f"{label}: ERROR {row['error']}")
+    return row
+
+
+def bench_backward_shape(shape, args, index, total):
+    """The --backward rows of one shape (bench_backward_contender), against fp64 gradients of the
+    seeded reference."""
+    ref, pair, mask = seeded_case(shape, args, args.seed + index)
+    chosen = backward_contenders(args)
+    # cuEquivariance gates with the normalized input, so it needs that reference too.
+    gate_input_of = lambda contender: "normalized" if contender.name.startswith("cueq") else args.gate_input
+    expected_for = {gate_input: fp64_gradients(ref, pair, mask, gate_input)
+                    for gate_input in {gate_input_of(contender) for contender in chosen}}
+    rows = []
+    for contender in chosen:
+        label = f"[{index + 1}/{total}] {shape} {contender.name}"
+        rows.append(bench_backward_contender(contender, ref, pair, mask, expected_for[gate_input_of(contender)],
+                                             shape, label, args.budget))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_grid(title, rows, key, cell, footer=None):
+    """A table of `rows`: a line per shape, a column per contender, cell(row) where the row has `key`
+    (else its status); `footer`: (label, {contender: text}) as the last line."""
+    names = list(dict.fromkeys(row["contender"] for row in rows))
+    grid = {}
+    for row in rows:
+        grid.setdefault(",".join(str(s) for s in row["shape"]), {})[row["contender"]] = \
+            cell(row) if key in row else row["status"]
+    lines = list(grid.items()) + ([footer] if footer else [])
+    first = max([len("B,N,C,H")] + [len(label) for label, _ in lines])
+    widths = [max([len(name)] + [len(cells.get(name, "-")) for _, cells in lines]) for name in names]
+    header = "  ".join([f"{'B,N,C,H':<{first}}"] + [f"{n:>{w}}" for n, w in zip(names, widths)])
+    print(f"\n{title}\n{header}\n{'-' * len(header)}")
+    for label, cells in lines:
+        print("  ".join([f"{label:<{first}}"] + [f"{cells.get(n, '-'):>{w}}" for n, w in zip(names, widths)]))
+
+
+def print_backward_tables(rows):
+    """The --backward tables, a line per shape and a column per contender: median µs per training step
+    (p10-p90) with the geomean over GEOMEAN_SHAPES, peak MiB, and the worst gradient error with its
+    tensor ("!": over tolerance). Returns the geomeans."""
+    geomean_rows = geomeans(rows)
+    print_grid("median us per training step (p10-p90)", rows, "median_us",
+               lambda r: f"{r['median_us']:.0f} ({r['p10_us']:.0f}-{r['p90_us']:.0f})",
+               footer=("geomean (7 large)", {name: f"{t:.0f}" for name, t in geomean_rows.items()}))
+    print_grid("peak MiB per training step, above inputs and parameters", rows, "peak_mib",
+               lambda r: f"{r['peak_mib']:.0f}")
+    print_grid("worst gradient error vs fp64, ||g - g_ref|| / ||g_ref||", rows, "worst_error",
+               lambda r: f"{r['worst_error']:.1e} {r['worst_tensor']}{' !' if r['over_tolerance'] else ''}")
+    return geomean_rows
+
+
+def cpu_backward_check(args):
+    """No GPU: ModelNew's fp32 gradients (its CPU fallback: the reference computation) against fp64 on
+    CPU_BACKWARD_SHAPES, every tensor's error printed, through the checks --backward runs on a GPU."""
+    print("CUDA is not available: checking ModelNew's fp32 gradients against fp64 on CPU instead (ModelNew "
+          "falls back to the reference computation on CPU).")
+    failed = False
+    for index, shape in enumerate(CPU_BACKWARD_SHAPES):
+        ref, pair, mask = seeded_case(shape, args, args.seed + index, device="cpu")
+        trainable = trainable_module(make_model_new(ref))
+        pair_in = pair.detach().requires_grad_(True)
+        training_step(trainable, pair_in, mask)()
+        errors, passed = gradient_check(step_gradients(trainable, pair_in), fp64_gradients(ref, pair, mask),
+                                        "highest")
+        failed |= not passed
+        print(f"\n{shape} direction={args.direction} gate_input={args.gate_input}: "
+              f"{'ok' if passed else 'FAIL'} (tolerance {GRAD_TOLERANCE['highest'][0]:.0e})")
+        for name, error in errors.items():
+            print(f"  {name:<24} rel err {error:.1e}")
+    return 1 if failed else 0
+
+
+def command_line(argv):
+    """The command as run, for the header."""
+    return "python " + " ".join([sys.argv[0]] + (sys.argv[1:] if argv is None else list(argv)))
+
+
+def utc_stamp():
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def git_commit():
+    """This checkout's commit ("-dirty": with uncommitted changes), or None outside a git checkout."""
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--exclude=*"], capture_output=True,
+                              text=True, check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def run_backward(args, argv):
+    """--backward: each shape's rows (bench_backward_shape), then the tables under the run's header;
+    --json rewritten after every shape. Without CUDA: cpu_backward_check."""
+    if not torch.cuda.is_available():
+        return cpu_backward_check(args)
+    gpu = torch.cuda.get_device_name()
+    log(f"bench --backward on {gpu}, torch {torch.__version__}; building/loading the extension")
+    ti.reload_extension()
+    if cuequivariance() is None and args.contenders & {"cueq-bf16", "cueq-fp32"}:
+        log("cuequivariance_torch does not import here: no cueq rows")
+    command, stamp, commit = command_line(argv), utc_stamp(), git_commit()
+
+    def save(rows, geomean_rows=None):
+        if args.json:  # after every shape, so a run cut short still leaves its rows
+            with open(args.json, "w") as f:
+                json.dump({"mode": "backward", "command": command, "date": stamp, "gpu": gpu,
+                           "torch": torch.__version__, "cuda": torch.version.cuda,
+                           "python": platform.python_version(), "commit": commit, "precision": args.precision,
+                           "direction": args.direction, "gate_input": args.gate_input, "rows": rows,
+                           "geomean_us": geomean_rows or {}}, f, indent=1)
+
+    rows = []
+    for index, shape in enumerate(args.shapes):
+        rows += bench_backward_shape(shape, args, index, len(args.shapes))
+        save(rows)
+    print(f"\n{command}\n{stamp} on {gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+          f"commit {commit}\ntraining step: out = fn(pair, mask); out.float().square().mean().backward(); "
+          f"direction={args.direction}, gate_input={args.gate_input}")
+    save(rows, print_backward_tables(rows))
+    return 1 if any(r["status"] != "ok" and r["contender"].startswith("new") for r in rows) else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES,
@@ -474,15 +790,20 @@ def main(argv=None) -> int:
                              "and every contraction kernel); a named choice at the first --precision whose call "
                              "it takes; with --profile or --repeat-only the choices to profile (default auto), "
                              "several: an A/B in one process")
-    parser.add_argument("--contenders", default=DEFAULT_CONTENDERS,
+    parser.add_argument("--contenders",
                         help="which of ref-eager, ref-compile, ref-autocast, cueq (when "
                              "cuequivariance_torch imports), new-bf16 (ModelNew with bf16 in/out, as cueq "
-                             "bf16 runs), new to run")
+                             "bf16 runs), new to run (default: all); with --backward which of "
+                             f"{BACKWARD_CONTENDERS} (cueq-*: when cuequivariance_torch imports; new: one row "
+                             "per --precision; new-bf16: bf16 parameters and inputs; new-autocast: under bf16 "
+                             "autocast; default: all)")
     parser.add_argument("--precision", default="highest",
                         help="ModelNew's fp32 precisions, comma-separated (PyTorch's matmul-precision "
                              "names: highest, high, medium)")
     parser.add_argument("--direction", choices=ti.DIRECTIONS, default="outgoing")
-    parser.add_argument("--gate-input", choices=ti.GATE_INPUTS, default="raw")
+    parser.add_argument("--gate-input", choices=ti.GATE_INPUTS,
+                        help="what the output gate reads (default: raw; with --backward normalized, "
+                             "cuEquivariance's and the issue's tables')")
     parser.add_argument("--budget", type=float, default=0.5, help="seconds of timing per row")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every row and the run's details here")
@@ -491,16 +812,29 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="print ModelNew's per-kernel CUDA time per shape instead of the table, then its forward "
                              "timed as the table times it and the kernels' sum right after (a hot GPU)")
+    parser.add_argument("--backward", action="store_true",
+                        help="time a training step per call (forward, loss = mean of out² in fp32, backward) "
+                             "after checking every gradient against fp64")
     args = parser.parse_args(argv)
-    if args.kernels is None:
-        contractions = [e.name for e in ti.kernel_registry() if e.role == "contract"]
-        args.kernels = [ti.Kernels()] + ([] if args.profile or args.repeat_only else
-                                        [ti.Kernels(contract=name) for name in contractions])
-    args.contenders = set(args.contenders.split(","))
     args.precision = [p for p in args.precision.split(",") if p]
     for precision in args.precision:
         if precision not in ti.PRECISIONS:
             parser.error(f"unknown precision {precision!r}; known: {ti.PRECISIONS}")
+    args.gate_input = args.gate_input or ("normalized" if args.backward else "raw")
+    if args.contenders is None:
+        args.contenders = BACKWARD_CONTENDERS if args.backward else DEFAULT_CONTENDERS
+    args.contenders = set(args.contenders.split(","))
+    if args.backward:
+        if args.kernels or args.profile or args.repeat_only:
+            parser.error("--kernels, --profile and --repeat-only apply to the forward mode, not --backward")
+        unknown = args.contenders - set(BACKWARD_CONTENDERS.split(","))
+        if unknown:
+            parser.error(f"--backward: unknown contenders {sorted(unknown)}; known: {BACKWARD_CONTENDERS}")
+        return run_backward(args, argv)
+    if args.kernels is None:
+        contractions = [e.name for e in ti.kernel_registry() if e.role == "contract"]
+        args.kernels = [ti.Kernels()] + ([] if args.profile or args.repeat_only else
+                                        [ti.Kernels(contract=name) for name in contractions])
 
     if not torch.cuda.is_available():
         return cpu_comparison()
@@ -511,8 +845,7 @@ def main(argv=None) -> int:
     if args.profile or args.repeat_only:
         profile_kernels(args.shapes, args, args.repeat_only)
         return 0
-    command = "python " + " ".join([sys.argv[0]] + (sys.argv[1:] if argv is None else list(argv)))
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command, stamp = command_line(argv), utc_stamp()
 
     def save(rows, geomean_rows=None):
         if args.json:  # after every shape, so a run cut short still leaves its rows

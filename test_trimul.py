@@ -254,7 +254,8 @@ def test_registry_lists_each_role_in_rank_order_with_a_kernel_file():
         assert all(e.applies and e.summary for e in entries)
     registered = {}
     patterns = (r"^TRIMUL_REGISTER_PASS\((input|output), (\w+),", r"^TRIMUL_REGISTER_CONTRACTION\(()(\w+),",
-                r"^TRIMUL_REGISTER_CONTRACTION_IN_OUTPUT_PASS\(()(\w+),")
+                r"^TRIMUL_REGISTER_CONTRACTION_IN_OUTPUT_PASS\(()(\w+),",
+                r"^TRIMUL_REGISTER_BACKWARD\((output_backward|input_backward), (\w+),")
     for name, text in sources.items():
         for pattern in patterns:
             for role, kernel in re.findall(pattern, text, re.M):
@@ -1586,8 +1587,8 @@ def _make_pair(reference, dtype, direction, gate_input, contract, pair_dim, hidd
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 @pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
 @pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 1, 8, 4), (2, 7, 16, 8), (1, 257, 24, 12)])
-def test_unfused_autograd_path_matches_fp64(contract, direction, gate_input, batch, n, pair_dim, hidden):
-    """Grad enabled and parameters requiring grad: the unfused path (torch layers + our contraction op)."""
+def test_grad_enabled_forward_matches_fp64(contract, direction, gate_input, batch, n, pair_dim, hidden):
+    """Grad enabled and parameters requiring grad: the training op's forward, with each contraction kernel."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(pair_dim, hidden, direction, gate_input).double(), g)
@@ -1603,7 +1604,8 @@ def test_unfused_autograd_path_matches_fp64(contract, direction, gate_input, bat
     assert err < 1e-5, f"{contract} {direction} {gate_input} N={n}: error {err} (seed {seed})"
 
 
-PATHS = pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+# No gradient needed: the inference forward; gradients on: the training op (trimul), same fused forward kernels.
+PATHS = pytest.mark.parametrize("fused", [True, False], ids=["inference", "training"])
 
 
 def _half_input_error(contract, dtype, fused, shape, direction, seed):
@@ -1726,3 +1728,277 @@ def test_cuda_bad_input_raises_and_float64_runs_the_reference(monkeypatch):
     with pytest.warns(UserWarning, match="torch.float64 tensors; running the reference"):
         out = model(pair.double(), mask)
     assert torch.equal(out, reference(pair.double(), mask))
+
+
+# ---- training: the fused forward's op (trimul) and its backward (trimul_backward) ----------------------------
+GRAD_TOLERANCE = {"highest": (1e-5, 1e-5), "high": (2e-3, 2e-3), "medium": (1e-2, 3e-2)}  # (d pair_repr, parameters)
+
+
+def _gradients(model, pair, mask, grad_out, autocast=False):
+    """model(pair, mask) and the gradients of sum(grad_out * out): d pair_repr, every parameter's, and a
+    floating mask's."""
+    pair = pair.detach().requires_grad_()
+    mask = mask.detach().requires_grad_(mask.is_floating_point())
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        out = model(pair, mask)
+    out.backward(grad_out.to(out.dtype))
+    grads = {"pair_repr": pair.grad, **{name: p.grad for name, p in model.named_parameters()}}
+    if mask.requires_grad:
+        grads["pair_mask"] = mask.grad
+    return out, grads
+
+
+def _floor_gradients(reference, precision, pair, mask, grad_out):
+    """The gradients PyTorch's own reduced-precision reference gives on these inputs: fp32 under bf16
+    autocast ("medium"), fp32 with TF32 matmuls ("high")."""
+    model = copy.deepcopy(reference).float()
+    with ti._float32_matmul_precision(precision):
+        return _gradients(model, pair.float(), mask, grad_out.float(), autocast=precision == "medium")[1]
+
+
+def _check_training(precision, direction, gate_input, batch, n, pair_dim, hidden, dtype=torch.float32,
+                    mask_dtype=torch.bool, kernels=None, autocast=False, strict_floor=False):
+    """ModelNew's gradients (d pair_repr, every parameter, a float mask's) against fp64 autograd of the reference
+    on the same (rounded, for 16-bit models) parameters and inputs, outputs poisoned first. Each tensor within
+    GRAD_TOLERANCE, or, past it, within 1.5x of what PyTorch's own reduced-precision reference gives on this
+    draw (few positions make heavy tails: a bf16 projection over 8 channels that cancels); strict_floor: both."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, hidden, direction, gate_input).double(), g)
+    if dtype != torch.float32:
+        reference.load_state_dict({k: v.to(dtype).double() for k, v in reference.state_dict().items()})
+    new = _make_new(reference, dtype, kernels, precision)
+    pair, mask = random_inputs(batch, n, pair_dim, g, mask_dtype=mask_dtype)
+    if mask.is_floating_point():
+        mask = mask * torch.rand(mask.shape, generator=g, dtype=mask.dtype)
+    pair = pair.to(dtype).double()
+    grad_out = torch.randn(pair.shape, generator=g, dtype=torch.float64)
+    reference, pair, mask, grad_out = reference.cuda(), pair.cuda(), mask.cuda(), grad_out.cuda()
+    _, ref = _gradients(reference, pair, mask.double() if mask.is_floating_point() else mask, grad_out)
+    poison_allocator()
+    out, got = _gradients(new, pair.to(dtype), mask, grad_out, autocast=autocast)
+    assert out.dtype == dtype and not out.isnan().any(), f"seed {seed}"
+    reduced = "medium" if (dtype != torch.float32 or autocast or precision == "medium") else precision
+    tol_pair, tol_param = GRAD_TOLERANCE[reduced]
+    floor = None if reduced == "highest" else _floor_gradients(reference, reduced, pair, mask, grad_out)
+    label = f"{precision} {dtype} {direction} {gate_input} {(batch, n, pair_dim, hidden)}"
+    for name, ref_grad in ref.items():
+        assert got[name] is not None and got[name].dtype == (dtype if name != "pair_mask" else mask.dtype), name
+        assert not got[name].isnan().any(), f"{label}: NaN in {name}'s gradient (seed {seed})"
+        err = rel_error(got[name], ref_grad)
+        tolerance = tol_pair if name in ("pair_repr", "pair_mask") else tol_param
+        floor_err = None if floor is None else rel_error(floor[name], ref_grad)
+        if strict_floor:
+            assert err <= tolerance and err <= 1.5 * floor_err, \
+                f"{label}: {name} error {err:.2e} (tolerance {tolerance:.0e}, PyTorch's {floor_err:.2e}; seed {seed})"
+        elif err > tolerance:
+            assert floor_err is not None and err <= 1.5 * floor_err, \
+                f"{label}: {name} error {err:.2e} > {tolerance:.0e} (PyTorch's {floor_err}; seed {seed})"
+    return new
+
+
+TRAINING_SHAPES = [(1, 1, 8, 4), (2, 7, 16, 8), (1, 33, 32, 16), (1, 257, 24, 12), (2, 40, 128, 128),
+                   (1, 45, 64, 128)]
+
+
+@cuda
+@pytest.mark.parametrize("precision", ti.PRECISIONS)
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+@pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
+@pytest.mark.parametrize("batch, n, pair_dim, hidden", TRAINING_SHAPES)
+def test_training_gradients_match_fp64(precision, direction, gate_input, batch, n, pair_dim, hidden):
+    """fp32 parameters and inputs, each precision; masks with all-zero rows and columns; C != H both ways."""
+    _check_training(precision, direction, gate_input, batch, n, pair_dim, hidden)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+@pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
+def test_training_16bit_parameters_and_inputs(dtype, direction, gate_input):
+    _check_training(None, direction, gate_input, 2, 70, 32, 16, dtype=dtype)
+
+
+@cuda
+@pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
+def test_training_under_autocast(gate_input):
+    _check_training(None, "outgoing", gate_input, 1, 90, 64, 32, autocast=True)
+
+
+@cuda
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+def test_training_float_mask_gets_its_gradient(precision, direction):
+    _check_training(precision, direction, "normalized", 2, 33, 16, 24, mask_dtype=torch.float32)
+
+
+@cuda
+@pytest.mark.parametrize("pair_dim, gate_input", [(128, "normalized"), (384, "raw")])
+def test_training_medium_within_autocast_reach(pair_dim, gate_input):
+    """At a size where heavy tails average out: every tensor within the tolerance and within 1.5x of PyTorch's own
+    bf16-autocast reference."""
+    _check_training("medium", "outgoing", gate_input, 1, 128, pair_dim, 128, strict_floor=True)
+
+
+@cuda
+@pytest.mark.parametrize("kernels", ["output_backward=torch,input_backward=torch", "input_backward=torch",
+                                     "output_backward=torch"])
+def test_training_torch_backward_passes_match_fp64(kernels):
+    """The backward roles' PyTorch baselines, chosen by name, alone and beside the kernels of ours."""
+    _check_training("highest", "incoming", "raw", 2, 37, 24, 40, kernels=kernels)
+
+
+@cuda
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_training_gradients_are_bitwise_repeatable(precision):
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(64, 32, precision=precision), g).cuda()
+    pair, mask = random_inputs(2, 100, 64, g, dtype=torch.float32, device="cuda")
+    grad_out = torch.randn(pair.shape, device="cuda")
+    first = _gradients(model, pair, mask, grad_out)[1]
+    poison_allocator()
+    second = _gradients(model, pair, mask, grad_out)[1]
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+@cuda
+def test_training_runs_the_backward_kernels_and_inference_saves_nothing():
+    """With gradients: the fused forward's kernels, then the backward kernels of ours (no unfused layers). With no
+    gradient needed: the inference forward, no autograd graph."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(128, 128, gate_input="normalized", precision="medium"), g).cuda()
+    pair, mask = random_inputs(1, 96, 128, g, dtype=torch.float32, device="cuda")
+    names = _cuda_kernels_launched(lambda: _gradients(model, pair, mask, torch.randn_like(pair)))
+    for role in ("output_backward", "input_backward"):
+        assert any("trimul::backward::" in k for k in names), names
+    assert any("input_pass::" in k for k in names) and any("output_pass::" in k for k in names), names
+    assert not any("layer_norm" in k.lower() for k in names), names
+    with torch.no_grad():
+        inference = _cuda_kernels_launched(lambda: model(pair, mask))
+    out = model(pair, mask)  # parameters require grad: the op records its backward
+    assert out.grad_fn is not None
+    assert not any("backward" in k for k in inference), inference
+    with torch.no_grad():
+        assert torch.equal(model(pair, mask), out.detach())
+
+
+@cuda
+def test_training_ops_pass_opcheck():
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(16, 24, direction="incoming", gate_input="normalized"), g).cuda()
+    pair, mask = random_inputs(1, 9, 16, g, dtype=torch.float32, device="cuda", mask_dtype=torch.float32)
+    params = ti._param_list(model)
+    weights = ti.prepare_weights(params, "highest")
+    options = ("auto", "highest", True, True, 1e-5, 1e-5)
+    pair.requires_grad_()
+    torch.library.opcheck(ti.trimul, (pair, mask, params, weights, *options))
+    grad_out = torch.randn_like(pair)
+    torch.library.opcheck(ti.trimul_backward, (grad_out, pair.detach(), mask, [p.detach() for p in params], *options,
+                                               True))
+
+
+@cuda
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_training_under_torch_compile_fullgraph(precision):
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(32, 16, gate_input="normalized", precision=precision), g).cuda()
+    pair, mask = random_inputs(2, 50, 32, g, dtype=torch.float32, device="cuda")
+    grad_out = torch.randn_like(pair)
+    _, eager = _gradients(model, pair, mask, grad_out)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    _, traced = _gradients(compiled, pair, mask, grad_out)
+    tolerance = 1e-6 if precision == "highest" else 1e-2
+    for name in eager:
+        assert rel_error(traced[name], eager[name]) < tolerance, name
+
+
+@cuda
+def test_training_under_activation_checkpointing():
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(32, 16, precision="highest"), g).cuda()
+    pair, mask = random_inputs(1, 40, 32, g, dtype=torch.float32, device="cuda")
+    grad_out = torch.randn_like(pair)
+    _, plain = _gradients(model, pair, mask, grad_out)
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, pair_repr, pair_mask):
+            return torch.utils.checkpoint.checkpoint(self.inner, pair_repr, pair_mask, use_reentrant=False)
+
+    _, checkpointed = _gradients(Checkpointed(model), pair, mask, grad_out)
+    for name, grad in plain.items():
+        assert torch.equal(checkpointed.get(name, checkpointed.get(f"inner.{name}")), grad), name
+
+
+@cuda
+def test_a_few_training_steps_lower_the_loss_and_track_the_reference():
+    """Two residual layers (outgoing, incoming) trained by Adam on random data toward a fixed random target:
+    ModelNew ("highest") and Model from the same initialisation stay together and the loss falls."""
+    torch.manual_seed(fresh_seed())
+    layers = [(ti.Model(32, 16, direction, "normalized"), direction) for direction in ti.DIRECTIONS]
+    reference = torch.nn.ModuleList([model for model, _ in layers]).cuda()
+    new = torch.nn.ModuleList([ti.ModelNew(32, 16, direction, "normalized", precision="highest")
+                               for _, direction in layers]).cuda()
+    new.load_state_dict(reference.state_dict())
+    pair, mask = random_inputs(2, 24, 32, torch.Generator().manual_seed(1), dtype=torch.float32, device="cuda")
+    target = torch.randn_like(pair)
+
+    def train(stack):
+        optimizer = torch.optim.Adam(stack.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(8):
+            x = pair
+            for layer in stack:
+                x = x + layer(x, mask)
+            loss = (x - target).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses
+
+    ref_losses, new_losses = train(reference), train(new)
+    assert new_losses[-1] < 0.9 * new_losses[0], new_losses
+    assert max(abs(a - b) / a for a, b in zip(ref_losses, new_losses)) < 1e-4, (ref_losses, new_losses)
+    for (name, p_new), p_ref in zip(new.named_parameters(), reference.parameters()):
+        assert rel_error(p_new, p_ref) < 1e-4, name
+
+
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+@pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
+@pytest.mark.parametrize("batch, n, pair_dim, hidden, float_mask", [(2, 7, 12, 20, False), (1, 9, 16, 8, True),
+                                                                     (1, 1, 5, 3, False)])
+def test_backward_math_matches_autograd_on_cpu(direction, gate_input, batch, n, pair_dim, hidden, float_mask):
+    """training_backward's composition (recompute, folded LayerNorm affines, the three roles; PyTorch passes on the
+    CPU) against autograd of the reference, in float64: the formulas every backward kernel implements."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = random_layers(ti.Model(pair_dim, hidden, direction, gate_input).double(), g)
+    pair, mask = random_inputs(batch, n, pair_dim, g, mask_dtype=torch.float64 if float_mask else torch.bool)
+    grad_out = torch.randn(pair.shape, generator=g, dtype=torch.float64)
+    _, ref = _gradients_cpu(model, pair, mask, grad_out)
+    grads = ti.training_backward(grad_out, pair, mask, ti._param_list(model), ti.Kernels(), "highest",
+                                 direction == "incoming", gate_input == "normalized", 1e-5, 1e-5, float_mask)
+    names = ["pair_repr", "pair_mask"] + [name for name, _ in model.named_parameters()]
+    for name, grad in zip(names, grads):
+        if name == "pair_mask" and not float_mask:
+            assert grad is None
+            continue
+        assert rel_error(grad, ref[name]) < 1e-12, f"{name} (seed {seed})"
+
+
+def _gradients_cpu(model, pair, mask, grad_out):
+    pair = pair.clone().requires_grad_()
+    mask = mask.clone().requires_grad_(mask.is_floating_point())
+    out = model(pair, mask)
+    out.backward(grad_out)
+    grads = {"pair_repr": pair.grad, **{name: p.grad for name, p in model.named_parameters()}}
+    if mask.requires_grad:
+        grads["pair_mask"] = mask.grad
+    return out, grads

@@ -100,7 +100,10 @@ class Model(_TriMulLayers):
 # The kernel registry (kernels/registry.def, which the C++ dispatch reads too) and the one way to
 # choose kernels: Kernels, parsed by parse_kernels.
 # ------------------------------------------------------------------------------------------------
-ROLES = ("input", "contract", "output")  # in the order a forward runs them
+# Every kernel role, in the order a training step runs them: the forward's three, then the backward's.
+FORWARD_ROLES = ("input", "contract", "output")
+BACKWARD_ROLES = ("output_backward", "contract_backward", "input_backward")
+ROLES = FORWARD_ROLES + BACKWARD_ROLES
 
 
 class KernelEntry(NamedTuple):
@@ -143,10 +146,14 @@ def default_order(role: str, sources: Optional[dict] = None) -> list:
 class Kernels(NamedTuple):
     """The kernel of each role a ModelNew runs: a registry name, or None for the role's default order
     (the first kernel that takes the call). `input` and `output` choose the fused passes' kernels;
-    `contract` the contraction (in the fused forward and in the autograd path's contraction op)."""
+    `contract` the contraction (in the fused forward and in the unfused path's contraction op); the
+    `*_backward` roles the backward's steps (training)."""
     input: Optional[str] = None
     contract: Optional[str] = None
     output: Optional[str] = None
+    output_backward: Optional[str] = None
+    contract_backward: Optional[str] = None
+    input_backward: Optional[str] = None
 
     def __str__(self) -> str:
         return ",".join(f"{role}={name}" for role, name in zip(ROLES, self) if name is not None) or "auto"
@@ -195,7 +202,7 @@ def _kernels_override() -> tuple:
 
 def _with_override(kernels: Kernels) -> Kernels:
     override = _kernels_override()
-    return Kernels(override[0] or kernels[0], override[1] or kernels[1], override[2] or kernels[2])
+    return Kernels(*(chosen or name for chosen, name in zip(override, kernels)))
 
 
 def _is_torch_kernel(role: str, name: Optional[str]) -> bool:
@@ -887,7 +894,7 @@ def _round_to_tf32(t: torch.Tensor) -> torch.Tensor:
 def _forward_options(kernels, mode: str, incoming: bool, gate_normalized: bool, eps_in: float, eps_out: float,
                      hidden: int):
     """The extension's ForwardOptions: a module's choices for its fused forward."""
-    return _extension().ForwardOptions([name or "" for name in kernels], _MODE_CODE[mode], incoming,
+    return _extension().ForwardOptions([name or "" for name in kernels[:len(FORWARD_ROLES)]], _MODE_CODE[mode], incoming,
                                        gate_normalized, eps_in, eps_out, hidden)
 
 
@@ -926,7 +933,7 @@ class ForwardSteps:
         self._mode = mode
         self._extension = _extension()  # (options belongs to it)
         self.plan = self._extension.forward_plan(*self._call)
-        self.kernels = Kernels(*(self.plan[role] for role in ROLES))
+        self.kernels = Kernels(*(self.plan[role] for role in FORWARD_ROLES))
 
     def _new(self, shape, dtype: str) -> torch.Tensor:
         return self._call[0].new_empty(shape, dtype=getattr(torch, dtype))
@@ -958,6 +965,352 @@ class ForwardSteps:
         self.contraction(ab, z)
         self.output_pass(out, z=z, ab=ab)
         return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Training: the fused forward as a differentiable op (trimul) and its backward (trimul_backward)
+# ------------------------------------------------------------------------------------------------
+# The backward keeps nothing from the forward but its inputs (pair_repr, the mask, the parameters): it
+# recomputes LayerNorm_in, the gated projections as a/b planes and z, then runs the backward roles
+#   output_backward    LayerNorm_out(z) rows, out_proj, the output gate -> dz planes
+#   contract_backward  z = a b^T, then da = dz b and db = dz^T a per hidden channel ([B*H, N, N] planes)
+#   input_backward     LayerNorm_in rows, gates, projections, mask -> d pair_repr
+# GEMMs over positions are cuBLAS's (torch.mm in the mode's operand dtype, fp32 accumulation); the memory
+# passes between them are the role's kernel's. LayerNorm affines are folded into the Linear after them
+# (W diag(w), b + W b_ln), so every pass handles normalized rows, and each LayerNorm's and Linear's
+# gradients come from the folded GEMM's (_unfolded_grads). Weight gradients reduce over positions in a
+# fixed order (GEMMs and sums, no atomics): equal inputs give bitwise-equal gradients.
+_COMPUTE_DTYPE = {"bf16": torch.bfloat16, "f16": torch.float16, "high": torch.float32, "highest": torch.float32}
+
+
+def _mm(x: torch.Tensor, y: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """x @ y with the operands' products accumulated in fp32 (fp64 operands: fp64), written as out_dtype."""
+    if x.dtype in (torch.bfloat16, torch.float16) and out_dtype != x.dtype and x.is_cuda:
+        return torch.mm(x, y, out_dtype=out_dtype)
+    return torch.mm(x, y).to(out_dtype)
+
+
+def _linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """rows @ weight^T + bias in the rows' dtype (fp32 accumulation)."""
+    return torch.addmm(bias.to(rows.dtype), rows, weight.to(rows.dtype).t())
+
+
+def _folded(weight, bias, ln_weight, ln_bias):
+    """A Linear that reads LayerNorm(x) = x_hat * w + b, as one on x_hat: (W diag(w), bias + W b)."""
+    return weight * ln_weight, bias + weight @ ln_bias
+
+
+def _planes(rows: torch.Tensor, batch: int, n: int, incoming: bool) -> torch.Tensor:
+    """[B*N*N, H] position rows -> [B*H, N, N] planes, the contraction's operand layout (ForwardArgs::a_t)."""
+    order = (0, 3, 2, 1) if incoming else (0, 3, 1, 2)
+    return rows.view(batch, n, n, -1).permute(order).reshape(-1, n, n)
+
+
+def _rows(planes: torch.Tensor, batch: int, n: int, incoming: bool) -> torch.Tensor:
+    """_planes' inverse."""
+    order = (0, 3, 2, 1) if incoming else (0, 2, 3, 1)
+    return planes.view(batch, -1, n, n).permute(order).reshape(batch * n * n, -1)
+
+
+def _normalized_rows(rows: torch.Tensor, eps: float):
+    """LayerNorm without affine in fp32 (fp64 rows: fp64): (x_hat, rstd [P, 1])."""
+    acc = rows.to(torch.float64 if rows.dtype == torch.float64 else torch.float32)
+    centered = acc - acc.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(centered.square().mean(-1, keepdim=True) + eps)
+    return centered * rstd, rstd
+
+
+def _layer_norm_backward(x_hat, rstd, d_x_hat):
+    """d x of x_hat = LayerNorm(x) (no affine) from d x_hat."""
+    return rstd * (d_x_hat - d_x_hat.mean(-1, keepdim=True) - x_hat * (d_x_hat * x_hat).mean(-1, keepdim=True))
+
+
+class _TorchBackwardPasses:
+    """The backward's memory passes in PyTorch ops: the baseline (the backward roles' "torch" kernels)."""
+
+    @staticmethod
+    def input_rows(pair_rows, eps, dtype):
+        """LayerNorm_in's normalized rows (x_hat, [P, C]) in the operand dtype."""
+        return _normalized_rows(pair_rows, eps)[0].to(dtype)
+
+    @staticmethod
+    def gated_planes(proj, mask_rows, batch, n, incoming):
+        """a and b = proj * sigmoid(gate) * mask from proj [P, 4H] (pa | ga | pb | gb), as planes."""
+        pa, ga, pb, gb = proj.to(_accumulate(proj)).chunk(4, 1)
+        m = mask_rows.to(pa.dtype)[:, None]
+        a, b = pa * torch.sigmoid(ga) * m, pb * torch.sigmoid(gb) * m
+        return _planes(a.to(proj.dtype), batch, n, incoming), _planes(b.to(proj.dtype), batch, n, incoming)
+
+    @staticmethod
+    def z_rows(z_planes, batch, n, eps, dtype):
+        """LayerNorm_out's normalized rows of z (z_hat, [P, H]) and their rstd [P, 1]."""
+        z_hat, rstd = _normalized_rows(_rows(z_planes, batch, n, False), eps)
+        return z_hat.to(dtype), rstd
+
+    @staticmethod
+    def gate_grad(d_out, o, gate_pre):
+        """out = sigmoid(gate_pre) * o: (d o, d gate_pre) in o's dtype."""
+        dtype, acc = o.dtype, _accumulate(o)
+        d_out, o, g = d_out.to(acc), o.to(acc), torch.sigmoid(gate_pre.to(acc))
+        return (d_out * g).to(dtype), (d_out * o * g * (1 - g)).to(dtype)
+
+    @staticmethod
+    def dz_planes(d_z_hat, z_hat, rstd, batch, n, dtype):
+        """dz planes from LayerNorm_out's backward on rows."""
+        dz = _layer_norm_backward(z_hat.to(d_z_hat.dtype), rstd, d_z_hat)
+        return _planes(dz.to(dtype), batch, n, False)
+
+    @staticmethod
+    def d_proj(proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad):
+        """d proj [P, 4H] (pa | ga | pb | gb) from da and db planes; d mask [P] where mask_grad."""
+        acc = _accumulate(proj)
+        pa, ga, pb, gb = proj.to(acc).chunk(4, 1)
+        m = mask_rows.to(acc)[:, None]
+        da, db = (_rows(t, batch, n, incoming).to(acc) for t in (da_planes, db_planes))
+        sa, sb = torch.sigmoid(ga), torch.sigmoid(gb)
+        d_proj = torch.cat([da * sa * m, da * pa * m * sa * (1 - sa), db * sb * m, db * pb * m * sb * (1 - sb)], 1)
+        d_mask = (da * pa * sa + db * pb * sb).sum(1) if mask_grad else None
+        return d_proj.to(proj.dtype), d_mask
+
+    @staticmethod
+    def d_pair(pair_rows, eps, d_x_hat, add=None):
+        """d pair_repr rows from LayerNorm_in's backward (statistics recomputed from pair_repr), plus `add`."""
+        x_hat, rstd = _normalized_rows(pair_rows, eps)
+        d_pair = _layer_norm_backward(x_hat, rstd, d_x_hat)
+        return d_pair if add is None else d_pair + add
+
+
+def _accumulate(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+_BACKWARD_PASS = {name: code for code, name in enumerate(
+    ("input_rows", "gated_planes", "z_rows", "gate_grad", "dz_planes", "d_proj", "d_pair"))}  # trimul::BackwardPass
+
+
+class _KernelBackwardPasses:
+    """The backward's memory passes on a backward role's kernel of ours (kernels/*_backward_*.cu), with
+    _TorchBackwardPasses' signatures."""
+
+    def __init__(self, role, kernel, batch, n, pair_dim, hidden, incoming):
+        self._call = (role, kernel)
+        self._sizes = (batch, n, pair_dim, hidden, incoming)
+        self._positions, self._hidden = batch * n * n, hidden
+
+    def _run(self, name, like, eps=0.0, **tensors):
+        _extension().backward_pass(*self._call, _BACKWARD_PASS[name], *self._sizes, eps, like, tensors)
+
+    def _planes(self, like, count=1):
+        shape = (count, self._sizes[0] * self._hidden, self._sizes[1], self._sizes[1])
+        return like.new_empty(shape).unbind(0) if count > 1 else like.new_empty(shape[1:])
+
+    def input_rows(self, pair_rows, eps, dtype):
+        rows = pair_rows.new_empty(pair_rows.shape, dtype=dtype)
+        self._run("input_rows", rows, eps, pair=pair_rows, rows=rows)
+        return rows
+
+    def gated_planes(self, proj, mask_rows, batch, n, incoming):
+        a_planes, b_planes = self._planes(proj, 2)
+        self._run("gated_planes", proj, proj=proj, mask=mask_rows, a_planes=a_planes, b_planes=b_planes)
+        return a_planes, b_planes
+
+    def z_rows(self, z_planes, batch, n, eps, dtype):
+        rows = z_planes.new_empty((self._positions, self._hidden))
+        rstd = z_planes.new_empty((self._positions, 1), dtype=torch.float32)
+        self._run("z_rows", rows, eps, a_planes=z_planes, rows=rows, rstd=rstd)
+        return rows, rstd
+
+    def gate_grad(self, d_out, o, gate_pre):
+        self._run("gate_grad", o, d_out=d_out, o=o, gate_pre=gate_pre)
+        return o, gate_pre
+
+    def dz_planes(self, d_z_hat, z_hat, rstd, batch, n, dtype):
+        dz = self._planes(z_hat)
+        self._run("dz_planes", z_hat, d_rows=d_z_hat, rows=z_hat, rstd=rstd, a_planes=dz)
+        return dz
+
+    def d_proj(self, proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad):
+        rows = torch.empty_like(proj)
+        tensors = dict(proj=proj, a_planes=da_planes, b_planes=db_planes, mask=mask_rows, rows=rows)
+        d_mask = proj.new_empty((self._positions,), dtype=torch.float32) if mask_grad else None
+        if d_mask is not None:
+            tensors["d_mask"] = d_mask
+        self._run("d_proj", proj, **tensors)
+        return rows, d_mask
+
+    def d_pair(self, pair_rows, eps, d_x_hat, add=None):
+        out = torch.empty_like(d_x_hat)
+        tensors = dict(pair=pair_rows, d_rows=d_x_hat, d_pair=out)
+        if add is not None:
+            tensors["d_rows_add"] = add
+        self._run("d_pair", d_x_hat, eps, **tensors)
+        return out
+
+
+def _backward_passes(role: str, name: Optional[str], batch, n, pair_dim, hidden, incoming, operand):
+    """The memory passes of a backward role's kernel (None: the default order's first that takes the call):
+    _KernelBackwardPasses, or _TorchBackwardPasses for a torch baseline (and off CUDA)."""
+    if not operand.is_cuda or _is_torch_kernel(role, name):
+        return _TorchBackwardPasses
+    kernel = _extension().backward_kernel(role, name or "", batch, n, pair_dim, hidden, incoming, operand)
+    return _KernelBackwardPasses(role, kernel, batch, n, pair_dim, hidden, incoming) if kernel else \
+        _TorchBackwardPasses
+
+
+def _contract_backward(a_planes, b_planes, dz_planes):
+    """contract_backward: da = dz b, db = dz^T a per plane (cuBLAS)."""
+    return torch.bmm(dz_planes, b_planes), torch.bmm(dz_planes.transpose(1, 2), a_planes)
+
+
+def _unfolded_grads(g_folded, s_folded, weight, ln_weight, ln_bias):
+    """A folded Linear's gradients (g = d(W diag(w))-GEMM's d_out^T x_hat, s = sum of d_out) as the Linear's
+    weight and bias gradients and its LayerNorm's share: (d W, d bias, d ln_weight, d ln_bias)."""
+    return (g_folded * ln_weight + torch.outer(s_folded, ln_bias), s_folded, (weight * g_folded).sum(0),
+            s_folded @ weight)
+
+
+def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: str, incoming: bool,
+                      gate_normalized: bool, eps_in: float, eps_out: float, mask_grad: bool):
+    """The gradients of sum(grad_out * forward(pair, mask)): [d pair, d mask (None unless mask_grad), then the 16
+    parameters' (_PARAM_PATHS order)], each in its tensor's dtype. Any device; CUDA in the op."""
+    with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
+        grads = _training_backward(grad_out, pair, mask, [p.detach() for p in params], kernels, mode, incoming,
+                                   gate_normalized, eps_in, eps_out, mask_grad)
+    d_pair, d_mask, d_params = grads
+    return [d_pair.view(pair.shape).to(pair.dtype),
+            None if d_mask is None else d_mask.view(mask.shape).to(mask.dtype)] + \
+        [g.to(p.dtype) for g, p in zip(d_params, params)]
+
+
+def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
+                       mask_grad):
+    (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
+     out_w, out_b, gate_w, gate_b) = [p.to(_accumulate(pair)) for p in params]
+    batch, n, _, pair_dim = pair.shape
+    acc = _accumulate(pair)
+    dtype = acc if acc == torch.float64 else _COMPUTE_DTYPE[mode]
+    hidden = pa_w.shape[0]
+    operand = pair.new_empty((0,), dtype=dtype)
+    inputs = _backward_passes("input_backward", kernels.input_backward, batch, n, pair_dim, hidden, incoming, operand)
+    outputs = _backward_passes("output_backward", kernels.output_backward, batch, n, pair_dim, hidden, incoming,
+                               operand)
+    positions = batch * n * n
+    pair_rows, mask_rows = pair.reshape(positions, pair_dim).contiguous(), mask.reshape(positions).contiguous()
+
+    # The forward again, up to z: x_hat, proj = [pa | ga | pb | gb], a and b planes.
+    w_in, b_in = torch.cat([pa_w, ga_w, pb_w, gb_w]), torch.cat([pa_b, ga_b, pb_b, gb_b])
+    w_in_f, b_in_f = _folded(w_in, b_in, ln_in_w, ln_in_b)
+    x_hat = inputs.input_rows(pair_rows, eps_in, dtype)
+    proj = _linear(x_hat, w_in_f, b_in_f)
+    a_planes, b_planes = inputs.gated_planes(proj, mask_rows, batch, n, incoming)
+    z_planes = torch.bmm(a_planes, b_planes.transpose(1, 2))
+
+    # output_backward: out = sigmoid(gate_rows W_g^T + b_g) * (z_hat W_out_f^T + b_out_f).
+    z_hat, rstd_out = outputs.z_rows(z_planes, batch, n, eps_out, dtype)
+    del z_planes
+    w_out_f, b_out_f = _folded(out_w, out_b, ln_out_w, ln_out_b)
+    if gate_normalized:
+        w_gate, b_gate = _folded(gate_w, gate_b, ln_in_w, ln_in_b)
+        gate_rows = x_hat
+    else:
+        w_gate, b_gate, gate_rows = gate_w, gate_b, pair_rows.to(dtype)
+    o = _linear(z_hat, w_out_f, b_out_f)
+    gate_pre = _linear(gate_rows, w_gate, b_gate)
+    d_o, d_gate = outputs.gate_grad(grad_out.reshape(positions, pair_dim).contiguous(), o, gate_pre)
+    del o, gate_pre
+    g_out, s_out = _mm(d_o.t(), z_hat, acc), d_o.sum(0, dtype=acc)
+    g_gate, s_gate = _mm(d_gate.t(), gate_rows, acc), d_gate.sum(0, dtype=acc)
+    d_z_hat = _mm(d_o, w_out_f.to(dtype), acc)
+    del d_o, gate_rows
+    dz_planes = outputs.dz_planes(d_z_hat, z_hat, rstd_out, batch, n, dtype)
+    del d_z_hat, z_hat
+
+    # contract_backward
+    da_planes, db_planes = _contract_backward(a_planes, b_planes, dz_planes)
+    del a_planes, b_planes, dz_planes
+
+    # input_backward
+    d_proj, d_mask = inputs.d_proj(proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad)
+    del proj, da_planes, db_planes
+    g_in, s_in = _mm(d_proj.t(), x_hat, acc), d_proj.sum(0, dtype=acc)
+    d_x_hat = _mm(d_proj, w_in_f.to(dtype), acc)
+    del d_proj
+    if gate_normalized:
+        d_x_hat += _mm(d_gate, w_gate.to(dtype), acc)
+    d_pair = inputs.d_pair(pair_rows, eps_in, d_x_hat, None if gate_normalized else _mm(d_gate, gate_w.to(dtype), acc))
+    del d_x_hat, d_gate
+
+    # Parameter gradients from the folded GEMMs' (H x C and C x C matrices: no position loop).
+    d_w_in, d_b_in, d_ln_in_w, d_ln_in_b = _unfolded_grads(g_in, s_in, w_in, ln_in_w, ln_in_b)
+    d_out_w, d_out_b, d_ln_out_w, d_ln_out_b = _unfolded_grads(g_out, s_out, out_w, ln_out_w, ln_out_b)
+    if gate_normalized:
+        d_gate_w, d_gate_b, d_ln_w, d_ln_b = _unfolded_grads(g_gate, s_gate, gate_w, ln_in_w, ln_in_b)
+        d_ln_in_w, d_ln_in_b = d_ln_in_w + d_ln_w, d_ln_in_b + d_ln_b
+    else:
+        d_gate_w, d_gate_b = g_gate, s_gate
+    d_pa_w, d_ga_w, d_pb_w, d_gb_w = d_w_in.chunk(4)
+    d_pa_b, d_ga_b, d_pb_b, d_gb_b = d_b_in.chunk(4)
+    return d_pair, d_mask, [d_ln_in_w, d_ln_in_b, d_pa_w, d_pa_b, d_ga_w, d_ga_b, d_pb_w, d_pb_b, d_gb_w, d_gb_b,
+                            d_ln_out_w, d_ln_out_b, d_out_w, d_out_b, d_gate_w, d_gate_b]
+
+
+@torch.library.custom_op("trimul_inline::trimul", mutates_args=())
+def trimul(pair: torch.Tensor, mask: torch.Tensor, params: list[torch.Tensor], weights: list[torch.Tensor],
+           kernels: str, mode: str, incoming: bool, gate_normalized: bool, eps_in: float, eps_out: float) -> torch.Tensor:
+    """The fused forward with a backward (register_autograd): params are the 16 parameters (_PARAM_PATHS order,
+    what the gradients are for), weights their prepare_weights layout (what the forward reads); kernels a
+    Kernels string ("auto", "role=name,...")."""
+    chosen = parse_kernels(kernels)
+    hidden = params[2].shape[0]
+    return fused_forward(pair, mask, weights, *(name or "" for name in chosen[:len(FORWARD_ROLES)]), mode, incoming,
+                         gate_normalized, eps_in, eps_out, hidden)
+
+
+@trimul.register_fake
+def _trimul_fake(pair, mask, params, weights, *options):
+    return torch.empty_like(pair, memory_format=torch.contiguous_format)
+
+
+def _trimul_setup_context(ctx, inputs, output):
+    pair, mask, params, _, *options = inputs
+    ctx.save_for_backward(pair, mask, *params)
+    ctx.options = options
+
+
+def _trimul_backward(ctx, grad_out):
+    pair, mask, *params = ctx.saved_tensors
+    mask_grad = bool(ctx.needs_input_grad[1])
+    d_pair, d_mask, *d_params = trimul_backward(grad_out.contiguous(), pair, mask, params, *ctx.options, mask_grad)
+    wanted = ctx.needs_input_grad
+    return (d_pair if wanted[0] else None, d_mask if mask_grad else None,
+            [g if w else None for g, w in zip(d_params, wanted[2])], None, None, None, None, None, None, None)
+
+
+trimul.register_autograd(_trimul_backward, setup_context=_trimul_setup_context)
+
+
+@torch.library.custom_op("trimul_inline::trimul_backward", mutates_args=())
+def trimul_backward(grad_out: torch.Tensor, pair: torch.Tensor, mask: torch.Tensor, params: list[torch.Tensor],
+                    kernels: str, mode: str, incoming: bool, gate_normalized: bool, eps_in: float, eps_out: float,
+                    mask_grad: bool) -> list[torch.Tensor]:
+    """trimul's backward (training_backward): [d pair, d mask (empty unless mask_grad), d params...]."""
+    grads = training_backward(grad_out, pair, mask, params, parse_kernels(kernels), mode, incoming, gate_normalized,
+                              eps_in, eps_out, mask_grad)
+    if grads[1] is None:
+        grads[1] = mask.new_empty((0,), dtype=_grad_mask_dtype(mask))
+    return grads
+
+
+def _grad_mask_dtype(mask):
+    return mask.dtype if mask.is_floating_point() else torch.float32
+
+
+@trimul_backward.register_fake
+def _trimul_backward_fake(grad_out, pair, mask, params, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
+                          mask_grad):
+    d_mask = torch.empty_like(mask) if mask_grad else mask.new_empty((0,), dtype=_grad_mask_dtype(mask))
+    return [torch.empty_like(pair, memory_format=torch.contiguous_format), d_mask] + \
+        [torch.empty_like(p) for p in params]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1092,22 +1445,34 @@ class ModelNew(_TriMulLayers):
         if not pair_repr.is_cuda or pair_repr.dtype not in _KERNEL_DTYPES:
             _warn_reference_once(pair_repr)
             return reference_forward(self, pair_repr, pair_mask)
-        if self._needs_autograd(pair_repr):
-            return self._forward_unfused(pair_repr, pair_mask)
         precision = self.resolved_precision()
         mode = compute_mode(pair_repr.dtype, precision)
         kernels = _with_override(self.kernels)
         if kernels.input is None and kernels.output is None and \
                 not _fused_takes_now(self.pair_dim, self.hidden_dim, mode, pair_repr.dtype):
             return self._forward_unfused(pair_repr, pair_mask)
+        if self._needs_autograd(pair_repr, pair_mask):
+            return self._forward_trained(pair_repr, pair_mask, mode, kernels)
         return self._forward_fused(pair_repr, pair_mask, mode, kernels)
 
-    def _needs_autograd(self, pair_repr) -> bool:
-        # The fused kernels are forward-only; training takes the unfused path, whose contraction
-        # op has a backward.
+    def _needs_autograd(self, pair_repr, pair_mask) -> bool:
         if not torch.is_grad_enabled():
             return False
-        return pair_repr.requires_grad or any(p.requires_grad for p in self.parameters())
+        return pair_repr.requires_grad or pair_mask.requires_grad or any(p.requires_grad for p in self.parameters())
+
+    def _forward_trained(self, pair_repr, pair_mask, mode, kernels):
+        """The fused forward as the differentiable op `trimul`, whose backward runs the backward roles."""
+        original = (pair_repr, pair_mask)
+        pair_repr, pair_mask = self._fused_inputs(pair_repr, pair_mask)
+        values = self._option_values(mode)[:-1]
+        if torch.compiler.is_compiling():
+            params = _param_list(self)
+            return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values)
+        try:
+            return trimul(pair_repr, pair_mask, _param_list_eager(self), self._prepared_weights(mode), str(kernels),
+                          *values)
+        except NotImplementedError:  # nothing of a default order takes this call: the unfused path
+            return self._forward_unfused(*original)
 
     def _plan_key(self, pair_repr, pair_mask):
         """Everything check_inputs and the path choice read, apart from the parameters (whose
@@ -1176,7 +1541,7 @@ class ModelNew(_TriMulLayers):
         values = self._option_values(mode)
         if torch.compiler.is_compiling():
             weights = prepare_weights(_param_list(self), mode)
-            return fused_forward(pair_repr, pair_mask, weights, *(name or "" for name in kernels), *values)
+            return fused_forward(pair_repr, pair_mask, weights, *(name or "" for name in kernels[:3]), *values)
         # Eager: skip the dispatcher (its overhead is most of a small call) and reuse weights.
         weights = self._prepared_weights(mode)
         options = _forward_options(kernels, *values)

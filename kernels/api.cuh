@@ -14,9 +14,18 @@ enum class Dtype : int { f32 = 0, bf16 = 1, f16 = 2 };
 // bf16/fp16 operands are used as they are, whatever this says.
 enum class Precision : int { highest = 0, high = 1, medium = 2 };
 
-// The kernel roles of the registry (registry.def), in the order a forward runs them.
-enum class Role : int { input = 0, contract = 1, output = 2 };
-constexpr int kRoles = 3;
+// The kernel roles of the registry (registry.def), in the order a training step runs them: the
+// forward's three, then the backward's.
+enum class Role : int {
+  input = 0,
+  contract = 1,
+  output = 2,
+  output_backward = 3,
+  contract_backward = 4,
+  input_backward = 5
+};
+constexpr int kForwardRoles = 3;
+constexpr int kRoles = 6;
 
 // z[batch, i, j] = sum_k a[batch, i, k] * b[batch, j, k], row-major with row strides lda (a and
 // b) and ldz. The forward lays a and b out as [B*H, N, ld] so both directions of the triangle
@@ -150,13 +159,55 @@ constexpr int64_t kFusedContractionMaxN = 64;
 
 // A forward's plan (plan_forward): the kernel of each role and the buffers it needs.
 struct ForwardPlan {
-  int kernels[kRoles];     // indices into KernelLibrary::kernels, by Role
-  bool chosen[kRoles];     // chosen by name (else the default order's)
+  int kernels[kForwardRoles];  // indices into KernelLibrary::kernels, by Role
+  bool chosen[kForwardRoles];  // chosen by name (else the default order's)
   bool z_buffer;           // false: the output kernel computes z from a_t and b_t itself
   bool torch_contraction;  // the contraction is a torch baseline (bmm) that the caller runs on the buffers
   Dtype ab_dtype;          // a_t / b_t element type
   bool split;              // a_t / b_t hold parts and remainders (ForwardArgs::small_offset)
   int64_t ab_planes;       // [N, ld] planes per side: B*H, twice that for split operands
+};
+
+// The backward's memory passes (training). Between them the extension runs cuBLAS GEMMs over positions.
+// Rows: one per position (b, i, j) in pair_repr's order, [P = B*N*N, width] row-major. Planes: the
+// contraction's layout [B*H, N, N]; a/b planes of the incoming direction hold position (b, k, r) at plane
+// element (r, k), z and dz planes position (b, r, k) in both directions. "operand": BackwardArgs::operand.
+enum class BackwardPass : int {
+  input_rows = 0,  // pair -> rows: x_hat [P, C] operand (LayerNorm_in without affine)         input_backward
+  gated_planes,    // proj [P, 4H] (pa | ga | pb | gb), mask -> a_planes, b_planes              input_backward
+  z_rows,          // a_planes (z) -> rows: z_hat [P, H] operand, rstd [P]                      output_backward
+  gate_grad,       // d_out, o, gate_pre [P, C] -> o := d o, gate_pre := d gate_pre (in place)  output_backward
+  dz_planes,       // d_rows (d z_hat, fp32 [P, H]), rows (z_hat), rstd -> a_planes (dz)        output_backward
+  d_proj,          // proj, a_planes (da), b_planes (db), mask -> rows: d proj [P, 4H], d_mask  input_backward
+  d_pair,          // pair, d_rows (d x_hat, fp32 [P, C]) + d_rows_add -> d_pair (fp32)         input_backward
+};
+
+// One backward pass's arguments: sizes, then the buffers each pass reads and writes (BackwardPass says
+// which; the others are not read). All contiguous, on the current device.
+struct BackwardArgs {
+  BackwardPass pass;
+  int64_t batch, n, c, h;
+  bool incoming;
+  Dtype operand;  // rows and planes: bf16 / f16 (the 16-bit modes) or f32
+  float eps;      // LayerNorm_in's (input_rows, d_pair) or LayerNorm_out's (z_rows)
+  const void* pair;
+  Dtype pair_dtype;
+  const void* mask;  // [P]
+  MaskKind mask_kind;
+  const void* proj;  // [P, 4H] operand
+  void* a_planes;    // [B*H, N, N] operand
+  void* b_planes;
+  void* rows;               // operand rows (x_hat, z_hat or d proj)
+  float* rstd;              // [P]
+  const float* d_rows;      // fp32 rows (d z_hat or d x_hat)
+  const float* d_rows_add;  // d_pair: fp32 [P, C] added to the result, or nullptr
+  float* d_mask;            // d_proj: [P], or nullptr (no mask gradient)
+  const void* d_out;        // gate_grad: [P, C] in d_out_dtype
+  Dtype d_out_dtype;
+  void* o;         // gate_grad: [P, C] operand
+  void* gate_pre;  // gate_grad: [P, C] operand
+  float* d_pair;   // d_pair: [P, C]
+  cudaStream_t stream;
 };
 
 // One kernel of the registry (registry.def), or a compiled kernel the registry does not name.
@@ -201,11 +252,17 @@ struct KernelLibrary {
   // Whether the fused passes take pair_dim c and hidden h in this mode for pairs of this dtype on the
   // current GPU (some kernel of each pass role's default order applies).
   bool (*fused_takes)(int64_t c, int64_t h, Mode mode, Dtype pair_dtype);
+  // A backward role's kernel for these args (chosen, else the role's default order): its index, or -1
+  // where the first that takes them is a torch baseline (the caller's PyTorch passes).
+  PlanStatus (*plan_backward)(Role role, const BackwardArgs* args, const char* chosen, int* kernel, char* message,
+                              int size);
+  cudaError_t (*run_backward)(int kernel, const BackwardArgs* args);
+  uint32_t backward_args_bytes;
 };
 
 // Changes whenever a struct above changes, so a library and an extension built from different
 // versions of this file refuse each other.
-constexpr uint32_t kKernelAbi = 3;
+constexpr uint32_t kKernelAbi = 4;
 
 }  // namespace trimul
 

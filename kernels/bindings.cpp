@@ -16,6 +16,7 @@
 #include <array>
 #include <cstring>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -38,7 +39,8 @@ void attach_kernels(const std::string& path) {
   TORCH_CHECK(library != nullptr && library->abi == trimul::kKernelAbi &&
                   library->forward_args_bytes == sizeof(trimul::ForwardArgs) &&
                   library->contract_args_bytes == sizeof(trimul::ContractArgs) &&
-                  library->forward_plan_bytes == sizeof(trimul::ForwardPlan),
+                  library->forward_plan_bytes == sizeof(trimul::ForwardPlan) &&
+                  library->backward_args_bytes == sizeof(trimul::BackwardArgs),
               "trimul_inline: the kernel library ", path, " was built from another api.cuh than this extension");
   g_library = library;
 }
@@ -48,7 +50,8 @@ const trimul::KernelLibrary& library() {
   return *g_library;
 }
 
-const char* const kRoleNames[trimul::kRoles] = {"input", "contract", "output"};
+const char* const kRoleNames[trimul::kRoles] = {"input",           "contract",          "output",
+                                                "output_backward", "contract_backward", "input_backward"};
 
 // (role, name, rank, torch, in_registry, built, applies, summary) of every kernel the library knows.
 std::vector<py::tuple> kernels() {
@@ -187,13 +190,13 @@ trimul::MaskKind mask_kind(const at::Tensor& mask) {
 // order), the compute mode (trimul::Mode), the options, the LayerNorms' eps and hidden_dim. Made once per
 // planned signature in Python.
 struct ForwardOptions {
-  std::array<std::string, trimul::kRoles> kernels;
+  std::array<std::string, trimul::kForwardRoles> kernels;
   int64_t mode;
   bool incoming, gate_normalized;
   double eps_in, eps_out;
   int64_t hidden;
 
-  std::array<const char*, trimul::kRoles> chosen() const {
+  std::array<const char*, trimul::kForwardRoles> chosen() const {
     return {kernels[0].c_str(), kernels[1].c_str(), kernels[2].c_str()};
   }
 };
@@ -381,7 +384,7 @@ py::dict forward_plan(const at::Tensor& pair, const at::Tensor& mask, const std:
   const c10::cuda::CUDAGuard guard(pair.device());
   const Planned p = plan_call(pair, mask, weights, options);
   py::dict d;
-  for (int r = 0; r < trimul::kRoles; ++r) d[kRoleNames[r]] = kernel_name(p.plan.kernels[r]);
+  for (int r = 0; r < trimul::kForwardRoles; ++r) d[kRoleNames[r]] = kernel_name(p.plan.kernels[r]);
   d["ab_shape"] = py::cast(ab_shape(p));
   d["ab_dtype"] = dtype_name(p.plan.ab_dtype);
   if (p.plan.z_buffer) {
@@ -443,6 +446,126 @@ bool fused_takes(int64_t c, int64_t hidden, int64_t mode, int64_t pair_dtype) {
   TORCH_CHECK_VALUE(mode >= 0 && mode <= 3 && pair_dtype >= 0 && pair_dtype <= 2, "trimul_inline: mode ", text(mode),
                     " / dtype code ", text(pair_dtype));
   return library().fused_takes(c, hidden, static_cast<trimul::Mode>(mode), static_cast<trimul::Dtype>(pair_dtype));
+}
+
+// ---- the backward's memory passes ----------------------------------------------------------------
+trimul::Role backward_role(const std::string& role) {
+  for (int r = trimul::kForwardRoles; r < trimul::kRoles; ++r)
+    if (role == kRoleNames[r]) return static_cast<trimul::Role>(r);
+  TORCH_CHECK_VALUE(false, "trimul_inline: '", role, "' is not a backward role");
+}
+
+// The sizes every pass of a backward shares.
+trimul::BackwardArgs backward_sizes(int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
+                                    const at::Tensor& like) {
+  TORCH_CHECK_VALUE(batch >= 0 && n >= 0 && c > 0 && h > 0, "trimul_inline: backward sizes B ", text(batch), ", N ",
+                    text(n), ", C ", text(c), ", H ", text(h));
+  trimul::BackwardArgs args{};
+  args.batch = batch;
+  args.n = n;
+  args.c = c;
+  args.h = h;
+  args.incoming = incoming;
+  args.operand = dtype_code(like, "the backward's operand");
+  args.stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
+  return args;
+}
+
+int plan_backward_kernel(trimul::Role role, const std::string& chosen, const trimul::BackwardArgs& args) {
+  char message[1024] = "";
+  int kernel = -1;
+  check_plan(library().plan_backward(role, &args, chosen.c_str(), &kernel, message, sizeof(message)), message);
+  return kernel;
+}
+
+// The kernel a backward role runs for these sizes and operand dtype (chosen, else the default order's
+// first that takes them): its name, or "" where that is a torch baseline (the caller's PyTorch passes).
+std::string backward_kernel(const std::string& role, const std::string& chosen, int64_t batch, int64_t n, int64_t c,
+                            int64_t h, bool incoming, const at::Tensor& like) {
+  const int kernel = plan_backward_kernel(backward_role(role), chosen, backward_sizes(batch, n, c, h, incoming, like));
+  return kernel < 0 ? std::string() : std::string(kernel_name(kernel));
+}
+
+// A tensor a pass reads or writes: present, on `like`'s device, contiguous, `numel` elements of one of `dtypes`.
+void* pass_tensor(const std::unordered_map<std::string, at::Tensor>& tensors, const char* name, int64_t numel,
+                  std::initializer_list<at::ScalarType> dtypes, const at::Tensor& like) {
+  const auto found = tensors.find(name);
+  TORCH_CHECK_VALUE(found != tensors.end(), "trimul_inline: this backward pass needs tensor '", name, "'");
+  const at::Tensor& t = found->second;
+  TORCH_CHECK_VALUE(t.device() == like.device() && t.is_contiguous() && t.numel() == numel,
+                    "trimul_inline: backward tensor '", name, "' must be contiguous with ", text(numel),
+                    " elements on ", like.device().str(), ", got ", text(t.sizes()));
+  TORCH_CHECK_TYPE(std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) != dtypes.end(),
+                   "trimul_inline: backward tensor '", name, "' has dtype ", t.scalar_type());
+  return t.data_ptr();
+}
+
+// Runs backward pass `pass` (trimul::BackwardPass) of the named backward kernel (backward_kernel's) on the
+// tensors named as BackwardArgs' fields; `like` fixes the device and the operand dtype.
+void backward_pass(const std::string& role, const std::string& kernel, int64_t pass, int64_t batch, int64_t n,
+                   int64_t c, int64_t h, bool incoming, double eps, const at::Tensor& like,
+                   const std::unordered_map<std::string, at::Tensor>& tensors) {
+  TORCH_CHECK_VALUE(like.is_cuda(), "trimul_inline: the backward's kernels take CUDA tensors");
+  TORCH_CHECK_VALUE(pass >= 0 && pass <= static_cast<int64_t>(trimul::BackwardPass::d_pair),
+                    "trimul_inline: backward pass code ", text(pass));
+  const c10::cuda::CUDAGuard guard(like.device());
+  trimul::BackwardArgs args = backward_sizes(batch, n, c, h, incoming, like);
+  args.pass = static_cast<trimul::BackwardPass>(pass);
+  args.eps = static_cast<float>(eps);
+  const int64_t positions = batch * n * n;
+  const at::ScalarType operand = scalar_type(args.operand);
+  const auto any_float = {at::kFloat, at::kBFloat16, at::kHalf};
+  const auto f32 = {at::kFloat};
+  const auto op = {operand};
+  const auto has = [&](const char* name) { return tensors.count(name) > 0; };
+  const auto get = [&](const char* name) -> const at::Tensor& { return tensors.at(name); };
+  using P = trimul::BackwardPass;
+  switch (args.pass) {
+    case P::input_rows:
+      args.pair = pass_tensor(tensors, "pair", positions * c, any_float, like);
+      args.pair_dtype = dtype_code(get("pair"), "pair");
+      args.rows = pass_tensor(tensors, "rows", positions * c, op, like);
+      break;
+    case P::gated_planes:
+    case P::d_proj:
+      args.proj = pass_tensor(tensors, "proj", positions * 4 * h, op, like);
+      args.mask = pass_tensor(tensors, "mask", positions, {at::kBool, at::kByte, at::kInt, at::kLong, at::kFloat,
+                                                           at::kBFloat16, at::kHalf}, like);
+      args.mask_kind = mask_kind(get("mask"));
+      args.a_planes = pass_tensor(tensors, "a_planes", positions * h, op, like);
+      args.b_planes = pass_tensor(tensors, "b_planes", positions * h, op, like);
+      if (args.pass == P::d_proj) {
+        args.rows = pass_tensor(tensors, "rows", positions * 4 * h, op, like);
+        if (has("d_mask")) args.d_mask = static_cast<float*>(pass_tensor(tensors, "d_mask", positions, f32, like));
+      }
+      break;
+    case P::z_rows:
+    case P::dz_planes:
+      args.a_planes = pass_tensor(tensors, "a_planes", positions * h, op, like);
+      args.rows = pass_tensor(tensors, "rows", positions * h, op, like);
+      args.rstd = static_cast<float*>(pass_tensor(tensors, "rstd", positions, f32, like));
+      if (args.pass == P::dz_planes)
+        args.d_rows = static_cast<const float*>(pass_tensor(tensors, "d_rows", positions * h, f32, like));
+      break;
+    case P::gate_grad:
+      args.d_out = pass_tensor(tensors, "d_out", positions * c, any_float, like);
+      args.d_out_dtype = dtype_code(get("d_out"), "d_out");
+      args.o = pass_tensor(tensors, "o", positions * c, op, like);
+      args.gate_pre = pass_tensor(tensors, "gate_pre", positions * c, op, like);
+      break;
+    case P::d_pair:
+      args.pair = pass_tensor(tensors, "pair", positions * c, any_float, like);
+      args.pair_dtype = dtype_code(get("pair"), "pair");
+      args.d_rows = static_cast<const float*>(pass_tensor(tensors, "d_rows", positions * c, f32, like));
+      if (has("d_rows_add"))
+        args.d_rows_add = static_cast<const float*>(pass_tensor(tensors, "d_rows_add", positions * c, f32, like));
+      args.d_pair = static_cast<float*>(pass_tensor(tensors, "d_pair", positions * c, f32, like));
+      break;
+  }
+  if (positions == 0) return;
+  const int index = plan_backward_kernel(backward_role(role), kernel, args);
+  TORCH_CHECK_VALUE(index >= 0, "trimul_inline: '", kernel, "' is a torch baseline, not a kernel of the library");
+  check_launch(library().run_backward(index, &args), std::string("the ") + role + " kernel '" + kernel + "'");
 }
 
 // A checked eager call's decisions, kept so the next no-grad call with the same signature goes from
@@ -547,7 +670,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernels", &kernels, "(role, name, rank, torch, in_registry, built, applies, summary) of every kernel");
   m.def("contract", &contract, "z = a @ b^T per batch, by the named contraction kernel ('': the default order)");
   py::class_<ForwardOptions>(m, "ForwardOptions", "a module's choices for the fused forward")
-      .def(py::init([](std::array<std::string, trimul::kRoles> kernels, int64_t mode, bool incoming,
+      .def(py::init([](std::array<std::string, trimul::kForwardRoles> kernels, int64_t mode, bool incoming,
                        bool gate_normalized, double eps_in, double eps_out, int64_t hidden) {
              return ForwardOptions{std::move(kernels), mode, incoming, gate_normalized, eps_in, eps_out, hidden};
            }),
@@ -559,6 +682,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("contraction", &contraction, "the contraction of ab into z (nothing where the output pass contracts)");
   m.def("output_pass", &output_pass, "the output pass from z (or ab) into out");
   m.def("fused_takes", &fused_takes, "whether the fused passes take these sizes in this mode");
+  m.def("backward_kernel", &backward_kernel, "the kernel a backward role runs ('': a torch baseline's passes)");
+  m.def("backward_pass", &backward_pass, "one memory pass of the backward (trimul::BackwardPass) on given tensors");
   py::class_<PlannedForward>(m, "PlannedForward", "a checked eager call's decisions (ModelNew._fast)")
       .def(py::init<py::list, py::list, std::vector<at::Tensor>, const at::Tensor&, const at::Tensor&, py::str,
                     std::vector<at::Tensor>, ForwardOptions>())

@@ -57,6 +57,19 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
 
+// A mask element, in whatever dtype the mask came in, as a float.
+__device__ __forceinline__ float load_mask(const void* mask, MaskKind kind, int64_t off) {
+  switch (kind) {
+    case MaskKind::u8: return static_cast<float>(static_cast<const uint8_t*>(mask)[off]);
+    case MaskKind::i32: return static_cast<float>(static_cast<const int32_t*>(mask)[off]);
+    case MaskKind::i64: return static_cast<float>(static_cast<const int64_t*>(mask)[off]);
+    case MaskKind::f32: return static_cast<const float*>(mask)[off];
+    case MaskKind::bf16: return to_float(static_cast<const __nv_bfloat16*>(mask)[off]);
+    case MaskKind::f16: return to_float(static_cast<const __half*>(mask)[off]);
+  }
+  return 0.f;
+}
+
 __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Device limits, read once per device (a small forward must not pay driver queries each call).

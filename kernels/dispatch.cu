@@ -29,7 +29,8 @@ constexpr Entry kRegistry[] = {
 #undef TRIMUL_TORCH_KERNEL
 };
 
-const char* const kRoleNames[kRoles] = {"input", "contract", "output"};
+const char* const kRoleNames[kRoles] = {"input",           "contract",          "output",
+                                        "output_backward", "contract_backward", "input_backward"};
 const char* const kModeNames[] = {"bf16", "f16", "high", "highest"};
 
 // The kernel files' registrations, in the order their static initialisers ran (construct on first
@@ -166,8 +167,8 @@ int pass_kernel(Role role, int chosen, const ForwardArgs& args) {
 void* const kPlannedBuffer = reinterpret_cast<void*>(uintptr_t(1) << 12);
 
 PlanStatus plan_forward(ForwardArgs* args, const char* const* chosen, ForwardPlan* plan, char* message, int size) {
-  int pick[kRoles];
-  for (int r = 0; r < kRoles; ++r) {
+  int pick[kForwardRoles];
+  for (int r = 0; r < kForwardRoles; ++r) {
     pick[r] = chosen_kernel(static_cast<Role>(r), chosen != nullptr ? chosen[r] : nullptr, message, size);
     if (pick[r] == -2) return PlanStatus::invalid;
   }
@@ -197,7 +198,7 @@ PlanStatus plan_forward(ForwardArgs* args, const char* const* chosen, ForwardPla
   const size_t contraction_count = pick[contract] >= 0 ? 1 : lib.order[contract].size();
   Format options[3];
   const int option_count = formats(*args, options);
-  bool found[kRoles] = {false, false, false};
+  bool found[kForwardRoles] = {false, false, false};
   for (size_t i = 0; i < contraction_count; ++i) {
     const int c = contractions[i];
     const KernelInfo& info = lib.kernels[c];
@@ -225,7 +226,7 @@ PlanStatus plan_forward(ForwardArgs* args, const char* const* chosen, ForwardPla
       plan->kernels[role_index(Role::input)] = input;
       plan->kernels[contract] = c;
       plan->kernels[role_index(Role::output)] = output;
-      for (int r = 0; r < kRoles; ++r) plan->chosen[r] = pick[r] >= 0;
+      for (int r = 0; r < kForwardRoles; ++r) plan->chosen[r] = pick[r] >= 0;
       plan->z_buffer = z_buffer;
       plan->torch_contraction = info.torch;
       plan->ab_dtype = format.ab;
@@ -235,7 +236,7 @@ PlanStatus plan_forward(ForwardArgs* args, const char* const* chosen, ForwardPla
     }
   }
   // Nothing took the call: a kernel chosen by name that never applied, else the first role short of one.
-  for (int r = 0; r < kRoles; ++r) {
+  for (int r = 0; r < kForwardRoles; ++r) {
     if (pick[r] < 0 || found[r]) continue;
     const KernelInfo& info = lib.kernels[pick[r]];
     say(message, size,
@@ -247,7 +248,7 @@ PlanStatus plan_forward(ForwardArgs* args, const char* const* chosen, ForwardPla
   }
   const bool any_chosen = pick[0] >= 0 || pick[1] >= 0 || pick[2] >= 0;
   int short_role = 0;
-  while (short_role < kRoles - 1 && found[short_role]) ++short_role;
+  while (short_role < kForwardRoles - 1 && found[short_role]) ++short_role;
   say(message, size,
       any_chosen ? "trimul_inline: the kernels chosen do not take this call: no %s kernel goes with them (pair_dim "
                    "%lld, hidden %lld, N %lld, mode %s)"
@@ -372,6 +373,44 @@ bool fused_takes(int64_t c, int64_t h, Mode mode, Dtype pair_dtype) {
   return plan_forward(&args, nullptr, &plan, nullptr, 0) == PlanStatus::ok;
 }
 
+// A backward role's kernel: the chosen one if it takes the args, else the first of the default order that
+// does; -1 where that is a torch baseline (the caller runs its PyTorch passes).
+PlanStatus plan_backward(Role role, const BackwardArgs* args, const char* chosen, int* kernel, char* message,
+                         int size) {
+  const Library& lib = library();
+  const int pick = chosen_kernel(role, chosen, message, size);
+  if (pick == -2) return PlanStatus::invalid;
+  auto takes = [&](int index) {
+    const Implementation* impl = lib.implementation[index];
+    return lib.kernels[index].torch || (impl != nullptr && impl->backward_launch != nullptr && impl->backward_applies(*args));
+  };
+  if (pick >= 0) {
+    if (takes(pick)) {
+      *kernel = lib.kernels[pick].torch ? -1 : pick;
+      return PlanStatus::ok;
+    }
+    say(message, size, "trimul_inline: the %s kernel '%s' does not take this call (pair_dim %lld, hidden %lld); it "
+        "applies when: %s", kRoleNames[role_index(role)], lib.kernels[pick].name, static_cast<long long>(args->c),
+        static_cast<long long>(args->h), lib.kernels[pick].applies);
+    return PlanStatus::not_applies;
+  }
+  for (int index : lib.order[role_index(role)])
+    if (takes(index)) {
+      *kernel = lib.kernels[index].torch ? -1 : index;
+      return PlanStatus::ok;
+    }
+  say(message, size, "trimul_inline: no %s kernel takes this call", kRoleNames[role_index(role)]);
+  return PlanStatus::no_kernel;
+}
+
+cudaError_t run_backward(int kernel, const BackwardArgs* args) {
+  const Library& lib = library();
+  if (kernel < 0 || kernel >= static_cast<int>(lib.kernels.size()) || lib.implementation[kernel] == nullptr ||
+      lib.implementation[kernel]->backward_launch == nullptr)
+    return cudaErrorInvalidValue;
+  return lib.implementation[kernel]->backward_launch(*args);
+}
+
 Library build_library() {
   Library lib;
   const std::vector<Implementation>& impls = registered();
@@ -408,6 +447,9 @@ Library build_library() {
   e.plan_contraction = plan_contraction;
   e.run_contraction = run_contraction;
   e.fused_takes = fused_takes;
+  e.plan_backward = plan_backward;
+  e.run_backward = run_backward;
+  e.backward_args_bytes = sizeof(BackwardArgs);
   return lib;
 }
 

@@ -1,5 +1,5 @@
-// fused.cuh — what the fused input and output passes share: reading the mask in whatever dtype
-// it came in, and staging pair rows (LayerNorm-ed or raw) as a resident shared-memory operand.
+// fused.cuh — what the fused input and output passes share: staging pair rows (LayerNorm-ed or raw)
+// as a resident shared-memory operand.
 #pragma once
 #include "mma.cuh"
 
@@ -10,18 +10,6 @@ namespace trimul {
 namespace fused {
 
 using namespace ::trimul::mma;
-
-__device__ __forceinline__ float load_mask(const void* mask, MaskKind kind, int64_t off) {
-  switch (kind) {
-    case MaskKind::u8: return static_cast<float>(static_cast<const uint8_t*>(mask)[off]);
-    case MaskKind::i32: return static_cast<float>(static_cast<const int32_t*>(mask)[off]);
-    case MaskKind::i64: return static_cast<float>(static_cast<const int64_t*>(mask)[off]);
-    case MaskKind::f32: return static_cast<const float*>(mask)[off];
-    case MaskKind::bf16: return to_float(static_cast<const __nv_bfloat16*>(mask)[off]);
-    case MaskKind::f16: return to_float(static_cast<const __half*>(mask)[off]);
-  }
-  return 0.f;
-}
 
 template <Mode M>
 __device__ __forceinline__ void store_operand(uint32_t* row, int col, float v) {
@@ -695,4 +683,4 @@ cudaError_t launch_contraction(const ContractArgs& args, int threads, int64_t sm
            return NS::launch<decltype(mode)::value, typename decltype(pair)::type>(args);                  \
          });                                                                                               \
        },                                                                                                  \
-       nullptr, nullptr, false})
+       nullptr, nullptr, false, nullptr, nullptr})
