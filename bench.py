@@ -571,10 +571,10 @@ def backward_contenders(args):
                                        "bfloat16", informational=True))
     if "cueq-bf16" in args.contenders and cuequivariance() is not None:
         found.append(TrainingContender("cueq-bf16", lambda ref: trainable_cueq(ref, bf16), "bfloat16",
-                                       dtype=bf16, mask_dtype=bf16))
+                                       dtype=bf16, mask_dtype=bf16, informational=True))
     if "cueq-fp32" in args.contenders and cuequivariance() is not None:
         found.append(TrainingContender("cueq-fp32", lambda ref: trainable_cueq(ref, torch.float32), "high",
-                                       mask_dtype=torch.float32))
+                                       mask_dtype=torch.float32, informational=True))
     if "new" in args.contenders:
         for precision in args.precision:
             found.append(TrainingContender(f"new-{precision}", lambda ref, p=precision: trainable_module(

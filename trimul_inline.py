@@ -980,19 +980,65 @@ class ForwardSteps:
 # (W diag(w), b + W b_ln), so every pass handles normalized rows, and each LayerNorm's and Linear's
 # gradients come from the folded GEMM's (_unfolded_grads). Weight gradients reduce over positions in a
 # fixed order (GEMMs and sums, no atomics): equal inputs give bitwise-equal gradients.
-_COMPUTE_DTYPE = {"bf16": torch.bfloat16, "f16": torch.float16, "high": torch.float32, "highest": torch.float32}
+# The backward's operand dtype per mode. fp16 inputs too take bf16: fp16's range cannot hold the backward's
+# intermediates (LayerNorm_out of a masked, all-zero z row scales d z by 1/sqrt(eps); its da overflowed fp16).
+_COMPUTE_DTYPE = {"bf16": torch.bfloat16, "f16": torch.bfloat16, "high": torch.float32, "highest": torch.float32}
 
 
-def _mm(x: torch.Tensor, y: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """x @ y with the operands' products accumulated in fp32 (fp64 operands: fp64), written as out_dtype."""
-    if x.dtype in (torch.bfloat16, torch.float16) and out_dtype != x.dtype and x.is_cuda:
-        return torch.mm(x, y, out_dtype=out_dtype)
-    return torch.mm(x, y).to(out_dtype)
+class _Products:
+    """The backward's matrix products in a mode. 16-bit operands multiply as they are, with fp32 accumulation;
+    fp32 ones at "high" as TF32 (the matmul precision around the backward); at "highest" as fp16x3: each operand
+    times a power of two (its largest magnitude near 2^12) split into fp16 parts hi + lo, and hi.hi + hi.lo +
+    lo.hi as one fp16 GEMM over the parts concatenated along k, in fp32 (about fp32's accuracy at the fp16
+    tensor-core rate, as the forward's "highest" passes). fp64 operands (the CPU) multiply in fp64."""
+
+    def __init__(self, mode: str, acc: torch.dtype, device: torch.device):
+        self.split = mode == "highest" and acc == torch.float32 and device.type == "cuda"
+
+    def mm(self, x, y, out_dtype):
+        if self.split:
+            return _f16x3_product(x, y, torch.mm).to(out_dtype)
+        if x.dtype in (torch.bfloat16, torch.float16) and out_dtype != x.dtype and x.is_cuda:
+            return torch.mm(x, y, out_dtype=out_dtype)
+        return torch.mm(x, y).to(out_dtype)
+
+    def bmm(self, x, y):
+        """x @ y per plane, in x's dtype."""
+        return _f16x3_product(x, y, torch.bmm) if self.split else torch.bmm(x, y)
+
+    def addmm(self, total, x, y):
+        """total + x @ y in total's dtype (16-bit products: the sum in the GEMM's epilogue)."""
+        if self.split:
+            return total.add_(_f16x3_product(x, y, torch.mm))
+        if x.dtype in (torch.bfloat16, torch.float16) and total.dtype != x.dtype and x.is_cuda:
+            return torch.addmm(total, x, y, out_dtype=total.dtype)
+        return torch.addmm(total, x.to(total.dtype), y.to(total.dtype))
+
+    def linear(self, rows, weight, bias):
+        """rows @ weight^T + bias in the rows' dtype."""
+        if self.split:
+            return _f16x3_product(rows, weight.t(), torch.mm).add_(bias)
+        return torch.addmm(bias.to(rows.dtype), rows, weight.to(rows.dtype).t())
 
 
-def _linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """rows @ weight^T + bias in the rows' dtype (fp32 accumulation)."""
-    return torch.addmm(bias.to(rows.dtype), rows, weight.to(rows.dtype).t())
+def _f16_parts(t: torch.Tensor, exponent: torch.Tensor):
+    """t * 2^exponent as fp16 hi + lo (hi: t's value rounded to fp16; lo: the remainder)."""
+    scaled = t * torch.exp2(exponent)
+    hi = scaled.half()
+    return hi, scaled.sub_(hi.float()).half()
+
+
+def _f16x3_product(x: torch.Tensor, y: torch.Tensor, multiply) -> torch.Tensor:
+    """x @ y (fp32, [.., m, k] @ [.., k, n]) as hi.hi + hi.lo + lo.hi of scaled fp16 parts: one multiply of
+    [hi | hi | lo] by [hi; lo; hi] into fp32, then the scales undone (no host synchronisation)."""
+    x_exponent, y_exponent = _power_of_two_to_4096(x.abs().amax()), _power_of_two_to_4096(y.abs().amax())
+    x_hi, x_lo = _f16_parts(x, x_exponent)
+    left = torch.cat([x_hi, x_hi, x_lo], dim=-1)
+    del x_hi, x_lo
+    y_hi, y_lo = _f16_parts(y, y_exponent)
+    right = torch.cat([y_hi, y_lo, y_hi], dim=-2)
+    del y_hi, y_lo
+    return multiply(left, right, out_dtype=torch.float32).mul_(torch.exp2(-(x_exponent + y_exponent)))
 
 
 def _folded(weight, bias, ln_weight, ln_bias):
@@ -1049,10 +1095,11 @@ class _TorchBackwardPasses:
 
     @staticmethod
     def gate_grad(d_out, o, gate_pre):
-        """out = sigmoid(gate_pre) * o: (d o, d gate_pre) in o's dtype."""
+        """out = sigmoid(gate_pre) * o: (d o, d gate_pre) in o's dtype, and their sums over positions."""
         dtype, acc = o.dtype, _accumulate(o)
         d_out, o, g = d_out.to(acc), o.to(acc), torch.sigmoid(gate_pre.to(acc))
-        return (d_out * g).to(dtype), (d_out * o * g * (1 - g)).to(dtype)
+        d_o, d_gate = d_out * g, d_out * o * g * (1 - g)
+        return d_o.to(dtype), d_gate.to(dtype), d_o.sum(0), d_gate.sum(0)
 
     @staticmethod
     def dz_planes(d_z_hat, z_hat, rstd, batch, n, dtype):
@@ -1062,7 +1109,8 @@ class _TorchBackwardPasses:
 
     @staticmethod
     def d_proj(proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad):
-        """d proj [P, 4H] (pa | ga | pb | gb) from da and db planes; d mask [P] where mask_grad."""
+        """d proj [P, 4H] (pa | ga | pb | gb) from da and db planes; d mask [P] where mask_grad; d proj's sums
+        over positions."""
         acc = _accumulate(proj)
         pa, ga, pb, gb = proj.to(acc).chunk(4, 1)
         m = mask_rows.to(acc)[:, None]
@@ -1070,7 +1118,7 @@ class _TorchBackwardPasses:
         sa, sb = torch.sigmoid(ga), torch.sigmoid(gb)
         d_proj = torch.cat([da * sa * m, da * pa * m * sa * (1 - sa), db * sb * m, db * pb * m * sb * (1 - sb)], 1)
         d_mask = (da * pa * sa + db * pb * sb).sum(1) if mask_grad else None
-        return d_proj.to(proj.dtype), d_mask
+        return d_proj.to(proj.dtype), d_mask, d_proj.sum(0)
 
     @staticmethod
     def d_pair(pair_rows, eps, d_x_hat, add=None):
@@ -1084,6 +1132,7 @@ def _accumulate(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+_BACKWARD_SUM_ROWS = 512  # blocks of the passes that sum over positions (trimul::kBackwardSumRows)
 _BACKWARD_PASS = {name: code for code, name in enumerate(
     ("input_rows", "gated_planes", "z_rows", "gate_grad", "dz_planes", "d_proj", "d_pair"))}  # trimul::BackwardPass
 
@@ -1121,8 +1170,9 @@ class _KernelBackwardPasses:
         return rows, rstd
 
     def gate_grad(self, d_out, o, gate_pre):
-        self._run("gate_grad", o, d_out=d_out, o=o, gate_pre=gate_pre)
-        return o, gate_pre
+        sums = o.new_zeros((_BACKWARD_SUM_ROWS, 2 * o.shape[1]), dtype=torch.float32)
+        self._run("gate_grad", o, d_out=d_out, o=o, gate_pre=gate_pre, sums=sums)
+        return (o, gate_pre) + sums.sum(0).chunk(2)
 
     def dz_planes(self, d_z_hat, z_hat, rstd, batch, n, dtype):
         dz = self._planes(z_hat)
@@ -1131,12 +1181,13 @@ class _KernelBackwardPasses:
 
     def d_proj(self, proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad):
         rows = torch.empty_like(proj)
-        tensors = dict(proj=proj, a_planes=da_planes, b_planes=db_planes, mask=mask_rows, rows=rows)
+        sums = proj.new_zeros((_BACKWARD_SUM_ROWS, proj.shape[1]), dtype=torch.float32)
+        tensors = dict(proj=proj, a_planes=da_planes, b_planes=db_planes, mask=mask_rows, rows=rows, sums=sums)
         d_mask = proj.new_empty((self._positions,), dtype=torch.float32) if mask_grad else None
         if d_mask is not None:
             tensors["d_mask"] = d_mask
         self._run("d_proj", proj, **tensors)
-        return rows, d_mask
+        return rows, d_mask, sums.sum(0)
 
     def d_pair(self, pair_rows, eps, d_x_hat, add=None):
         out = torch.empty_like(d_x_hat)
@@ -1157,9 +1208,9 @@ def _backward_passes(role: str, name: Optional[str], batch, n, pair_dim, hidden,
         _TorchBackwardPasses
 
 
-def _contract_backward(a_planes, b_planes, dz_planes):
+def _contract_backward(products, a_planes, b_planes, dz_planes):
     """contract_backward: da = dz b, db = dz^T a per plane (cuBLAS)."""
-    return torch.bmm(dz_planes, b_planes), torch.bmm(dz_planes.transpose(1, 2), a_planes)
+    return products.bmm(dz_planes, b_planes), products.bmm(dz_planes.transpose(1, 2), a_planes)
 
 
 def _unfolded_grads(g_folded, s_folded, weight, ln_weight, ln_bias):
@@ -1196,14 +1247,15 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
                                operand)
     positions = batch * n * n
     pair_rows, mask_rows = pair.reshape(positions, pair_dim).contiguous(), mask.reshape(positions).contiguous()
+    products = _Products(mode, acc, pair.device)
 
     # The forward again, up to z: x_hat, proj = [pa | ga | pb | gb], a and b planes.
     w_in, b_in = torch.cat([pa_w, ga_w, pb_w, gb_w]), torch.cat([pa_b, ga_b, pb_b, gb_b])
     w_in_f, b_in_f = _folded(w_in, b_in, ln_in_w, ln_in_b)
     x_hat = inputs.input_rows(pair_rows, eps_in, dtype)
-    proj = _linear(x_hat, w_in_f, b_in_f)
+    proj = products.linear(x_hat, w_in_f, b_in_f)
     a_planes, b_planes = inputs.gated_planes(proj, mask_rows, batch, n, incoming)
-    z_planes = torch.bmm(a_planes, b_planes.transpose(1, 2))
+    z_planes = products.bmm(a_planes, b_planes.transpose(1, 2))
 
     # output_backward: out = sigmoid(gate_rows W_g^T + b_g) * (z_hat W_out_f^T + b_out_f).
     z_hat, rstd_out = outputs.z_rows(z_planes, batch, n, eps_out, dtype)
@@ -1214,30 +1266,30 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
         gate_rows = x_hat
     else:
         w_gate, b_gate, gate_rows = gate_w, gate_b, pair_rows.to(dtype)
-    o = _linear(z_hat, w_out_f, b_out_f)
-    gate_pre = _linear(gate_rows, w_gate, b_gate)
-    d_o, d_gate = outputs.gate_grad(grad_out.reshape(positions, pair_dim).contiguous(), o, gate_pre)
+    o = products.linear(z_hat, w_out_f, b_out_f)
+    gate_pre = products.linear(gate_rows, w_gate, b_gate)
+    d_o, d_gate, s_out, s_gate = outputs.gate_grad(grad_out.reshape(positions, pair_dim).contiguous(), o, gate_pre)
     del o, gate_pre
-    g_out, s_out = _mm(d_o.t(), z_hat, acc), d_o.sum(0, dtype=acc)
-    g_gate, s_gate = _mm(d_gate.t(), gate_rows, acc), d_gate.sum(0, dtype=acc)
-    d_z_hat = _mm(d_o, w_out_f.to(dtype), acc)
+    g_out, g_gate = products.mm(d_o.t(), z_hat, acc), products.mm(d_gate.t(), gate_rows, acc)
+    d_z_hat = products.mm(d_o, w_out_f.to(dtype), acc)
     del d_o, gate_rows
     dz_planes = outputs.dz_planes(d_z_hat, z_hat, rstd_out, batch, n, dtype)
     del d_z_hat, z_hat
 
     # contract_backward
-    da_planes, db_planes = _contract_backward(a_planes, b_planes, dz_planes)
+    da_planes, db_planes = _contract_backward(products, a_planes, b_planes, dz_planes)
     del a_planes, b_planes, dz_planes
 
     # input_backward
-    d_proj, d_mask = inputs.d_proj(proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad)
+    d_proj, d_mask, s_in = inputs.d_proj(proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad)
     del proj, da_planes, db_planes
-    g_in, s_in = _mm(d_proj.t(), x_hat, acc), d_proj.sum(0, dtype=acc)
-    d_x_hat = _mm(d_proj, w_in_f.to(dtype), acc)
+    g_in = products.mm(d_proj.t(), x_hat, acc)
+    d_x_hat = products.mm(d_proj, w_in_f.to(dtype), acc)
     del d_proj
     if gate_normalized:
-        d_x_hat += _mm(d_gate, w_gate.to(dtype), acc)
-    d_pair = inputs.d_pair(pair_rows, eps_in, d_x_hat, None if gate_normalized else _mm(d_gate, gate_w.to(dtype), acc))
+        d_x_hat = products.addmm(d_x_hat, d_gate, w_gate.to(dtype))
+    raw_gate_share = None if gate_normalized else products.mm(d_gate, gate_w.to(dtype), acc)
+    d_pair = inputs.d_pair(pair_rows, eps_in, d_x_hat, raw_gate_share)
     del d_x_hat, d_gate
 
     # Parameter gradients from the folded GEMMs' (H x C and C x C matrices: no position loop).
@@ -1248,8 +1300,9 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
         d_ln_in_w, d_ln_in_b = d_ln_in_w + d_ln_w, d_ln_in_b + d_ln_b
     else:
         d_gate_w, d_gate_b = g_gate, s_gate
-    d_pa_w, d_ga_w, d_pb_w, d_gb_w = d_w_in.chunk(4)
-    d_pa_b, d_ga_b, d_pb_b, d_gb_b = d_b_in.chunk(4)
+    # (copies, not views: an op's outputs may not alias each other)
+    d_pa_w, d_ga_w, d_pb_w, d_gb_w = (t.clone() for t in d_w_in.chunk(4))
+    d_pa_b, d_ga_b, d_pb_b, d_gb_b = (t.clone() for t in d_b_in.chunk(4))
     return d_pair, d_mask, [d_ln_in_w, d_ln_in_b, d_pa_w, d_pa_b, d_ga_w, d_ga_b, d_pb_w, d_pb_b, d_gb_w, d_gb_b,
                             d_ln_out_w, d_ln_out_b, d_out_w, d_out_b, d_gate_w, d_gate_b]
 
@@ -1260,10 +1313,26 @@ def trimul(pair: torch.Tensor, mask: torch.Tensor, params: list[torch.Tensor], w
     """The fused forward with a backward (register_autograd): params are the 16 parameters (_PARAM_PATHS order,
     what the gradients are for), weights their prepare_weights layout (what the forward reads); kernels a
     Kernels string ("auto", "role=name,...")."""
+    if not pair.is_cuda:  # (the op runs anywhere: off CUDA it is the reference computation)
+        return _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in, eps_out)
     chosen = parse_kernels(kernels)
     hidden = params[2].shape[0]
     return fused_forward(pair, mask, weights, *(name or "" for name in chosen[:len(FORWARD_ROLES)]), mode, incoming,
                          gate_normalized, eps_in, eps_out, hidden)
+
+
+def _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in, eps_out):
+    """reference_forward on a parameter list (_PARAM_PATHS order)."""
+    (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
+     out_w, out_b, gate_w, gate_b) = params
+    linear, layer_norm = torch.nn.functional.linear, torch.nn.functional.layer_norm
+    x = layer_norm(pair, pair.shape[-1:], ln_in_w, ln_in_b, eps_in)
+    m = mask.unsqueeze(-1)
+    a = linear(x, pa_w, pa_b) * torch.sigmoid(linear(x, ga_w, ga_b)) * m
+    b = linear(x, pb_w, pb_b) * torch.sigmoid(linear(x, gb_w, gb_b)) * m
+    z = torch.einsum("bkih,bkjh->bijh" if incoming else "bikh,bjkh->bijh", a, b)
+    o = linear(layer_norm(z, z.shape[-1:], ln_out_w, ln_out_b, eps_out), out_w, out_b)
+    return torch.sigmoid(linear(x if gate_normalized else pair, gate_w, gate_b)) * o
 
 
 @trimul.register_fake
@@ -1272,9 +1341,10 @@ def _trimul_fake(pair, mask, params, weights, *options):
 
 
 def _trimul_setup_context(ctx, inputs, output):
-    pair, mask, params, _, *options = inputs
+    pair, mask, params, weights, *options = inputs
     ctx.save_for_backward(pair, mask, *params)
     ctx.options = options
+    ctx.weight_count = len(weights)
 
 
 def _trimul_backward(ctx, grad_out):
@@ -1283,7 +1353,8 @@ def _trimul_backward(ctx, grad_out):
     d_pair, d_mask, *d_params = trimul_backward(grad_out.contiguous(), pair, mask, params, *ctx.options, mask_grad)
     wanted = ctx.needs_input_grad
     return (d_pair if wanted[0] else None, d_mask if mask_grad else None,
-            [g if w else None for g, w in zip(d_params, wanted[2])], None, None, None, None, None, None, None)
+            [g if w else None for g, w in zip(d_params, wanted[2])], [None] * ctx.weight_count, None, None, None, None,
+            None, None)
 
 
 trimul.register_autograd(_trimul_backward, setup_context=_trimul_setup_context)

@@ -176,9 +176,9 @@ enum class BackwardPass : int {
   input_rows = 0,  // pair -> rows: x_hat [P, C] operand (LayerNorm_in without affine)         input_backward
   gated_planes,    // proj [P, 4H] (pa | ga | pb | gb), mask -> a_planes, b_planes              input_backward
   z_rows,          // a_planes (z) -> rows: z_hat [P, H] operand, rstd [P]                      output_backward
-  gate_grad,       // d_out, o, gate_pre [P, C] -> o := d o, gate_pre := d gate_pre (in place)  output_backward
+  gate_grad,       // d_out, o, gate_pre [P, C] -> o := d o, gate_pre := d gate_pre (in place), sums output_backward
   dz_planes,       // d_rows (d z_hat, fp32 [P, H]), rows (z_hat), rstd -> a_planes (dz)        output_backward
-  d_proj,          // proj, a_planes (da), b_planes (db), mask -> rows: d proj [P, 4H], d_mask  input_backward
+  d_proj,          // proj, a_planes (da), b_planes (db), mask -> rows: d proj [P, 4H], d_mask, sums input_backward
   d_pair,          // pair, d_rows (d x_hat, fp32 [P, C]) + d_rows_add -> d_pair (fp32)         input_backward
 };
 
@@ -207,8 +207,16 @@ struct BackwardArgs {
   void* o;         // gate_grad: [P, C] operand
   void* gate_pre;  // gate_grad: [P, C] operand
   float* d_pair;   // d_pair: [P, C]
+  // Per-block partial sums over positions, [kBackwardSumRows, width] fp32 (rows of blocks that did not run
+  // stay as the caller left them, zero): d_proj of d proj (width 4H), gate_grad of d o then d gate_pre
+  // (width 2C); the caller adds the rows up. nullptr: not wanted.
+  float* sums;
   cudaStream_t stream;
 };
+
+// Blocks of the backward passes that sum over positions (BackwardArgs::sums): a constant, so the order of
+// the sums, and their bits, are the same on every GPU.
+constexpr int64_t kBackwardSumRows = 512;
 
 // One kernel of the registry (registry.def), or a compiled kernel the registry does not name.
 struct KernelInfo {

@@ -6,6 +6,11 @@
 #pragma once
 #include "common.cuh"
 
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <type_traits>
+
 namespace trimul {
 namespace backward {
 
@@ -19,7 +24,56 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + __expf(-x)); }
+// (__fdividef: 2 ulp, well inside fp32's "highest" budget; an IEEE division is most of a pass's instructions)
+__device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
+
+// V consecutive elements of a row in one access (V = 4: 8 bytes of a 16-bit type, 16 of fp32), as floats.
+template <int V, typename T>
+struct alignas(sizeof(T) * V) Pack {
+  T x[V];
+};
+
+template <int V, typename T>
+__device__ __forceinline__ void load_pack(const T* p, float* out) {
+  const Pack<V, T> pack = *reinterpret_cast<const Pack<V, T>*>(p);
+#pragma unroll
+  for (int i = 0; i < V; ++i) out[i] = to_float(pack.x[i]);
+}
+
+template <int V, typename T>
+__device__ __forceinline__ void store_pack(T* p, const float* in) {
+  Pack<V, T> pack;
+#pragma unroll
+  for (int i = 0; i < V; ++i) pack.x[i] = from_float<T>(in[i]);
+  *reinterpret_cast<Pack<V, T>*>(p) = pack;
+}
+
+// The vector width of a pass's row accesses: 4 where the row width is a multiple of 4 and every row buffer
+// starts 16-byte aligned (so each row does), else 1.
+inline int row_vector(int64_t width, std::initializer_list<const void*> rows) {
+  for (const void* p : rows)
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return 1;
+  return width % 4 == 0 ? 4 : 1;
+}
+
+template <typename F>
+cudaError_t dispatch_vector(int vector, F&& f) {
+  return vector == 4 ? f(std::integral_constant<int, 4>{}) : f(std::integral_constant<int, 1>{});
+}
+
+// Per-block partial sums (BackwardArgs::sums): each warp adds its positions' values into its own row of
+// `width` floats in shared memory; sum_rows_out adds the warps' rows in a fixed order into the block's row.
+__device__ __forceinline__ void sum_rows_clear(float* rows, int64_t width) {
+  for (int64_t i = threadIdx.x; i < kWarps * width; i += kThreads) rows[i] = 0.f;
+}
+
+__device__ __forceinline__ void sum_rows_out(const float* rows, int64_t width, float* sums) {
+  for (int64_t c = threadIdx.x; c < width; c += kThreads) {
+    float total = 0.f;
+    for (int w = 0; w < kWarps; ++w) total += rows[w * width + c];
+    sums[blockIdx.x * width + c] = total;
+  }
+}
 
 struct Tile {
   int64_t b, r, k0;
@@ -68,33 +122,40 @@ __device__ __forceinline__ void tile_to_planes(const float* tile, T* planes, con
   }
 }
 
-inline int64_t tile_count(const BackwardArgs& args) { return args.batch * args.n * ceil_div(args.n, kTile); }
+__host__ __device__ inline int64_t tile_count(const BackwardArgs& args) {
+  return args.batch * args.n * ceil_div(args.n, kTile);
+}
 
 // Shared memory of a tile pass with `planes` tiles of H channels.
 inline int64_t tile_bytes(const BackwardArgs& args, int planes) {
   return int64_t(planes) * args.h * kTileStride * static_cast<int64_t>(sizeof(float));
 }
 
-// Launches a tile kernel (one block per tile) with `bytes` of dynamic shared memory.
 template <typename Kernel>
-cudaError_t launch_tiles(Kernel kernel, const BackwardArgs& args, int64_t bytes) {
+cudaError_t launch_blocks(Kernel kernel, const BackwardArgs& args, int64_t blocks, int64_t bytes) {
   if (bytes > max_smem_optin()) return cudaErrorNotSupported;
   if (bytes > 48 * 1024) {
     const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                     static_cast<int>(bytes));
     if (status != cudaSuccess) return status;
   }
-  kernel<<<static_cast<unsigned>(tile_count(args)), kThreads, bytes, args.stream>>>(args);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, bytes, args.stream>>>(args);
   return cudaGetLastError();
 }
 
-// Launches a row kernel: one warp per position, grid-stride.
+// A tile kernel: one block per tile, or kBackwardSumRows blocks looping over the tiles where it sums.
 template <typename Kernel>
-cudaError_t launch_rows(Kernel kernel, const BackwardArgs& args) {
-  const int64_t positions = args.batch * args.n * args.n;
-  const int64_t blocks = std::min<int64_t>(ceil_div(positions, kWarps), 16 * std::max<int64_t>(sm_count(), 1) * 8);
-  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, args.stream>>>(args);
-  return cudaGetLastError();
+cudaError_t launch_tiles(Kernel kernel, const BackwardArgs& args, int64_t bytes, bool sums = false) {
+  const int64_t tiles = tile_count(args);
+  return launch_blocks(kernel, args, sums ? std::min(tiles, kBackwardSumRows) : tiles, bytes);
+}
+
+// A row kernel (one warp per position, grid-stride): kBackwardSumRows blocks where it sums.
+template <typename Kernel>
+cudaError_t launch_rows(Kernel kernel, const BackwardArgs& args, int64_t bytes = 0, bool sums = false) {
+  const int64_t warps = ceil_div(args.batch * args.n * args.n, kWarps);
+  const int64_t blocks = std::min<int64_t>(warps, sums ? kBackwardSumRows : 8 * std::max<int64_t>(sm_count(), 1) * 8);
+  return launch_blocks(kernel, args, blocks, bytes);
 }
 
 }  // namespace backward

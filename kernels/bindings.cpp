@@ -536,6 +536,7 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
       args.b_planes = pass_tensor(tensors, "b_planes", positions * h, op, like);
       if (args.pass == P::d_proj) {
         args.rows = pass_tensor(tensors, "rows", positions * 4 * h, op, like);
+        args.sums = static_cast<float*>(pass_tensor(tensors, "sums", trimul::kBackwardSumRows * 4 * h, f32, like));
         if (has("d_mask")) args.d_mask = static_cast<float*>(pass_tensor(tensors, "d_mask", positions, f32, like));
       }
       break;
@@ -552,6 +553,7 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
       args.d_out_dtype = dtype_code(get("d_out"), "d_out");
       args.o = pass_tensor(tensors, "o", positions * c, op, like);
       args.gate_pre = pass_tensor(tensors, "gate_pre", positions * c, op, like);
+      args.sums = static_cast<float*>(pass_tensor(tensors, "sums", trimul::kBackwardSumRows * 2 * c, f32, like));
       break;
     case P::d_pair:
       args.pair = pass_tensor(tensors, "pair", positions * c, any_float, like);

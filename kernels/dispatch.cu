@@ -382,7 +382,8 @@ PlanStatus plan_backward(Role role, const BackwardArgs* args, const char* chosen
   if (pick == -2) return PlanStatus::invalid;
   auto takes = [&](int index) {
     const Implementation* impl = lib.implementation[index];
-    return lib.kernels[index].torch || (impl != nullptr && impl->backward_launch != nullptr && impl->backward_applies(*args));
+    return lib.kernels[index].torch ||
+           (impl != nullptr && impl->backward_launch != nullptr && impl->backward_applies(*args));
   };
   if (pick >= 0) {
     if (takes(pick)) {

@@ -1,46 +1,59 @@
 // rows — input_backward: LayerNorm_in rows, a/b planes from the projections, their derivative, d pair_repr
 // The memory passes of the input side of the backward (BackwardPass input_rows, gated_planes, d_proj,
 // d_pair); the GEMMs between them (the four projections and their weight gradients) are cuBLAS's.
-// Statistics and arithmetic in fp32; rows and planes in the operand dtype.
+// Statistics and arithmetic in fp32; rows and planes in the operand dtype; each lane takes V adjacent
+// channels of a row.
 #include "backward_rows.cuh"
-
-#include <algorithm>
 
 namespace trimul {
 namespace backward {
 namespace {
 
-// Mean and rstd of a position's row of width `width` (pair rows), by one warp: two passes over the row.
-template <typename TPair>
-__device__ __forceinline__ void row_statistics(const TPair* row, int64_t width, float eps, float* mean, float* rstd) {
+// Mean and rstd of a row of `width` by one warp: two passes over the row (L1-resident the second time).
+template <int V, typename TPair>
+__device__ __forceinline__ void row_statistics(const TPair* __restrict__ row, int64_t width, float eps, float* mean,
+                                               float* rstd) {
   const int lane = threadIdx.x % 32;
   float sum = 0.f;
-  for (int64_t c = lane; c < width; c += 32) sum += to_float(row[c]);
+  for (int64_t c = lane * V; c < width; c += 32 * V) {
+    float x[V];
+    load_pack<V>(row + c, x);
+#pragma unroll
+    for (int i = 0; i < V; ++i) sum += x[i];
+  }
   *mean = warp_sum(sum) / width;
   float squares = 0.f;
-  for (int64_t c = lane; c < width; c += 32) {
-    const float d = to_float(row[c]) - *mean;
-    squares += d * d;
+  for (int64_t c = lane * V; c < width; c += 32 * V) {
+    float x[V];
+    load_pack<V>(row + c, x);
+#pragma unroll
+    for (int i = 0; i < V; ++i) squares += (x[i] - *mean) * (x[i] - *mean);
   }
   *rstd = rsqrtf(warp_sum(squares) / width + eps);
 }
 
 // pair -> x_hat rows (LayerNorm_in without affine), one warp per position.
-template <typename T, typename TPair>
+template <typename T, typename TPair, int V>
 __global__ void __launch_bounds__(kThreads) input_rows_kernel(const BackwardArgs args) {
   const int64_t positions = args.batch * args.n * args.n, width = args.c;
   const int lane = threadIdx.x % 32;
   for (int64_t p = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32; p < positions; p += int64_t(gridDim.x) * kWarps) {
-    const TPair* row = static_cast<const TPair*>(args.pair) + p * width;
+    const TPair* __restrict__ row = static_cast<const TPair*>(args.pair) + p * width;
     float mean, rstd;
-    row_statistics(row, width, args.eps, &mean, &rstd);
-    T* out = static_cast<T*>(args.rows) + p * width;
-    for (int64_t c = lane; c < width; c += 32) out[c] = from_float<T>((to_float(row[c]) - mean) * rstd);
+    row_statistics<V>(row, width, args.eps, &mean, &rstd);
+    T* __restrict__ out = static_cast<T*>(args.rows) + p * width;
+    for (int64_t c = lane * V; c < width; c += 32 * V) {
+      float x[V];
+      load_pack<V>(row + c, x);
+#pragma unroll
+      for (int i = 0; i < V; ++i) x[i] = (x[i] - mean) * rstd;
+      store_pack<V>(out + c, x);
+    }
   }
 }
 
 // proj rows (pa | ga | pb | gb) and the mask -> a = pa sigmoid(ga) m and b planes.
-template <typename T>
+template <typename T, int V>
 __global__ void __launch_bounds__(kThreads) gated_planes_kernel(const BackwardArgs args) {
   extern __shared__ float tiles[];
   const int64_t hidden = args.h;
@@ -51,10 +64,18 @@ __global__ void __launch_bounds__(kThreads) gated_planes_kernel(const BackwardAr
   for (int q = threadIdx.x / 32; q < t.count; q += kWarps) {
     const int64_t p = tile_position(t, q, args.n, args.incoming);
     const float m = load_mask(args.mask, args.mask_kind, p);
-    const T* proj = static_cast<const T*>(args.proj) + p * 4 * hidden;
-    for (int64_t h = lane; h < hidden; h += 32) {
-      tile_a[h * kTileStride + q] = to_float(proj[h]) * sigmoid(to_float(proj[hidden + h])) * m;
-      tile_b[h * kTileStride + q] = to_float(proj[2 * hidden + h]) * sigmoid(to_float(proj[3 * hidden + h])) * m;
+    const T* __restrict__ proj = static_cast<const T*>(args.proj) + p * 4 * hidden;
+    for (int64_t h = lane * V; h < hidden; h += 32 * V) {
+      float pa[V], ga[V], pb[V], gb[V];
+      load_pack<V>(proj + h, pa);
+      load_pack<V>(proj + hidden + h, ga);
+      load_pack<V>(proj + 2 * hidden + h, pb);
+      load_pack<V>(proj + 3 * hidden + h, gb);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        tile_a[(h + i) * kTileStride + q] = pa[i] * sigmoid(ga[i]) * m;
+        tile_b[(h + i) * kTileStride + q] = pb[i] * sigmoid(gb[i]) * m;
+      }
     }
   }
   __syncthreads();
@@ -63,89 +84,136 @@ __global__ void __launch_bounds__(kThreads) gated_planes_kernel(const BackwardAr
 }
 
 // da, db planes -> d proj rows: d pa = da s m, d ga = da pa m s (1 - s) (s = sigmoid(ga)), the same for b;
-// d mask = sum over h of da pa s + db pb s_b where asked.
-template <typename T>
+// d mask = sum over h of da pa s + db pb s_b where asked; the block's sums of d proj over its positions into
+// sums (the projections' bias gradients). Blocks loop over the tiles.
+template <typename T, int V>
 __global__ void __launch_bounds__(kThreads) d_proj_kernel(const BackwardArgs args) {
-  extern __shared__ float tiles[];
-  const int64_t hidden = args.h;
-  float* tile_a = tiles;
-  float* tile_b = tiles + hidden * kTileStride;
-  const Tile t = tile_at(blockIdx.x, args.n);
-  planes_to_tile(static_cast<const T*>(args.a_planes), tile_a, t, args.n, hidden);
-  planes_to_tile(static_cast<const T*>(args.b_planes), tile_b, t, args.n, hidden);
-  __syncthreads();
-  const int lane = threadIdx.x % 32;
-  for (int q = threadIdx.x / 32; q < t.count; q += kWarps) {
-    const int64_t p = tile_position(t, q, args.n, args.incoming);
-    const float m = load_mask(args.mask, args.mask_kind, p);
-    const T* proj = static_cast<const T*>(args.proj) + p * 4 * hidden;
-    T* d_proj = static_cast<T*>(args.rows) + p * 4 * hidden;
-    float d_mask = 0.f;
-    for (int64_t h = lane; h < hidden; h += 32) {
-      const float da = tile_a[h * kTileStride + q], db = tile_b[h * kTileStride + q];
-      const float pa = to_float(proj[h]), sa = sigmoid(to_float(proj[hidden + h]));
-      const float pb = to_float(proj[2 * hidden + h]), sb = sigmoid(to_float(proj[3 * hidden + h]));
-      d_proj[h] = from_float<T>(da * sa * m);
-      d_proj[hidden + h] = from_float<T>(da * pa * m * sa * (1.f - sa));
-      d_proj[2 * hidden + h] = from_float<T>(db * sb * m);
-      d_proj[3 * hidden + h] = from_float<T>(db * pb * m * sb * (1.f - sb));
-      d_mask += da * pa * sa + db * pb * sb;
-    }
-    if (args.d_mask != nullptr) {
-      d_mask = warp_sum(d_mask);
-      if (lane == 0) args.d_mask[p] = d_mask;
+  extern __shared__ float shared[];
+  const int64_t hidden = args.h, tiles = tile_count(args);
+  float* tile_a = shared;
+  float* tile_b = shared + hidden * kTileStride;
+  float* warp_sums = shared + 2 * hidden * kTileStride;  // [kWarps][4H]
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  sum_rows_clear(warp_sums, 4 * hidden);
+  float* own = warp_sums + warp * 4 * hidden;
+  for (int64_t index = blockIdx.x; index < tiles; index += gridDim.x) {
+    const Tile t = tile_at(index, args.n);
+    __syncthreads();  // (the previous tile's reads of tile_a / tile_b are done)
+    planes_to_tile(static_cast<const T*>(args.a_planes), tile_a, t, args.n, hidden);
+    planes_to_tile(static_cast<const T*>(args.b_planes), tile_b, t, args.n, hidden);
+    __syncthreads();
+    for (int q = warp; q < t.count; q += kWarps) {
+      const int64_t p = tile_position(t, q, args.n, args.incoming);
+      const float m = load_mask(args.mask, args.mask_kind, p);
+      const T* __restrict__ proj = static_cast<const T*>(args.proj) + p * 4 * hidden;
+      T* __restrict__ d_proj = static_cast<T*>(args.rows) + p * 4 * hidden;
+      float d_mask = 0.f;
+      for (int64_t h = lane * V; h < hidden; h += 32 * V) {
+        float pa[V], ga[V], pb[V], gb[V];
+        load_pack<V>(proj + h, pa);
+        load_pack<V>(proj + hidden + h, ga);
+        load_pack<V>(proj + 2 * hidden + h, pb);
+        load_pack<V>(proj + 3 * hidden + h, gb);
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const float da = tile_a[(h + i) * kTileStride + q], db = tile_b[(h + i) * kTileStride + q];
+          const float sa = sigmoid(ga[i]), sb = sigmoid(gb[i]);
+          d_mask += da * pa[i] * sa + db * pb[i] * sb;
+          ga[i] = da * pa[i] * m * sa * (1.f - sa);
+          pa[i] = da * sa * m;
+          gb[i] = db * pb[i] * m * sb * (1.f - sb);
+          pb[i] = db * sb * m;
+          own[h + i] += pa[i];
+          own[hidden + h + i] += ga[i];
+          own[2 * hidden + h + i] += pb[i];
+          own[3 * hidden + h + i] += gb[i];
+        }
+        store_pack<V>(d_proj + h, pa);
+        store_pack<V>(d_proj + hidden + h, ga);
+        store_pack<V>(d_proj + 2 * hidden + h, pb);
+        store_pack<V>(d_proj + 3 * hidden + h, gb);
+      }
+      if (args.d_mask != nullptr) {
+        d_mask = warp_sum(d_mask);
+        if (lane == 0) args.d_mask[p] = d_mask;
+      }
     }
   }
+  __syncthreads();
+  sum_rows_out(warp_sums, 4 * hidden, args.sums);
 }
 
 // LayerNorm_in's backward: d pair = rstd (d x_hat - mean(d x_hat) - x_hat mean(d x_hat x_hat)) (+ d_rows_add),
 // the statistics recomputed from pair; one warp per position.
-template <typename TPair>
+template <typename TPair, int V>
 __global__ void __launch_bounds__(kThreads) d_pair_kernel(const BackwardArgs args) {
   const int64_t positions = args.batch * args.n * args.n, width = args.c;
   const int lane = threadIdx.x % 32;
   for (int64_t p = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32; p < positions; p += int64_t(gridDim.x) * kWarps) {
-    const TPair* row = static_cast<const TPair*>(args.pair) + p * width;
-    const float* d_row = args.d_rows + p * width;
+    const TPair* __restrict__ row = static_cast<const TPair*>(args.pair) + p * width;
+    const float* __restrict__ d_row = args.d_rows + p * width;
     float mean, rstd;
-    row_statistics(row, width, args.eps, &mean, &rstd);
+    row_statistics<V>(row, width, args.eps, &mean, &rstd);
     float sum = 0.f, dot = 0.f;
-    for (int64_t c = lane; c < width; c += 32) {
-      const float d = d_row[c];
-      sum += d;
-      dot += d * (to_float(row[c]) - mean) * rstd;
+    for (int64_t c = lane * V; c < width; c += 32 * V) {
+      float x[V], d[V];
+      load_pack<V>(row + c, x);
+      load_pack<V>(d_row + c, d);
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        sum += d[i];
+        dot += d[i] * (x[i] - mean) * rstd;
+      }
     }
     const float mean_d = warp_sum(sum) / width, mean_dot = warp_sum(dot) / width;
-    float* out = args.d_pair + p * width;
-    const float* add = args.d_rows_add != nullptr ? args.d_rows_add + p * width : nullptr;
-    for (int64_t c = lane; c < width; c += 32) {
-      const float x_hat = (to_float(row[c]) - mean) * rstd;
-      out[c] = rstd * (d_row[c] - mean_d - x_hat * mean_dot) + (add != nullptr ? add[c] : 0.f);
+    float* __restrict__ out = args.d_pair + p * width;
+    const float* __restrict__ add = args.d_rows_add != nullptr ? args.d_rows_add + p * width : nullptr;
+    for (int64_t c = lane * V; c < width; c += 32 * V) {
+      float x[V], d[V], extra[V] = {};
+      load_pack<V>(row + c, x);
+      load_pack<V>(d_row + c, d);
+      if (add != nullptr) load_pack<V>(add + c, extra);
+#pragma unroll
+      for (int i = 0; i < V; ++i) d[i] = rstd * (d[i] - mean_d - (x[i] - mean) * rstd * mean_dot) + extra[i];
+      store_pack<V>(out + c, d);
     }
   }
 }
 
-bool applies(const BackwardArgs& args) { return tile_bytes(args, 2) <= max_smem_optin(); }
+int64_t d_proj_bytes(const BackwardArgs& args) {
+  return tile_bytes(args, 2) + kWarps * 4 * args.h * int64_t(sizeof(float));
+}
 
-template <typename T>
+bool applies(const BackwardArgs& args) { return d_proj_bytes(args) <= max_smem_optin(); }
+
+template <typename T, int V>
 cudaError_t launch_typed(const BackwardArgs& args) {
   switch (args.pass) {
-    case BackwardPass::input_rows:
-      return dispatch_out(args.pair_dtype, [&](auto pair) {
-        return launch_rows(input_rows_kernel<T, typename decltype(pair)::type>, args);
-      });
-    case BackwardPass::gated_planes: return launch_tiles(gated_planes_kernel<T>, args, tile_bytes(args, 2));
-    case BackwardPass::d_proj: return launch_tiles(d_proj_kernel<T>, args, tile_bytes(args, 2));
-    case BackwardPass::d_pair:
-      return dispatch_out(args.pair_dtype, [&](auto pair) {
-        return launch_rows(d_pair_kernel<typename decltype(pair)::type>, args);
-      });
+    case BackwardPass::gated_planes: return launch_tiles(gated_planes_kernel<T, V>, args, tile_bytes(args, 2));
+    case BackwardPass::d_proj:
+      if (args.sums == nullptr) return cudaErrorInvalidValue;
+      return launch_tiles(d_proj_kernel<T, V>, args, d_proj_bytes(args), true);
     default: return cudaErrorInvalidValue;  // (an output_backward pass)
   }
 }
 
 cudaError_t launch(const BackwardArgs& args) {
-  return dispatch_out(args.operand, [&](auto operand) { return launch_typed<typename decltype(operand)::type>(args); });
+  return dispatch_out(args.operand, [&](auto operand) {
+    using T = typename decltype(operand)::type;
+    if (args.pass == BackwardPass::input_rows || args.pass == BackwardPass::d_pair) {
+      return dispatch_out(args.pair_dtype, [&](auto pair) {
+        using TPair = typename decltype(pair)::type;
+        return dispatch_vector(row_vector(args.c, {args.pair, args.rows, args.d_rows, args.d_rows_add, args.d_pair}),
+                             [&](auto vector) {
+          constexpr int V = decltype(vector)::value;
+          return args.pass == BackwardPass::input_rows ? launch_rows(input_rows_kernel<T, TPair, V>, args)
+                                                       : launch_rows(d_pair_kernel<TPair, V>, args);
+        });
+      });
+    }
+    return dispatch_vector(row_vector(args.h, {args.proj, args.rows}),
+                           [&](auto vector) { return launch_typed<T, decltype(vector)::value>(args); });
+  });
 }
 
 }  // namespace
