@@ -2028,6 +2028,16 @@ def test_training_op_on_cpu_matches_autograd_and_passes_opcheck(direction, mask_
     torch.library.opcheck(ti.trimul, (pair, mask.requires_grad_(mask.is_floating_point()), params, [], *options))
 
 
+def test_backward_outputs_never_share_memory():
+    """_distinct: slices of one sum (bias gradients) come out as copies, so the op's outputs alias nothing."""
+    total = torch.arange(6.0)
+    first, second = total.chunk(2)
+    out = ti._distinct([first, None, second, total])
+    assert out[0] is first and out[1] is None and torch.equal(out[2], second) and torch.equal(out[3], total)
+    storages = [t.untyped_storage().data_ptr() for t in out if t is not None]
+    assert len(set(storages)) == len(storages)
+
+
 def test_backward_op_passes_opcheck_on_cpu():
     """trimul_backward (its PyTorch passes off CUDA): fake tensors, schema, no aliasing outputs."""
     g = torch.Generator().manual_seed(fresh_seed())

@@ -1228,9 +1228,22 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
         grads = _training_backward(grad_out, pair, mask, [p.detach() for p in params], kernels, mode, incoming,
                                    gate_normalized, eps_in, eps_out, mask_grad)
     d_pair, d_mask, d_params = grads
-    return [d_pair.view(pair.shape).to(pair.dtype),
-            None if d_mask is None else d_mask.view(mask.shape).to(mask.dtype)] + \
-        [g.to(p.dtype) for g, p in zip(d_params, params)]
+    return _distinct([d_pair.view(pair.shape).to(pair.dtype),
+                      None if d_mask is None else d_mask.view(mask.shape).to(mask.dtype)] +
+                     [g.to(p.dtype) for g, p in zip(d_params, params)])
+
+
+def _distinct(tensors: list) -> list:
+    """The tensors with any that shares memory with an earlier one copied: an op's outputs may not alias each
+    other (several bias gradients are slices of one sum)."""
+    seen, out = set(), []
+    for t in tensors:
+        if t is not None:
+            key = t.untyped_storage().data_ptr()
+            t = t.clone() if key in seen else t
+            seen.add(key)
+        out.append(t)
+    return out
 
 
 def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
@@ -1300,9 +1313,8 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
         d_ln_in_w, d_ln_in_b = d_ln_in_w + d_ln_w, d_ln_in_b + d_ln_b
     else:
         d_gate_w, d_gate_b = g_gate, s_gate
-    # (copies, not views: an op's outputs may not alias each other)
-    d_pa_w, d_ga_w, d_pb_w, d_gb_w = (t.clone() for t in d_w_in.chunk(4))
-    d_pa_b, d_ga_b, d_pb_b, d_gb_b = (t.clone() for t in d_b_in.chunk(4))
+    d_pa_w, d_ga_w, d_pb_w, d_gb_w = d_w_in.chunk(4)
+    d_pa_b, d_ga_b, d_pb_b, d_gb_b = d_b_in.chunk(4)
     return d_pair, d_mask, [d_ln_in_w, d_ln_in_b, d_pa_w, d_pa_b, d_ga_w, d_ga_b, d_pb_w, d_pb_b, d_gb_w, d_gb_b,
                             d_ln_out_w, d_ln_out_b, d_out_w, d_out_b, d_gate_w, d_gate_b]
 
