@@ -986,59 +986,32 @@ _COMPUTE_DTYPE = {"bf16": torch.bfloat16, "f16": torch.bfloat16, "high": torch.f
 
 
 class _Products:
-    """The backward's matrix products in a mode. 16-bit operands multiply as they are, with fp32 accumulation;
-    fp32 ones at "high" as TF32 (the matmul precision around the backward); at "highest" as fp16x3: each operand
-    times a power of two (its largest magnitude near 2^12) split into fp16 parts hi + lo, and hi.hi + hi.lo +
-    lo.hi as one fp16 GEMM over the parts concatenated along k, in fp32 (about fp32's accuracy at the fp16
-    tensor-core rate, as the forward's "highest" passes). fp64 operands (the CPU) multiply in fp64."""
+    """The backward's matrix products in a mode: 16-bit operands multiply as they are, with fp32 accumulation;
+    fp32 ones at the matmul precision around the backward (TF32 at "high", fp32 at "highest"); fp64 (the CPU)
+    in fp64."""
 
-    def __init__(self, mode: str, acc: torch.dtype, device: torch.device):
-        self.split = mode == "highest" and acc == torch.float32 and device.type == "cuda"
-
-    def mm(self, x, y, out_dtype):
-        if self.split:
-            return _f16x3_product(x, y, torch.mm).to(out_dtype)
+    @staticmethod
+    def mm(x, y, out_dtype):
         if x.dtype in (torch.bfloat16, torch.float16) and out_dtype != x.dtype and x.is_cuda:
             return torch.mm(x, y, out_dtype=out_dtype)
         return torch.mm(x, y).to(out_dtype)
 
-    def bmm(self, x, y):
+    @staticmethod
+    def bmm(x, y):
         """x @ y per plane, in x's dtype."""
-        return _f16x3_product(x, y, torch.bmm) if self.split else torch.bmm(x, y)
+        return torch.bmm(x, y)
 
-    def addmm(self, total, x, y):
+    @staticmethod
+    def addmm(total, x, y):
         """total + x @ y in total's dtype (16-bit products: the sum in the GEMM's epilogue)."""
-        if self.split:
-            return total.add_(_f16x3_product(x, y, torch.mm))
         if x.dtype in (torch.bfloat16, torch.float16) and total.dtype != x.dtype and x.is_cuda:
             return torch.addmm(total, x, y, out_dtype=total.dtype)
         return torch.addmm(total, x.to(total.dtype), y.to(total.dtype))
 
-    def linear(self, rows, weight, bias):
+    @staticmethod
+    def linear(rows, weight, bias):
         """rows @ weight^T + bias in the rows' dtype."""
-        if self.split:
-            return _f16x3_product(rows, weight.t(), torch.mm).add_(bias)
         return torch.addmm(bias.to(rows.dtype), rows, weight.to(rows.dtype).t())
-
-
-def _f16_parts(t: torch.Tensor, exponent: torch.Tensor):
-    """t * 2^exponent as fp16 hi + lo (hi: t's value rounded to fp16; lo: the remainder)."""
-    scaled = t * torch.exp2(exponent)
-    hi = scaled.half()
-    return hi, scaled.sub_(hi.float()).half()
-
-
-def _f16x3_product(x: torch.Tensor, y: torch.Tensor, multiply) -> torch.Tensor:
-    """x @ y (fp32, [.., m, k] @ [.., k, n]) as hi.hi + hi.lo + lo.hi of scaled fp16 parts: one multiply of
-    [hi | hi | lo] by [hi; lo; hi] into fp32, then the scales undone (no host synchronisation)."""
-    x_exponent, y_exponent = _power_of_two_to_4096(x.abs().amax()), _power_of_two_to_4096(y.abs().amax())
-    x_hi, x_lo = _f16_parts(x, x_exponent)
-    left = torch.cat([x_hi, x_hi, x_lo], dim=-1)
-    del x_hi, x_lo
-    y_hi, y_lo = _f16_parts(y, y_exponent)
-    right = torch.cat([y_hi, y_lo, y_hi], dim=-2)
-    del y_hi, y_lo
-    return multiply(left, right, out_dtype=torch.float32).mul_(torch.exp2(-(x_exponent + y_exponent)))
 
 
 def _folded(weight, bias, ln_weight, ln_bias):
@@ -1260,7 +1233,7 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
                                operand)
     positions = batch * n * n
     pair_rows, mask_rows = pair.reshape(positions, pair_dim).contiguous(), mask.reshape(positions).contiguous()
-    products = _Products(mode, acc, pair.device)
+    products = _Products
 
     # The forward again, up to z: x_hat, proj = [pa | ga | pb | gb], a and b planes.
     w_in, b_in = torch.cat([pa_w, ga_w, pb_w, gb_w]), torch.cat([pa_b, ga_b, pb_b, gb_b])
