@@ -2071,3 +2071,275 @@ def _gradients_cpu(model, pair, mask, grad_out, params=None):
     if mask.requires_grad:
         grads["pair_mask"] = mask.grad
     return out, grads
+
+
+# ---- other models' layers: bias=False, from_module, replace_modules, from_alphafold_params ------------------
+class _OpenFoldTriMul(torch.nn.Module):
+    """Stand-in for OpenFold's / OpenFold3's / Protenix's TriangleMultiplicative update, from the published
+    formulas and parameter names (plain or fused projections; AF3 configurations: no biases)."""
+    incoming = False
+
+    def __init__(self, c_z, c_hidden, bias=True, fused=False):
+        super().__init__()
+        linear = lambda i, o: torch.nn.Linear(i, o, bias=bias)  # noqa: E731
+        self.layer_norm_in = torch.nn.LayerNorm(c_z)
+        if fused:
+            self.linear_ab_p, self.linear_ab_g = linear(c_z, 2 * c_hidden), linear(c_z, 2 * c_hidden)
+        else:
+            self.linear_a_p, self.linear_a_g = linear(c_z, c_hidden), linear(c_z, c_hidden)
+            self.linear_b_p, self.linear_b_g = linear(c_z, c_hidden), linear(c_z, c_hidden)
+        self.layer_norm_out = torch.nn.LayerNorm(c_hidden)
+        self.linear_z, self.linear_g = linear(c_hidden, c_z), linear(c_z, c_z)
+        self.fused, self.c_hidden = fused, c_hidden
+
+    def forward(self, z, mask=None, inplace_safe=False, _add_with_inplace=False, _inplace_chunk_size=256):
+        mask = (z.new_ones(z.shape[:-1]) if mask is None else mask).unsqueeze(-1)
+        x = self.layer_norm_in(z)
+        if self.fused:
+            ab = mask * torch.sigmoid(self.linear_ab_g(x)) * self.linear_ab_p(x)
+            a, b = ab[..., :self.c_hidden], ab[..., self.c_hidden:]
+        else:
+            a = mask * torch.sigmoid(self.linear_a_g(x)) * self.linear_a_p(x)
+            b = mask * torch.sigmoid(self.linear_b_g(x)) * self.linear_b_p(x)
+        product = torch.einsum("bkic,bkjc->bijc" if self.incoming else "bikc,bjkc->bijc", a, b)
+        out = torch.sigmoid(self.linear_g(x)) * self.linear_z(self.layer_norm_out(product))
+        if inplace_safe:
+            return z.add_(out) if _add_with_inplace else z.copy_(out)
+        return out
+
+
+class TriangleMultiplicationOutgoing(_OpenFoldTriMul):
+    pass
+
+
+class TriangleMultiplicationIncoming(_OpenFoldTriMul):
+    incoming = True
+
+
+class _BoltzTriMul(torch.nn.Module):
+    """Stand-in for Boltz-1/2's TriangleMultiplicationOutgoing / Incoming(dim): no biases, a and b the halves of
+    the gated, masked p_in, the gate on the normalized input."""
+    incoming = False
+
+    def __init__(self, dim):
+        super().__init__()
+        self.norm_in, self.norm_out = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.p_in = torch.nn.Linear(dim, 2 * dim, bias=False)
+        self.g_in = torch.nn.Linear(dim, 2 * dim, bias=False)
+        self.p_out, self.g_out = torch.nn.Linear(dim, dim, bias=False), torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, mask, use_kernels=False):
+        x = self.norm_in(x)
+        x_in = x
+        x = self.p_in(x) * self.g_in(x).sigmoid()
+        x = x * mask.unsqueeze(-1)
+        a, b = torch.chunk(x, 2, dim=-1)
+        x = torch.einsum("bkid,bkjd->bijd" if self.incoming else "bikd,bjkd->bijd", a, b)
+        return self.p_out(self.norm_out(x)) * self.g_out(x_in).sigmoid()
+
+
+class BoltzTriangleMultiplicationOutgoing(_BoltzTriMul):
+    pass
+
+
+class BoltzTriangleMultiplicationIncoming(_BoltzTriMul):
+    incoming = True
+
+
+def _host_layers():
+    """(name, constructor(direction) -> stand-in with random parameters) for every recognised kind."""
+    openfold = {"outgoing": TriangleMultiplicationOutgoing, "incoming": TriangleMultiplicationIncoming}
+    boltz = {"outgoing": BoltzTriangleMultiplicationOutgoing, "incoming": BoltzTriangleMultiplicationIncoming}
+    return [("openfold", lambda d: openfold[d](12, 20)), ("openfold3_no_bias", lambda d: openfold[d](12, 20, False)),
+            ("openfold_fused", lambda d: openfold[d](12, 20, fused=True)),
+            ("protenix_template", lambda d: openfold[d](8, 16, False)), ("boltz", lambda d: boltz[d](12))]
+
+
+def _randomized(module, generator):
+    """The module in float64 with random parameters (LayerNorm weights near 1)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            offset = 1.0 if "norm" in name and name.endswith("weight") else 0.0
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.5 + offset)
+    return module.double()
+
+
+HOST_LAYERS = _host_layers()
+
+
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+@pytest.mark.parametrize("name, make", HOST_LAYERS, ids=[name for name, _ in HOST_LAYERS])
+def test_from_module_matches_the_host_layer(name, make, direction):
+    """from_module: the host's semantics and weights (CPU, fp64: the reference computation), outputs and d pair."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    host = _randomized(make(direction), g)
+    new = ti.from_module(host)
+    assert new.direction == direction and new.gate_input == "normalized"
+    assert new.bias == any(n.endswith("bias") and "norm" not in n for n, _ in host.named_parameters())
+    pair, mask = random_inputs(2, 7, new.pair_dim, g, mask_dtype=torch.float64)
+    grad_out = torch.randn(pair.shape, generator=g, dtype=torch.float64)
+    ref_pair, new_pair = pair.clone().requires_grad_(), pair.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        host(ref_pair, mask).backward(grad_out)
+        new(new_pair, mask).backward(grad_out)
+    assert rel_error(new_pair.grad, ref_pair.grad) < 1e-12, f"{name} (seed {seed})"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert rel_error(new(pair, mask), host(pair, mask)) < 1e-12
+
+
+def test_from_module_refuses_what_it_does_not_know():
+    with pytest.raises(TypeError, match="not a recognised triangle multiplicative update; expected submodules"):
+        ti.from_module(torch.nn.Linear(3, 4))
+    unnamed = _OpenFoldTriMul(8, 4)
+    with pytest.raises(ValueError, match="cannot tell the direction of _OpenFoldTriMul"):
+        ti.from_module(unnamed)
+    assert ti.from_module(unnamed, direction="incoming").direction == "incoming"
+    mixed = TriangleMultiplicationOutgoing(8, 4)
+    mixed.linear_g = torch.nn.Linear(8, 8, bias=False)
+    with pytest.raises(ValueError, match="biases on some Linears only"):
+        ti.from_module(mixed)
+
+
+class _Trunk(torch.nn.Module):
+    """A host model: triangle updates among other layers, called with the host's own signatures."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.embed = torch.nn.Linear(12, 12)
+        self.blocks = torch.nn.ModuleList([make("outgoing"), make("incoming")])
+
+    def forward(self, pair, mask):
+        pair = self.embed(pair)
+        for block in self.blocks:
+            pair = pair + block(pair, mask)
+        return pair
+
+
+@pytest.mark.parametrize("name, make", [h for h in HOST_LAYERS if h[0] != "protenix_template"],
+                         ids=[h[0] for h in HOST_LAYERS if h[0] != "protenix_template"])
+def test_replace_modules_keeps_the_model_its_state_and_its_gradients(name, make):
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = _randomized(_Trunk(make), g)
+    keys = list(model.state_dict())
+    params = dict(model.named_parameters())
+    pair, mask = random_inputs(1, 6, 12, g, mask_dtype=torch.float64)
+    grad_out = torch.randn(pair.shape, generator=g, dtype=torch.float64)
+    model(pair, mask).backward(grad_out)
+    before = {k: p.grad.clone() for k, p in params.items()}
+    expected = model(pair, mask).detach()
+    model.zero_grad(set_to_none=True)
+    assert ti.replace_modules(model) == 2
+    assert ti.replace_modules(model) == 0  # (replaced layers are not replaced again)
+    assert list(model.state_dict()) == keys
+    assert dict(model.named_parameters()) == params  # the same Parameter objects: optimizers keep working
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model(pair, mask)
+        out.backward(grad_out)
+    assert rel_error(out, expected) < 1e-12, f"{name} (seed {seed})"
+    for k, p in params.items():
+        assert rel_error(p.grad, before[k]) < 1e-11, f"{name}: {k} (seed {seed})"
+
+
+def test_replaced_openfold_layer_honours_inplace_arguments():
+    g = torch.Generator().manual_seed(fresh_seed())
+    host = _randomized(TriangleMultiplicationOutgoing(12, 20), g)
+    holder = torch.nn.Sequential(copy.deepcopy(host))
+    assert ti.replace_modules(holder) == 1
+    pair, mask = random_inputs(1, 5, 12, g, mask_dtype=torch.float64)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        update = host(pair, mask)
+        for add in (False, True):
+            z = pair.clone()
+            out = holder[0](z, mask, inplace_safe=True, _add_with_inplace=add)
+            assert out is z and rel_error(z, pair + update if add else update) < 1e-12
+        assert rel_error(holder[0](pair, None), host(pair, None)) < 1e-12  # (no mask: all ones)
+
+
+def _alphafold_forward(params, act, mask, incoming):
+    """AlphaFold2's TriangleMultiplication from its Haiku parameters (weights [in, out])."""
+    norm = lambda x, p: torch.nn.functional.layer_norm(x, x.shape[-1:], p["scale"], p["offset"])  # noqa: E731
+    linear = lambda x, p: x @ p["weights"] + p["bias"]  # noqa: E731
+    m = mask[..., None]
+    x = norm(act, params["layer_norm_input"])
+    left = m * linear(x, params["left_projection"]) * torch.sigmoid(linear(x, params["left_gate"]))
+    right = m * linear(x, params["right_projection"]) * torch.sigmoid(linear(x, params["right_gate"]))
+    z = torch.einsum("bkjc,bkic->bijc" if incoming else "bikc,bjkc->bijc", left, right)
+    z = linear(norm(z, params["center_layer_norm"]), params["output_projection"])
+    return z * torch.sigmoid(linear(x, params["gating_linear"]))
+
+
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+@pytest.mark.parametrize("full_paths", [False, True])
+def test_from_alphafold_params_matches_alphafold(direction, full_paths):
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    c, h = 12, 20
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64) * 0.5  # noqa: E731
+    params = {"layer_norm_input": {"scale": 1 + rand(c), "offset": rand(c)},
+              "center_layer_norm": {"scale": 1 + rand(h), "offset": rand(h)}}
+    for name, (i, o) in {"left_projection": (c, h), "right_projection": (c, h), "left_gate": (c, h),
+                         "right_gate": (c, h), "output_projection": (h, c), "gating_linear": (c, c)}.items():
+        params[name] = {"weights": rand(i, o), "bias": rand(o)}
+    prefix = f"alphafold/alphafold_iteration/evoformer/evoformer_iteration/triangle_multiplication_{direction}/"
+    given = {prefix + k: v for k, v in params.items()} if full_paths else params
+    new = ti.ModelNew.from_alphafold_params(given, direction)
+    assert next(new.parameters()).dtype == torch.float64
+    pair, mask = random_inputs(2, 6, c, g, mask_dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = new(pair, mask)
+    assert rel_error(got, _alphafold_forward(params, pair, mask, direction == "incoming")) < 1e-12, f"seed {seed}"
+    stacked = dict(params, left_gate={"weights": rand(2, c, h), "bias": rand(2, h)})
+    with pytest.raises(ValueError, match="one block's parameters"):
+        ti.ModelNew.from_alphafold_params(stacked, direction)
+    with pytest.raises(ValueError, match="no entries for 'gating_linear'"):
+        ti.ModelNew.from_alphafold_params({k: v for k, v in params.items() if k != "gating_linear"}, direction)
+
+
+def test_bias_false_has_no_bias_parameters_and_matches_the_reference():
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(12, 20, "incoming", "normalized", bias=False).double(), g)
+    assert not [k for k in reference.state_dict() if k.endswith("bias") and "norm" not in k]
+    new = ti.ModelNew(12, 20, "incoming", "normalized", bias=False).double()
+    new.load_state_dict(reference.state_dict())
+    assert "bias=False" in repr(new)
+    pair, mask = random_inputs(1, 7, 12, g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert rel_error(new(pair, mask), reference(pair, mask)) < 1e-12
+    params = ti._with_zero_biases(ti._param_list(reference))
+    assert all(p is not None for p in params)
+    out = ti.trimul(pair, mask.double(), params, [], "auto", "highest", True, True, 1e-5, 1e-5)
+    assert rel_error(out, reference(pair, mask)) < 1e-12, f"seed {seed}"
+
+
+@cuda
+@pytest.mark.parametrize("precision", ti.PRECISIONS)
+@pytest.mark.parametrize("name, make", HOST_LAYERS, ids=[name for name, _ in HOST_LAYERS])
+def test_host_layers_on_the_gpu(name, make, precision):
+    """from_module and replace_modules on the GPU: the fused forward (no grad) and the training op, against the
+    host layer in fp64, each precision."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    host = _randomized(make("incoming"), g).cuda()
+    pair, mask = random_inputs(2, 40, ti.from_module(host).pair_dim, g, device="cuda", mask_dtype=torch.float64)
+    grad_out = torch.randn(pair.shape, generator=g, dtype=torch.float64).cuda()
+    ref_pair = pair.clone().requires_grad_()
+    host(ref_pair, mask).backward(grad_out)
+    # (16-bit products over 8-20 channels of 0.5-scale weights: medium's bound is wider than the fused tests')
+    tolerance = {"highest": 1e-5, "high": 5e-3, "medium": 5e-2}[precision]
+    new = ti.from_module(copy.deepcopy(host).float(), precision=precision)
+    with torch.no_grad():
+        assert rel_error(new(pair.float(), mask.float()), host(pair, mask)) < tolerance, f"{name} (seed {seed})"
+    holder = torch.nn.Sequential(copy.deepcopy(host).float())
+    assert ti.replace_modules(holder, precision=precision) == 1
+    new_pair = pair.float().requires_grad_()
+    holder[0](new_pair, mask.float()).backward(grad_out.float())
+    assert rel_error(new_pair.grad, ref_pair.grad) < tolerance, f"{name} (seed {seed})"

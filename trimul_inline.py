@@ -37,7 +37,7 @@ import torch.nn as nn
 __all__ = [
     "Model", "ModelNew", "Kernels", "KernelEntry", "ROLES", "parse_kernels", "kernel_registry",
     "contract", "load_extension", "reload_extension", "kernel_sources", "find_toolkit", "bundle_source",
-    "reference_forward", "check_inputs",
+    "reference_forward", "check_inputs", "from_module", "replace_modules",
 ]
 
 DIRECTIONS = ("outgoing", "incoming")
@@ -53,25 +53,25 @@ class _TriMulLayers(nn.Module):
     """The parameters shared by Model and ModelNew, so their state_dicts are interchangeable."""
 
     def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "outgoing",
-                 gate_input: str = "raw"):
+                 gate_input: str = "raw", bias: bool = True):
         super().__init__()
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
         if gate_input not in GATE_INPUTS:
             raise ValueError(f"gate_input must be one of {GATE_INPUTS}, got {gate_input!r}")
         self.pair_dim, self.hidden_dim = pair_dim, hidden_dim
-        self.direction, self.gate_input = direction, gate_input
+        self.direction, self.gate_input, self.bias = direction, gate_input, bool(bias)
         self.layer_norm_in = nn.LayerNorm(pair_dim)
-        self.proj_a = nn.Linear(pair_dim, hidden_dim)
-        self.gate_a = nn.Linear(pair_dim, hidden_dim)
-        self.proj_b = nn.Linear(pair_dim, hidden_dim)
-        self.gate_b = nn.Linear(pair_dim, hidden_dim)
+        self.proj_a = nn.Linear(pair_dim, hidden_dim, bias=bias)
+        self.gate_a = nn.Linear(pair_dim, hidden_dim, bias=bias)
+        self.proj_b = nn.Linear(pair_dim, hidden_dim, bias=bias)
+        self.gate_b = nn.Linear(pair_dim, hidden_dim, bias=bias)
         self.layer_norm_out = nn.LayerNorm(hidden_dim)
-        self.out_proj = nn.Linear(hidden_dim, pair_dim)
-        self.out_gate = nn.Linear(pair_dim, pair_dim)
+        self.out_proj = nn.Linear(hidden_dim, pair_dim, bias=bias)
+        self.out_gate = nn.Linear(pair_dim, pair_dim, bias=bias)
 
     def extra_repr(self) -> str:
-        return f"direction={self.direction!r}, gate_input={self.gate_input!r}"
+        return f"direction={self.direction!r}, gate_input={self.gate_input!r}" + ("" if self.bias else ", bias=False")
 
 
 def reference_forward(layers: _TriMulLayers, pair_repr: torch.Tensor, pair_mask: torch.Tensor):
@@ -741,7 +741,12 @@ _SUBMODULES = tuple(dict.fromkeys(module for module, _ in _PARAM_PATHS))
 
 
 def _param_list(layers: "_TriMulLayers"):
-    """The 16 parameters in prepare_weights' order (through nn.Module attributes: traceable)."""
+    """The 16 parameters in prepare_weights' order (through nn.Module attributes: traceable); None for a
+    Linear without bias. A module running another model's layer (`_source`, see replace_modules) reads
+    that layer's tensors instead."""
+    source = layers.__dict__.get("_source")
+    if source is not None:
+        return source()
     return [getattr(getattr(layers, module), name) for module, name in _PARAM_PATHS]
 
 
@@ -749,10 +754,23 @@ def _param_list_eager(layers: "_TriMulLayers"):
     """_param_list by direct dict lookups (nn.Module.__getattr__ costs ~1 us a call, a good part of
     a small forward); falls back for modules whose parameters live elsewhere (parametrizations)."""
     try:
-        modules = layers._modules
-        return [modules[module]._parameters[name] for module, name in _PARAM_PATHS]
+        if layers.__dict__.get("_source") is None:
+            modules = layers._modules
+            return [modules[module]._parameters[name] for module, name in _PARAM_PATHS]
     except KeyError:
-        return _param_list(layers)
+        pass
+    return _param_list(layers)
+
+
+def _with_zero_biases(params):
+    """The parameter list with zeros for the biases of Linears that have none (bias=False): what the kernels
+    and the backward take (the biases fold into vectors they read anyway, with LayerNorm's)."""
+    filled = list(params)
+    for i, (module, name) in enumerate(_PARAM_PATHS):
+        if filled[i] is None:
+            weight = filled[i - 1]
+            filled[i] = weight.new_zeros(weight.shape[0])
+    return filled
 
 
 def prepare_weights(params, mode: str):
@@ -764,7 +782,7 @@ def prepare_weights(params, mode: str):
     (_register_row_weights), the fp32 modes (high, highest) the wgmma passes' scaled fp16 operands
     (_f16x3_weights). The order is bindings.cpp's forward_args'."""
     (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
-     out_w, out_b, gate_w, gate_b) = [p.detach() for p in params]
+     out_w, out_b, gate_w, gate_b) = [p.detach() for p in _with_zero_biases(params)]
     hidden, pair_dim = pa_w.shape
     c_pad, h_pad, rows_ab = _round_up(pair_dim, 32), _round_up(hidden, 32), _round_up(2 * hidden, 128)
     f32 = dict(device=pa_w.device, dtype=torch.float32)
@@ -1423,7 +1441,7 @@ def check_inputs(layers: _TriMulLayers, pair_repr, pair_mask) -> None:
     if pair_mask.device != pair_repr.device:
         raise ValueError(f"pair_mask is on {pair_mask.device} but pair_repr is on "
                          f"{pair_repr.device}; put both on one device")
-    weight = layers.proj_a.weight
+    weight = _param_list(layers)[2]
     if weight.device != pair_repr.device:
         raise ValueError(f"pair_repr is on {pair_repr.device} but the model's parameters are on "
                          f"{weight.device}; call model.to({str(pair_repr.device)!r})")
@@ -1457,12 +1475,13 @@ class ModelNew(_TriMulLayers):
         `python trimul_inline.py kernels`); None: each role's default order.
     precision: for fp32 inputs, "highest" | "high" | "medium"; None follows
         torch.get_float32_matmul_precision(). bf16/fp16 inputs compute in their dtype.
+    bias: False: the six Linears have no bias (OpenFold3 / Protenix / Boltz), as Model(bias=False).
     Inputs the CUDA kernels do not take (CPU tensors, float64) run the reference computation (warning once).
     """
 
     def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "outgoing",
-                 gate_input: str = "raw", kernels=None, precision: Optional[str] = None):
-        super().__init__(pair_dim, hidden_dim, direction, gate_input)
+                 gate_input: str = "raw", kernels=None, precision: Optional[str] = None, bias: bool = True):
+        super().__init__(pair_dim, hidden_dim, direction, gate_input, bias)
         if precision is not None and precision not in PRECISIONS:
             raise ValueError(f"precision must be None or one of {PRECISIONS}, got {precision!r}")
         self.kernels, self.precision = parse_kernels(kernels), precision
@@ -1472,6 +1491,15 @@ class ModelNew(_TriMulLayers):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kernels={str(self.kernels)!r}, precision={self.precision!r}"
+
+    @classmethod
+    def from_alphafold_params(cls, params, direction: str, kernels=None, precision: Optional[str] = None):
+        """A ModelNew from one AlphaFold2 triangle-multiplication block's Haiku parameters: a mapping from module
+        names (full Haiku paths or their last component: layer_norm_input, left_projection, right_projection,
+        left_gate, right_gate, center_layer_norm, output_projection, gating_linear) to {"weights", "bias"} or
+        {"scale", "offset"} arrays (numpy or torch; Linear weights [in, out]). Incoming takes a from the right
+        projections, as AlphaFold2 does; the gate reads the normalized input. In the arrays' dtype, on the CPU."""
+        return _alphafold_model(cls, params, direction, kernels, precision)
 
     def resolved_precision(self) -> str:
         return self.precision or _float32_matmul_precision_now()
@@ -1500,7 +1528,9 @@ class ModelNew(_TriMulLayers):
         check_inputs(self, pair_repr, pair_mask)
         if not pair_repr.is_cuda or pair_repr.dtype not in _KERNEL_DTYPES:
             _warn_reference_once(pair_repr)
-            return reference_forward(self, pair_repr, pair_mask)
+            return _functional_reference(pair_repr, pair_mask, _param_list(self), self.direction == "incoming",
+                                         self.gate_input == "normalized", self.layer_norm_in.eps,
+                                         self.layer_norm_out.eps)
         precision = self.resolved_precision()
         mode = compute_mode(pair_repr.dtype, precision)
         kernels = _with_override(self.kernels)
@@ -1514,7 +1544,8 @@ class ModelNew(_TriMulLayers):
     def _needs_autograd(self, pair_repr, pair_mask) -> bool:
         if not torch.is_grad_enabled():
             return False
-        return pair_repr.requires_grad or pair_mask.requires_grad or any(p.requires_grad for p in self.parameters())
+        return pair_repr.requires_grad or pair_mask.requires_grad or \
+            any(p is not None and p.requires_grad for p in _param_list(self))
 
     def _forward_trained(self, pair_repr, pair_mask, mode, kernels):
         """The fused forward as the differentiable op `trimul`, whose backward runs the backward roles."""
@@ -1522,11 +1553,11 @@ class ModelNew(_TriMulLayers):
         pair_repr, pair_mask = self._fused_inputs(pair_repr, pair_mask)
         values = self._option_values(mode)[:-1]
         if torch.compiler.is_compiling():
-            params = _param_list(self)
+            params = _with_zero_biases(_param_list(self))
             return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values)
         try:
-            return trimul(pair_repr, pair_mask, _param_list_eager(self), self._prepared_weights(mode), str(kernels),
-                          *values)
+            return trimul(pair_repr, pair_mask, _with_zero_biases(_param_list_eager(self)), self._prepared_weights(mode),
+                          str(kernels), *values)
         except NotImplementedError:  # nothing of a default order takes this call: the unfused path
             return self._forward_unfused(*original)
 
@@ -1572,7 +1603,7 @@ class ModelNew(_TriMulLayers):
     def _prepared_weights_and_freshness(self, mode: str):
         """(prepared weights, whether they were just (re)made)."""
         params = _param_list_eager(self)
-        version = [(p.data_ptr(), p._version) for p in params]
+        version = [None if p is None else (p.data_ptr(), p._version) for p in params]
         cached = self._weights_cache.get(mode)
         if cached is not None and cached[0] == version:
             return cached[1], False
@@ -1636,40 +1667,278 @@ class ModelNew(_TriMulLayers):
         """The C++ side of the planned path (the extension's PlannedForward): the signature and
         what _plan_key and the weights' freshness read, compared without Python per call. None
         under autocast or with parameters outside the modules' own dicts (parametrizations)."""
-        if torch.is_autocast_enabled("cuda"):
+        if torch.is_autocast_enabled("cuda") or self.__dict__.get("_source") is not None:
             return None
         modules = self._modules
         entries = [(modules, name, modules[name]) for name in _SUBMODULES]
         params = []
         for module, name in _PARAM_PATHS:
             owner = modules[module]._parameters
-            param = owner.get(name)
-            if param is None:
+            if name not in owner:
                 return None
+            param = owner[name]  # (None: a Linear without bias, checked to stay so)
             entries.append((owner, name, param))
-            params.append(param)
+            if param is not None:
+                params.append(param)
         attributes = [(None, name, getattr(self, name)) for name in ("kernels", "direction", "gate_input")]
         attributes += [(modules[name], "eps", modules[name].eps) for name in ("layer_norm_in", "layer_norm_out")]
         return _extension().PlannedForward(entries, attributes, params, pair_repr, pair_mask, precision, weights,
                                            options)
 
-    def _gated_projection(self, x, proj, gate, mask):
-        p = proj(x)
-        return p * torch.sigmoid(gate(x)) * mask.to(p.dtype)
-
     def _forward_unfused(self, pair_repr, pair_mask):
+        """PyTorch layers around the `contract` op (its kernels, its backward): sizes the fused passes do not
+        take."""
+        (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
+         out_w, out_b, gate_w, gate_b) = _param_list(self)
+        linear, layer_norm = torch.nn.functional.linear, torch.nn.functional.layer_norm
         batch, n = pair_repr.shape[:2]
-        x = self.layer_norm_in(pair_repr)
+        x = layer_norm(pair_repr, pair_repr.shape[-1:], ln_in_w, ln_in_b, self.layer_norm_in.eps)
         mask = pair_mask.unsqueeze(-1)
-        a = self._gated_projection(x, self.proj_a, self.gate_a, mask)
-        b = self._gated_projection(x, self.proj_b, self.gate_b, mask)
+        a, b = (linear(x, proj_w, proj_b) * torch.sigmoid(linear(x, g_w, g_b)) for proj_w, proj_b, g_w, g_b in
+                ((pa_w, pa_b, ga_w, ga_b), (pb_w, pb_b, gb_w, gb_b)))
+        a, b = a * mask.to(a.dtype), b * mask.to(b.dtype)
         kernel = _with_override(self.kernels).contract or ""
         z = contract(_contraction_layout(a, self.direction), _contraction_layout(b, self.direction),
                      kernel, self.resolved_precision())
         z = z.view(batch, self.hidden_dim, n, n).permute(0, 2, 3, 1)
-        o = self.out_proj(self.layer_norm_out(z))
+        o = linear(layer_norm(z, z.shape[-1:], ln_out_w, ln_out_b, self.layer_norm_out.eps), out_w, out_b)
         gate_source = pair_repr if self.gate_input == "raw" else x
-        return torch.sigmoid(self.out_gate(gate_source)) * o
+        return torch.sigmoid(linear(gate_source, gate_w, gate_b)) * o
+
+
+# ------------------------------------------------------------------------------------------------
+# Other models' layers (OpenFold, OpenFold3, Protenix, Boltz-1/2; AlphaFold2's parameters), recognised by
+# their parameter names: from_module copies one into a ModelNew, replace_modules runs them on ModelNew in place
+# ------------------------------------------------------------------------------------------------
+class _HostLayout(NamedTuple):
+    """Where a host layer keeps each of our submodules' parameters: ours -> (its submodule, rows), rows
+    "a" / "b": the first / second half of a fused projection, None: all of it."""
+    kind: str
+    parts: dict
+
+
+_HOST_LAYOUTS = (
+    _HostLayout("openfold", {"layer_norm_in": ("layer_norm_in", None), "proj_a": ("linear_a_p", None),
+                             "gate_a": ("linear_a_g", None), "proj_b": ("linear_b_p", None),
+                             "gate_b": ("linear_b_g", None), "layer_norm_out": ("layer_norm_out", None),
+                             "out_proj": ("linear_z", None), "out_gate": ("linear_g", None)}),
+    _HostLayout("openfold_fused", {"layer_norm_in": ("layer_norm_in", None), "proj_a": ("linear_ab_p", "a"),
+                                   "gate_a": ("linear_ab_g", "a"), "proj_b": ("linear_ab_p", "b"),
+                                   "gate_b": ("linear_ab_g", "b"), "layer_norm_out": ("layer_norm_out", None),
+                                   "out_proj": ("linear_z", None), "out_gate": ("linear_g", None)}),
+    _HostLayout("boltz", {"layer_norm_in": ("norm_in", None), "proj_a": ("p_in", "a"), "gate_a": ("g_in", "a"),
+                          "proj_b": ("p_in", "b"), "gate_b": ("g_in", "b"), "layer_norm_out": ("norm_out", None),
+                          "out_proj": ("p_out", None), "out_gate": ("g_out", None)}),
+)
+_LINEARS = ("proj_a", "gate_a", "proj_b", "gate_b", "out_proj", "out_gate")
+
+
+def _host_layout(module) -> Optional[_HostLayout]:
+    """The layout whose submodules the module has (each with a weight), or None."""
+    children = dict(module.named_children())
+    for layout in _HOST_LAYOUTS:
+        wanted = {host for host, _ in layout.parts.values()}
+        if all(getattr(children.get(name), "weight", None) is not None for name in wanted):
+            return layout
+    return None
+
+
+def _expected_layouts() -> str:
+    return "; ".join(f"{layout.kind}: " + ", ".join(dict.fromkeys(host for host, _ in layout.parts.values()))
+                     for layout in _HOST_LAYOUTS)
+
+
+def _host_tensor(module, layout: _HostLayout, ours: str, name: str):
+    """Our (submodule, parameter) as the host's tensor (a view for a half of a fused projection), or None."""
+    host, rows = layout.parts[ours]
+    tensor = getattr(getattr(module, host), name, None)
+    if tensor is None or rows is None:
+        return tensor
+    half = tensor.shape[0] // 2
+    return tensor[:half] if rows == "a" else tensor[half:]
+
+
+def _host_params(module, layout: _HostLayout) -> list:
+    """The 16 tensors of _PARAM_PATHS from the host's own (views where fused: gradients reach the host's)."""
+    return [_host_tensor(module, layout, ours, name) for ours, name in _PARAM_PATHS]
+
+
+def _host_options(module, layout: _HostLayout, direction: Optional[str]) -> dict:
+    """ModelNew's constructor options for a host layer: sizes, direction (from the class name unless given), the
+    gate on the normalized input, biases (all six Linears alike) and the LayerNorms' eps."""
+    if direction is None:
+        name = type(module).__name__.lower()
+        found = [d for d in DIRECTIONS if d in name]
+        if len(found) != 1:
+            raise ValueError(f"trimul_inline: cannot tell the direction of {type(module).__name__} from its name; "
+                             f"pass direction='outgoing' or 'incoming'")
+        direction = found[0]
+    elif direction not in DIRECTIONS:
+        raise ValueError(f"direction must be None or one of {DIRECTIONS}, got {direction!r}")
+    biases = {ours: _host_tensor(module, layout, ours, "bias") is not None for ours in _LINEARS}
+    if len(set(biases.values())) != 1:
+        raise ValueError(f"trimul_inline: {type(module).__name__} has biases on some Linears only "
+                         f"({', '.join(k for k, v in biases.items() if v)}); ModelNew takes all six or none")
+    weight = _host_tensor(module, layout, "proj_a", "weight")
+    eps = {ours: float(getattr(getattr(module, layout.parts[ours][0]), "eps", 1e-5))
+           for ours in ("layer_norm_in", "layer_norm_out")}
+    return dict(pair_dim=weight.shape[1], hidden_dim=weight.shape[0], direction=direction, gate_input="normalized",
+                bias=biases["proj_a"], eps=eps)
+
+
+def _new_for_host(module, layout, direction, kernels, precision):
+    options = _host_options(module, layout, direction)
+    eps = options.pop("eps")
+    new = ModelNew(**options, kernels=kernels, precision=precision)
+    for ours, value in eps.items():
+        getattr(new, ours).eps = value
+    return new
+
+
+def from_module(module: nn.Module, direction: Optional[str] = None, kernels=None,
+                precision: Optional[str] = None) -> "ModelNew":
+    """A ModelNew with a host layer's semantics and a copy of its weights, on its device and dtype: OpenFold's,
+    OpenFold3's and Protenix's TriangleMultiplicationOutgoing / Incoming (plain or fused projections, with or
+    without biases) and Boltz-1/2's, recognised by their parameter names; the gate reads the normalized input.
+    direction: None takes it from the class name. Anything else raises TypeError naming what is expected."""
+    layout = _host_layout(module)
+    if layout is None:
+        raise TypeError(f"trimul_inline.from_module: {type(module).__name__} is not a recognised triangle "
+                        f"multiplicative update; expected submodules ({_expected_layouts()})")
+    new = _new_for_host(module, layout, direction, kernels, precision)
+    source = _host_params(module, layout)
+    with torch.no_grad():
+        for (ours, name), tensor in zip(_PARAM_PATHS, source):
+            if tensor is not None:
+                getattr(getattr(new, ours), name).copy_(tensor)
+    weight = source[2]
+    return new.to(device=weight.device, dtype=weight.dtype)
+
+
+class _HostLayer(nn.Module):
+    """A host layer running on ModelNew (replace_modules): the host's own submodules under their names (so the
+    model's state_dict and optimizer see the same parameters), the host's call signature."""
+
+    def __init__(self, module, layout, new):
+        super().__init__()
+        for host, child in module.named_children():  # (all of them, in order: the same state_dict keys)
+            self.add_module(host, child)
+        self.layout, self.host_class = layout, type(module).__name__
+        # (not a submodule: the parameters it runs on are the host's, read through _source)
+        object.__setattr__(self, "model_new", new)
+        new._source = self._params
+
+    def _params(self):
+        return _host_params(self, self.layout)
+
+    def _update(self, pair, mask):
+        if mask is None:
+            mask = pair.new_ones(pair.shape[:-1])
+        return self.model_new(pair, mask)
+
+    def extra_repr(self) -> str:
+        return f"{self.host_class} on trimul_inline ({self.model_new.direction})"
+
+
+class _OpenFoldLayer(_HostLayer):
+    """OpenFold's forward(z, mask=None, inplace_safe=False, _add_with_inplace=False, _inplace_chunk_size=...):
+    with inplace_safe, z is overwritten with the update (with _add_with_inplace: z + update) and returned."""
+
+    def forward(self, z, mask=None, inplace_safe=False, _add_with_inplace=False, _inplace_chunk_size=None):
+        update = self._update(z, mask)
+        if not inplace_safe:
+            return update
+        return z.add_(update) if _add_with_inplace else z.copy_(update)
+
+
+class _BoltzLayer(_HostLayer):
+    """Boltz's forward(x, mask, use_kernels=False) (use_kernels picks its own kernels: no effect here)."""
+
+    def forward(self, x, mask, use_kernels=False):
+        return self._update(x, mask)
+
+
+def replace_modules(model: nn.Module, kernels=None, precision: Optional[str] = None) -> int:
+    """Swaps every recognised triangle multiplicative update inside `model` (from_module's kinds) for one running
+    on ModelNew, in place: same parameters (shared, not copied: the state_dict, optimizers and checkpoints are
+    unchanged), the host's call signature. Returns how many it replaced."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, _HostLayer):
+                continue
+            layout = _host_layout(child)
+            if layout is None:
+                continue
+            new = _new_for_host(child, layout, None, kernels, precision)
+            layer = (_BoltzLayer if layout.kind == "boltz" else _OpenFoldLayer)(child, layout, new)
+            setattr(parent, name, layer)
+            replaced += 1
+    return replaced
+
+
+# AlphaFold2's Haiku module names -> ours, per direction (incoming: a from the right projections).
+_ALPHAFOLD_NAMES = {
+    "layer_norm_input": "layer_norm_in", "center_layer_norm": "layer_norm_out", "output_projection": "out_proj",
+    "gating_linear": "out_gate",
+}
+_ALPHAFOLD_SIDES = {"outgoing": {"left": "a", "right": "b"}, "incoming": {"left": "b", "right": "a"}}
+
+
+def _alphafold_entry(params, name: str):
+    """The entry of Haiku module `name` in params: its full path's last component or the name itself."""
+    found = [key for key in params if str(key).rsplit("/", 1)[-1] == name]
+    if len(found) != 1:
+        raise ValueError(f"trimul_inline.from_alphafold_params: {'no' if not found else 'several'} entries for "
+                         f"{name!r} ({found or sorted(map(str, params))[:8]}); pass one block's parameters")
+    return params[found[0]]
+
+
+def _as_tensor(value, what: str) -> torch.Tensor:
+    tensor = torch.as_tensor(value)
+    if not tensor.is_floating_point():
+        raise TypeError(f"trimul_inline.from_alphafold_params: {what} must be floating, got {tensor.dtype}")
+    return tensor
+
+
+def _alphafold_model(cls, params, direction: str, kernels=None, precision: Optional[str] = None):
+    """ModelNew.from_alphafold_params' body."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    if not isinstance(params, Mapping):
+        raise TypeError(f"trimul_inline.from_alphafold_params: params must be a mapping of module names to "
+                        f"{{parameter: array}}, got {type(params).__name__}")
+    values = {}  # our (submodule, parameter) -> tensor
+    for haiku, ours in _ALPHAFOLD_NAMES.items():
+        entry = _alphafold_entry(params, haiku)
+        if ours.startswith("layer_norm"):
+            values[(ours, "weight")], values[(ours, "bias")] = entry["scale"], entry["offset"]
+        else:
+            values[(ours, "weight")], values[(ours, "bias")] = entry["weights"], entry["bias"]
+    for side, letter in _ALPHAFOLD_SIDES[direction].items():
+        for kind, ours in (("projection", f"proj_{letter}"), ("gate", f"gate_{letter}")):
+            entry = _alphafold_entry(params, f"{side}_{kind}")
+            values[(ours, "weight")], values[(ours, "bias")] = entry["weights"], entry["bias"]
+    values = {key: _as_tensor(value, f"{key[0]}.{key[1]}") for key, value in values.items()}
+    for key, tensor in values.items():
+        expected = 2 if key[1] == "weight" and not key[0].startswith("layer_norm") else 1
+        if tensor.dim() != expected:
+            raise ValueError(f"trimul_inline.from_alphafold_params: {key[0]}.{key[1]} has shape {tuple(tensor.shape)},"
+                             f" expected {expected}-D (one block's parameters, not a stack of blocks)")
+        if expected == 2:  # (Haiku stores Linear weights as [in, out])
+            values[key] = tensor.t()
+    pair_dim, hidden = values[("layer_norm_in", "weight")].shape[0], values[("proj_a", "weight")].shape[0]
+    dtype = values[("layer_norm_in", "weight")].dtype
+    model = cls(pair_dim, hidden, direction, "normalized", kernels=kernels, precision=precision).to(dtype)
+    with torch.no_grad():
+        for (ours, name), tensor in values.items():
+            target = getattr(getattr(model, ours), name)
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"trimul_inline.from_alphafold_params: {ours}.{name} has shape "
+                                 f"{tuple(tensor.shape)}, expected {tuple(target.shape)} (pair_dim {pair_dim}, "
+                                 f"hidden {hidden})")
+            target.copy_(tensor)
+    return model
 
 
 # ------------------------------------------------------------------------------------------------
