@@ -1735,7 +1735,7 @@ GRAD_TOLERANCE = {"highest": (1e-5, 1e-5), "high": (2e-3, 2e-3), "medium": (1e-2
 
 
 def _grad_error(got, ref):
-    """rel_error, with a zero reference (a fully masked problem) wanting exact zeros."""
+    """rel_error, with a zero (or empty) reference, a fully masked problem, wanting exact zeros."""
     return rel_error(got, ref) if ref.norm() > 0 else float(got.double().norm())
 
 
@@ -2343,3 +2343,89 @@ def test_host_layers_on_the_gpu(name, make, precision):
     new_pair = pair.float().requires_grad_()
     holder[0](new_pair, mask.float()).backward(grad_out.float())
     assert rel_error(new_pair.grad, ref_pair.grad) < tolerance, f"{name} (seed {seed})"
+
+
+# ---- sharded over ranks (process_group): spawned gloo processes on the CPU -----------------------------------
+def _sharded_worker(rank, world, store, cases, device):
+    """One rank: for each case, the sharded ModelNew's rows of the output, d pair_repr and (summed over the group)
+    parameter gradients against the single-process computation of the same seeded problem, in float64."""
+    import datetime
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        for seed, direction, gate_input, batch, n, pair_dim, hidden, float_mask in cases:
+            g = torch.Generator().manual_seed(seed)
+            reference = random_layers(ti.Model(pair_dim, hidden, direction, gate_input).double(), g)
+            pair, mask = random_inputs(batch, n, pair_dim, g, mask_dtype=torch.float64 if float_mask else torch.bool)
+            grad_out = torch.randn(pair.shape, generator=g, dtype=torch.float64)
+            full_pair = pair.clone().requires_grad_()
+            full_mask = mask.clone().requires_grad_(float_mask)
+            expected = reference(full_pair, full_mask)
+            expected.backward(grad_out)
+            sharded = ti.ModelNew(pair_dim, hidden, direction, gate_input, process_group=dist.group.WORLD).double()
+            sharded.load_state_dict(reference.state_dict())
+            sharded = sharded.to(device)
+            rows = ti.shard_rows(n, world, rank)
+            local_pair = pair[:, rows.start:rows.stop].clone().to(device).requires_grad_()
+            local_mask = mask[:, rows.start:rows.stop].clone().to(device).requires_grad_(float_mask)
+            out = sharded(local_pair, local_mask)
+            out.backward(grad_out[:, rows.start:rows.stop].to(device))
+            label = f"rank {rank}/{world} {direction} {gate_input} N={n} (seed {seed})"
+            # (a rank may hold no rows: N < world)
+            assert out.shape == expected[:, rows.start:rows.stop].shape, label
+            assert _grad_error(out.cpu(), expected[:, rows.start:rows.stop]) < 1e-12, label
+            assert _grad_error(local_pair.grad.cpu(), full_pair.grad[:, rows.start:rows.stop]) < 1e-12, label
+            if float_mask:
+                assert _grad_error(local_mask.grad.cpu(), full_mask.grad[:, rows.start:rows.stop]) < 1e-12, label
+            for (name, p_sharded), p_ref in zip(sharded.named_parameters(), reference.parameters()):
+                total = p_sharded.grad.clone()
+                dist.all_reduce(total, group=dist.group.WORLD)
+                assert _grad_error(total.cpu(), p_ref.grad) < 1e-12, f"{label}: {name}"
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(worker, world, tmp_path, *args):
+    store = tmp_path / f"store-{world}-{random.randrange(1 << 30)}"
+    torch.multiprocessing.spawn(worker, args=(world, str(store), *args), nprocs=world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_matches_one_process(world, tmp_path):
+    """world 2 and 3, N not a multiple of the world size (and N < world), both directions, both gate inputs, masks
+    with zero rows and a float mask's gradient."""
+    seed = fresh_seed()
+    cases = [(seed + i, direction, gate_input, batch, n, 12, 20, float_mask)
+             for i, (direction, gate_input, batch, n, float_mask) in enumerate(
+                 [("outgoing", "raw", 2, 7, False), ("incoming", "raw", 1, 8, True),
+                  ("outgoing", "normalized", 1, 5, True), ("incoming", "normalized", 2, 7, False),
+                  ("incoming", "raw", 1, 2, False)])]
+    _spawn(_sharded_worker, world, tmp_path, cases, "cpu")
+
+
+def _bad_input_worker(rank, world, store):
+    import datetime
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        model = ti.ModelNew(8, 4, process_group=dist.group.WORLD).double()
+        rows = len(ti.shard_rows(9, world, rank)) + (1 if rank == 1 else 0)  # rank 1 passes one row too many
+        pair, mask = torch.randn(1, rows, 9, 8, dtype=torch.float64), torch.ones(1, rows, 9, dtype=torch.bool)
+        expected = "pair_repr has 5 rows on rank 1 of 2, but N = 9 gives this rank 4" if rank == 1 else r"rank\(s\) \[1\] got invalid input"
+        with pytest.raises(ValueError, match=expected):
+            model(pair, mask)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_bad_input_raises_on_every_rank(tmp_path):
+    _spawn(_bad_input_worker, 2, tmp_path)
+
+
+@cuda
+def test_sharded_two_processes_share_the_gpu(tmp_path):
+    """Two ranks on one GPU, gloo (transfers staged through the CPU): the sharded path on CUDA tensors."""
+    cases = [(fresh_seed(), direction, "normalized", 1, 33, 16, 24, False) for direction in ti.DIRECTIONS]
+    _spawn(_sharded_worker, 2, tmp_path, cases, "cuda")

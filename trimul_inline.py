@@ -37,7 +37,7 @@ import torch.nn as nn
 __all__ = [
     "Model", "ModelNew", "Kernels", "KernelEntry", "ROLES", "parse_kernels", "kernel_registry",
     "contract", "load_extension", "reload_extension", "kernel_sources", "find_toolkit", "bundle_source",
-    "reference_forward", "check_inputs", "from_module", "replace_modules",
+    "reference_forward", "check_inputs", "from_module", "replace_modules", "shard_rows",
 ]
 
 DIRECTIONS = ("outgoing", "incoming")
@@ -1476,15 +1476,21 @@ class ModelNew(_TriMulLayers):
     precision: for fp32 inputs, "highest" | "high" | "medium"; None follows
         torch.get_float32_matmul_precision(). bf16/fp16 inputs compute in their dtype.
     bias: False: the six Linears have no bias (OpenFold3 / Protenix / Boltz), as Model(bias=False).
+    process_group: a torch.distributed group over which the pair tensor is sharded by rows: each rank passes
+        its rows (B, N_r, N, C) and mask (B, N_r, N), rank r holding torch.tensor_split(torch.arange(N), P)[r],
+        and gets the same rows of the output; parameter gradients are each rank's rows' share (their sum over the
+        group, as DDP's all-reduce gives, is the full gradient).
     Inputs the CUDA kernels do not take (CPU tensors, float64) run the reference computation (warning once).
     """
 
     def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "outgoing",
-                 gate_input: str = "raw", kernels=None, precision: Optional[str] = None, bias: bool = True):
+                 gate_input: str = "raw", kernels=None, precision: Optional[str] = None, bias: bool = True,
+                 process_group=None):
         super().__init__(pair_dim, hidden_dim, direction, gate_input, bias)
         if precision is not None and precision not in PRECISIONS:
             raise ValueError(f"precision must be None or one of {PRECISIONS}, got {precision!r}")
         self.kernels, self.precision = parse_kernels(kernels), precision
+        self.process_group = process_group  # not state: a process group does not pickle
         self._weights_cache = {}  # mode -> (parameter versions, prepared weights); not state
         self._plans = {}  # call signature -> (mode, kernels, ForwardOptions, extension) (see _plan_key)
         self._fast = None  # (extension, the last planned signature's decisions checked in C++: _fast_plan)
@@ -1505,17 +1511,22 @@ class ModelNew(_TriMulLayers):
         return self.precision or _float32_matmul_precision_now()
 
     def __getstate__(self):
-        # (copy.deepcopy, pickle) the C++ plan and options do not copy; the copy plans its own calls
+        # (copy.deepcopy, pickle) the C++ plan and options do not copy; the copy plans its own calls. A process
+        # group is the running program's, not the module's state: a copy runs unsharded until given one.
         state = self.__dict__.copy()
         state["_fast"] = None
+        state["process_group"] = None
         state["_plans"] = {}
         return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("_fast", None)
+        self.__dict__.setdefault("process_group", None)
 
     def forward(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
+        if self.process_group is not None:
+            return self._forward_sharded(pair_repr, pair_mask)
         if not torch.compiler.is_compiling():
             fast = self._fast
             if fast is not None and fast[0] is _DEFAULT_EXTENSION:  # (planned by the extension in use)
@@ -1685,6 +1696,30 @@ class ModelNew(_TriMulLayers):
         return _extension().PlannedForward(entries, attributes, params, pair_repr, pair_mask, precision, weights,
                                            options)
 
+    def _forward_sharded(self, pair_repr, pair_mask):
+        """This rank's rows of the update (process_group): the per-position layers on its rows, the contraction
+        across ranks (_ShardedContraction)."""
+        for name, value in (("pair_repr", pair_repr), ("pair_mask", pair_mask)):
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        ring = _Ring(self.process_group, pair_repr.shape[2] if pair_repr.dim() == 4 else 0, pair_repr.device)
+        _check_sharded_inputs(self, ring, pair_repr, pair_mask)
+        (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
+         out_w, out_b, gate_w, gate_b) = _param_list(self)
+        linear, layer_norm = torch.nn.functional.linear, torch.nn.functional.layer_norm
+        with _float32_matmul_precision(self.resolved_precision()):
+            x = layer_norm(pair_repr, pair_repr.shape[-1:], ln_in_w, ln_in_b, self.layer_norm_in.eps)
+            mask = pair_mask.unsqueeze(-1)
+            a, b = (linear(x, proj_w, proj_b) * torch.sigmoid(linear(x, g_w, g_b)) for proj_w, proj_b, g_w, g_b in
+                    ((pa_w, pa_b, ga_w, ga_b), (pb_w, pb_b, gb_w, gb_b)))
+            a, b = a * mask.to(a.dtype), b * mask.to(b.dtype)
+            # planes [B, H, N_r, N] of this rank's rows (incoming: rows are the contracted index k)
+            z = _ShardedContraction.apply(a.permute(0, 3, 1, 2).contiguous(), b.permute(0, 3, 1, 2).contiguous(),
+                                          ring, self.direction == "incoming").permute(0, 2, 3, 1)
+            o = linear(layer_norm(z, z.shape[-1:], ln_out_w, ln_out_b, self.layer_norm_out.eps), out_w, out_b)
+            gate_source = pair_repr if self.gate_input == "raw" else x
+            return torch.sigmoid(linear(gate_source, gate_w, gate_b)) * o
+
     def _forward_unfused(self, pair_repr, pair_mask):
         """PyTorch layers around the `contract` op (its kernels, its backward): sizes the fused passes do not
         take."""
@@ -1704,6 +1739,183 @@ class ModelNew(_TriMulLayers):
         o = linear(layer_norm(z, z.shape[-1:], ln_out_w, ln_out_b, self.layer_norm_out.eps), out_w, out_b)
         gate_source = pair_repr if self.gate_input == "raw" else x
         return torch.sigmoid(linear(gate_source, gate_w, gate_b)) * o
+
+
+# ------------------------------------------------------------------------------------------------
+# Sharded over ranks (torch.distributed, DAP-style): each rank holds a block of pair_repr's rows
+# ------------------------------------------------------------------------------------------------
+def shard_rows(n: int, world: int, rank: int) -> range:
+    """The rows of pair_repr rank `rank` of `world` holds: torch.tensor_split(torch.arange(n), world)[rank]."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+class _Ring:
+    """A process group as the sharded contraction uses it: row counts per rank, the ring's neighbours, and
+    transfers staged through the CPU where the backend cannot move the tensors' device (gloo with CUDA)."""
+
+    def __init__(self, group, n: int, device: torch.device):
+        import torch.distributed as dist
+        self.dist, self.group = dist, group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.counts = [len(shard_rows(n, self.world, r)) for r in range(self.world)]
+        self.stage = device.type == "cuda" and dist.get_backend(group) == "gloo"
+
+    def peer(self, rank: int) -> int:
+        """The global rank of group rank `rank` (P2P ops take global ranks)."""
+        return self.dist.get_global_rank(self.group, rank % self.world)
+
+    def _staged(self, tensor):
+        return tensor.cpu() if self.stage else tensor
+
+    def shift(self, block, incoming_rows: int, row_dim: int):
+        """Starts sending `block` to the next rank and receiving the previous rank's (incoming_rows along
+        row_dim); returns (wait() -> the received block). Nothing moves with one rank."""
+        shape = list(block.shape)
+        shape[row_dim] = incoming_rows
+        received = torch.empty(shape, dtype=block.dtype, device="cpu" if self.stage else block.device)
+        ops = [self.dist.P2POp(self.dist.isend, self._staged(block.contiguous()), self.peer(self.rank + 1), self.group),
+               self.dist.P2POp(self.dist.irecv, received, self.peer(self.rank - 1), self.group)]
+        requests = self.dist.batch_isend_irecv(ops)
+
+        def wait():
+            for request in requests:
+                request.wait()
+            return received.to(block.device) if self.stage else received
+        return wait
+
+    def all_to_all(self, chunks):
+        """chunks[s] ([.., rows, cols]) to rank s; returns what each rank sent here, in rank order: from rank s a
+        chunk of its rows and this rank's columns, so the last two sizes of chunks[s] swapped."""
+        device = "cpu" if self.stage else chunks[0].device
+        received = [chunks[0].new_empty(c.shape[:-2] + (c.shape[-1], c.shape[-2]), device=device) for c in chunks]
+        # (point-to-point pairs, not dist.all_to_all: gloo's takes only chunks of one size, and N need not
+        # divide by the world size)
+        ops = []
+        for s in range(self.world):
+            if s != self.rank:
+                ops.append(self.dist.P2POp(self.dist.isend, self._staged(chunks[s].contiguous()), self.peer(s),
+                                           self.group))
+                ops.append(self.dist.P2POp(self.dist.irecv, received[s], self.peer(s), self.group))
+        for request in self.dist.batch_isend_irecv(ops) if ops else ():
+            request.wait()
+        received[self.rank] = chunks[self.rank]
+        return [r.to(chunks[0].device) for r in received] if self.stage else received
+
+
+def _ring_products(ring: _Ring, local, product, row_dim: int):
+    """Runs `product(block, s)` for the row block of every rank s, the local one first, each block arriving
+    round the ring while the one in hand is multiplied (double buffer: two blocks in memory)."""
+    block, owner = local, ring.rank
+    for step in range(ring.world):
+        following = (ring.rank - step - 1) % ring.world
+        wait = ring.shift(block, ring.counts[following], row_dim) if step + 1 < ring.world else None
+        product(block, owner)
+        if wait is not None:
+            block, owner = wait(), following
+
+
+def _ring_reduce(ring: _Ring, partial, row_dim: int):
+    """Each rank's own block of the sum over ranks of partial(s) (the contribution of this rank's rows to rank
+    s's block): a reduce-scatter round the ring, one accumulator block in flight."""
+    accumulator = None
+    for step in range(ring.world - 1):
+        target = (ring.rank - step - 1) % ring.world
+        contribution = partial(target)
+        accumulator = contribution if accumulator is None else accumulator + contribution
+        accumulator = ring.shift(accumulator, ring.counts[(target - 1) % ring.world], row_dim)()
+    own = partial(ring.rank)
+    return own if accumulator is None else accumulator + own
+
+
+def _column_slices(ring: _Ring):
+    starts = [sum(ring.counts[:s]) for s in range(ring.world)]
+    return [slice(start, start + count) for start, count in zip(starts, ring.counts)]
+
+
+class _ShardedContraction(torch.autograd.Function):
+    """z's rows of this rank from a/b planes [B, H, N_r, N] of this rank's rows (a_t[b, h, r, k] is position
+    (r, k): row r of this rank's block). Outgoing: z[i, j] = sum_k a[i, k] b[j, k], b's row blocks round the
+    ring. Incoming: z[i, j] = sum_k a[k, i] b[k, j]: a's column blocks by one all-to-all (each rank then holds
+    a[:, its rows]), then b's row blocks round the ring with z accumulated. Backward: the same rings; the
+    gradient of a travelling operand (b) is the sum over ranks of each rank's share, reduced round the ring to
+    its owner (never a local slice)."""
+
+    @staticmethod
+    def forward(ctx, a_t, b_t, ring, incoming):
+        columns = _column_slices(ring)
+        if incoming:  # a[k, i] for every k and this rank's i: [B, H, N, N_r]
+            a_t = torch.cat(ring.all_to_all([a_t[..., c] for c in columns]), dim=2)
+            z = a_t.new_zeros(a_t.shape[:2] + (a_t.shape[3], b_t.shape[3]))
+
+            def product(block, s):
+                z.add_(a_t[:, :, columns[s]].transpose(-1, -2) @ block)
+        else:
+            z = a_t.new_empty(a_t.shape[:3] + (sum(ring.counts),))
+
+            def product(block, s):
+                z[..., columns[s]] = a_t @ block.transpose(-1, -2)
+        _ring_products(ring, b_t, product, 2)
+        ctx.save_for_backward(a_t, b_t)
+        ctx.ring, ctx.incoming = ring, incoming
+        return z
+
+    @staticmethod
+    def backward(ctx, d_z):
+        a_t, b_t = ctx.saved_tensors
+        ring, columns = ctx.ring, _column_slices(ctx.ring)
+        d_z = d_z.contiguous()
+        if ctx.incoming:  # a_t: [B, H, N (k), N_r (i)]; z[i, j] = sum_k a[k, i] b[k, j]
+            d_a = torch.empty_like(a_t)
+
+            def product(block, s):
+                d_a[:, :, columns[s]] = block @ d_z.transpose(-1, -2)
+            _ring_products(ring, b_t, product, 2)
+            d_a = torch.cat(ring.all_to_all([d_a[:, :, c] for c in columns]), dim=3)
+            d_b = _ring_reduce(ring, lambda s: a_t[:, :, columns[s]] @ d_z, 2)
+        else:  # z[i, j] = sum_k a[i, k] b[j, k]
+            d_a = torch.zeros_like(a_t)
+
+            def product(block, s):
+                d_a.add_(d_z[..., columns[s]] @ block)
+            _ring_products(ring, b_t, product, 2)
+            d_b = _ring_reduce(ring, lambda s: d_z[..., columns[s]].transpose(-1, -2) @ a_t, 2)
+        return d_a, d_b, None, None
+
+
+def _check_sharded_inputs(layers, ring: _Ring, pair_repr, pair_mask) -> None:
+    """Every rank checks its block and learns whether any rank's was bad (one all-gather, under the group's
+    timeout), so a bad block raises on every rank instead of leaving the others waiting in the ring."""
+    problem = None
+    try:
+        if pair_repr.dim() != 4:
+            raise ValueError(f"pair_repr must be this rank's rows (B, N_r, N, C); got {tuple(pair_repr.shape)}")
+        batch, rows, n, channels = pair_repr.shape
+        expected = len(shard_rows(n, ring.world, ring.rank))
+        if rows != expected:
+            raise ValueError(f"pair_repr has {rows} rows on rank {ring.rank} of {ring.world}, but N = {n} gives "
+                             f"this rank {expected} (torch.tensor_split(torch.arange(N), world)[rank])")
+        if channels != layers.pair_dim:
+            raise ValueError(f"pair_repr has C={channels} channels but the model has pair_dim={layers.pair_dim}")
+        if tuple(pair_mask.shape) != (batch, rows, n):
+            raise ValueError(f"pair_mask must be this rank's rows (B, N_r, N) = {(batch, rows, n)}; got "
+                             f"{tuple(pair_mask.shape)}")
+        sizes = [batch, n]
+    except ValueError as error:
+        problem, sizes = error, [-1, -1]
+    device = pair_repr.device if pair_repr.is_cuda and not ring.stage else torch.device("cpu")
+    flags = torch.tensor([1 if problem else 0] + sizes, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(flags) for _ in range(ring.world)]
+    ring.dist.all_gather(gathered, flags, group=ring.group)
+    if problem is not None:
+        raise problem
+    bad = [r for r, g in enumerate(gathered) if int(g[0])]
+    if bad:
+        raise ValueError(f"trimul_inline: rank(s) {bad} got invalid input (see their errors); rank {ring.rank} "
+                         "stops too")
+    if len({(int(g[1]), int(g[2])) for g in gathered}) != 1:
+        raise ValueError(f"trimul_inline: the ranks disagree on (B, N): {[tuple(map(int, g[1:])) for g in gathered]}")
 
 
 # ------------------------------------------------------------------------------------------------
