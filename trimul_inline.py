@@ -1769,14 +1769,16 @@ class _Ring:
     def _staged(self, tensor):
         return tensor.cpu() if self.stage else tensor
 
-    def shift(self, block, incoming_rows: int, row_dim: int):
-        """Starts sending `block` to the next rank and receiving the previous rank's (incoming_rows along
-        row_dim); returns (wait() -> the received block). Nothing moves with one rank."""
+    def shift(self, block, incoming_rows: int, row_dim: int, step: int = 1):
+        """Starts sending `block` to rank + step and receiving rank - step's (incoming_rows along row_dim);
+        returns (wait() -> the received block). step -1: the other way round the ring."""
         shape = list(block.shape)
         shape[row_dim] = incoming_rows
         received = torch.empty(shape, dtype=block.dtype, device="cpu" if self.stage else block.device)
-        ops = [self.dist.P2POp(self.dist.isend, self._staged(block.contiguous()), self.peer(self.rank + 1), self.group),
-               self.dist.P2POp(self.dist.irecv, received, self.peer(self.rank - 1), self.group)]
+        tag = 1 if step > 0 else 2  # (the two directions apart where a backend matches by tag)
+        ops = [self.dist.P2POp(self.dist.isend, self._staged(block.contiguous()), self.peer(self.rank + step),
+                               self.group, tag),
+               self.dist.P2POp(self.dist.irecv, received, self.peer(self.rank - step), self.group, tag)]
         requests = self.dist.batch_isend_irecv(ops)
 
         def wait():
@@ -1805,15 +1807,29 @@ class _Ring:
 
 
 def _ring_products(ring: _Ring, local, product, row_dim: int):
-    """Runs `product(block, s)` for the row block of every rank s, the local one first, each block arriving
-    round the ring while the one in hand is multiplied (double buffer: two blocks in memory)."""
-    block, owner = local, ring.rank
-    for step in range(ring.world):
-        following = (ring.rank - step - 1) % ring.world
-        wait = ring.shift(block, ring.counts[following], row_dim) if step + 1 < ring.world else None
-        product(block, owner)
-        if wait is not None:
-            block, owner = wait(), following
+    """Runs `product(block, s)` for the row block of every rank s, the local one first. Blocks travel both ways
+    round the ring: rank - d's rightwards, rank + d's leftwards (each link busy in both directions: half the
+    steps of a one-way ring, the same bytes per link), the next ones in flight while those in hand are
+    multiplied; four blocks in memory at most."""
+    world, rank = ring.world, ring.rank
+    ahead, behind = world // 2, (world - 1) // 2  # (blocks that come rightwards, leftwards: world - 1 in all)
+    rightwards = leftwards = local
+    for d in range(ahead + 1):
+        waits = []
+        if d < ahead:
+            waits.append(ring.shift(rightwards, ring.counts[(rank - d - 1) % world], row_dim, 1))
+        if d < behind:
+            waits.append(ring.shift(leftwards, ring.counts[(rank + d + 1) % world], row_dim, -1))
+        if d == 0:
+            product(local, rank)
+        else:
+            product(rightwards, (rank - d) % world)
+            if d <= behind:
+                product(leftwards, (rank + d) % world)
+        if waits:
+            rightwards = waits[0]()
+        if len(waits) > 1:
+            leftwards = waits[1]()
 
 
 def _ring_reduce(ring: _Ring, partial, row_dim: int):
