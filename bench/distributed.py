@@ -5,9 +5,9 @@
 
 Per shape, on each rank: the forward (and with --backward the training step: loss = mean of out², backward)
 timed after warm-up (CUDA events on GPUs, wall clock on the CPU; median and p10-p90 over repetitions); the
-forward's transfers alone (the same ring shifts and all-to-all, no products), so that forward minus the
-products' own time shows how much of them was hidden; bytes sent per rank; peak memory per rank (CUDA); the
-point-to-point bandwidth from rank 0 to rank 1. Rank 0 prints one line per shape; --json writes every rank's.
+sharded contraction alone, its products alone and its transfers alone, hence the share of the transfers hidden
+behind the products; bytes sent per rank; peak memory per rank (CUDA); the point-to-point bandwidth from rank 0
+to rank 1. Rank 0 prints one line per shape; --json writes every rank's.
 """
 import argparse
 import datetime
@@ -83,6 +83,27 @@ def transfers_only(ring, batch, n, hidden, dtype, device, incoming):
     return run
 
 
+def contraction_parts(ring, batch, n, hidden, dtype, device, incoming):
+    """Three callables on random planes of this rank's rows: the sharded contraction as the forward runs it,
+    its products alone (every block's product, on blocks already here: no transfers) and its transfers alone.
+    The share of the transfers hidden behind the products: (products + transfers - contraction) / transfers."""
+    rows = ring.counts[ring.rank]
+    planes = lambda r, c: torch.randn(batch, hidden, r, c, device=device).to(dtype)  # noqa: E731
+    a_t, b_t = planes(rows, n), planes(rows, n)
+    a_cols = planes(n, rows)  # (incoming: a's column block after the all-to-all)
+    blocks = [planes(ring.counts[s], n) for s in range(ring.world)]
+    columns = ti._column_slices(ring)
+
+    def products():
+        for s, block in enumerate(blocks):
+            if incoming:
+                a_cols[:, :, columns[s]].transpose(-1, -2) @ block
+            else:
+                a_t @ block.transpose(-1, -2)
+    return (lambda: ti._ShardedContraction.apply(a_t, b_t, ring, incoming), products,
+            transfers_only(ring, batch, n, hidden, dtype, device, incoming))
+
+
 def bandwidth(device, megabytes=256):
     """GB/s of a send from rank 0 to rank 1 (one direction), timed on rank 1."""
     if dist.get_world_size() < 2:
@@ -118,9 +139,15 @@ def bench_shape(shape, args, device):
         base = torch.cuda.memory_allocated()
     with torch.no_grad():
         forward = timed(clock, lambda: model(pair, mask), args.reps)
-    result = {"rank": rank, "rows": len(rows), "forward": forward,
-              "bytes_sent": transfer_bytes(ring, batch, n, hidden, pair.element_size(), incoming),
-              "transfers": timed(clock, transfers_only(ring, batch, n, hidden, dtype, device, incoming), args.reps)}
+    contraction, products, transfers = contraction_parts(ring, batch, n, hidden, dtype, device, incoming)
+    with torch.no_grad():
+        result = {"rank": rank, "rows": len(rows), "forward": forward,
+                  "bytes_sent": transfer_bytes(ring, batch, n, hidden, pair.element_size(), incoming),
+                  "contraction": timed(clock, contraction, args.reps), "products": timed(clock, products, args.reps),
+                  "transfers": timed(clock, transfers, args.reps)}
+    moving = result["transfers"]["median_ms"]
+    overlap = result["products"]["median_ms"] + moving - result["contraction"]["median_ms"]
+    result["hidden_share"] = min(1.0, max(0.0, overlap / moving)) if moving > 0 else float("nan")
     if device.type == "cuda":
         result["peak_mib_forward"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     if args.backward:
@@ -130,13 +157,11 @@ def bench_shape(shape, args, device):
             model.zero_grad(set_to_none=True)
             model(leaf, mask).float().square().mean().backward()
         result["training_step"] = timed(clock, step, args.reps)
-    total, moving = result["forward"]["median_ms"], result["transfers"]["median_ms"]
-    result["transfer_share_of_forward"] = moving / total if total else None
     return gather_results(result, device)
 
 
-_FIELDS = ("rows", "bytes_sent", "peak_mib_forward", "transfer_share_of_forward")
-_TIMES = ("forward", "transfers", "training_step")
+_FIELDS = ("rows", "bytes_sent", "peak_mib_forward", "hidden_share")
+_TIMES = ("forward", "contraction", "products", "transfers", "training_step")
 
 
 def gather_results(result, device):
@@ -194,8 +219,10 @@ def main(argv=None):
             if dist.get_rank() == 0:
                 slowest = max(r["forward"]["median_ms"] for r in ranks)
                 print(f"{shape} P={len(ranks)} {args.dtype} {args.direction}: forward {slowest:.2f} ms (slowest "
-                      f"rank), transfers alone {max(r['transfers']['median_ms'] for r in ranks):.2f} ms, "
-                      f"{max(r['bytes_sent'] for r in ranks) / 1e9:.3f} GB sent per rank"
+                      f"rank), contraction {max(r['contraction']['median_ms'] for r in ranks):.2f} ms, its "
+                      f"transfers alone {max(r['transfers']['median_ms'] for r in ranks):.2f} ms, hidden "
+                      f"{min(r['hidden_share'] for r in ranks):.0%} (least of the ranks), "
+                      f"{max(r['bytes_sent'] for r in ranks) / 1e6:.1f} MB sent per rank"
                       + (f", training step {max(r['training_step']['median_ms'] for r in ranks):.2f} ms"
                          if args.backward else "")
                       + (f", peak {max(r['peak_mib_forward'] for r in ranks):.0f} MiB"
