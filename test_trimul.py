@@ -2429,3 +2429,19 @@ def test_sharded_two_processes_share_the_gpu(tmp_path):
     """Two ranks on one GPU, gloo (transfers staged through the CPU): the sharded path on CUDA tensors."""
     cases = [(fresh_seed(), direction, "normalized", 1, 33, 16, 24, False) for direction in ti.DIRECTIONS]
     _spawn(_sharded_worker, 2, tmp_path, cases, "cuda")
+
+
+def test_distributed_bench_runs_on_cpus(tmp_path):
+    """bench/distributed.py under torchrun with gloo on the CPU: one line per shape and a JSON with every rank."""
+    out = tmp_path / "distributed.json"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                          os.path.join(HERE, "bench", "distributed.py"), "--device", "cpu", "--dtype", "fp32",
+                          "--precision", "highest", "--shapes", "1,9,8,4", "--reps", "2", "--backward",
+                          "--direction", "incoming", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"\(1, 9, 8, 4\) P=2 fp32 incoming: forward [\d.]+ ms", run.stdout), run.stdout
+    import json
+    report = json.loads(out.read_text())
+    ranks = report["shapes"]["1,9,8,4"]
+    assert [r["rows"] for r in ranks] == [5, 4] and all("training_step" in r for r in ranks)
