@@ -998,6 +998,7 @@ class ForwardSteps:
 # (W diag(w), b + W b_ln), so every pass handles normalized rows, and each LayerNorm's and Linear's
 # gradients come from the folded GEMM's (_unfolded_grads). Weight gradients reduce over positions in a
 # fixed order (GEMMs and sums, no atomics): equal inputs give bitwise-equal gradients.
+
 # The backward's operand dtype per mode. fp16 inputs too take bf16: fp16's range cannot hold the backward's
 # intermediates (LayerNorm_out of a masked, all-zero z row scales d z by 1/sqrt(eps); its da overflowed fp16).
 _COMPUTE_DTYPE = {"bf16": torch.bfloat16, "f16": torch.bfloat16, "high": torch.float32, "highest": torch.float32}

@@ -90,7 +90,8 @@ struct ForwardArgs {
   const void* mask;
   MaskKind mask_kind;
   int64_t mask_sb, mask_sr, mask_sc;
-  bool mask_at_most_one;  // a bool mask: the contraction may take scaled fp16 operands (ab_f16)
+  bool mask_at_most_one;  // |mask| <= 1, or its bound folded into f16x3_scales: the contraction may take scaled
+                          // fp16 operands (ab_f16)
   int64_t batch, n, c, h;
   bool incoming;          // contract over the first index (bkih,bkjh->bijh)
   bool gate_normalized;   // out_gate reads LayerNorm_in(pair) instead of pair

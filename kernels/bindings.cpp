@@ -284,11 +284,30 @@ trimul::ForwardArgs forward_args(const at::Tensor& pair, const at::Tensor& mask,
 struct Planned {
   trimul::ForwardArgs args;
   trimul::ForwardPlan plan;
+  at::Tensor mask_scales;  // the fp32 modes' scales with a non-bool mask's bound folded in (scales_for_mask)
 };
+
+// The fp32 modes' F16x3Scale factors for a mask that is not bool: |a| and |b| grow with max|mask| past 1, so
+// the contraction operands' scale 2^s_ab (kAbUp) drops, and its way back (kZDown) grows, by the power of two at
+// or above max(1, max|mask|). Computed on the device (no synchronisation), so every mask takes the scaled fp16
+// operands a bool mask does, at the same accuracy.
+at::Tensor scales_for_mask(const at::Tensor& scales, const at::Tensor& mask) {
+  const at::Tensor bound = mask.abs().amax().to(at::kFloat).clamp_min(1.0);
+  const at::Tensor shift = at::exp2(at::ceil(at::log2(bound)));
+  at::Tensor out = scales.clone();
+  out.narrow(0, trimul::kAbUp, 1).div_(shift);
+  out.narrow(0, trimul::kZDown, 1).mul_(shift * shift);
+  return out;
+}
 
 Planned plan_call(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
                   const ForwardOptions& options) {
-  Planned planned{forward_args(pair, mask, weights, options), {}};
+  Planned planned{forward_args(pair, mask, weights, options), {}, {}};
+  if (planned.args.f16x3_scales != nullptr && !planned.args.mask_at_most_one && mask.numel() > 0) {
+    planned.mask_scales = scales_for_mask(weights[11], mask);
+    planned.args.f16x3_scales = planned.mask_scales.data_ptr<float>();
+    planned.args.mask_at_most_one = true;
+  }
   char message[1024] = "";
   const auto chosen = options.chosen();
   check_plan(library().plan_forward(&planned.args, chosen.data(), &planned.plan, message, sizeof(message)), message);
