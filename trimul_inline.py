@@ -1791,6 +1791,11 @@ class _Ring:
     def all_to_all(self, chunks):
         """chunks[s] ([.., rows, cols]) to rank s; returns what each rank sent here, in rank order: from rank s a
         chunk of its rows and this rank's columns, so the last two sizes of chunks[s] swapped."""
+        return self.start_all_to_all(chunks)()
+
+    def start_all_to_all(self, chunks):
+        """all_to_all started: returns (wait() -> the received chunks); this rank's own chunk is chunks[rank]
+        and needs no waiting."""
         device = "cpu" if self.stage else chunks[0].device
         received = [chunks[0].new_empty(c.shape[:-2] + (c.shape[-1], c.shape[-2]), device=device) for c in chunks]
         # (point-to-point pairs, not dist.all_to_all: gloo's takes only chunks of one size, and N need not
@@ -1801,10 +1806,15 @@ class _Ring:
                 ops.append(self.dist.P2POp(self.dist.isend, self._staged(chunks[s].contiguous()), self.peer(s),
                                            self.group))
                 ops.append(self.dist.P2POp(self.dist.irecv, received[s], self.peer(s), self.group))
-        for request in self.dist.batch_isend_irecv(ops) if ops else ():
-            request.wait()
-        received[self.rank] = chunks[self.rank]
-        return [r.to(chunks[0].device) for r in received] if self.stage else received
+        requests = self.dist.batch_isend_irecv(ops) if ops else []
+
+        def wait():
+            for request in requests:
+                request.wait()
+            out = [r.to(chunks[0].device) for r in received] if self.stage else list(received)
+            out[self.rank] = chunks[self.rank]
+            return out
+        return wait
 
 
 def _ring_products(ring: _Ring, local, product, row_dim: int):
@@ -1862,18 +1872,27 @@ class _ShardedContraction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a_t, b_t, ring, incoming):
         columns = _column_slices(ring)
-        if incoming:  # a[k, i] for every k and this rank's i: [B, H, N, N_r]
-            a_t = torch.cat(ring.all_to_all([a_t[..., c] for c in columns]), dim=2)
-            z = a_t.new_zeros(a_t.shape[:2] + (a_t.shape[3], b_t.shape[3]))
+        if incoming:  # a[k, i] for every k and this rank's i, chunk by chunk of k
+            chunks = [a_t[..., c] for c in columns]
+            arrival = ring.start_all_to_all(chunks)
+            received = {}  # (the own chunk's product runs while the others arrive)
+            z = a_t.new_zeros(a_t.shape[:2] + (chunks[ring.rank].shape[3], b_t.shape[3]))
 
             def product(block, s):
-                z.add_(a_t[:, :, columns[s]].transpose(-1, -2) @ block)
+                if s != ring.rank and not received:
+                    received.update(enumerate(arrival()))
+                chunk = chunks[s] if s == ring.rank else received[s]
+                z.add_(chunk.transpose(-1, -2) @ block)
         else:
             z = a_t.new_empty(a_t.shape[:3] + (sum(ring.counts),))
 
             def product(block, s):
                 z[..., columns[s]] = a_t @ block.transpose(-1, -2)
         _ring_products(ring, b_t, product, 2)
+        if incoming:  # a's column block [B, H, N, N_r], for the backward
+            if not received:
+                received.update(enumerate(arrival()))
+            a_t = torch.cat([received[s] for s in range(ring.world)], dim=2)
         ctx.save_for_backward(a_t, b_t)
         ctx.ring, ctx.incoming = ring, incoming
         return z
