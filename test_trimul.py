@@ -2382,7 +2382,15 @@ def _sharded_worker(rank, world, store, cases, device):
                 dist.all_reduce(total, group=dist.group.WORLD)
                 assert _grad_error(total.cpu(), p_ref.grad) < 1e-12, f"{label}: {name}"
     finally:
-        dist.destroy_process_group()
+        _leave_group(dist)
+
+
+def _leave_group(dist):
+    """Every rank at one barrier, then the group destroyed: a rank that closes its gloo connections while a
+    peer is still tearing down aborts that peer (seen as SIGABRT, 'terminate called without an active
+    exception'). The barrier waits out the group's timeout if a peer died."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _spawn(worker, world, tmp_path, *args):
@@ -2416,7 +2424,7 @@ def _bad_input_worker(rank, world, store):
         with pytest.raises(ValueError, match=expected):
             model(pair, mask)
     finally:
-        dist.destroy_process_group()
+        _leave_group(dist)
 
 
 def test_sharded_bad_input_raises_on_every_rank(tmp_path):

@@ -232,6 +232,7 @@ def main(argv=None):
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(report, f, indent=1)
+        dist.barrier()  # (no rank tears its connections down while a peer still uses them)
     finally:
         dist.destroy_process_group()
 
