@@ -1738,17 +1738,19 @@ def _grad_error(got, ref):
     return rel_error(got, ref) if ref.norm() > 0 else float(got.double().norm())
 
 
-def _gradients(model, pair, mask, grad_out, autocast=False):
-    """model(pair, mask) and the gradients of sum(grad_out * out): d pair_repr, every parameter's, and a
-    floating mask's."""
-    pair = pair.detach().requires_grad_()
-    mask = mask.detach().requires_grad_(mask.is_floating_point())
-    model.zero_grad(set_to_none=True)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+def _gradients(model, pair, mask, grad_out, autocast=False, params=None):
+    """model(pair, mask) and the gradients of sum(grad_out * out): d pair_repr, every parameter's (those of
+    `params`, {name: tensor}, for a callable that is not the module holding them), and a floating mask's."""
+    if params is None:  # (a compiled module's parameters are named after the module it wraps)
+        params = {name.removeprefix("_orig_mod."): p for name, p in model.named_parameters()}
+    for p in params.values():
+        p.grad = None
+    pair = pair.detach().clone().requires_grad_()
+    mask = mask.detach().clone().requires_grad_(mask.is_floating_point())
+    with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
         out = model(pair, mask)
     out.backward(grad_out.to(out.dtype))
-    # (a compiled module's parameters are named after the module it wraps)
-    grads = {"pair_repr": pair.grad, **{name.removeprefix("_orig_mod."): p.grad for name, p in model.named_parameters()}}
+    grads = {"pair_repr": pair.grad, **{name: p.grad for name, p in params.items()}}
     if mask.requires_grad:
         grads["pair_mask"] = mask.grad
     return out, grads
@@ -2000,7 +2002,7 @@ def test_backward_math_matches_autograd_on_cpu(direction, gate_input, batch, n, 
     model = random_layers(ti.Model(pair_dim, hidden, direction, gate_input).double(), g)
     pair, mask = random_inputs(batch, n, pair_dim, g, mask_dtype=torch.float64 if float_mask else torch.bool)
     grad_out = torch.randn(pair.shape, generator=g, dtype=torch.float64)
-    _, ref = _gradients_cpu(model, pair, mask, grad_out)
+    _, ref = _gradients(model, pair, mask, grad_out)
     grads = ti.training_backward(grad_out, pair, mask, ti._param_list(model), ti.Kernels(), "highest",
                                  direction == "incoming", gate_input == "normalized", 1e-5, 1e-5, float_mask)
     names = ["pair_repr", "pair_mask"] + [name for name, _ in model.named_parameters()]
@@ -2022,7 +2024,7 @@ def test_training_op_on_cpu_matches_autograd_and_passes_opcheck(direction, mask_
     model = random_layers(ti.Model(12, 20, direction, "normalized").double(), g)
     pair, mask = random_inputs(2, 7, 12, g, mask_dtype=mask_dtype)
     grad_out = torch.randn(pair.shape, generator=g, dtype=torch.float64)
-    _, ref = _gradients_cpu(model, pair, mask, grad_out)
+    _, ref = _gradients(model, pair, mask, grad_out)
     params = ti._param_list(model)
     options = ("auto", "highest", direction == "incoming", True, 1e-5, 1e-5)
 
@@ -2030,7 +2032,7 @@ def test_training_op_on_cpu_matches_autograd_and_passes_opcheck(direction, mask_
         return ti.trimul(pair_repr, pair_mask, params, [], *options)
 
     for fn in (call, torch.compile(call, fullgraph=True, backend="aot_eager")):
-        _, got = _gradients_cpu(fn, pair, mask, grad_out, params=dict(model.named_parameters()))
+        _, got = _gradients(fn, pair, mask, grad_out, params=dict(model.named_parameters()))
         for name, grad in ref.items():
             assert _grad_error(got[name], grad) < 1e-12, f"{name} (seed {seed})"
     pair.requires_grad_()
@@ -2056,20 +2058,6 @@ def test_backward_op_passes_opcheck_on_cpu():
     for mask_grad in (False, True):
         torch.library.opcheck(ti.trimul_backward, (torch.randn_like(pair), pair, mask, params, "auto", "highest", True,
                                                    True, 1e-5, 1e-5, mask_grad))
-
-
-def _gradients_cpu(model, pair, mask, grad_out, params=None):
-    params = dict(model.named_parameters()) if params is None else params
-    for p in params.values():
-        p.grad = None
-    pair = pair.clone().requires_grad_()
-    mask = mask.clone().requires_grad_(mask.is_floating_point())
-    out = model(pair, mask)
-    out.backward(grad_out)
-    grads = {"pair_repr": pair.grad, **{name: p.grad for name, p in params.items()}}
-    if mask.requires_grad:
-        grads["pair_mask"] = mask.grad
-    return out, grads
 
 
 # ---- other models' layers: bias=False, from_module, replace_modules, from_alphafold_params ------------------

@@ -1040,12 +1040,11 @@ def _folded(weight, bias, ln_weight, ln_bias):
 
 def _planes(rows: torch.Tensor, batch: int, n: int, incoming: bool) -> torch.Tensor:
     """[B*N*N, H] position rows -> [B*H, N, N] planes, the contraction's operand layout (ForwardArgs::a_t)."""
-    order = (0, 3, 2, 1) if incoming else (0, 3, 1, 2)
-    return rows.view(batch, n, n, -1).permute(order).reshape(-1, n, n)
+    return _contraction_layout(rows.view(batch, n, n, -1), "incoming" if incoming else "outgoing")
 
 
 def _rows(planes: torch.Tensor, batch: int, n: int, incoming: bool) -> torch.Tensor:
-    """_planes' inverse."""
+    """_planes' inverse: [B*H, N, N] planes -> [B*N*N, H] position rows."""
     order = (0, 3, 2, 1) if incoming else (0, 2, 3, 1)
     return planes.view(batch, -1, n, n).permute(order).reshape(batch * n * n, -1)
 
@@ -1325,18 +1324,33 @@ def trimul(pair: torch.Tensor, mask: torch.Tensor, params: list[torch.Tensor], w
                          gate_normalized, eps_in, eps_out, hidden)
 
 
+def _layers_in(params, pair, mask, eps_in, cast_mask=False):
+    """x = LayerNorm_in(pair) and a, b = proj(x) * sigmoid(gate(x)) * mask ([B, rows, N, H]) on a parameter list
+    (_PARAM_PATHS order). cast_mask: the mask in a's dtype first (under autocast a stays bf16)."""
+    ln_w, ln_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b = params[:10]
+    linear = torch.nn.functional.linear
+    x = torch.nn.functional.layer_norm(pair, pair.shape[-1:], ln_w, ln_b, eps_in)
+    m = mask.unsqueeze(-1)
+
+    def gated(proj_w, proj_b, gate_w, gate_b):
+        p = linear(x, proj_w, proj_b) * torch.sigmoid(linear(x, gate_w, gate_b))
+        return p * (m.to(p.dtype) if cast_mask else m)
+    return x, gated(pa_w, pa_b, ga_w, ga_b), gated(pb_w, pb_b, gb_w, gb_b)
+
+
+def _layers_out(params, z, gate_source, eps_out):
+    """sigmoid(out_gate(gate_source)) * out_proj(LayerNorm_out(z)) on a parameter list (_PARAM_PATHS order)."""
+    ln_w, ln_b, out_w, out_b, gate_w, gate_b = params[10:]
+    linear = torch.nn.functional.linear
+    o = linear(torch.nn.functional.layer_norm(z, z.shape[-1:], ln_w, ln_b, eps_out), out_w, out_b)
+    return torch.sigmoid(linear(gate_source, gate_w, gate_b)) * o
+
+
 def _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in, eps_out):
     """reference_forward on a parameter list (_PARAM_PATHS order)."""
-    (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
-     out_w, out_b, gate_w, gate_b) = params
-    linear, layer_norm = torch.nn.functional.linear, torch.nn.functional.layer_norm
-    x = layer_norm(pair, pair.shape[-1:], ln_in_w, ln_in_b, eps_in)
-    m = mask.unsqueeze(-1)
-    a = linear(x, pa_w, pa_b) * torch.sigmoid(linear(x, ga_w, ga_b)) * m
-    b = linear(x, pb_w, pb_b) * torch.sigmoid(linear(x, gb_w, gb_b)) * m
+    x, a, b = _layers_in(params, pair, mask, eps_in)
     z = torch.einsum("bkih,bkjh->bijh" if incoming else "bikh,bjkh->bijh", a, b)
-    o = linear(layer_norm(z, z.shape[-1:], ln_out_w, ln_out_b, eps_out), out_w, out_b)
-    return torch.sigmoid(linear(x if gate_normalized else pair, gate_w, gate_b)) * o
+    return _layers_out(params, z, x if gate_normalized else pair, eps_out)
 
 
 @trimul.register_fake
@@ -1417,9 +1431,10 @@ _FUSED_MASK_DTYPES = (torch.bool, torch.uint8, torch.int32, torch.int64, torch.f
 _reference_warned = set()
 
 
-def check_inputs(layers: _TriMulLayers, pair_repr, pair_mask) -> None:
-    """The one input check of every path (fused kernels, autograd path, reference fallback): raises
-    ValueError/TypeError naming the problem; silent for good input."""
+def check_inputs(layers: _TriMulLayers, pair_repr, pair_mask, rows: Optional[int] = None) -> None:
+    """The one input check of every path (fused kernels, autograd path, reference fallback, a rank's block):
+    raises ValueError/TypeError naming the problem; silent for good input. rows: a sharded rank's row count
+    (pair_repr (B, rows, N, C)); None: all N."""
     for name, value in (("pair_repr", pair_repr), ("pair_mask", pair_mask)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -1427,14 +1442,15 @@ def check_inputs(layers: _TriMulLayers, pair_repr, pair_mask) -> None:
     if pair_repr.dim() != 4:
         raise ValueError(f"pair_repr must have shape (B, N, N, C); got {shape} ({pair_repr.dim()}-D)")
     batch, n_rows, n_cols, channels = shape
-    if n_rows != n_cols:
-        raise ValueError(f"pair_repr must be (B, N, N, C) with equal middle dims; got {shape}")
+    if n_rows != (n_cols if rows is None else rows):
+        raise ValueError(f"pair_repr must be (B, N, N, C) with equal middle dims; got {shape}" if rows is None else
+                         f"pair_repr must be this rank's rows (B, {rows}, N, C); got {shape}")
     if channels != layers.pair_dim:
         raise ValueError(f"pair_repr has C={channels} channels but the model has "
                          f"pair_dim={layers.pair_dim}")
     if tuple(pair_mask.shape) != (batch, n_rows, n_cols):
-        raise ValueError(f"pair_mask must have shape (B, N, N) = {(batch, n_rows, n_cols)} to match "
-                         f"pair_repr {shape}; got {tuple(pair_mask.shape)}")
+        raise ValueError(f"pair_mask must have shape {'(B, N, N)' if rows is None else '(B, N_r, N)'} = "
+                         f"{(batch, n_rows, n_cols)} to match pair_repr {shape}; got {tuple(pair_mask.shape)}")
     if not pair_repr.is_floating_point():
         raise TypeError(f"pair_repr must be a floating-point tensor; got {pair_repr.dtype}")
     if pair_mask.is_complex():
@@ -1700,46 +1716,29 @@ class ModelNew(_TriMulLayers):
     def _forward_sharded(self, pair_repr, pair_mask):
         """This rank's rows of the update (process_group): the per-position layers on its rows, the contraction
         across ranks (_ShardedContraction)."""
-        for name, value in (("pair_repr", pair_repr), ("pair_mask", pair_mask)):
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-        ring = _Ring(self.process_group, pair_repr.shape[2] if pair_repr.dim() == 4 else 0, pair_repr.device)
+        shaped = isinstance(pair_repr, torch.Tensor) and pair_repr.dim() == 4
+        ring = _Ring(self.process_group, pair_repr.shape[2] if shaped else 0,
+                     pair_repr.device if shaped else torch.device("cpu"))
         _check_sharded_inputs(self, ring, pair_repr, pair_mask)
-        (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
-         out_w, out_b, gate_w, gate_b) = _param_list(self)
-        linear, layer_norm = torch.nn.functional.linear, torch.nn.functional.layer_norm
+        params = _param_list(self)
         with _float32_matmul_precision(self.resolved_precision()):
-            x = layer_norm(pair_repr, pair_repr.shape[-1:], ln_in_w, ln_in_b, self.layer_norm_in.eps)
-            mask = pair_mask.unsqueeze(-1)
-            a, b = (linear(x, proj_w, proj_b) * torch.sigmoid(linear(x, g_w, g_b)) for proj_w, proj_b, g_w, g_b in
-                    ((pa_w, pa_b, ga_w, ga_b), (pb_w, pb_b, gb_w, gb_b)))
-            a, b = a * mask.to(a.dtype), b * mask.to(b.dtype)
+            x, a, b = _layers_in(params, pair_repr, pair_mask, self.layer_norm_in.eps, cast_mask=True)
             # planes [B, H, N_r, N] of this rank's rows (incoming: rows are the contracted index k)
             z = _ShardedContraction.apply(a.permute(0, 3, 1, 2).contiguous(), b.permute(0, 3, 1, 2).contiguous(),
                                           ring, self.direction == "incoming").permute(0, 2, 3, 1)
-            o = linear(layer_norm(z, z.shape[-1:], ln_out_w, ln_out_b, self.layer_norm_out.eps), out_w, out_b)
-            gate_source = pair_repr if self.gate_input == "raw" else x
-            return torch.sigmoid(linear(gate_source, gate_w, gate_b)) * o
+            return _layers_out(params, z, pair_repr if self.gate_input == "raw" else x, self.layer_norm_out.eps)
 
     def _forward_unfused(self, pair_repr, pair_mask):
         """PyTorch layers around the `contract` op (its kernels, its backward): sizes the fused passes do not
         take."""
-        (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
-         out_w, out_b, gate_w, gate_b) = _param_list(self)
-        linear, layer_norm = torch.nn.functional.linear, torch.nn.functional.layer_norm
+        params = _param_list(self)
         batch, n = pair_repr.shape[:2]
-        x = layer_norm(pair_repr, pair_repr.shape[-1:], ln_in_w, ln_in_b, self.layer_norm_in.eps)
-        mask = pair_mask.unsqueeze(-1)
-        a, b = (linear(x, proj_w, proj_b) * torch.sigmoid(linear(x, g_w, g_b)) for proj_w, proj_b, g_w, g_b in
-                ((pa_w, pa_b, ga_w, ga_b), (pb_w, pb_b, gb_w, gb_b)))
-        a, b = a * mask.to(a.dtype), b * mask.to(b.dtype)
+        x, a, b = _layers_in(params, pair_repr, pair_mask, self.layer_norm_in.eps, cast_mask=True)
         kernel = _with_override(self.kernels).contract or ""
         z = contract(_contraction_layout(a, self.direction), _contraction_layout(b, self.direction),
                      kernel, self.resolved_precision())
         z = z.view(batch, self.hidden_dim, n, n).permute(0, 2, 3, 1)
-        o = linear(layer_norm(z, z.shape[-1:], ln_out_w, ln_out_b, self.layer_norm_out.eps), out_w, out_b)
-        gate_source = pair_repr if self.gate_input == "raw" else x
-        return torch.sigmoid(linear(gate_source, gate_w, gate_b)) * o
+        return _layers_out(params, z, pair_repr if self.gate_input == "raw" else x, self.layer_norm_out.eps)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1761,6 +1760,7 @@ class _Ring:
         self.dist, self.group = dist, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.counts = [len(shard_rows(n, self.world, r)) for r in range(self.world)]
+        self.columns = [slice(r.start, r.stop) for r in (shard_rows(n, self.world, s) for s in range(self.world))]
         self.stage = device.type == "cuda" and dist.get_backend(group) == "gloo"
 
     def peer(self, rank: int) -> int:
@@ -1856,11 +1856,6 @@ def _ring_reduce(ring: _Ring, partial, row_dim: int):
     return own if accumulator is None else accumulator + own
 
 
-def _column_slices(ring: _Ring):
-    starts = [sum(ring.counts[:s]) for s in range(ring.world)]
-    return [slice(start, start + count) for start, count in zip(starts, ring.counts)]
-
-
 class _ShardedContraction(torch.autograd.Function):
     """z's rows of this rank from a/b planes [B, H, N_r, N] of this rank's rows (a_t[b, h, r, k] is position
     (r, k): row r of this rank's block). Outgoing: z[i, j] = sum_k a[i, k] b[j, k], b's row blocks round the
@@ -1871,7 +1866,7 @@ class _ShardedContraction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a_t, b_t, ring, incoming):
-        columns = _column_slices(ring)
+        columns = ring.columns
         if incoming:  # a[k, i] for every k and this rank's i, chunk by chunk of k
             chunks = [a_t[..., c] for c in columns]
             arrival = ring.start_all_to_all(chunks)
@@ -1900,7 +1895,7 @@ class _ShardedContraction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_z):
         a_t, b_t = ctx.saved_tensors
-        ring, columns = ctx.ring, _column_slices(ctx.ring)
+        ring, columns = ctx.ring, ctx.ring.columns
         d_z = d_z.contiguous()
         if ctx.incoming:  # a_t: [B, H, N (k), N_r (i)]; z[i, j] = sum_k a[k, i] b[k, j]
             d_a = torch.empty_like(a_t)
@@ -1925,22 +1920,18 @@ def _check_sharded_inputs(layers, ring: _Ring, pair_repr, pair_mask) -> None:
     timeout), so a bad block raises on every rank instead of leaving the others waiting in the ring."""
     problem = None
     try:
-        if pair_repr.dim() != 4:
-            raise ValueError(f"pair_repr must be this rank's rows (B, N_r, N, C); got {tuple(pair_repr.shape)}")
-        batch, rows, n, channels = pair_repr.shape
-        expected = len(shard_rows(n, ring.world, ring.rank))
-        if rows != expected:
-            raise ValueError(f"pair_repr has {rows} rows on rank {ring.rank} of {ring.world}, but N = {n} gives "
-                             f"this rank {expected} (torch.tensor_split(torch.arange(N), world)[rank])")
-        if channels != layers.pair_dim:
-            raise ValueError(f"pair_repr has C={channels} channels but the model has pair_dim={layers.pair_dim}")
-        if tuple(pair_mask.shape) != (batch, rows, n):
-            raise ValueError(f"pair_mask must be this rank's rows (B, N_r, N) = {(batch, rows, n)}; got "
-                             f"{tuple(pair_mask.shape)}")
+        if isinstance(pair_repr, torch.Tensor) and pair_repr.dim() == 4:
+            batch, rows, n, _ = pair_repr.shape
+            expected = len(shard_rows(n, ring.world, ring.rank))
+            if rows != expected:
+                raise ValueError(f"pair_repr has {rows} rows on rank {ring.rank} of {ring.world}, but N = {n} gives "
+                                 f"this rank {expected} (torch.tensor_split(torch.arange(N), world)[rank])")
+        check_inputs(layers, pair_repr, pair_mask, rows=ring.counts[ring.rank])
         sizes = [batch, n]
-    except ValueError as error:
+    except (ValueError, TypeError) as error:
         problem, sizes = error, [-1, -1]
-    device = pair_repr.device if pair_repr.is_cuda and not ring.stage else torch.device("cpu")
+    cuda = isinstance(pair_repr, torch.Tensor) and pair_repr.is_cuda and not ring.stage
+    device = pair_repr.device if cuda else torch.device("cpu")
     flags = torch.tensor([1 if problem else 0] + sizes, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(flags) for _ in range(ring.world)]
     ring.dist.all_gather(gathered, flags, group=ring.group)

@@ -78,7 +78,7 @@ def transfers_only(ring, batch, n, hidden, dtype, device, incoming):
 
     def run():
         if incoming:
-            ring.all_to_all([block[..., c] for c in ti._column_slices(ring)])
+            ring.all_to_all([block[..., c] for c in ring.columns])
         ti._ring_products(ring, block, lambda b, s: None, 2)
     return run
 
@@ -92,7 +92,7 @@ def contraction_parts(ring, batch, n, hidden, dtype, device, incoming):
     a_t, b_t = planes(rows, n), planes(rows, n)
     a_cols = planes(n, rows)  # (incoming: a's column block after the all-to-all)
     blocks = [planes(ring.counts[s], n) for s in range(ring.world)]
-    columns = ti._column_slices(ring)
+    columns = ring.columns
 
     def products():
         for s, block in enumerate(blocks):

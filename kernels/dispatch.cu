@@ -148,19 +148,33 @@ ContractArgs contract_args(const ForwardArgs& args, Dtype ab, bool split) {
   return c;
 }
 
+// The kernel of `role` for a call: the chosen one (pick >= 0) if takes(it), else the first of the role's
+// default order that takes it. not_applies (a chosen kernel that does not) or no_kernel: the caller says why.
+template <class Takes>
+PlanStatus pick_in_order(Role role, int pick, Takes&& takes, int* kernel) {
+  if (pick >= 0) {
+    if (!takes(pick)) return PlanStatus::not_applies;
+    *kernel = pick;
+    return PlanStatus::ok;
+  }
+  for (int index : library().order[role_index(role)])
+    if (takes(index)) {
+      *kernel = index;
+      return PlanStatus::ok;
+    }
+  return PlanStatus::no_kernel;
+}
+
 // The chosen kernel of a pass role if it takes args, else the first of its default order that does;
 // -1 for none.
 int pass_kernel(Role role, int chosen, const ForwardArgs& args) {
   const Library& lib = library();
-  if (chosen >= 0) {
-    const Implementation* impl = lib.implementation[chosen];
-    return impl != nullptr && impl->pass_applies(args) ? chosen : -1;
-  }
-  for (int index : lib.order[role_index(role)]) {
+  int kernel = -1;
+  pick_in_order(role, chosen, [&](int index) {
     const Implementation* impl = lib.implementation[index];
-    if (impl != nullptr && impl->pass_applies(args)) return index;
-  }
-  return -1;
+    return impl != nullptr && impl->pass_applies(args);
+  }, &kernel);
+  return kernel;
 }
 
 // A placeholder for the z buffer while the forward is planned (applies() tests presence only).
@@ -307,25 +321,16 @@ PlanStatus plan_contraction(const ContractArgs* args, const char* chosen, int* k
   const Library& lib = library();
   const int pick = chosen_kernel(Role::contract, chosen, message, size);
   if (pick == -2) return PlanStatus::invalid;
-  if (pick >= 0) {
-    const Implementation* impl = lib.implementation[pick];
-    if (impl != nullptr && impl->contract_launch != nullptr && impl->contract_applies(*args)) {
-      *kernel = pick;
-      return PlanStatus::ok;
-    }
+  const PlanStatus status = pick_in_order(Role::contract, pick, [&](int index) {
+    const Implementation* impl = lib.implementation[index];
+    return impl != nullptr && impl->contract_launch != nullptr && impl->contract_applies(*args);
+  }, kernel);
+  if (status == PlanStatus::not_applies)
     say(message, size, "trimul_inline: the contract kernel '%s' does not take this call; it applies when: %s",
         lib.kernels[pick].name, lib.kernels[pick].applies);
-    return PlanStatus::not_applies;
-  }
-  for (int index : lib.order[role_index(Role::contract)]) {
-    const Implementation* impl = lib.implementation[index];
-    if (impl != nullptr && impl->contract_launch != nullptr && impl->contract_applies(*args)) {
-      *kernel = index;
-      return PlanStatus::ok;
-    }
-  }
-  say(message, size, "trimul_inline: no contract kernel takes these operands on this GPU");
-  return PlanStatus::no_kernel;
+  if (status == PlanStatus::no_kernel)
+    say(message, size, "trimul_inline: no contract kernel takes these operands on this GPU");
+  return status;
 }
 
 cudaError_t run_contraction(int kernel, const ContractArgs* args) {
@@ -380,28 +385,19 @@ PlanStatus plan_backward(Role role, const BackwardArgs* args, const char* chosen
   const Library& lib = library();
   const int pick = chosen_kernel(role, chosen, message, size);
   if (pick == -2) return PlanStatus::invalid;
-  auto takes = [&](int index) {
+  const PlanStatus status = pick_in_order(role, pick, [&](int index) {
     const Implementation* impl = lib.implementation[index];
     return lib.kernels[index].torch ||
            (impl != nullptr && impl->backward_launch != nullptr && impl->backward_applies(*args));
-  };
-  if (pick >= 0) {
-    if (takes(pick)) {
-      *kernel = lib.kernels[pick].torch ? -1 : pick;
-      return PlanStatus::ok;
-    }
+  }, kernel);
+  if (status == PlanStatus::ok && lib.kernels[*kernel].torch) *kernel = -1;
+  if (status == PlanStatus::not_applies)
     say(message, size, "trimul_inline: the %s kernel '%s' does not take this call (pair_dim %lld, hidden %lld); it "
         "applies when: %s", kRoleNames[role_index(role)], lib.kernels[pick].name, static_cast<long long>(args->c),
         static_cast<long long>(args->h), lib.kernels[pick].applies);
-    return PlanStatus::not_applies;
-  }
-  for (int index : lib.order[role_index(role)])
-    if (takes(index)) {
-      *kernel = lib.kernels[index].torch ? -1 : index;
-      return PlanStatus::ok;
-    }
-  say(message, size, "trimul_inline: no %s kernel takes this call", kRoleNames[role_index(role)]);
-  return PlanStatus::no_kernel;
+  if (status == PlanStatus::no_kernel)
+    say(message, size, "trimul_inline: no %s kernel takes this call", kRoleNames[role_index(role)]);
+  return status;
 }
 
 cudaError_t run_backward(int kernel, const BackwardArgs* args) {

@@ -32,6 +32,16 @@ __device__ __forceinline__ void row_statistics(const TPair* __restrict__ row, in
   *rstd = rsqrtf(warp_sum(squares) / width + eps);
 }
 
+// Channels h .. h + V - 1 of a position's proj row (pa | ga | pb | gb, H each).
+template <int V, typename T>
+__device__ __forceinline__ void load_proj(const T* __restrict__ proj, int64_t hidden, int64_t h, float* pa, float* ga,
+                                          float* pb, float* gb) {
+  load_pack<V>(proj + h, pa);
+  load_pack<V>(proj + hidden + h, ga);
+  load_pack<V>(proj + 2 * hidden + h, pb);
+  load_pack<V>(proj + 3 * hidden + h, gb);
+}
+
 // pair -> x_hat rows (LayerNorm_in without affine), one warp per position.
 template <typename T, typename TPair, int V>
 __global__ void __launch_bounds__(kThreads) input_rows_kernel(const BackwardArgs args) {
@@ -67,10 +77,7 @@ __global__ void __launch_bounds__(kThreads) gated_planes_kernel(const BackwardAr
     const T* __restrict__ proj = static_cast<const T*>(args.proj) + p * 4 * hidden;
     for (int64_t h = lane * V; h < hidden; h += 32 * V) {
       float pa[V], ga[V], pb[V], gb[V];
-      load_pack<V>(proj + h, pa);
-      load_pack<V>(proj + hidden + h, ga);
-      load_pack<V>(proj + 2 * hidden + h, pb);
-      load_pack<V>(proj + 3 * hidden + h, gb);
+      load_proj<V>(proj, hidden, h, pa, ga, pb, gb);
 #pragma unroll
       for (int i = 0; i < V; ++i) {
         tile_a[(h + i) * kTileStride + q] = pa[i] * sigmoid(ga[i]) * m;
@@ -110,10 +117,7 @@ __global__ void __launch_bounds__(kThreads) d_proj_kernel(const BackwardArgs arg
       float d_mask = 0.f;
       for (int64_t h = lane * V; h < hidden; h += 32 * V) {
         float pa[V], ga[V], pb[V], gb[V];
-        load_pack<V>(proj + h, pa);
-        load_pack<V>(proj + hidden + h, ga);
-        load_pack<V>(proj + 2 * hidden + h, pb);
-        load_pack<V>(proj + 3 * hidden + h, gb);
+        load_proj<V>(proj, hidden, h, pa, ga, pb, gb);
 #pragma unroll
         for (int i = 0; i < V; ++i) {
           const float da = tile_a[(h + i) * kTileStride + q], db = tile_b[(h + i) * kTileStride + q];
