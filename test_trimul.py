@@ -1883,6 +1883,38 @@ def test_training_gradients_are_bitwise_repeatable(precision):
 
 
 @cuda
+@pytest.mark.parametrize("precision, direction, gate_input, mask_dtype",
+                         [("medium", "outgoing", "normalized", torch.bool), ("medium", "incoming", "raw", torch.float32),
+                          ("highest", "incoming", "normalized", torch.float32), ("high", "outgoing", "raw", torch.bool)])
+def test_backward_host_path_equals_the_python_steps(precision, direction, gate_input, mask_dtype):
+    """The extension's one-call backward (host "auto") runs the Python path's steps in C++: the same gradients,
+    bit for bit, every output its own memory; a torch baseline role still takes the Python path."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(24, 40, direction=direction, gate_input=gate_input), g)
+    params = [p.detach().cuda() for p in ti._param_list(model)]
+    pair, mask = random_inputs(2, 37, 24, g, dtype=torch.float32, device="cuda", mask_dtype=mask_dtype)
+    grad_out = torch.randn(pair.shape, generator=g).cuda()
+    mode = ti.compute_mode(pair.dtype, precision)
+    args = (grad_out, pair, mask, params, ti.Kernels(), mode, direction == "incoming", gate_input == "normalized",
+            1e-5, 1e-5, mask.is_floating_point())
+    poison_allocator()
+    fast = ti.training_backward(*args, host="auto")
+    poison_allocator()
+    slow = ti.training_backward(*args, host="python")
+    assert len(fast) == len(slow) == 18
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), i
+    pointers = [t.untyped_storage().data_ptr() for t in fast if t is not None]
+    assert len(set(pointers)) == len(pointers)
+    baseline = ti.training_backward(*args[:4], ti.parse_kernels("input_backward=torch"), *args[5:])
+    for a, b in zip(baseline, slow):
+        if a is not None:
+            assert torch.allclose(a, b, rtol=1e-2, atol=1e-2 * b.abs().max().item())
+
+
+@cuda
 def test_training_runs_the_backward_kernels_and_inference_saves_nothing():
     """With gradients: the fused forward's kernels, then the backward kernels of ours (no unfused layers). With no
     gradient needed: the inference forward, no autograd graph."""

@@ -929,7 +929,12 @@ def fused_forward(pair: torch.Tensor, mask: torch.Tensor, weights: list[torch.Te
                   eps_in: float, eps_out: float, hidden: int) -> torch.Tensor:
     """The whole forward on prepared weights (see prepare_weights); no autograd. *_kernel: a kernel of
     that role ("": its default order)."""
-    kernels = (input_kernel, contract_kernel, output_kernel)
+    return _run_fused_forward(pair, mask, weights, (input_kernel, contract_kernel, output_kernel), mode, incoming,
+                              gate_normalized, eps_in, eps_out, hidden)
+
+
+def _run_fused_forward(pair, mask, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out, hidden):
+    """fused_forward's work, for callers already inside an op (no second dispatch)."""
     options = _forward_options(kernels, mode, incoming, gate_normalized, eps_in, eps_out, hidden)
     with _bmm_precision(kernels, mode):
         return _extension().forward(pair, mask, weights, options)
@@ -1021,11 +1026,12 @@ class _Products:
         return torch.bmm(x, y)
 
     @staticmethod
-    def addmm(total, x, y):
-        """total + x @ y in total's dtype (16-bit products: the sum in the GEMM's epilogue)."""
+    def add_mm_(total, x, y):
+        """total += x @ y in total's dtype, in place (16-bit products: the sum in the GEMM's epilogue)."""
         if x.dtype in (torch.bfloat16, torch.float16) and total.dtype != x.dtype and x.is_cuda:
-            return torch.addmm(total, x, y, out_dtype=total.dtype)
-        return torch.addmm(total, x.to(total.dtype), y.to(total.dtype))
+            torch.addmm(total, x, y, out_dtype=total.dtype, out=total)
+        else:
+            total.addmm_(x.to(total.dtype), y.to(total.dtype))
 
     @staticmethod
     def linear(rows, weight, bias):
@@ -1212,10 +1218,19 @@ def _unfolded_grads(g_folded, s_folded, weight, ln_weight, ln_bias):
 
 
 def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: str, incoming: bool,
-                      gate_normalized: bool, eps_in: float, eps_out: float, mask_grad: bool):
+                      gate_normalized: bool, eps_in: float, eps_out: float, mask_grad: bool, host: str = "auto"):
     """The gradients of sum(grad_out * forward(pair, mask)): [d pair, d mask (None unless mask_grad), then the 16
-    parameters' (_PARAM_PATHS order)], each in its tensor's dtype. Any device; CUDA in the op."""
+    parameters' (_PARAM_PATHS order)], each in its tensor's dtype. Any device; CUDA in the op. host: "auto" runs
+    a CUDA call whose backward roles are library kernels in one extension call (the same steps in C++: the
+    host time of a small step), "python" always here step by step."""
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
+        if pair.is_cuda and pair.dtype != torch.float64 and host != "python" and \
+                kernels.contract_backward in (None, "bmm"):  # (the C++ steps' contraction backward)
+            grads = _extension().training_backward(
+                grad_out, pair, mask, params, kernels.output_backward or "", kernels.input_backward or "",
+                _COMPUTE_DTYPE[mode] == torch.float32, incoming, gate_normalized, eps_in, eps_out, mask_grad)
+            if grads:  # (empty: a backward role runs a torch baseline, which the Python path below runs)
+                return grads
         grads = _training_backward(grad_out, pair, mask, [p.detach() for p in params], kernels, mode, incoming,
                                    gate_normalized, eps_in, eps_out, mask_grad)
     d_pair, d_mask, d_params = grads
@@ -1291,7 +1306,7 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     d_x_hat = products.mm(d_proj, w_in_f.to(dtype), acc)
     del d_proj
     if gate_normalized:
-        d_x_hat = products.addmm(d_x_hat, d_gate, w_gate.to(dtype))
+        products.add_mm_(d_x_hat, d_gate, w_gate.to(dtype))
     raw_gate_share = None if gate_normalized else products.mm(d_gate, gate_w.to(dtype), acc)
     d_pair = inputs.d_pair(pair_rows, eps_in, d_x_hat, raw_gate_share)
     del d_x_hat, d_gate
@@ -1320,8 +1335,8 @@ def trimul(pair: torch.Tensor, mask: torch.Tensor, params: list[torch.Tensor], w
         return _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in, eps_out)
     chosen = parse_kernels(kernels)
     hidden = params[2].shape[0]
-    return fused_forward(pair, mask, weights, *(name or "" for name in chosen[:len(FORWARD_ROLES)]), mode, incoming,
-                         gate_normalized, eps_in, eps_out, hidden)
+    return _run_fused_forward(pair, mask, weights, chosen[:len(FORWARD_ROLES)], mode, incoming, gate_normalized,
+                              eps_in, eps_out, hidden)
 
 
 def _layers_in(params, pair, mask, eps_in, cast_mask=False):

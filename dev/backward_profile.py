@@ -1,7 +1,12 @@
 """Per-kernel CUDA time of one ModelNew training step (forward, loss, backward), by torch.profiler.
 
     python dev/backward_profile.py --shape 1,1024,128,128 --precision medium [--gate-input normalized]
+        [--copies] [--host]
+
+--copies: the PyTorch ops that launched device copies and elementwise kernels (with their input shapes and
+Python stacks); --host: the step's wall time against its CUDA time (a small step is host-bound).
 """
+import time
 import argparse
 import os
 import sys
@@ -19,6 +24,8 @@ def main() -> None:
     parser.add_argument("--gate-input", default="normalized")
     parser.add_argument("--kernels", default=None)
     parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--copies", action="store_true")
+    parser.add_argument("--host", action="store_true")
     args = parser.parse_args()
     batch, n, pair_dim, hidden = (int(x) for x in args.shape.split(","))
     model = ti.ModelNew(pair_dim, hidden, gate_input=args.gate_input, precision=args.precision,
@@ -42,6 +49,60 @@ def main() -> None:
     print(f"{args.shape} {args.precision} {args.gate_input}: {total:.0f} us of CUDA time in {len(events)} kernels")
     for e in sorted(events, key=lambda e: -e.device_time_total)[:args.rows]:
         print(f"{e.device_time_total:9.1f} us  {e.count:3d}x  {e.key[:110]}")
+    if args.copies:
+        print_copies(step)
+    if args.host:
+        print_host_time(step)
+
+
+def print_copies(step) -> None:
+    """The CPU-side ops that moved data (copies, clones, casts, elementwise), by input shapes and stack."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, record_shapes=True, with_stack=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    wanted = ("aten::copy_", "aten::clone", "aten::_to_copy", "aten::contiguous", "aten::mul", "aten::add",
+              "aten::sub", "aten::addmm", "aten::cat", "aten::pow", "aten::mean", "aten::sum")
+    rows = [e for e in prof.key_averages(group_by_input_shape=True, group_by_stack_n=4)
+            if e.key in wanted and e.self_device_time_total > 20]
+    print("ops launching device work (self CUDA us, count, op, input shapes, stack):")
+    for e in sorted(rows, key=lambda e: -e.self_device_time_total):
+        stack = " <- ".join(frame.split("(")[0].split("/")[-1] + ":" + frame.split("(")[-1].split(")")[0]
+                            for frame in e.stack[:4])
+        print(f"{e.self_device_time_total:9.1f} us {e.count:3d}x {e.key} {e.input_shapes} {stack}")
+
+
+def print_host_time(step, repeats: int = 20) -> None:
+    """Wall time per step (synchronised) against the CUDA time between events around it."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    walls, gpus, issues = [], [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        start.record()
+        step()
+        end.record()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+        issues.append(t1 - t0)
+        gpus.append(start.elapsed_time(end) * 1e-3)
+    med = lambda xs: sorted(xs)[len(xs) // 2] * 1e6  # noqa: E731
+    print(f"host: wall {med(walls):.0f} us per step, issue {med(issues):.0f} us, events {med(gpus):.0f} us "
+          f"(median of {repeats})")
+    import cProfile
+    import pstats
+    profiler = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):  # (the backward's Python on this thread, profiled)
+        profiler.enable()
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
+        profiler.disable()
+    stats = pstats.Stats(profiler)
+    print(f"Python functions over {repeats} steps, by own time:")
+    stats.sort_stats("tottime").print_stats(22)
+    stats.sort_stats("cumulative").print_stats(30)
 
 
 if __name__ == "__main__":

@@ -589,6 +589,191 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
   check_launch(library().run_backward(index, &args), std::string("the ") + role + " kernel '" + kernel + "'");
 }
 
+// ---- the training backward's host path ----------------------------------------------------------
+// trimul_inline._training_backward for a call whose output_backward and input_backward roles both run
+// library kernels: the same GEMMs and passes in the same order on the same operands (equal gradients, bit
+// for bit), in one call from Python instead of about a hundred (a small step's cost is its host time).
+namespace host_backward {
+
+bool is_16bit(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
+
+// _Products.mm: x @ y with fp32 accumulation, the result in out_dtype.
+at::Tensor mm_to(const at::Tensor& x, const at::Tensor& y, at::ScalarType out_dtype) {
+  if (is_16bit(x) && out_dtype != x.scalar_type()) return at::mm(x, y, out_dtype);
+  return at::mm(x, y).to(out_dtype);
+}
+
+// _Products.add_mm_: total += x @ y in total's dtype, in place (no copy of total).
+void add_mm_(at::Tensor& total, const at::Tensor& x, const at::Tensor& y) {
+  if (is_16bit(x) && total.scalar_type() != x.scalar_type()) {
+    at::addmm_out(total, total, x, y, total.scalar_type());
+  } else {
+    total.addmm_(x.to(total.scalar_type()), y.to(total.scalar_type()));
+  }
+}
+
+// _Products.linear: rows @ weight^T + bias in the rows' dtype.
+at::Tensor linear(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& bias) {
+  return at::addmm(bias.to(rows.scalar_type()), rows, weight.to(rows.scalar_type()).t());
+}
+
+// _folded: a Linear reading LayerNorm(x) = x_hat * w + b as one on x_hat: (W diag(w), bias + W b).
+std::pair<at::Tensor, at::Tensor> folded(const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& ln_w,
+                                         const at::Tensor& ln_b) {
+  return {weight * ln_w, bias + at::mv(weight, ln_b)};
+}
+
+// _unfolded_grads: (d W, d bias, d ln_weight, d ln_bias) of a folded Linear from its GEMM's g and sum s.
+std::array<at::Tensor, 4> unfolded(const at::Tensor& g, const at::Tensor& s, const at::Tensor& weight,
+                                   const at::Tensor& ln_w, const at::Tensor& ln_b) {
+  return {g * ln_w + at::outer(s, ln_b), s, (weight * g).sum(0), at::mm(s.unsqueeze(0), weight).squeeze(0)};
+}
+
+// One backward role's passes on its library kernel, for one call's sizes.
+struct Passes {
+  std::string role, kernel;
+  int64_t batch, n, c, h;
+  bool incoming;
+  at::Tensor like;  // empty, the operand dtype on the device
+
+  void run(trimul::BackwardPass pass, double eps, const std::unordered_map<std::string, at::Tensor>& tensors) const {
+    backward_pass(role, kernel, static_cast<int64_t>(pass), batch, n, c, h, incoming, eps, like, tensors);
+  }
+};
+
+// The role's kernel for this call (chosen, else the default order's first that takes it); "" for a
+// torch baseline.
+std::string role_kernel(const char* role, const std::string& chosen, const Passes& sizes) {
+  return backward_kernel(role, chosen, sizes.batch, sizes.n, sizes.c, sizes.h, sizes.incoming, sizes.like);
+}
+
+}  // namespace host_backward
+
+// The gradients of sum(grad_out * forward(pair, mask)) as trimul_inline.training_backward returns them
+// ([d pair, d mask or None, the 16 parameters' in _PARAM_PATHS order], each in its tensor's dtype, no two
+// sharing memory), or an empty list where a backward role's kernel is a torch baseline (Python's path
+// then runs it). operand_f32: the operands are fp32 (else bf16); the caller sets the matmul precision.
+std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::Tensor& pair, const at::Tensor& mask,
+                                          const std::vector<at::Tensor>& params, const std::string& output_kernel,
+                                          const std::string& input_kernel, bool operand_f32, bool incoming,
+                                          bool gate_normalized, double eps_in, double eps_out, bool mask_grad) {
+  using namespace host_backward;
+  using P = trimul::BackwardPass;
+  TORCH_CHECK_VALUE(pair.is_cuda() && pair.dim() == 4 && params.size() == 16 && grad_out.sizes().equals(pair.sizes()),
+                    "trimul_inline: training_backward takes CUDA pair [B, N, N, C], a grad_out like it and 16 "
+                    "parameters");
+  const c10::cuda::CUDAGuard guard(pair.device());
+  const at::ScalarType acc = at::kFloat, dtype = operand_f32 ? at::kFloat : at::kBFloat16;
+  std::vector<at::Tensor> p;
+  for (const at::Tensor& t : params) p.push_back(t.detach().to(acc));
+  const at::Tensor &ln_in_w = p[0], &ln_in_b = p[1], &ln_out_w = p[10], &ln_out_b = p[11], &out_w = p[12],
+                   &out_b = p[13], &gate_w = p[14], &gate_b = p[15];
+  const int64_t batch = pair.size(0), n = pair.size(1), c = pair.size(3), h = p[2].size(0);
+  const int64_t positions = batch * n * n;
+  const at::Tensor like = at::empty({0}, pair.options().dtype(dtype));
+  Passes inputs{"input_backward", "", batch, n, c, h, incoming, like};
+  Passes outputs{"output_backward", "", batch, n, c, h, incoming, like};
+  inputs.kernel = role_kernel("input_backward", input_kernel, inputs);
+  outputs.kernel = role_kernel("output_backward", output_kernel, outputs);
+  if (inputs.kernel.empty() || outputs.kernel.empty()) return {};
+  const auto rows_of = [&](int64_t width, at::ScalarType type) { return at::empty({positions, width}, like.options().dtype(type)); };
+  const auto planes = [&]() { return at::empty({batch * h, n, n}, like.options()); };
+  const at::Tensor pair_rows = pair.reshape({positions, c}).contiguous();
+  const at::Tensor mask_rows = mask.reshape({positions}).contiguous();
+
+  // The forward again, up to z: x_hat, proj = [pa | ga | pb | gb], a and b planes.
+  const at::Tensor w_in = at::cat({p[2], p[4], p[6], p[8]}), b_in = at::cat({p[3], p[5], p[7], p[9]});
+  const auto [w_in_f, b_in_f] = folded(w_in, b_in, ln_in_w, ln_in_b);
+  const at::Tensor x_hat = rows_of(c, dtype);
+  inputs.run(P::input_rows, eps_in, {{"pair", pair_rows}, {"rows", x_hat}});
+  at::Tensor proj = linear(x_hat, w_in_f, b_in_f);
+  at::Tensor a_planes = planes(), b_planes = planes();
+  inputs.run(P::gated_planes, 0.0, {{"proj", proj}, {"mask", mask_rows}, {"a_planes", a_planes}, {"b_planes", b_planes}});
+  at::Tensor z_planes = at::bmm(a_planes, b_planes.transpose(1, 2));
+
+  // output_backward: out = sigmoid(gate_rows W_g^T + b_g) * (z_hat W_out_f^T + b_out_f).
+  at::Tensor z_hat = rows_of(h, dtype), rstd_out = rows_of(1, acc);
+  outputs.run(P::z_rows, eps_out, {{"a_planes", z_planes}, {"rows", z_hat}, {"rstd", rstd_out}});
+  z_planes.reset();
+  const auto [w_out_f, b_out_f] = folded(out_w, out_b, ln_out_w, ln_out_b);
+  at::Tensor w_gate = gate_w, b_gate = gate_b, gate_rows = x_hat;
+  if (gate_normalized) {
+    std::tie(w_gate, b_gate) = folded(gate_w, gate_b, ln_in_w, ln_in_b);
+  } else {
+    gate_rows = pair_rows.to(dtype);
+  }
+  at::Tensor d_o = linear(z_hat, w_out_f, b_out_f), d_gate = linear(gate_rows, w_gate, b_gate);
+  at::Tensor out_sums = at::zeros({trimul::kBackwardSumRows, 2 * c}, like.options().dtype(acc));
+  outputs.run(P::gate_grad, 0.0, {{"d_out", grad_out.reshape({positions, c}).contiguous()}, {"o", d_o},
+                                  {"gate_pre", d_gate}, {"sums", out_sums}});  // (o and gate_pre become d o, d gate)
+  const std::vector<at::Tensor> out_sum = out_sums.sum(0).chunk(2);
+  const at::Tensor g_out = mm_to(d_o.t(), z_hat, acc), g_gate = mm_to(d_gate.t(), gate_rows, acc);
+  at::Tensor d_z_hat = mm_to(d_o, w_out_f.to(dtype), acc);
+  d_o.reset();
+  gate_rows.reset();
+  at::Tensor dz = planes();
+  outputs.run(P::dz_planes, 0.0, {{"d_rows", d_z_hat}, {"rows", z_hat}, {"rstd", rstd_out}, {"a_planes", dz}});
+  d_z_hat.reset();
+  z_hat.reset();
+
+  // contract_backward
+  at::Tensor da = at::bmm(dz, b_planes), db = at::bmm(dz.transpose(1, 2), a_planes);
+  a_planes.reset();
+  b_planes.reset();
+  dz.reset();
+
+  // input_backward
+  at::Tensor d_proj = at::empty_like(proj);
+  const at::Tensor in_sums = at::zeros({trimul::kBackwardSumRows, 4 * h}, like.options().dtype(acc));
+  std::unordered_map<std::string, at::Tensor> tensors{{"proj", proj}, {"a_planes", da}, {"b_planes", db},
+                                                      {"mask", mask_rows}, {"rows", d_proj}, {"sums", in_sums}};
+  at::Tensor d_mask;
+  if (mask_grad) tensors["d_mask"] = d_mask = at::empty({positions}, like.options().dtype(acc));
+  inputs.run(P::d_proj, 0.0, tensors);
+  tensors.clear();
+  proj.reset();
+  da.reset();
+  db.reset();
+  const at::Tensor g_in = mm_to(d_proj.t(), x_hat, acc);
+  at::Tensor d_x_hat = mm_to(d_proj, w_in_f.to(dtype), acc);
+  d_proj.reset();
+  if (gate_normalized) add_mm_(d_x_hat, d_gate, w_gate.to(dtype));
+  std::unordered_map<std::string, at::Tensor> pair_tensors{{"pair", pair_rows}, {"d_rows", d_x_hat}};
+  if (!gate_normalized) pair_tensors["d_rows_add"] = mm_to(d_gate, gate_w.to(dtype), acc);
+  at::Tensor d_pair = at::empty_like(d_x_hat);
+  pair_tensors["d_pair"] = d_pair;
+  inputs.run(P::d_pair, eps_in, pair_tensors);
+  pair_tensors.clear();
+  d_x_hat.reset();
+  d_gate.reset();
+
+  // Parameter gradients from the folded GEMMs' (H x C and C x C matrices: no position loop).
+  auto in = unfolded(g_in, in_sums.sum(0), w_in, ln_in_w, ln_in_b);
+  auto out = unfolded(g_out, out_sum[0], out_w, ln_out_w, ln_out_b);
+  std::array<at::Tensor, 4> gate{g_gate, out_sum[1], at::Tensor(), at::Tensor()};
+  if (gate_normalized) {
+    gate = unfolded(g_gate, out_sum[1], gate_w, ln_in_w, ln_in_b);
+    in[2] = in[2] + gate[2];
+    in[3] = in[3] + gate[3];
+  }
+  const std::vector<at::Tensor> d_w_in = in[0].chunk(4), d_b_in = in[1].chunk(4);
+  std::vector<at::Tensor> grads{d_pair.view(pair.sizes()).to(pair.scalar_type()),
+                                mask_grad ? d_mask.view(mask.sizes()).to(mask.is_floating_point() ? mask.scalar_type() : acc)
+                                          : at::Tensor()};
+  const at::Tensor d_params[16] = {in[2],     in[3],     d_w_in[0], d_b_in[0], d_w_in[1], d_b_in[1], d_w_in[2], d_b_in[2],
+                                   d_w_in[3], d_b_in[3], out[2],    out[3],    out[0],    out[1],    gate[0],   gate[1]};
+  for (int i = 0; i < 16; ++i) grads.push_back(d_params[i].to(params[i].scalar_type()));
+  // _distinct: an op's outputs may not share memory (the bias gradients are slices of one sum).
+  std::vector<const void*> seen;
+  for (at::Tensor& g : grads) {
+    if (!g.defined()) continue;
+    const void* storage = g.storage().data();
+    if (std::find(seen.begin(), seen.end(), storage) != seen.end()) g = g.clone();
+    seen.push_back(storage);
+  }
+  return grads;
+}
+
 // A checked eager call's decisions, kept so the next no-grad call with the same signature goes from
 // Python straight to forward(): the Python around a small forward (its signature, the parameters'
 // freshness, module.__call__) costs more than the GPU work at the seed shapes. run() returns None, and
@@ -705,6 +890,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_takes", &fused_takes, "whether the fused passes take these sizes in this mode");
   m.def("backward_kernel", &backward_kernel, "the kernel a backward role runs ('': a torch baseline's passes)");
   m.def("backward_pass", &backward_pass, "one memory pass of the backward (trimul::BackwardPass) on given tensors");
+  m.def("training_backward", &training_backward,
+        "the whole backward on the library's backward kernels and cuBLAS ([] where a role is a torch baseline)");
   py::class_<PlannedForward>(m, "PlannedForward", "a checked eager call's decisions (ModelNew._fast)")
       .def(py::init<py::list, py::list, std::vector<at::Tensor>, const at::Tensor&, const at::Tensor&, py::str,
                     std::vector<at::Tensor>, ForwardOptions>())
