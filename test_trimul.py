@@ -1770,9 +1770,10 @@ def _check_training(precision, direction, gate_input, batch, n, pair_dim, hidden
     """ModelNew's gradients (d pair_repr, every parameter, a float mask's) against fp64 autograd of the reference
     on the same (rounded, for 16-bit models) parameters and inputs, outputs poisoned first. Each tensor within
     GRAD_TOLERANCE, or, past it, within 1.5x of what PyTorch's own reduced-precision reference gives on this
-    draw, 4x on problems of fewer than 4096 positions, 16x under 64 (few positions make heavy tails: a bf16
-    projection over 8 channels that cancels; one position's gradient is one draw, measured up to 9.8x autocast's
-    at N = 1, bench/NOTES.md); a wrong formula is off by O(1) on every draw. strict_floor: both bounds,
+    draw, 4x on problems of fewer than 4096 positions, 32x under 64 (few positions make heavy tails: a bf16
+    projection over 8 channels that cancels, LayerNorm_out's backward over H = 4 channels of bf16 z_hat; one
+    position's gradient is one draw, measured at 9.8x and 16.1x autocast's at N = 1, bench/NOTES.md); a wrong
+    formula is off by O(1) on every draw. strict_floor: both bounds,
     1.5x, on bench.py's parameter scale and inputs (its randomize and make_inputs), where the issue measured them."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
@@ -1801,7 +1802,7 @@ def _check_training(precision, direction, gate_input, batch, n, pair_dim, hidden
     floor = None if reduced == "highest" else _floor_gradients(reference, reduced, pair, mask, grad_out, dtype)
     label = f"{precision} {dtype} {direction} {gate_input} {(batch, n, pair_dim, hidden)}"
     positions = batch * n * n
-    reach = 1.5 if strict_floor or positions >= 4096 else 4.0 if positions >= 64 else 16.0
+    reach = 1.5 if strict_floor or positions >= 4096 else 4.0 if positions >= 64 else 32.0
     for name, ref_grad in ref.items():
         assert got[name] is not None and got[name].dtype == (dtype if name != "pair_mask" else mask.dtype), name
         assert not got[name].isnan().any(), f"{label}: NaN in {name}'s gradient (seed {seed})"
