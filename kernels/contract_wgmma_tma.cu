@@ -37,6 +37,21 @@ __device__ __forceinline__ void wgmma_64x256_step(float (&d)[128], uint64_t desc
 }
 #undef TRIMUL_WGMMA_64X256
 
+// Output tiles run in groups of kGroupRows tile rows, column by column within a group, so that the CTAs
+// resident at once share their A rows and B columns in L2: row-major order has them span a few tile rows
+// and every column, which streams a plane's whole B from memory once per few rows where a plane's B
+// outgrows L2 (bf16 planes past N ~ 4096).
+constexpr int kGroupRows = 16;
+
+__device__ __forceinline__ void tile_origin(int64_t index, int64_t m, int64_t n, int* row0, int* col0) {
+  const int64_t tiles_m = ceil_div(m, BM), tiles_n = ceil_div(n, BN);
+  const int64_t first = index / (kGroupRows * tiles_n) * kGroupRows;
+  const int64_t rows = tiles_m - first < kGroupRows ? tiles_m - first : kGroupRows;
+  const int64_t within = index % (kGroupRows * tiles_n);
+  *row0 = static_cast<int>((first + within % rows) * BM);
+  *col0 = static_cast<int>(within / rows * BN);
+}
+
 // Stage s of the pipeline is used for the it-th k-tile when s = it % kStages, in round it / kStages:
 // `full[s]` completes once per round when both TMA boxes have landed, `empty[s]` once per round
 // when both consumer warpgroups are done reading it.
@@ -50,8 +65,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* empty = full + kStages;
   init_ring(full, empty, kStages, kConsumers);
 
-  const int64_t tiles_n = ceil_div(n, BN);
-  const int row0 = static_cast<int>((blockIdx.x / tiles_n) * BM), col0 = static_cast<int>((blockIdx.x % tiles_n) * BN);
+  int row0, col0;
+  tile_origin(blockIdx.x, m, n, &row0, &col0);
   const int warpgroup = warp_index() / 4;
   constexpr int kElemsPerRow = kRowBytes / static_cast<int>(sizeof(Op));
 
