@@ -440,6 +440,26 @@ def test_plans_follow_the_global_precision_and_module_options():
         torch.set_float32_matmul_precision(before)
 
 
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+@pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
+def test_bench_sampled_reference_rows_equal_the_whole_reference(direction, gate_input):
+    """bench.py checks long shapes on a few output rows computed chunk by chunk in float64: those rows equal the
+    whole float64 reference's (chunks that do not divide N, masks with zero rows, C != H, no biases too)."""
+    import bench
+    g = torch.Generator().manual_seed(fresh_seed())
+    for bias in (True, False):
+        ref = random_layers(ti.Model(12, 5, direction, gate_input, bias=bias), g)
+        pair, mask = random_inputs(2, 11, 12, g, dtype=torch.float32)
+        mask[0, 3] = False
+        rows = torch.tensor([0, 3, 6, 10])
+        whole = bench.fp64_output(ref, pair, mask, gate_input)
+        sampled = bench.fp64_output_rows(ref, pair, mask, rows, gate_input, chunk=4)
+        assert sampled.shape == (2, 4, 11, 12)
+        torch.testing.assert_close(sampled, whole[:, rows], rtol=1e-12, atol=1e-12)
+    checked, expected = bench.fp64_expected(ref, pair, mask)
+    assert checked is None and expected.shape == pair.shape
+
+
 def test_bench_kernel_work_adds_up_to_the_forward():
     """bench.py --profile's per-kernel rates: the three kernels' useful FLOPs sum to the forward's
     (model_flops), and the fewest bytes count each tensor at its size."""
