@@ -2295,10 +2295,85 @@ def test_replaced_openfold_layer_honours_inplace_arguments():
         warnings.simplefilter("ignore")
         update = host(pair, mask)
         for add in (False, True):
-            z = pair.clone()
-            out = holder[0](z, mask, inplace_safe=True, _add_with_inplace=add)
-            assert out is z and rel_error(z, pair + update if add else update) < 1e-12
+            for chunk in (None, 2):
+                z = pair.clone()
+                out = holder[0](z, mask, inplace_safe=True, _add_with_inplace=add, _inplace_chunk_size=chunk)
+                assert out is z and rel_error(z, pair + update if add else update) < 1e-12
         assert rel_error(holder[0](pair, None), host(pair, None)) < 1e-12  # (no mask: all ones)
+
+
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+@pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
+def test_chunked_forward_and_in_place_update_match_the_reference(direction, gate_input):
+    """forward(chunk_size=...), forward_chunked(out=...) and update_ (the residual in place) give the reference's
+    update for chunks that do and do not divide N, one row, all rows; masks with zero rows (bool and float); no
+    biases; C != H. float64 on the CPU: the same code as on a GPU but for the operand dtype."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    for bias, mask_dtype in ((True, torch.bool), (False, torch.float64)):
+        model = random_layers(ti.ModelNew(10, 6, direction, gate_input, bias=bias), g).double()
+        reference = ti.Model(10, 6, direction, gate_input, bias=bias).double()
+        reference.load_state_dict(model.state_dict())
+        pair, mask = random_inputs(2, 9, 10, g, mask_dtype=mask_dtype)
+        mask[1, 4] = 0
+        with torch.no_grad():
+            expected = reference(pair, mask)
+            for chunk in (1, 4, 9, 50):
+                got = model(pair, mask, chunk_size=chunk)
+                assert rel_error(got, expected) < 1e-12, f"chunk {chunk} bias {bias} (seed {seed})"
+            out = torch.full_like(pair, float("nan"))
+            assert model.forward_chunked(pair, mask, 4, out=out) is out and rel_error(out, expected) < 1e-12
+            residual = pair.clone()
+            assert model.update_(residual, mask, chunk_size=2) is residual
+            assert rel_error(residual, pair + expected) < 1e-12, f"bias {bias} (seed {seed})"
+            residual = pair.clone()
+            model.update_(residual, mask)  # (rows per chunk chosen by itself)
+            assert rel_error(residual, pair + expected) < 1e-12
+
+
+def test_chunked_forward_refuses_what_it_cannot_do():
+    model = ti.ModelNew(8, 4).double()
+    pair, mask = random_inputs(1, 5, 8, torch.Generator().manual_seed(fresh_seed()))
+    with torch.no_grad():
+        for bad in (0, -3, 2.5, True, "4"):
+            with pytest.raises(ValueError, match="chunk_size"):
+                model(pair, mask, chunk_size=bad)
+        with pytest.raises(ValueError, match="out must be like pair_repr"):
+            model.forward_chunked(pair, mask, 2, out=pair[:, :3])
+        with pytest.raises(ValueError, match="pair_repr"):
+            model(pair[..., :7], mask, chunk_size=2)  # (check_inputs: the channel count)
+    with pytest.raises(RuntimeError, match="inference"):
+        model(pair, mask, chunk_size=2)  # (parameters require grad, grad mode on)
+    with pytest.raises(RuntimeError, match="inference"):
+        model.update_(pair, mask)
+
+
+@cuda
+@pytest.mark.parametrize("precision", ti.PRECISIONS)
+def test_chunked_forward_on_the_gpu_matches_the_fused_forward(precision, monkeypatch):
+    """At each precision the chunked forward is within the precision's tolerance of fp64 (as the fused one),
+    in place too; with too little free memory for the fused buffers forward() takes it by itself."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = random_layers(ti.ModelNew(64, 48, "incoming", "normalized", precision=precision), g).cuda()
+    pair, mask = random_inputs(1, 150, 64, g, dtype=torch.float32, device="cuda")
+    reference = ti.Model(64, 48, "incoming", "normalized").double().cuda()
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        expected = reference(pair.double(), mask)
+        poison_allocator()
+        chunked = model(pair, mask, chunk_size=37)
+        assert rel_error(chunked, expected) < FUSED_TOLERANCE[precision], f"seed {seed}"
+        residual = pair.clone()
+        model.update_(residual, mask, chunk_size=64)
+        assert rel_error(residual - pair, expected) < 2 * FUSED_TOLERANCE[precision], f"seed {seed}"
+        monkeypatch.setattr(ti, "_CHUNK_CHECK_POSITIONS", 0)
+        monkeypatch.setattr(ti, "_free_bytes", lambda device: 1 << 20)
+        calls = []
+        original = ti._chunked_update
+        monkeypatch.setattr(ti, "_chunked_update", lambda *a: calls.append(1) or original(*a))
+        auto = model(pair, mask)
+        assert calls and rel_error(auto, expected) < FUSED_TOLERANCE[precision]
 
 
 def _alphafold_forward(params, act, mask, incoming):

@@ -1556,7 +1556,13 @@ class ModelNew(_TriMulLayers):
         self.__dict__.setdefault("_fast", None)
         self.__dict__.setdefault("process_group", None)
 
-    def forward(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor,
+                chunk_size: Optional[int] = None) -> torch.Tensor:
+        """The update for pair_repr [B, N, N, C] and pair_mask [B, N, N]. chunk_size (inference only): the
+        memory-bounded forward, `chunk_size` rows at a time (forward_chunked); None: the fused forward, or the
+        chunked one where the fused forward's buffers would not fit in the GPU's free memory."""
+        if chunk_size is not None:
+            return self.forward_chunked(pair_repr, pair_mask, chunk_size)
         if self.process_group is not None:
             return self._forward_sharded(pair_repr, pair_mask)
         if not torch.compiler.is_compiling():
@@ -1582,7 +1588,43 @@ class ModelNew(_TriMulLayers):
             return self._forward_unfused(pair_repr, pair_mask)
         if self._needs_autograd(pair_repr, pair_mask):
             return self._forward_trained(pair_repr, pair_mask, mode, kernels)
+        if not _fused_buffers_fit(pair_repr, self.hidden_dim, mode):
+            return self.forward_chunked(pair_repr, pair_mask)
         return self._forward_fused(pair_repr, pair_mask, mode, kernels)
+
+    def forward_chunked(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor, chunk_size: Optional[int] = None,
+                        out: Optional[torch.Tensor] = None, add: bool = False) -> torch.Tensor:
+        """The memory-bounded forward (inference): a and b for every position in the contraction's layout
+        (2 B H N^2 operands), then the contraction and the output layers `chunk_size` rows at a time (None: as
+        many as a quarter of the free memory holds). out: where the rows go (pair_repr itself for an in-place
+        update: each chunk's rows are read before they are written); add: out += update (a residual)."""
+        if torch.is_grad_enabled() and (pair_repr.requires_grad or pair_mask.requires_grad or any(
+                p is not None and p.requires_grad for p in _param_list(self))):
+            raise RuntimeError("trimul_inline: the chunked forward is for inference; call it under torch.no_grad() "
+                               "or torch.inference_mode() (training takes the fused forward and its backward)")
+        if self.process_group is not None:
+            raise ValueError("trimul_inline: the chunked forward runs on one device (this ModelNew has a "
+                             "process_group: its rows are already split over ranks)")
+        check_inputs(self, pair_repr, pair_mask)
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                       or chunk_size < 1):
+            raise ValueError(f"trimul_inline: chunk_size must be a positive int (rows per chunk) or None, got "
+                             f"{chunk_size!r}")
+        if out is not None and (out.shape != pair_repr.shape or out.dtype != pair_repr.dtype
+                                or out.device != pair_repr.device):
+            raise ValueError(f"trimul_inline: out must be like pair_repr ({tuple(pair_repr.shape)}, "
+                             f"{pair_repr.dtype}, {pair_repr.device}), got {tuple(out.shape)}, {out.dtype}, "
+                             f"{out.device}")
+        mode = compute_mode(pair_repr.dtype, self.resolved_precision())
+        with torch.no_grad(), torch.autocast(pair_repr.device.type, enabled=False):
+            return _chunked_update(self, pair_repr, pair_mask, _chunk_operand(pair_repr.dtype, mode), mode,
+                                   chunk_size, out, add)
+
+    def update_(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor,
+                chunk_size: Optional[int] = None) -> torch.Tensor:
+        """pair_repr += the update, in place, chunk by chunk (no second [B, N, N, C] buffer): the residual step
+        of inference (OpenFold's _add_with_inplace). Returns pair_repr."""
+        return self.forward_chunked(pair_repr, pair_mask, chunk_size, out=pair_repr, add=True)
 
     def _needs_autograd(self, pair_repr, pair_mask) -> bool:
         if not torch.is_grad_enabled():
@@ -1681,7 +1723,8 @@ class ModelNew(_TriMulLayers):
         except NotImplementedError:  # nothing of a default order takes this call: the unfused path
             return self._forward_unfused(*original)
         if (not torch.is_grad_enabled() and not _is_torch_kernel("contract", kernels.contract)
-                and pair_repr is original[0] and pair_mask is original[1]):
+                and pair_repr is original[0] and pair_mask is original[1]
+                and pair_repr.numel() // pair_repr.shape[-1] <= _CHUNK_CHECK_POSITIONS):  # (larger: memory per call)
             # This signature passed check_inputs and needs no copy or conversion: plan it.
             extension = _extension()
             self._plans[self._plan_key(pair_repr, pair_mask)] = (mode, kernels, options, extension)
@@ -1754,6 +1797,83 @@ class ModelNew(_TriMulLayers):
                      kernel, self.resolved_precision())
         z = z.view(batch, self.hidden_dim, n, n).permute(0, 2, 3, 1)
         return _layers_out(params, z, pair_repr if self.gate_input == "raw" else x, self.layer_norm_out.eps)
+
+
+# ------------------------------------------------------------------------------------------------
+# Long sequences (inference): the forward in chunks of rows
+# ------------------------------------------------------------------------------------------------
+def _chunk_operand(pair_dtype: torch.dtype, mode: str) -> torch.dtype:
+    """The chunked forward's contraction operands: the pair's dtype for 16-bit and float64 pairs; for fp32, bf16
+    ("medium"), fp16 (fp16 autocast) or fp32 ("high", "highest": TF32 / fp32 products)."""
+    if pair_dtype in (torch.bfloat16, torch.float16, torch.float64):
+        return pair_dtype
+    return {"bf16": torch.bfloat16, "f16": torch.float16}.get(mode, torch.float32)
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Bytes the caching allocator can hand out on `device` without the GPU running out: free on the device
+    plus what the allocator holds unused."""
+    free = torch.cuda.mem_get_info(device)[0]
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+_CHUNK_CHECK_POSITIONS = 1 << 22  # smaller problems never chunk by themselves (and skip the memory query)
+
+
+def _fused_buffers_fit(pair: torch.Tensor, hidden: int, mode: str) -> bool:
+    """Whether the fused forward's buffers (a and b, z, the output) fit in the free GPU memory; problems under
+    _CHUNK_CHECK_POSITIONS positions are taken to fit."""
+    batch, n, _, c = pair.shape
+    if not pair.is_cuda or batch * n * n <= _CHUNK_CHECK_POSITIONS or torch.compiler.is_compiling():
+        return True
+    operand = _chunk_operand(pair.dtype, mode).itemsize
+    needed = 3 * batch * hidden * n * n * operand + pair.numel() * pair.element_size()
+    return needed * 1.05 <= _free_bytes(pair.device)
+
+
+def _default_chunk_rows(pair: torch.Tensor, hidden: int, planes_bytes: int) -> int:
+    """Rows per chunk: the chunk's temporaries (the layers' fp32 rows, z) within a quarter of the memory left
+    after the a/b planes (1 GiB off CUDA)."""
+    batch, n, _, c = pair.shape
+    per_row = batch * n * (16 * c + 32 * hidden)
+    budget = (_free_bytes(pair.device) - planes_bytes) // 4 if pair.is_cuda else 1 << 30
+    return int(max(1, min(n, budget // per_row)))
+
+
+def _chunked_update(layers, pair, mask, operand, mode, chunk_size, out, add):
+    """ModelNew.forward_chunked's work (no autograd): a/b planes [B, H, N, N] filled chunk by chunk of input
+    rows (the incoming direction's planes transposed, as _contraction_layout), then per chunk of output rows
+    z = a_rows b^T (torch.matmul: cuBLAS at the mode's precision) and the output layers, in the pair's dtype."""
+    batch, n = pair.shape[:2]
+    hidden, incoming = layers.hidden_dim, layers.direction == "incoming"
+    params = [None if p is None else p.to(pair.dtype) for p in _param_list(layers)]
+    eps_in, eps_out = layers.layer_norm_in.eps, layers.layer_norm_out.eps
+    planes = pair.new_empty((2, batch, hidden, n, n), dtype=operand)
+    rows = chunk_size or _default_chunk_rows(pair, hidden, planes.numel() * planes.element_size())
+    a_t, b_t = planes.unbind(0)
+    for start in range(0, n, rows):
+        block = slice(start, min(start + rows, n))
+        _, a, b = _layers_in(params, pair[:, block], mask[:, block], eps_in, cast_mask=True)
+        if incoming:  # (plane element (i, k) holds position (k, i))
+            a_t[:, :, :, block], b_t[:, :, :, block] = a.permute(0, 3, 2, 1), b.permute(0, 3, 2, 1)
+        else:
+            a_t[:, :, block], b_t[:, :, block] = a.permute(0, 3, 1, 2), b.permute(0, 3, 1, 2)
+        del a, b
+    out = torch.empty_like(pair, memory_format=torch.contiguous_format) if out is None else out
+    with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
+        for start in range(0, n, rows):
+            block = slice(start, min(start + rows, n))
+            z = torch.matmul(a_t[:, :, block], b_t.transpose(-1, -2)).permute(0, 2, 3, 1).to(pair.dtype)
+            rows_in = pair[:, block]
+            gate_source = rows_in if layers.gate_input == "raw" else torch.nn.functional.layer_norm(
+                rows_in, rows_in.shape[-1:], params[0], params[1], eps_in)
+            update = _layers_out(params, z, gate_source, eps_out)
+            del z, gate_source
+            if add:
+                out[:, block] += update
+            else:
+                out[:, block] = update
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2099,6 +2219,9 @@ class _OpenFoldLayer(_HostLayer):
     with inplace_safe, z is overwritten with the update (with _add_with_inplace: z + update) and returned."""
 
     def forward(self, z, mask=None, inplace_safe=False, _add_with_inplace=False, _inplace_chunk_size=None):
+        if inplace_safe and not torch.is_grad_enabled():  # (OpenFold's inference path: chunked, into z)
+            mask = z.new_ones(z.shape[:-1]) if mask is None else mask
+            return self.model_new.forward_chunked(z, mask, _inplace_chunk_size, out=z, add=_add_with_inplace)
         update = self._update(z, mask)
         if not inplace_safe:
             return update
