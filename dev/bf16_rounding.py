@@ -32,7 +32,7 @@ class P:
     @staticmethod
     def bmm(x, y): return (x.float() @ y.float()).to(x.dtype)
     @staticmethod
-    def addmm(total, x, y): return total + (x.float() @ y.float()).to(total.dtype)
+    def add_mm_(total, x, y): total += (x.float() @ y.float()).to(total.dtype)
     @staticmethod
     def linear(rows, w, b): return (rows.float() @ w.float().t().to(rows.dtype).float() + b.float()).to(rows.dtype)
 ti._Products = P
