@@ -1831,12 +1831,12 @@ def _fused_buffers_fit(pair: torch.Tensor, hidden: int, mode: str) -> bool:
     return needed * 1.05 <= _free_bytes(pair.device)
 
 
-def _default_chunk_rows(pair: torch.Tensor, hidden: int, planes_bytes: int) -> int:
-    """Rows per chunk: the chunk's temporaries (the layers' fp32 rows, z) within a quarter of the memory left
-    after the a/b planes (1 GiB off CUDA)."""
+def _default_chunk_rows(pair: torch.Tensor, hidden: int) -> int:
+    """Rows per chunk: the chunk's temporaries (the layers' fp32 rows, z) within a quarter of the free memory
+    once the a/b planes are allocated (1 GiB off CUDA)."""
     batch, n, _, c = pair.shape
     per_row = batch * n * (16 * c + 32 * hidden)
-    budget = (_free_bytes(pair.device) - planes_bytes) // 4 if pair.is_cuda else 1 << 30
+    budget = _free_bytes(pair.device) // 4 if pair.is_cuda else 1 << 30
     return int(max(1, min(n, budget // per_row)))
 
 
@@ -1849,7 +1849,7 @@ def _chunked_update(layers, pair, mask, operand, mode, chunk_size, out, add):
     params = [None if p is None else p.to(pair.dtype) for p in _param_list(layers)]
     eps_in, eps_out = layers.layer_norm_in.eps, layers.layer_norm_out.eps
     planes = pair.new_empty((2, batch, hidden, n, n), dtype=operand)
-    rows = chunk_size or _default_chunk_rows(pair, hidden, planes.numel() * planes.element_size())
+    rows = chunk_size or _default_chunk_rows(pair, hidden)  # (after the planes: what is left for a chunk)
     a_t, b_t = planes.unbind(0)
     for start in range(0, n, rows):
         block = slice(start, min(start + rows, n))
