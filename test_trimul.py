@@ -1936,6 +1936,28 @@ def test_backward_host_path_equals_the_python_steps(precision, direction, gate_i
 
 
 @cuda
+@pytest.mark.parametrize("direction, mask_dtype", [("outgoing", torch.bool), ("incoming", torch.float32)])
+def test_eager_training_function_equals_the_op(direction, mask_dtype):
+    """ModelNew's eager training call (_TrimulFunction) and the op torch.compile traces (trimul, trimul_backward)
+    give the same output and gradients, bit for bit."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(32, 24, direction=direction, gate_input="normalized", precision="medium"),
+                          g).cuda()
+    pair, mask = random_inputs(2, 41, 32, g, dtype=torch.float32, device="cuda", mask_dtype=mask_dtype)
+    grad_out = torch.randn(pair.shape, device="cuda")
+    params = ti._with_zero_biases(ti._param_list(model))
+    options = ("auto", "bf16", direction == "incoming", True, 1e-5, 1e-5)
+    weights = ti.prepare_weights(params, "bf16")
+    runs = []
+    for fn in (lambda p, m: ti.trimul(p, m, params, weights, *options),
+               lambda p, m: ti._TrimulFunction.apply(p, m, weights, *options, *params)):
+        runs.append(_gradients(fn, pair, mask, grad_out, params=dict(model.named_parameters())))
+    assert torch.equal(runs[0][0], runs[1][0])
+    for name in runs[0][1]:
+        assert torch.equal(runs[0][1][name], runs[1][1][name]), name
+
+
+@cuda
 def test_training_runs_the_backward_kernels_and_inference_saves_nothing():
     """With gradients: the fused forward's kernels, then the backward kernels of ours (no unfused layers). With no
     gradient needed: the inference forward, no autograd graph."""
@@ -2084,10 +2106,17 @@ def test_training_op_on_cpu_matches_autograd_and_passes_opcheck(direction, mask_
     def call(pair_repr, pair_mask):
         return ti.trimul(pair_repr, pair_mask, params, [], *options)
 
-    for fn in (call, torch.compile(call, fullgraph=True, backend="aot_eager")):
+    def eager(pair_repr, pair_mask):  # (what ModelNew runs outside torch.compile: the same steps, no dispatcher)
+        return ti._TrimulFunction.apply(pair_repr, pair_mask, [], *options, *params)
+
+    results = []
+    for fn in (call, torch.compile(call, fullgraph=True, backend="aot_eager"), eager):
         _, got = _gradients(fn, pair, mask, grad_out, params=dict(model.named_parameters()))
+        results.append(got)
         for name, grad in ref.items():
             assert _grad_error(got[name], grad) < 1e-12, f"{name} (seed {seed})"
+    for name in ref:
+        assert torch.equal(results[0][name], results[2][name]), name
     pair.requires_grad_()
     torch.library.opcheck(ti.trimul, (pair, mask.requires_grad_(mask.is_floating_point()), params, [], *options))
 

@@ -1331,12 +1331,41 @@ def trimul(pair: torch.Tensor, mask: torch.Tensor, params: list[torch.Tensor], w
     """The fused forward with a backward (register_autograd): params are the 16 parameters (_PARAM_PATHS order,
     what the gradients are for), weights their prepare_weights layout (what the forward reads); kernels a
     Kernels string ("auto", "role=name,...")."""
+    return _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out)
+
+
+def _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out):
+    """trimul's forward, for the op and for _TrimulFunction."""
     if not pair.is_cuda:  # (the op runs anywhere: off CUDA it is the reference computation)
         return _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in, eps_out)
     chosen = parse_kernels(kernels)
     hidden = params[2].shape[0]
     return _run_fused_forward(pair, mask, weights, chosen[:len(FORWARD_ROLES)], mode, incoming, gate_normalized,
                               eps_in, eps_out, hidden)
+
+
+class _TrimulFunction(torch.autograd.Function):
+    """`trimul` for eager calls: the op's forward and backward without the dispatcher around them (for an op
+    whose arguments are ~35 tensors, flattening and alias checks cost ~0.7 ms per call on the H200's host: most
+    of a small training step). torch.compile traces the op, opcheck checks it, and tests hold the two to equal
+    gradients. apply(pair, mask, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out, *params)."""
+
+    @staticmethod
+    def forward(ctx, pair, mask, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out, *params):
+        ctx.save_for_backward(pair, mask, *params)
+        ctx.options = (kernels, mode, incoming, gate_normalized, eps_in, eps_out)
+        return _trimul_forward(pair, mask, list(params), weights, kernels, mode, incoming, gate_normalized, eps_in,
+                               eps_out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        pair, mask, *params = ctx.saved_tensors
+        kernels, *options = ctx.options
+        wanted = ctx.needs_input_grad
+        d_pair, d_mask, *d_params = training_backward(grad_out.contiguous(), pair, mask, params,
+                                                      parse_kernels(kernels), *options, bool(wanted[1]))
+        return (d_pair if wanted[0] else None, d_mask if wanted[1] else None) + (None,) * 7 + \
+            tuple(g if w else None for g, w in zip(d_params, wanted[9:]))
 
 
 def _layers_in(params, pair, mask, eps_in, cast_mask=False):
@@ -1633,7 +1662,8 @@ class ModelNew(_TriMulLayers):
             any(p is not None and p.requires_grad for p in _param_list(self))
 
     def _forward_trained(self, pair_repr, pair_mask, mode, kernels):
-        """The fused forward as the differentiable op `trimul`, whose backward runs the backward roles."""
+        """The fused forward as the differentiable op `trimul` (eagerly: _TrimulFunction, the same steps), whose
+        backward runs the backward roles."""
         original = (pair_repr, pair_mask)
         pair_repr, pair_mask = self._fused_inputs(pair_repr, pair_mask)
         values = self._option_values(mode)[:-1]
@@ -1641,8 +1671,8 @@ class ModelNew(_TriMulLayers):
             params = _with_zero_biases(_param_list(self))
             return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values)
         try:
-            return trimul(pair_repr, pair_mask, _with_zero_biases(_param_list_eager(self)), self._prepared_weights(mode),
-                          str(kernels), *values)
+            return _TrimulFunction.apply(pair_repr, pair_mask, self._prepared_weights(mode), str(kernels), *values,
+                                         *_with_zero_biases(_param_list_eager(self)))
         except NotImplementedError:  # nothing of a default order takes this call: the unfused path
             return self._forward_unfused(*original)
 

@@ -597,10 +597,14 @@ namespace host_backward {
 
 bool is_16bit(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
 
+// t in `type`: t itself where it already is (no call into the dispatcher: each costs microseconds of host time,
+// and a small step's time is its host time).
+at::Tensor in_type(const at::Tensor& t, at::ScalarType type) { return t.scalar_type() == type ? t : t.to(type); }
+
 // _Products.mm: x @ y with fp32 accumulation, the result in out_dtype.
 at::Tensor mm_to(const at::Tensor& x, const at::Tensor& y, at::ScalarType out_dtype) {
   if (is_16bit(x) && out_dtype != x.scalar_type()) return at::mm(x, y, out_dtype);
-  return at::mm(x, y).to(out_dtype);
+  return in_type(at::mm(x, y), out_dtype);
 }
 
 // _Products.add_mm_: total += x @ y in total's dtype, in place (no copy of total).
@@ -608,13 +612,13 @@ void add_mm_(at::Tensor& total, const at::Tensor& x, const at::Tensor& y) {
   if (is_16bit(x) && total.scalar_type() != x.scalar_type()) {
     at::addmm_out(total, total, x, y, total.scalar_type());
   } else {
-    total.addmm_(x.to(total.scalar_type()), y.to(total.scalar_type()));
+    total.addmm_(in_type(x, total.scalar_type()), in_type(y, total.scalar_type()));
   }
 }
 
 // _Products.linear: rows @ weight^T + bias in the rows' dtype.
 at::Tensor linear(const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& bias) {
-  return at::addmm(bias.to(rows.scalar_type()), rows, weight.to(rows.scalar_type()).t());
+  return at::addmm(in_type(bias, rows.scalar_type()), rows, in_type(weight, rows.scalar_type()).t());
 }
 
 // _folded: a Linear reading LayerNorm(x) = x_hat * w + b as one on x_hat: (W diag(w), bias + W b).
@@ -665,7 +669,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   const c10::cuda::CUDAGuard guard(pair.device());
   const at::ScalarType acc = at::kFloat, dtype = operand_f32 ? at::kFloat : at::kBFloat16;
   std::vector<at::Tensor> p;
-  for (const at::Tensor& t : params) p.push_back(t.detach().to(acc));
+  for (const at::Tensor& t : params) p.push_back(in_type(t.requires_grad() ? t.detach() : t, acc));
   const at::Tensor &ln_in_w = p[0], &ln_in_b = p[1], &ln_out_w = p[10], &ln_out_b = p[11], &out_w = p[12],
                    &out_b = p[13], &gate_w = p[14], &gate_b = p[15];
   const int64_t batch = pair.size(0), n = pair.size(1), c = pair.size(3), h = p[2].size(0);
@@ -700,7 +704,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   if (gate_normalized) {
     std::tie(w_gate, b_gate) = folded(gate_w, gate_b, ln_in_w, ln_in_b);
   } else {
-    gate_rows = pair_rows.to(dtype);
+    gate_rows = in_type(pair_rows, dtype);
   }
   at::Tensor d_o = linear(z_hat, w_out_f, b_out_f), d_gate = linear(gate_rows, w_gate, b_gate);
   at::Tensor out_sums = at::zeros({trimul::kBackwardSumRows, 2 * c}, like.options().dtype(acc));
@@ -708,7 +712,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
                                   {"gate_pre", d_gate}, {"sums", out_sums}});  // (o and gate_pre become d o, d gate)
   const std::vector<at::Tensor> out_sum = out_sums.sum(0).chunk(2);
   const at::Tensor g_out = mm_to(d_o.t(), z_hat, acc), g_gate = mm_to(d_gate.t(), gate_rows, acc);
-  at::Tensor d_z_hat = mm_to(d_o, w_out_f.to(dtype), acc);
+  at::Tensor d_z_hat = mm_to(d_o, in_type(w_out_f, dtype), acc);
   d_o.reset();
   gate_rows.reset();
   at::Tensor dz = planes();
@@ -735,11 +739,11 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   da.reset();
   db.reset();
   const at::Tensor g_in = mm_to(d_proj.t(), x_hat, acc);
-  at::Tensor d_x_hat = mm_to(d_proj, w_in_f.to(dtype), acc);
+  at::Tensor d_x_hat = mm_to(d_proj, in_type(w_in_f, dtype), acc);
   d_proj.reset();
-  if (gate_normalized) add_mm_(d_x_hat, d_gate, w_gate.to(dtype));
+  if (gate_normalized) add_mm_(d_x_hat, d_gate, in_type(w_gate, dtype));
   std::unordered_map<std::string, at::Tensor> pair_tensors{{"pair", pair_rows}, {"d_rows", d_x_hat}};
-  if (!gate_normalized) pair_tensors["d_rows_add"] = mm_to(d_gate, gate_w.to(dtype), acc);
+  if (!gate_normalized) pair_tensors["d_rows_add"] = mm_to(d_gate, in_type(gate_w, dtype), acc);
   at::Tensor d_pair = at::empty_like(d_x_hat);
   pair_tensors["d_pair"] = d_pair;
   inputs.run(P::d_pair, eps_in, pair_tensors);
@@ -757,12 +761,12 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     in[3] = in[3] + gate[3];
   }
   const std::vector<at::Tensor> d_w_in = in[0].chunk(4), d_b_in = in[1].chunk(4);
-  std::vector<at::Tensor> grads{d_pair.view(pair.sizes()).to(pair.scalar_type()),
-                                mask_grad ? d_mask.view(mask.sizes()).to(mask.is_floating_point() ? mask.scalar_type() : acc)
+  std::vector<at::Tensor> grads{in_type(d_pair.view(pair.sizes()), pair.scalar_type()),
+                                mask_grad ? in_type(d_mask.view(mask.sizes()), mask.is_floating_point() ? mask.scalar_type() : acc)
                                           : at::Tensor()};
   const at::Tensor d_params[16] = {in[2],     in[3],     d_w_in[0], d_b_in[0], d_w_in[1], d_b_in[1], d_w_in[2], d_b_in[2],
                                    d_w_in[3], d_b_in[3], out[2],    out[3],    out[0],    out[1],    gate[0],   gate[1]};
-  for (int i = 0; i < 16; ++i) grads.push_back(d_params[i].to(params[i].scalar_type()));
+  for (int i = 0; i < 16; ++i) grads.push_back(in_type(d_params[i], params[i].scalar_type()));
   // _distinct: an op's outputs may not share memory (the bias gradients are slices of one sum).
   std::vector<const void*> seen;
   for (at::Tensor& g : grads) {
