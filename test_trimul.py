@@ -440,6 +440,30 @@ def test_plans_follow_the_global_precision_and_module_options():
         torch.set_float32_matmul_precision(before)
 
 
+@pytest.mark.parametrize("direction, gate_input", [("outgoing", "normalized"), ("incoming", "raw")])
+def test_bench_directional_check_passes_true_gradients_and_catches_wrong_ones(direction, gate_input):
+    """bench.py --backward at shapes too large for whole fp64 gradients: central differences of the chunked
+    float64 forward along each gradient agree with fp64 autograd's gradients (to the differences' truncation,
+    ~1e-6), and flag a scaled, a scrambled or a missing gradient."""
+    import bench
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    ref = random_layers(ti.Model(10, 6, direction, gate_input), g)
+    pair, mask = random_inputs(1, 9, 10, g, dtype=torch.float32)
+    expected = bench.fp64_gradients(ref, pair, mask)
+    check = bench.DirectionalReference(ref, pair, mask, step=1e-5, chunk_size=4)
+    errors, passed = bench.gradient_check(expected, check, "medium")
+    assert passed and len(errors) == 17 and max(errors.values()) < 1e-4, (errors, seed)  # (truncation ~h^2)
+    wrong = {"pair_repr": expected["pair_repr"] * 1.05,
+             "proj_a.weight": expected["proj_a.weight"].flip(0),
+             "layer_norm_out.bias": expected["layer_norm_out.bias"].roll(1)}
+    for name, gradient in wrong.items():
+        errors, passed = bench.gradient_check({**expected, name: gradient}, check, "medium")
+        assert not passed and errors[f"{name} (direction)"] > bench.DIRECTIONAL_TOLERANCE, (name, errors, seed)
+    missing = {k: v for k, v in expected.items() if k != "out_gate.bias"}
+    assert bench.gradient_check(missing, check, "medium")[0]["out_gate.bias (direction)"] == float("inf")
+
+
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 @pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
 def test_bench_sampled_reference_rows_equal_the_whole_reference(direction, gate_input):
