@@ -224,7 +224,8 @@ def contenders(args):
             return run
         found.append(Contender("ref bf16 autocast", autocast, "bfloat16"))
     if "cueq" in args.contenders and cuequivariance() is not None:
-        found.append(Contender("cueq fp32", lambda ref: make_cueq(ref, torch.float32), "high"))
+        if not getattr(args, "bf16_inputs", False):
+            found.append(Contender("cueq fp32", lambda ref: make_cueq(ref, torch.float32), "high"))
         found.append(Contender("cueq bf16", lambda ref: make_cueq(ref, torch.bfloat16), "bfloat16"))
     if "new-bf16" in args.contenders:
         found.append(Contender("new[auto] bf16 in/out", make_new_bf16_io, "bfloat16"))
@@ -370,6 +371,9 @@ def bench_shape(shape, args, index, total):
     # cuEquivariance gates with the normalized input, so it needs that reference too.
     gate_inputs = {args.gate_input} | ({"normalized"} if "cueq" in args.contenders else set())
     expected_for = {gate_input: fp64_expected(ref, pair, mask, gate_input) for gate_input in gate_inputs}
+    if getattr(args, "bf16_inputs", False):  # (the contenders cast to bf16 anyway: drop the fp32 copy)
+        pair = pair.to(torch.bfloat16)
+        torch.cuda.empty_cache()
     rows = []
     timed_groups = set()
     for contender in contenders(args):
@@ -935,6 +939,9 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="print ModelNew's per-kernel CUDA time per shape instead of the table, then its forward "
                              "timed as the table times it and the kernels' sum right after (a hot GPU)")
+    parser.add_argument("--bf16-inputs", action="store_true",
+                        help="keep only a bf16 copy of the inputs once the reference is computed (long shapes, where "
+                             "the fp32 copy would not fit beside the contenders); bf16 contenders only")
     parser.add_argument("--backward", action="store_true",
                         help="time a training step per call (forward, loss = mean of out² in fp32, backward) "
                              "after checking every gradient against fp64")
@@ -954,10 +961,13 @@ def main(argv=None) -> int:
         if unknown:
             parser.error(f"--backward: unknown contenders {sorted(unknown)}; known: {BACKWARD_CONTENDERS}")
         return run_backward(args, argv)
-    if args.kernels is None:
+    long_shapes = any(b * n * n > SAMPLED_ABOVE for b, n, _, _ in args.shapes)
+    if args.kernels is None:  # (every named contraction too, but not at long shapes: naive alone takes minutes)
         contractions = [e.name for e in ti.kernel_registry() if e.role == "contract"]
-        args.kernels = [ti.Kernels()] + ([] if args.profile or args.repeat_only else
+        args.kernels = [ti.Kernels()] + ([] if args.profile or args.repeat_only or long_shapes else
                                         [ti.Kernels(contract=name) for name in contractions])
+    if args.bf16_inputs and not args.contenders <= {"cueq", "new-bf16"}:
+        parser.error("--bf16-inputs: only the bf16 contenders (cueq's bf16 row, new-bf16) read bf16 inputs")
 
     if not torch.cuda.is_available():
         return cpu_comparison()

@@ -11,10 +11,12 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 import warnings
 import weakref
 
 import pytest
+
 import torch
 import torch.nn.functional as F
 
@@ -438,6 +440,18 @@ def test_plans_follow_the_global_precision_and_module_options():
         assert model._plan_key(pair.half(), mask) != key
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_bench_bf16_inputs_take_only_bf16_contenders(capsys):
+    """--bf16-inputs (long shapes: only a bf16 copy of the inputs kept) refuses contenders that read fp32."""
+    import bench
+    with pytest.raises(SystemExit):
+        bench.main(["--bf16-inputs", "--contenders", "cueq,new"])
+    assert "only the bf16 contenders" in capsys.readouterr().err
+    args = types.SimpleNamespace(contenders={"cueq", "new-bf16"}, bf16_inputs=True, precision=["medium"],
+                                 kernels=[ti.Kernels()])
+    names = [c.name for c in bench.contenders(args)]
+    assert "cueq fp32" not in names and "new[auto] bf16 in/out" in names
 
 
 @pytest.mark.parametrize("direction, gate_input", [("outgoing", "normalized"), ("incoming", "raw")])
