@@ -1,0 +1,30 @@
+#!/bin/bash
+# bench/ab_backward.sh OUT DIFF...: one device call's A/B of backward-kernel patches (dev/*.diff): the per-kernel
+# profile of a training step at (1,1024,128,128), medium, with the kernels as committed, then with each patch
+# applied alone (only the files it touches rebuild), after the medium training tests on it; logs under OUT.
+#   bench/ab_backward.sh $OUT dev/backward_tile64.diff dev/d_proj_register_sums.diff
+set -uo pipefail
+out=${1:?usage: bench/ab_backward.sh OUT DIFF...}
+shift
+cd "$(dirname "$0")/.."
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-.build}
+profile() { timeout 60 python3 dev/backward_profile.py --shape 1,1024,128,128 --precision medium --rows 14 2>&1 |
+  grep -v -i warn; }
+python3 trimul_inline.py build > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
+profile > "$out/committed.log"
+for diff in "$@"; do
+  name=$(basename "$diff" .diff)
+  git apply "$diff" 2>/dev/null || patch -p1 < "$diff" > /dev/null || { echo "$name: does not apply"; continue; }
+  if python3 trimul_inline.py build >> "$out/build.log" 2>&1; then
+    timeout 120 python3 -m pytest -q test_trimul.py -k "training and (medium or bitwise)" > "$out/$name-tests.log" 2>&1
+    echo "$name: $(tail -n 1 "$out/$name-tests.log")"
+    profile > "$out/$name.log"
+  else
+    echo "$name: does not build"
+  fi
+  git apply -R "$diff" 2>/dev/null || patch -R -p1 < "$diff" > /dev/null
+done
+for log in "$out"/*.log; do
+  case $log in *-tests.log|*/build.log) continue ;; esac
+  echo "== $(basename "$log" .log)"; head -n 8 "$log"
+done
