@@ -22,6 +22,7 @@ input defaults to "normalized" (cuEquivariance's). Without CUDA it checks ModelN
 """
 import argparse
 import contextlib
+import copy
 import datetime
 import json
 import math
@@ -187,10 +188,11 @@ def make_new_bf16_io(ref):
     return cast_once(new, torch.bfloat16, torch.bool)
 
 
-def make_model_new(ref, kernels=None, precision=None):
-    """ModelNew with the reference's weights, on the reference's device."""
-    new = ti.ModelNew(ref.pair_dim, ref.hidden_dim, ref.direction, ref.gate_input, kernels=kernels,
-                      precision=precision)
+def make_model_new(ref, kernels=None, precision=None, gate_input=None):
+    """ModelNew with the reference's weights (and biases or none), on the reference's device; another gate
+    input where given."""
+    new = ti.ModelNew(ref.pair_dim, ref.hidden_dim, ref.direction, gate_input or ref.gate_input, kernels=kernels,
+                      precision=precision, bias=ref.proj_a.bias is not None)
     new.load_state_dict(ref.state_dict())
     return new.to(ref.proj_a.weight.device)
 
@@ -318,11 +320,16 @@ SAMPLED_ABOVE = 1 << 22
 SAMPLED_ROWS = 8
 
 
+def long_shape(batch: int, n: int) -> bool:
+    """Whether a problem is past SAMPLED_ABOVE positions (checked by sampled rows or by direction)."""
+    return batch * n * n > SAMPLED_ABOVE
+
+
 def fp64_expected(ref, pair, mask, gate_input=None):
     """(rows, expected): the reference's whole output in float64 (rows None), or for problems over
     SAMPLED_ABOVE positions SAMPLED_ROWS rows of it spread over [0, N) (rows their indices)."""
     batch, n = pair.shape[:2]
-    if batch * n * n <= SAMPLED_ABOVE:
+    if not long_shape(batch, n):
         return None, fp64_output(ref, pair, mask, gate_input)
     rows = torch.linspace(0, n - 1, SAMPLED_ROWS).round().long().unique()
     return rows, fp64_output_rows(ref, pair, mask, rows, gate_input)
@@ -334,31 +341,26 @@ def fp64_output_rows(ref, pair, mask, rows, gate_input=None, chunk=64):
     over the chunks (outgoing: z[i, j] = sum_k a[i, k] b[j, k], b's rows j by chunk; incoming: z[i, j] =
     sum_k a[k, i] b[k, j], the k rows by chunk)."""
     ref64 = fp64_model(ref, gate_input)
+    params, eps_in, eps_out = ti._param_list(ref64), ref64.layer_norm_in.eps, ref64.layer_norm_out.eps
     rows = rows.to(pair.device)
     incoming = ref64.direction == "incoming"
 
-    def gated(block, mask_block):
-        x = ref64.layer_norm_in(block.double())
-        m = mask_block.unsqueeze(-1).double()
-        a = ref64.proj_a(x) * torch.sigmoid(ref64.gate_a(x)) * m
-        b = ref64.proj_b(x) * torch.sigmoid(ref64.gate_b(x)) * m
-        return x, a, b
+    def layers_in(block):  # (x, a, b) of the pair's rows `block`, in float64
+        return ti._layers_in(params, pair[:, block].double(), mask[:, block], eps_in, cast_mask=True)
 
     with torch.inference_mode():
         batch, n = pair.shape[:2]
         z = pair.new_zeros((batch, len(rows), n, ref64.hidden_dim), dtype=torch.float64)
-        a_rows = None if incoming else gated(pair[:, rows], mask[:, rows])[1]
+        x_rows, a_rows, _ = layers_in(rows)
         for start in range(0, n, chunk):
             block = slice(start, min(start + chunk, n))
-            _, a, b = gated(pair[:, block], mask[:, block])
+            _, a, b = layers_in(block)
             if incoming:
                 z += torch.einsum("bkih,bkjh->bijh", a[:, :, rows], b)
             else:
                 z[:, :, block] = torch.einsum("bikh,bjkh->bijh", a_rows, b)
-        x_rows = ref64.layer_norm_in(pair[:, rows].double())
-        o = ref64.out_proj(ref64.layer_norm_out(z))
         gate_source = x_rows if ref64.gate_input == "normalized" else pair[:, rows].double()
-        return torch.sigmoid(ref64.out_gate(gate_source)) * o
+        return ti._layers_out(params, z, gate_source, eps_out)
 
 
 def relative_error(out, expected):
@@ -371,7 +373,7 @@ def bench_shape(shape, args, index, total):
     # cuEquivariance gates with the normalized input, so it needs that reference too.
     gate_inputs = {args.gate_input} | ({"normalized"} if "cueq" in args.contenders else set())
     expected_for = {gate_input: fp64_expected(ref, pair, mask, gate_input) for gate_input in gate_inputs}
-    if getattr(args, "bf16_inputs", False):  # (the contenders cast to bf16 anyway: drop the fp32 copy)
+    if args.bf16_inputs:  # (the contenders cast to bf16 anyway: drop the fp32 copy)
         pair = pair.to(torch.bfloat16)
         torch.cuda.empty_cache()
     rows = []
@@ -682,22 +684,16 @@ class DirectionalReference:
     Two chunked float64 forwards per tensor."""
 
     def __init__(self, ref, pair, mask, gate_input=None, step=1e-4, chunk_size=None):
-        self.model = self._model(ref, gate_input or ref.gate_input, pair.device)
-        self.model.load_state_dict(ref.state_dict())
+        self.model = make_model_new(ref, precision="highest", gate_input=gate_input).to(pair.device, torch.float64)
+        self.stepped = copy.deepcopy(self.model)  # (the parameters moved along a gradient, loss(params=...))
         self.pair, self.mask, self.step, self.chunk_size = pair.detach(), mask, step, chunk_size
-
-    @staticmethod
-    def _model(like, gate_input, device):
-        model = ti.ModelNew(like.pair_dim, like.hidden_dim, like.direction, gate_input, precision="highest",
-                            bias=like.proj_a.bias is not None)
-        return model.to(device=device, dtype=torch.float64)
 
     def loss(self, shift=None, params=None):
         """mean(out^2) in float64 at pair_repr + shift (shift: (scale, tensor)) and, where given, the parameters
         {name: value}; one float64 copy of the pair at a time."""
         model = self.model
         if params is not None:
-            model = self._model(self.model, self.model.gate_input, self.pair.device)
+            model = self.stepped
             model.load_state_dict(params)
         with torch.no_grad():
             pair = self.pair.double()
@@ -792,7 +788,7 @@ def bench_backward_shape(shape, args, index, total):
     # cuEquivariance gates with the normalized input, so it needs that reference too.
     gate_input_of = lambda contender: "normalized" if contender.name.startswith("cueq") else args.gate_input
     batch, n = shape[:2]
-    reference = fp64_gradients if batch * n * n <= SAMPLED_ABOVE else DirectionalReference
+    reference = DirectionalReference if long_shape(batch, n) else fp64_gradients
     expected_for = {gate_input: reference(ref, pair, mask, gate_input)
                     for gate_input in {gate_input_of(contender) for contender in chosen}}
     rows = []
@@ -961,7 +957,7 @@ def main(argv=None) -> int:
         if unknown:
             parser.error(f"--backward: unknown contenders {sorted(unknown)}; known: {BACKWARD_CONTENDERS}")
         return run_backward(args, argv)
-    long_shapes = any(b * n * n > SAMPLED_ABOVE for b, n, _, _ in args.shapes)
+    long_shapes = any(long_shape(b, n) for b, n, _, _ in args.shapes)
     if args.kernels is None:  # (every named contraction too, but not at long shapes: naive alone takes minutes)
         contractions = [e.name for e in ti.kernel_registry() if e.role == "contract"]
         args.kernels = [ti.Kernels()] + ([] if args.profile or args.repeat_only or long_shapes else

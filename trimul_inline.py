@@ -752,7 +752,10 @@ def _param_list(layers: "_TriMulLayers"):
 
 def _param_list_eager(layers: "_TriMulLayers"):
     """_param_list by direct dict lookups (nn.Module.__getattr__ costs ~1 us a call, a good part of
-    a small forward); falls back for modules whose parameters live elsewhere (parametrizations)."""
+    a small forward); falls back for modules whose parameters live elsewhere (parametrizations), and is
+    _param_list itself under torch.compile (what dynamo traces)."""
+    if torch.compiler.is_compiling():
+        return _param_list(layers)
     try:
         if layers.__dict__.get("_source") is None:
             modules = layers._modules
@@ -1502,7 +1505,7 @@ def check_inputs(layers: _TriMulLayers, pair_repr, pair_mask, rows: Optional[int
     if pair_mask.device != pair_repr.device:
         raise ValueError(f"pair_mask is on {pair_mask.device} but pair_repr is on "
                          f"{pair_repr.device}; put both on one device")
-    weight = _param_list(layers)[2]
+    weight = _param_list_eager(layers)[2]
     if weight.device != pair_repr.device:
         raise ValueError(f"pair_repr is on {pair_repr.device} but the model's parameters are on "
                          f"{weight.device}; call model.to({str(pair_repr.device)!r})")
@@ -1627,8 +1630,7 @@ class ModelNew(_TriMulLayers):
         (2 B H N^2 operands), then the contraction and the output layers `chunk_size` rows at a time (None: as
         many as a quarter of the free memory holds). out: where the rows go (pair_repr itself for an in-place
         update: each chunk's rows are read before they are written); add: out += update (a residual)."""
-        if torch.is_grad_enabled() and (pair_repr.requires_grad or pair_mask.requires_grad or any(
-                p is not None and p.requires_grad for p in _param_list(self))):
+        if self._needs_autograd(pair_repr, pair_mask):
             raise RuntimeError("trimul_inline: the chunked forward is for inference; call it under torch.no_grad() "
                                "or torch.inference_mode() (training takes the fused forward and its backward)")
         if self.process_group is not None:
@@ -1659,7 +1661,7 @@ class ModelNew(_TriMulLayers):
         if not torch.is_grad_enabled():
             return False
         return pair_repr.requires_grad or pair_mask.requires_grad or \
-            any(p is not None and p.requires_grad for p in _param_list(self))
+            any(p is not None and p.requires_grad for p in _param_list_eager(self))
 
     def _forward_trained(self, pair_repr, pair_mask, mode, kernels):
         """The fused forward as the differentiable op `trimul` (eagerly: _TrimulFunction, the same steps), whose
@@ -1894,7 +1896,7 @@ def _chunked_update(layers, pair, mask, operand, mode, chunk_size, out, add):
         for start in range(0, n, rows):
             block = slice(start, min(start + rows, n))
             z = torch.matmul(a_t[:, :, block], b_t.transpose(-1, -2)).permute(0, 2, 3, 1).to(pair.dtype)
-            rows_in = pair[:, block]
+            rows_in = pair[:, block]  # (LayerNorm_in again for a normalized gate: keeping x would cost B N^2 C)
             gate_source = rows_in if layers.gate_input == "raw" else torch.nn.functional.layer_norm(
                 rows_in, rows_in.shape[-1:], params[0], params[1], eps_in)
             update = _layers_out(params, z, gate_source, eps_out)
@@ -2235,10 +2237,13 @@ class _HostLayer(nn.Module):
     def _params(self):
         return _host_params(self, self.layout)
 
+    @staticmethod
+    def _mask(pair, mask):
+        """The host's optional mask: None is all ones."""
+        return pair.new_ones(pair.shape[:-1]) if mask is None else mask
+
     def _update(self, pair, mask):
-        if mask is None:
-            mask = pair.new_ones(pair.shape[:-1])
-        return self.model_new(pair, mask)
+        return self.model_new(pair, self._mask(pair, mask))
 
     def extra_repr(self) -> str:
         return f"{self.host_class} on trimul_inline ({self.model_new.direction})"
@@ -2250,8 +2255,8 @@ class _OpenFoldLayer(_HostLayer):
 
     def forward(self, z, mask=None, inplace_safe=False, _add_with_inplace=False, _inplace_chunk_size=None):
         if inplace_safe and not torch.is_grad_enabled():  # (OpenFold's inference path: chunked, into z)
-            mask = z.new_ones(z.shape[:-1]) if mask is None else mask
-            return self.model_new.forward_chunked(z, mask, _inplace_chunk_size, out=z, add=_add_with_inplace)
+            return self.model_new.forward_chunked(z, self._mask(z, mask), _inplace_chunk_size, out=z,
+                                                  add=_add_with_inplace)
         update = self._update(z, mask)
         if not inplace_safe:
             return update

@@ -22,12 +22,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import trimul_inline as ti  # noqa: E402
+from bench import parse_shapes  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def parse_shapes(text):
-    return [tuple(int(v) for v in item.split(",")) for item in text.split(";") if item]
 
 
 class Clock:

@@ -1,5 +1,6 @@
 """The contraction alone at large N: z = a b^T per hidden channel, bf16 planes in and out ([H, N, N]), by a
-contraction kernel of ours and by cuBLAS (torch.bmm) on the same buffers; CUDA events, median of a few calls.
+contraction kernel of ours and by cuBLAS (torch.bmm) on the same buffers; bench.py's timing (CUDA events,
+median after warm-up).
 
     python dev/contract_large_n.py --n 4096,8192 [--hidden 128] [--kernel wgmma_tma] [--calls 5]
 """
@@ -10,21 +11,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench  # noqa: E402
 import trimul_inline as ti  # noqa: E402
 
 
 def median_ms(fn, calls: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    """bench.py's timing (warm-up, CUDA events, median) in ms, at least `calls` timed calls."""
+    return bench.time_cuda(fn, min_reps=calls, budget_s=0.0)[0] / 1e3
 
 
 def main() -> None:

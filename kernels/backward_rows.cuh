@@ -75,6 +75,33 @@ __device__ __forceinline__ void sum_rows_out(const float* rows, int64_t width, f
   }
 }
 
+// The two means over a row that LayerNorm's backward needs, by one warp: of d and of d x_hat, where
+// x_hat = (x - shift) scale, or the row itself where it is already normalized (kNormalized: shift and scale
+// unused).
+template <int V, bool kNormalized, typename TX>
+__device__ __forceinline__ void layer_norm_grad_means(const float* __restrict__ d_row, const TX* __restrict__ x_row,
+                                                      int64_t width, float shift, float scale, float* mean_d,
+                                                      float* mean_dot) {
+  const int lane = threadIdx.x % 32;
+  float sum = 0.f, dot = 0.f;
+  for (int64_t c = lane * V; c < width; c += 32 * V) {
+    float x[V], d[V];
+    load_pack<V>(x_row + c, x);
+    load_pack<V>(d_row + c, d);
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      sum += d[i];
+      if constexpr (kNormalized) {
+        dot += d[i] * x[i];
+      } else {
+        dot += d[i] * (x[i] - shift) * scale;
+      }
+    }
+  }
+  *mean_d = warp_sum(sum) / width;
+  *mean_dot = warp_sum(dot) / width;
+}
+
 struct Tile {
   int64_t b, r, k0;
   int count;  // positions in the tile (the last of a row may have fewer than kTile)

@@ -158,18 +158,8 @@ __global__ void __launch_bounds__(kThreads) d_pair_kernel(const BackwardArgs arg
     const float* __restrict__ d_row = args.d_rows + p * width;
     float mean, rstd;
     row_statistics<V>(row, width, args.eps, &mean, &rstd);
-    float sum = 0.f, dot = 0.f;
-    for (int64_t c = lane * V; c < width; c += 32 * V) {
-      float x[V], d[V];
-      load_pack<V>(row + c, x);
-      load_pack<V>(d_row + c, d);
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        sum += d[i];
-        dot += d[i] * (x[i] - mean) * rstd;
-      }
-    }
-    const float mean_d = warp_sum(sum) / width, mean_dot = warp_sum(dot) / width;
+    float mean_d, mean_dot;
+    layer_norm_grad_means<V, false>(d_row, row, width, mean, rstd, &mean_d, &mean_dot);
     float* __restrict__ out = args.d_pair + p * width;
     const float* __restrict__ add = args.d_rows_add != nullptr ? args.d_rows_add + p * width : nullptr;
     for (int64_t c = lane * V; c < width; c += 32 * V) {

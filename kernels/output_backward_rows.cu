@@ -89,18 +89,9 @@ __global__ void __launch_bounds__(kThreads) dz_planes_kernel(const BackwardArgs 
     const int64_t p = tile_position(t, q, args.n, false);
     const float* __restrict__ d_row = args.d_rows + p * hidden;
     const T* __restrict__ z_row = static_cast<const T*>(args.rows) + p * hidden;
-    float sum = 0.f, dot = 0.f;
-    for (int64_t h = lane * V; h < hidden; h += 32 * V) {
-      float d[V], z[V];
-      load_pack<V>(d_row + h, d);
-      load_pack<V>(z_row + h, z);
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        sum += d[i];
-        dot += d[i] * z[i];
-      }
-    }
-    const float mean = warp_sum(sum) / hidden, mean_dot = warp_sum(dot) / hidden, rstd = args.rstd[p];
+    float mean, mean_dot;
+    layer_norm_grad_means<V, true>(d_row, z_row, hidden, 0.f, 1.f, &mean, &mean_dot);
+    const float rstd = args.rstd[p];
     for (int64_t h = lane * V; h < hidden; h += 32 * V) {
       float d[V], z[V];
       load_pack<V>(d_row + h, d);
