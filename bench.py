@@ -14,7 +14,8 @@ allocated. Without CUDA it says so and runs a small CPU comparison.
 
 --backward times one training step per call instead (gradients set to None, forward, loss = mean of
 out² in fp32, backward), after checking each contender's gradients (d pair_repr and every parameter's)
-against the reference's in float64 (per-tensor relative errors; over tolerance: FAIL, not timed; over 4M
+against the reference's in float64 (per-tensor relative errors, 16-bit contenders' at their rounded inputs
+and parameters; over tolerance: FAIL, not timed; over 4M
 positions, per tensor along its own direction against central differences of the float64 chunked
 forward, DirectionalReference, which flags wrong gradients but does not measure precision); peak
 memory is counted above the inputs and parameters, the previous step's gradients released. Its gate
@@ -305,11 +306,20 @@ def fp64_output(ref, pair, mask, gate_input=None):
         return ref64(pair.double(), mask)
 
 
-def fp64_gradients(ref, pair, mask, gate_input=None):
+def fp64_gradients(ref, pair, mask, gate_input=None, rounded_to=None):
     """The reference's gradients of out.square().mean() in float64 (its weights; another gate input
-    where given): {"pair_repr": d pair_repr, each parameter's name: its gradient}."""
+    where given): {"pair_repr": d pair_repr, each parameter's name: its gradient}. rounded_to: the 16-bit
+    dtype a contender's pair_repr and parameters were cast to; the reference then differentiates at those
+    rounded values, as the tests do, so the error counted is the contender's arithmetic, not the inputs'
+    rounding (which alone moves bf16's d pair_repr by ~5e-3, bench/NOTES.md)."""
     ref64 = fp64_model(ref, gate_input)
-    pair64 = pair.detach().double().requires_grad_(True)
+    pair64 = pair.detach()
+    if rounded_to is not None:
+        with torch.no_grad():
+            for parameter in ref64.parameters():
+                parameter.copy_(parameter.to(rounded_to))
+        pair64 = pair64.to(rounded_to)
+    pair64 = pair64.double().requires_grad_(True)
     ref64(pair64, mask).square().mean().backward()
     return {"pair_repr": pair64.grad, **{name: p.grad for name, p in ref64.named_parameters()}}
 
@@ -785,16 +795,21 @@ def bench_backward_shape(shape, args, index, total):
     seeded reference."""
     ref, pair, mask = seeded_case(shape, args, args.seed + index)
     chosen = backward_contenders(args)
-    # cuEquivariance gates with the normalized input, so it needs that reference too.
-    gate_input_of = lambda contender: "normalized" if contender.name.startswith("cueq") else args.gate_input
+    # cuEquivariance gates with the normalized input, so it needs that reference too; 16-bit contenders
+    # are checked at their rounded inputs and parameters (fp64_gradients).
+    def reference_of(contender):
+        gate_input = "normalized" if contender.name.startswith("cueq") else args.gate_input
+        return gate_input, None if contender.dtype == torch.float32 else contender.dtype
     batch, n = shape[:2]
-    reference = DirectionalReference if long_shape(batch, n) else fp64_gradients
-    expected_for = {gate_input: reference(ref, pair, mask, gate_input)
-                    for gate_input in {gate_input_of(contender) for contender in chosen}}
+    if long_shape(batch, n):  # (checks gradients by direction: no precision measured, no rounding needed)
+        reference = lambda gate_input, rounded_to: DirectionalReference(ref, pair, mask, gate_input)
+    else:
+        reference = lambda gate_input, rounded_to: fp64_gradients(ref, pair, mask, gate_input, rounded_to)
+    expected_for = {key: reference(*key) for key in {reference_of(contender) for contender in chosen}}
     rows = []
     for contender in chosen:
         label = f"[{index + 1}/{total}] {shape} {contender.name}"
-        rows.append(bench_backward_contender(contender, ref, pair, mask, expected_for[gate_input_of(contender)],
+        rows.append(bench_backward_contender(contender, ref, pair, mask, expected_for[reference_of(contender)],
                                              shape, label, args.budget))
         torch.cuda.empty_cache()
     return rows

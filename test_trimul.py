@@ -478,6 +478,26 @@ def test_bench_directional_check_passes_true_gradients_and_catches_wrong_ones(di
     assert bench.gradient_check(missing, check, "medium")[0]["out_gate.bias (direction)"] == float("inf")
 
 
+def test_bench_checks_16bit_contenders_at_their_rounded_inputs():
+    """bench.py --backward's reference for a bf16 contender differentiates at the bf16-rounded pair_repr and
+    parameters: exact arithmetic on those values matches it, while against the unrounded reference the
+    rounding alone shows (so it must not be charged to the contender)."""
+    import bench
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    ref = random_layers(ti.Model(16, 8, "incoming", "normalized"), g)
+    pair, mask = random_inputs(2, 11, 16, g, dtype=torch.float32)
+    rounded = bench.fp64_gradients(ref, pair, mask, rounded_to=torch.bfloat16)
+    model = copy.deepcopy(ref).to(torch.bfloat16).double()
+    pair16 = pair.to(torch.bfloat16).double().requires_grad_(True)
+    model(pair16, mask).square().mean().backward()
+    exact = {"pair_repr": pair16.grad, **{name: p.grad for name, p in model.named_parameters()}}
+    assert exact.keys() == rounded.keys()
+    assert all(rel_error(exact[name], rounded[name]) < 1e-12 for name in exact), seed
+    unrounded = bench.fp64_gradients(ref, pair, mask)
+    assert rel_error(rounded["pair_repr"], unrounded["pair_repr"]) > 1e-4, seed
+
+
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 @pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
 def test_bench_sampled_reference_rows_equal_the_whole_reference(direction, gate_input):
@@ -2441,6 +2461,35 @@ def test_chunked_forward_on_the_gpu_matches_the_fused_forward(precision, monkeyp
         monkeypatch.setattr(ti, "_chunked_update", lambda *a: calls.append(1) or original(*a))
         auto = model(pair, mask)
         assert calls and rel_error(auto, expected) < FUSED_TOLERANCE[precision]
+
+
+@cuda
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+def test_in_place_update_holds_one_operand_and_a_chunk(direction):
+    """update_ on a bf16 pair (C = H) keeps one side's planes for every position, nothing pair-sized besides:
+    its peak above the inputs is at most the pair's bytes plus one chunk's temporaries (the design before
+    kept both sides: twice the pair's bytes). Its update is the chunked forward's, within bf16's tolerance of fp64."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    n, channels, rows = 384, 128, 8
+    model = random_layers(ti.ModelNew(channels, channels, direction, "normalized"), g).cuda().to(torch.bfloat16)
+    reference = ti.Model(channels, channels, direction, "normalized").double().cuda()
+    reference.load_state_dict(model.state_dict())
+    pair, mask = random_inputs(1, n, channels, g, device="cuda")
+    pair = pair.to(torch.bfloat16)
+    with torch.no_grad():
+        expected = reference(pair.double(), mask)
+        chunked = model(pair, mask, chunk_size=rows)
+        assert rel_error(chunked, expected) < 2e-2, f"seed {seed}"
+        residual = pair.clone()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model.update_(residual, mask, chunk_size=rows)
+        peak = torch.cuda.max_memory_allocated() - base
+        chunk_bytes = rows * n * (4 * channels + 8 * channels) * 2  # (_default_chunk_rows's per-row bound)
+        assert peak <= pair.numel() * 2 + chunk_bytes, f"peak {peak} bytes for a {pair.numel() * 2}-byte pair"
+        assert torch.equal(residual, pair + chunked), f"seed {seed}"
 
 
 def _alphafold_forward(params, act, mask, incoming):

@@ -1626,10 +1626,11 @@ class ModelNew(_TriMulLayers):
 
     def forward_chunked(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor, chunk_size: Optional[int] = None,
                         out: Optional[torch.Tensor] = None, add: bool = False) -> torch.Tensor:
-        """The memory-bounded forward (inference): a and b for every position in the contraction's layout
-        (2 B H N^2 operands), then the contraction and the output layers `chunk_size` rows at a time (None: as
-        many as a quarter of the free memory holds). out: where the rows go (pair_repr itself for an in-place
-        update: each chunk's rows are read before they are written); add: out += update (a residual)."""
+        """The memory-bounded forward (inference): one side of the projection for every position (b outgoing,
+        a incoming: B H N^2 operands), then the other side, the contraction and the output layers `chunk_size`
+        rows (incoming: columns) at a time (None: sized by _default_chunk_rows). out: where the update goes
+        (pair_repr itself for an in-place update: each chunk's positions are read before they are written);
+        add: out += update (a residual)."""
         if self._needs_autograd(pair_repr, pair_mask):
             raise RuntimeError("trimul_inline: the chunked forward is for inference; call it under torch.no_grad() "
                                "or torch.inference_mode() (training takes the fused forward and its backward)")
@@ -1863,48 +1864,75 @@ def _fused_buffers_fit(pair: torch.Tensor, hidden: int, mode: str) -> bool:
     return needed * 1.05 <= _free_bytes(pair.device)
 
 
-def _default_chunk_rows(pair: torch.Tensor, hidden: int) -> int:
-    """Rows per chunk: the chunk's temporaries (the layers' fp32 rows, z) within a quarter of the free memory
-    once the a/b planes are allocated (1 GiB off CUDA)."""
+def _default_chunk_rows(pair: torch.Tensor, hidden: int, whole_bytes: int) -> int:
+    """Rows per chunk (once the whole operand is allocated): a chunk's temporaries (LayerNorm_in's rows, one
+    side's projections, its operand copy, z, the output layers' rows: about 4 C + 8 H values per position in
+    the pair's dtype) within a sixteenth of the whole operand's bytes (at least 1 GiB) and a
+    quarter of the free memory; 1 GiB off CUDA."""
     batch, n, _, c = pair.shape
-    per_row = batch * n * (16 * c + 32 * hidden)
-    budget = _free_bytes(pair.device) // 4 if pair.is_cuda else 1 << 30
+    per_row = batch * n * (4 * c + 8 * hidden) * pair.element_size()
+    budget = min(_free_bytes(pair.device) // 4, max(whole_bytes // 16, 1 << 30)) if pair.is_cuda else 1 << 30
     return int(max(1, min(n, budget // per_row)))
 
 
+def _gated_side(params, x, mask, side: int, operand: torch.dtype):
+    """One side of the gated projection, proj(x) * sigmoid(gate(x)) * mask ([B, rows, cols, H]; side 0: a,
+    1: b), in `operand`; in-place steps, so a chunk's peak is x plus two [.., H] tensors."""
+    proj_w, proj_b, gate_w, gate_b = params[2 + 4 * side:6 + 4 * side]
+    linear = torch.nn.functional.linear
+    p = linear(x, proj_w, proj_b)
+    gate = linear(x, gate_w, gate_b).sigmoid_()
+    p.mul_(gate)
+    del gate
+    return p.mul_(mask.unsqueeze(-1).to(p.dtype)).to(operand)
+
+
 def _chunked_update(layers, pair, mask, operand, mode, chunk_size, out, add):
-    """ModelNew.forward_chunked's work (no autograd): a/b planes [B, H, N, N] filled chunk by chunk of input
-    rows (the incoming direction's planes transposed, as _contraction_layout), then per chunk of output rows
-    z = a_rows b^T (torch.matmul: cuBLAS at the mode's precision) and the output layers, in the pair's dtype."""
+    """ModelNew.forward_chunked's work (no autograd). Only the operand every output chunk needs whole is kept
+    for all positions, as planes [B, H, N, N] in `operand`: b (outgoing, plane[j, k] = b[j, k]) or a (incoming,
+    plane[i, k] = a[k, i]), filled chunk by chunk of input rows. Then per chunk of output rows i (outgoing) or
+    columns j (incoming): the other side from those rows / columns of pair_repr, z against the whole planes
+    (torch.matmul: cuBLAS at the mode's precision) and the output layers, into `out`. Every read of a chunk's
+    positions comes before its write, and the whole planes are complete before any write, so `out` may be
+    pair_repr itself: the update in place needs the planes and one chunk's temporaries (DESIGN.md)."""
     batch, n = pair.shape[:2]
     hidden, incoming = layers.hidden_dim, layers.direction == "incoming"
     params = [None if p is None else p.to(pair.dtype) for p in _param_list(layers)]
     eps_in, eps_out = layers.layer_norm_in.eps, layers.layer_norm_out.eps
-    planes = pair.new_empty((2, batch, hidden, n, n), dtype=operand)
-    rows = chunk_size or _default_chunk_rows(pair, hidden)  # (after the planes: what is left for a chunk)
-    a_t, b_t = planes.unbind(0)
-    for start in range(0, n, rows):
-        block = slice(start, min(start + rows, n))
-        _, a, b = _layers_in(params, pair[:, block], mask[:, block], eps_in, cast_mask=True)
-        if incoming:  # (plane element (i, k) holds position (k, i))
-            a_t[:, :, :, block], b_t[:, :, :, block] = a.permute(0, 3, 2, 1), b.permute(0, 3, 2, 1)
+    layer_norm = lambda rows: torch.nn.functional.layer_norm(rows, rows.shape[-1:], params[0], params[1], eps_in)
+    whole = pair.new_empty((batch, hidden, n, n), dtype=operand)
+    rows = chunk_size or _default_chunk_rows(pair, hidden, whole.numel() * whole.element_size())
+    blocks = [slice(start, min(start + rows, n)) for start in range(0, n, rows)]
+    for block in blocks:  # whole side: from the input rows k (outgoing: rows j) of pair_repr
+        side = _gated_side(params, layer_norm(pair[:, block]), mask[:, block], 0 if incoming else 1, operand)
+        if incoming:
+            whole[:, :, :, block] = side.permute(0, 3, 2, 1)
         else:
-            a_t[:, :, block], b_t[:, :, block] = a.permute(0, 3, 1, 2), b.permute(0, 3, 1, 2)
-        del a, b
+            whole[:, :, block] = side.permute(0, 3, 1, 2)
+        del side
     out = torch.empty_like(pair, memory_format=torch.contiguous_format) if out is None else out
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
-        for start in range(0, n, rows):
-            block = slice(start, min(start + rows, n))
-            z = torch.matmul(a_t[:, :, block], b_t.transpose(-1, -2)).permute(0, 2, 3, 1).to(pair.dtype)
-            rows_in = pair[:, block]  # (LayerNorm_in again for a normalized gate: keeping x would cost B N^2 C)
-            gate_source = rows_in if layers.gate_input == "raw" else torch.nn.functional.layer_norm(
-                rows_in, rows_in.shape[-1:], params[0], params[1], eps_in)
+        for block in blocks:
+            # outgoing: output rows i, a[i, k] from pair rows i; incoming: output columns j, b[k, j] from pair
+            # columns j (both [B, H, chunk, k] as planes), z = that against the whole planes
+            index = (slice(None), block) if not incoming else (slice(None), slice(None), block)
+            source = pair[index]
+            side = _gated_side(params, layer_norm(source), mask[index], 1 if incoming else 0, operand)
+            chunk = side.permute(0, 3, 1, 2) if not incoming else side.permute(0, 3, 2, 1)
+            del side
+            if incoming:  # z[i, j] = sum_k a[k, i] b[k, j]: [B, H, N, chunk]
+                z = torch.matmul(whole, chunk.transpose(-1, -2))
+            else:  # z[i, j] = sum_k a[i, k] b[j, k]: [B, H, chunk, N]
+                z = torch.matmul(chunk, whole.transpose(-1, -2))
+            del chunk
+            z = z.permute(0, 2, 3, 1).to(pair.dtype)
+            gate_source = source if layers.gate_input == "raw" else layer_norm(source)
             update = _layers_out(params, z, gate_source, eps_out)
             del z, gate_source
             if add:
-                out[:, block] += update
+                out[index] += update
             else:
-                out[:, block] = update
+                out[index] = update
     return out
 
 
