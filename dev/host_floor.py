@@ -7,6 +7,7 @@ forward, out.float().square().mean().backward()).
     python dev/host_floor.py [--shape 16,32,64,32] [--precision medium] [--steps 200]
 """
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -60,10 +61,10 @@ def main() -> None:
     model = ti.ModelNew(c, h, "outgoing", "normalized", precision=args.precision).cuda()
     model.load_state_dict(ref.state_dict())
     rows["ModelNew"] = step_of(lambda p: model(p, mask), pair, list(model.parameters()))
-    try:
-        graphed = torch.cuda.make_graphed_callables(model, (pair0.clone().requires_grad_(True), mask))
+    try:  # (on a copy: make_graphed_callables replaces a module's forward with the graphed one)
+        graphed = torch.cuda.make_graphed_callables(copy.deepcopy(model), (pair0.clone().requires_grad_(True), mask))
         rows["ModelNew, make_graphed_callables"] = step_of(lambda p: graphed(p, mask), pair,
-                                                           list(model.parameters()))
+                                                           list(graphed.parameters()))
     except Exception as error:  # (reported, not fatal: this is a measurement script)
         print(f"make_graphed_callables failed: {type(error).__name__}: {error}")
     print(f"{args.shape} precision={args.precision}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -75,10 +76,10 @@ def main() -> None:
     if "ModelNew, make_graphed_callables" in rows:
         expected = bench.fp64_gradients(ref, pair0, mask)
         pair.grad = None
-        for p in model.parameters():
+        for p in graphed.parameters():
             p.grad = None
         graphed(pair, mask).float().square().mean().backward()
-        got = {"pair_repr": pair.grad, **{name: p.grad for name, p in model.named_parameters()}}
+        got = {"pair_repr": pair.grad, **{name: p.grad for name, p in graphed.named_parameters()}}
         worst = max((bench.relative_error(got[k], v), k) for k, v in expected.items())
         print(f"graphed step's worst gradient error vs fp64: {worst[0]:.1e} ({worst[1]})")
 
