@@ -1994,6 +1994,60 @@ def test_backward_host_path_equals_the_python_steps(precision, direction, gate_i
 
 
 @cuda
+@pytest.mark.parametrize("precision, direction, gate_input, mask_dtype",
+                         [("medium", "outgoing", "normalized", torch.bool), ("highest", "incoming", "raw", torch.float32)])
+def test_backward_graph_replays_the_call(precision, direction, gate_input, mask_dtype):
+    """The small-problem backward's CUDA graph (host "graph", what "auto" takes up to GRAPHED_BACKWARD_POSITIONS)
+    gives the one-call backward's gradients bit for bit, on new inputs each replay, after a parameter changes in
+    place (the graph reads it where it lives), each gradient a fresh tensor of its own."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(24, 40, direction=direction, gate_input=gate_input), g)
+    params = [p.detach().cuda() for p in ti._param_list(model)]
+    mode = ti.compute_mode(torch.float32, precision)
+    options = (ti.Kernels(), mode, direction == "incoming", gate_input == "normalized", 1e-5, 1e-5,
+               mask_dtype.is_floating_point)
+    ti._BACKWARD_GRAPHS.entries.clear()
+    returned = []
+    for step in range(3):
+        pair, mask = random_inputs(2, 29, 24, g, dtype=torch.float32, device="cuda", mask_dtype=mask_dtype)
+        grad_out = torch.randn(pair.shape, generator=g).cuda()
+        if step == 2:
+            params[4].mul_(1.5)  # (gate_a.weight, in place: the optimizer's way)
+        call = ti.training_backward(grad_out, pair, mask, params, *options, host="call")
+        poison_allocator()
+        graph = ti.training_backward(grad_out, pair, mask, params, *options, host="graph")
+        assert len(ti._BACKWARD_GRAPHS.entries) == 1
+        for i, (a, b) in enumerate(zip(graph, call)):
+            assert (a is None) == (b is None), (step, i)
+            if a is not None:
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (step, i)
+        returned.append(graph)
+    pointers = [t.untyped_storage().data_ptr() for grads in returned for t in grads if t is not None]
+    assert len(set(pointers)) == len(pointers)  # (no gradient is the graph's own memory, none shared)
+    ti._BACKWARD_GRAPHS.entries.clear()
+
+
+@cuda
+def test_training_step_captures_in_a_callers_cuda_graph():
+    """A caller's torch.cuda.make_graphed_callables captures ModelNew's forward and backward (the backward's own
+    graph steps aside while a capture is under way); the graphed step's gradients equal the eager step's."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(16, 8, gate_input="normalized"), g).cuda()
+    pair, mask = random_inputs(2, 12, 16, g, dtype=torch.float32, device="cuda")
+    graphed = torch.cuda.make_graphed_callables(copy.deepcopy(model), (pair.clone().requires_grad_(True), mask))
+
+    def gradients(module):
+        leaf = pair.clone().requires_grad_(True)
+        for p in module.parameters():
+            p.grad = None
+        module(leaf, mask).square().mean().backward()
+        return [leaf.grad] + [p.grad for p in module.parameters()]
+    for _ in range(2):
+        for a, b in zip(gradients(graphed), gradients(model)):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
+
+
+@cuda
 @pytest.mark.parametrize("direction, mask_dtype", [("outgoing", torch.bool), ("incoming", torch.float32)])
 def test_eager_training_function_equals_the_op(direction, mask_dtype):
     """ModelNew's eager training call (_TrimulFunction) and the op torch.compile traces (trimul, trimul_backward)

@@ -1225,13 +1225,19 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
     """The gradients of sum(grad_out * forward(pair, mask)): [d pair, d mask (None unless mask_grad), then the 16
     parameters' (_PARAM_PATHS order)], each in its tensor's dtype. Any device; CUDA in the op. host: "auto" runs
     a CUDA call whose backward roles are library kernels in one extension call (the same steps in C++: the
-    host time of a small step), "python" always here step by step."""
+    host time of a small step), replayed from a CUDA graph (_BackwardGraphs) for problems of at most
+    GRAPHED_BACKWARD_POSITIONS positions; "call" always the one extension call; "graph" a graph at any size;
+    "python" always here step by step."""
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
         if pair.is_cuda and pair.dtype != torch.float64 and host != "python" and \
                 kernels.contract_backward in (None, "bmm"):  # (the C++ steps' contraction backward)
-            grads = _extension().training_backward(
-                grad_out, pair, mask, params, kernels.output_backward or "", kernels.input_backward or "",
-                _COMPUTE_DTYPE[mode] == torch.float32, incoming, gate_normalized, eps_in, eps_out, mask_grad)
+            call = (grad_out, pair, mask, params, kernels.output_backward or "", kernels.input_backward or "",
+                    _COMPUTE_DTYPE[mode] == torch.float32, incoming, gate_normalized, eps_in, eps_out, mask_grad)
+            positions = pair.shape[0] * pair.shape[1] * pair.shape[2]
+            graphed = host == "graph" or (host == "auto" and positions <= GRAPHED_BACKWARD_POSITIONS)
+            grads = _BACKWARD_GRAPHS.run(call) if graphed else None
+            if grads is None:
+                grads = _extension().training_backward(*call)
             if grads:  # (empty: a backward role runs a torch baseline, which the Python path below runs)
                 return grads
         grads = _training_backward(grad_out, pair, mask, [p.detach() for p in params], kernels, mode, incoming,
@@ -1240,6 +1246,84 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
     return _distinct([d_pair.view(pair.shape).to(pair.dtype),
                       None if d_mask is None else d_mask.view(mask.shape).to(mask.dtype)] +
                      [g.to(p.dtype) for g, p in zip(d_params, params)])
+
+
+# Backward calls of at most this many positions replay a CUDA graph: their time is host time (~50 ATen calls in
+# the one-call backward), and their intermediates, which the graph's memory pool keeps, are at most ~20 MiB.
+GRAPHED_BACKWARD_POSITIONS = 1 << 14
+
+
+class _BackwardGraphs:
+    """CUDA graphs of the extension's one-call backward, one per call signature (shapes, dtypes, options, where
+    the parameters live, the matmul precision, the extension), the `limit` most recently used kept. A graph reads
+    the parameters in place (optimizer steps that update them in place are seen; a parameter that moves is a new
+    signature), copies grad_out, pair and the mask into its own inputs, and its gradients are copied out, since
+    the next replay overwrites them. Not while a capture is under way (a caller's own graph captures the call)
+    nor under a Python dispatch mode."""
+
+    def __init__(self, limit: int = 8):
+        self.limit = limit
+        self.entries = {}  # signature -> (inputs, graph, gradients); insertion order = recency
+
+    def run(self, call):
+        """The gradients as the call returns them (a fresh tensor each, None where the call has none), [] where
+        the call takes a torch baseline role, None where no graph may run now."""
+        grad_out, pair, mask, params, *options = call
+        if torch.cuda.is_current_stream_capturing() or _python_dispatch_mode_active():
+            return None
+        key = (tuple((t.shape, t.dtype) for t in (grad_out, pair, mask)), pair.device,
+               tuple((p.data_ptr(), p.shape, p.dtype) for p in params), tuple(options),
+               torch.get_float32_matmul_precision(), id(_extension()))
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            entry = self._capture(call)
+        self.entries[key] = entry
+        while len(self.entries) > self.limit:
+            self.entries.pop(next(iter(self.entries)))
+        inputs, graph, grads = entry
+        if graph is None:
+            return []
+        for static, given in zip(inputs, (grad_out, pair, mask)):
+            static.copy_(given)
+        graph.replay()
+        defined = [g for g in grads if g is not None]
+        copies = [torch.empty_like(g) for g in defined]
+        torch._foreach_copy_(copies, defined)
+        copies.reverse()
+        return [None if g is None else copies.pop() for g in grads]
+
+    @staticmethod
+    def _capture(call):
+        """(inputs, graph, gradients) for the call's signature: one run on a side stream first (cuBLAS's handles
+        and workspaces, the kernels' attributes), then the capture; (inputs, None, None) for a call that takes
+        a torch baseline role (the extension returns no gradients)."""
+        grad_out, pair, mask, params, *options = call
+        extension = _extension()
+        inputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (grad_out, pair, mask)]
+        for static, given in zip(inputs, (grad_out, pair, mask)):
+            static.copy_(given)
+        side = torch.cuda.Stream(device=pair.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            warm = extension.training_backward(*inputs, params, *options)
+        torch.cuda.current_stream().wait_stream(side)
+        if not warm:
+            return inputs, None, None
+        del warm
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            grads = extension.training_backward(*inputs, params, *options)
+        return inputs, graph, grads
+
+
+_BACKWARD_GRAPHS = _BackwardGraphs()
+
+
+def _python_dispatch_mode_active() -> bool:
+    """Whether a Python dispatch mode (opcheck's schema check, a profiler's or a user's) sees each ATen call:
+    it should see the backward's calls, not a graph replay."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    return _get_current_dispatch_mode() is not None
 
 
 def _distinct(tensors: list) -> list:
