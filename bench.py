@@ -386,6 +386,8 @@ def bench_shape(shape, args, index, total):
     if args.bf16_inputs:  # (the contenders cast to bf16 anyway: drop the fp32 copy)
         pair = pair.to(torch.bfloat16)
         torch.cuda.empty_cache()
+    if getattr(args, "float_mask", False):  # (as real models pass it: mask.float(); the reference took the bool)
+        mask = mask.to(torch.float32)
     rows = []
     timed_groups = set()
     for contender in contenders(args):
@@ -953,6 +955,8 @@ def main(argv=None) -> int:
     parser.add_argument("--bf16-inputs", action="store_true",
                         help="keep only a bf16 copy of the inputs once the reference is computed (long shapes, where "
                              "the fp32 copy would not fit beside the contenders); bf16 contenders only")
+    parser.add_argument("--float-mask", action="store_true",
+                        help="pass the mask as float32 0/1 (as Boltz and OpenFold do) instead of bool (forward)")
     parser.add_argument("--backward", action="store_true",
                         help="time a training step per call (forward, loss = mean of out² in fp32, backward) "
                              "after checking every gradient against fp64")
@@ -966,8 +970,9 @@ def main(argv=None) -> int:
         args.contenders = BACKWARD_CONTENDERS if args.backward else DEFAULT_CONTENDERS
     args.contenders = set(args.contenders.split(","))
     if args.backward:
-        if args.kernels or args.profile or args.repeat_only:
-            parser.error("--kernels, --profile and --repeat-only apply to the forward mode, not --backward")
+        if args.kernels or args.profile or args.repeat_only or args.float_mask:
+            parser.error("--kernels, --profile, --repeat-only and --float-mask apply to the forward mode, not "
+                         "--backward")
         unknown = args.contenders - set(BACKWARD_CONTENDERS.split(","))
         if unknown:
             parser.error(f"--backward: unknown contenders {sorted(unknown)}; known: {BACKWARD_CONTENDERS}")

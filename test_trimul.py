@@ -454,6 +454,13 @@ def test_bench_bf16_inputs_take_only_bf16_contenders(capsys):
     assert "cueq fp32" not in names and "new[auto] bf16 in/out" in names
 
 
+def test_bench_float_mask_is_a_forward_option(capsys):
+    import bench
+    with pytest.raises(SystemExit):
+        bench.main(["--backward", "--float-mask"])
+    assert "--float-mask apply to the forward mode" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("direction, gate_input", [("outgoing", "normalized"), ("incoming", "raw")])
 def test_bench_directional_check_passes_true_gradients_and_catches_wrong_ones(direction, gate_input):
     """bench.py --backward at shapes too large for whole fp64 gradients: central differences of the chunked
