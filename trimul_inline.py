@@ -1227,7 +1227,8 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
     a CUDA call whose backward roles are library kernels in one extension call (the same steps in C++: the
     host time of a small step), replayed from a CUDA graph (_BackwardGraphs) for problems of at most
     GRAPHED_BACKWARD_POSITIONS positions; "call" always the one extension call; "graph" a graph at any size;
-    "python" always here step by step."""
+    "python" always here step by step. A 16-bit mode's small CUDA call multiplies in TF32 (_backward_mode)."""
+    mode = _backward_mode(mode, pair)
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
         if pair.is_cuda and pair.dtype != torch.float64 and host != "python" and \
                 kernels.contract_backward in (None, "bmm"):  # (the C++ steps' contraction backward)
@@ -1246,6 +1247,20 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
     return _distinct([d_pair.view(pair.shape).to(pair.dtype),
                       None if d_mask is None else d_mask.view(mask.shape).to(mask.dtype)] +
                      [g.to(p.dtype) for g, p in zip(d_params, params)])
+
+
+# A 16-bit mode's CUDA backward calls of at most this many positions take fp32 operands and TF32 products (mode
+# "high"): their time is host time either way, and bf16 operands' error over few positions is heavy-tailed
+# (LayerNorm_out's backward cancels most of d z_hat over a few channels; bench/NOTES.md). Tests set it to 0 to
+# run the bf16 backward at small shapes.
+TF32_BACKWARD_POSITIONS = 1 << 14
+
+
+def _backward_mode(mode: str, pair: torch.Tensor) -> str:
+    """The mode the backward computes in: "high" for a 16-bit mode's CUDA call of at most TF32_BACKWARD_POSITIONS
+    positions, else the forward's."""
+    small = pair.shape[0] * pair.shape[1] * pair.shape[2] <= TF32_BACKWARD_POSITIONS
+    return "high" if pair.is_cuda and small and mode in ("bf16", "f16") else mode
 
 
 # Backward calls of at most this many positions replay a CUDA graph: their time is host time (~50 ATen calls in
