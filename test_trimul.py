@@ -2009,9 +2009,11 @@ def test_training_gradients_are_bitwise_repeatable(precision):
 @pytest.mark.parametrize("precision, direction, gate_input, mask_dtype",
                          [("medium", "outgoing", "normalized", torch.bool), ("medium", "incoming", "raw", torch.float32),
                           ("highest", "incoming", "normalized", torch.float32), ("high", "outgoing", "raw", torch.bool)])
-def test_backward_host_path_equals_the_python_steps(precision, direction, gate_input, mask_dtype):
+def test_backward_host_path_equals_the_python_steps(precision, direction, gate_input, mask_dtype, monkeypatch):
     """The extension's one-call backward (host "auto") runs the Python path's steps in C++: the same gradients,
-    bit for bit, every output its own memory; a torch baseline role still takes the Python path."""
+    bit for bit, every output its own memory; a torch baseline role still takes the Python path. (The bf16
+    steps at this small size: TF32_BACKWARD_POSITIONS off.)"""
+    monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)
     g = torch.Generator().manual_seed(fresh_seed())
     model = random_layers(ti.ModelNew(24, 40, direction=direction, gate_input=gate_input), g)
     params = [p.detach().cuda() for p in ti._param_list(model)]
@@ -2040,10 +2042,12 @@ def test_backward_host_path_equals_the_python_steps(precision, direction, gate_i
 @cuda
 @pytest.mark.parametrize("precision, direction, gate_input, mask_dtype",
                          [("medium", "outgoing", "normalized", torch.bool), ("highest", "incoming", "raw", torch.float32)])
-def test_backward_graph_replays_the_call(precision, direction, gate_input, mask_dtype):
+def test_backward_graph_replays_the_call(precision, direction, gate_input, mask_dtype, monkeypatch):
     """The small-problem backward's CUDA graph (host "graph", what "auto" takes up to GRAPHED_BACKWARD_POSITIONS)
     gives the one-call backward's gradients bit for bit, on new inputs each replay, after a parameter changes in
-    place (the graph reads it where it lives), each gradient a fresh tensor of its own."""
+    place (the graph reads it where it lives), each gradient a fresh tensor of its own. (The bf16 steps at this
+    small size: TF32_BACKWARD_POSITIONS off.)"""
+    monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)
     g = torch.Generator().manual_seed(fresh_seed())
     model = random_layers(ti.ModelNew(24, 40, direction=direction, gate_input=gate_input), g)
     params = [p.detach().cuda() for p in ti._param_list(model)]
