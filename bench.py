@@ -509,8 +509,10 @@ def profile_kernels(shapes, args, repeat_only=0):
     for shape in shapes:
         ref, pair, mask = seeded_case(shape, args, args.seed)
         expected = fp64_output(ref, pair, mask) if len(args.kernels) > 1 and not repeat_only else None
+        dtype = torch.bfloat16 if getattr(args, "bf16_inputs", False) else torch.float32
+        pair = pair.to(dtype)  # (--bf16-inputs: bf16 pair and parameters, as new-bf16's row)
         for precision in args.precision:
-            models = {str(choice): make_model_new(ref, choice, precision) for choice in args.kernels}
+            models = {str(choice): make_model_new(ref, choice, precision).to(dtype) for choice in args.kernels}
             measured = {name: [] for name in models}
             forwards = {name: [] for name in models}
             errors = {}
