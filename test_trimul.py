@@ -2076,6 +2076,34 @@ def test_backward_graph_replays_the_call(precision, direction, gate_input, mask_
 
 
 @cuda
+def test_backward_graph_that_cannot_be_captured_falls_back_to_the_call(monkeypatch):
+    """Where capture fails the backward warns once and makes the plain call (the same gradients), for that
+    signature from then on."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(16, 8), g)
+    params = [p.detach().cuda() for p in ti._param_list(model)]
+    pair, mask = random_inputs(1, 9, 16, g, dtype=torch.float32, device="cuda")
+    grad_out = torch.randn(pair.shape, generator=g).cuda()
+    args = (grad_out, pair, mask, params, ti.Kernels(), "highest", False, False, 1e-5, 1e-5, False)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("capture refused (test)")
+    monkeypatch.setattr(torch.cuda, "graph", refuse)
+    ti._BACKWARD_GRAPHS.entries.clear()
+    try:
+        with pytest.warns(UserWarning, match="could not be captured"):
+            first = ti.training_backward(*args, host="graph")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            second = ti.training_backward(*args, host="graph")
+        expected = ti.training_backward(*args, host="call")
+        for got in (first, second):
+            assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, expected))
+    finally:
+        ti._BACKWARD_GRAPHS.entries.clear()
+
+
+@cuda
 def test_training_step_captures_in_a_callers_cuda_graph():
     """A caller's torch.cuda.make_graphed_callables captures ModelNew's forward and backward (the backward's own
     graph steps aside while a capture is under way); the graphed step's gradients equal the eager step's."""

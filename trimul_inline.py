@@ -1282,7 +1282,8 @@ class _BackwardGraphs:
 
     def run(self, call):
         """The gradients as the call returns them (a fresh tensor each, None where the call has none), [] where
-        the call takes a torch baseline role, None where no graph may run now."""
+        the call takes a torch baseline role, None where no graph may run now or this signature's capture failed
+        (warned once per signature; the caller then makes the call itself)."""
         grad_out, pair, mask, params, *options = call
         if torch.cuda.is_current_stream_capturing() or _python_dispatch_mode_active():
             return None
@@ -1291,13 +1292,18 @@ class _BackwardGraphs:
                torch.get_float32_matmul_precision(), id(_extension()))
         entry = self.entries.pop(key, None)
         if entry is None:
-            entry = self._capture(call)
+            try:
+                entry = self._capture(call)
+            except RuntimeError as error:  # (something here refuses capture: the plain call for this signature)
+                warnings.warn(f"trimul_inline: the backward's CUDA graph could not be captured ({error}); the "
+                              "backward runs as one extension call instead", stacklevel=2)
+                entry = (None, None, None)
         self.entries[key] = entry
         while len(self.entries) > self.limit:
             self.entries.pop(next(iter(self.entries)))
         inputs, graph, grads = entry
         if graph is None:
-            return []
+            return None if inputs is None else []
         for static, given in zip(inputs, (grad_out, pair, mask)):
             static.copy_(given)
         graph.replay()
