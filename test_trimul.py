@@ -2548,6 +2548,41 @@ def test_chunked_forward_and_in_place_update_match_the_reference(direction, gate
             assert rel_error(residual, pair + expected) < 1e-12
 
 
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+@pytest.mark.parametrize("rows, cols, fill", [(4, 3, 2), (3, 9, 5), (9, 1, 1), (2, 4, 9)])
+def test_chunked_forward_blocks_and_fill_steps(direction, rows, cols, fill, monkeypatch):
+    """Every _ChunkPlan (chunks of the other side, blocks of the whole side, fill steps; sizes that do and do not
+    divide N) gives the reference's update, out of place and in place (float64 on the CPU)."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = random_layers(ti.ModelNew(10, 6, direction, "normalized"), g).double()
+    reference = ti.Model(10, 6, direction, "normalized").double()
+    reference.load_state_dict(model.state_dict())
+    pair, mask = random_inputs(2, 9, 10, g)
+    mask[0, 3] = False
+    monkeypatch.setattr(ti, "_chunk_plan", lambda *args: ti._ChunkPlan(rows, cols, fill))
+    with torch.no_grad():
+        expected = reference(pair, mask)
+        assert rel_error(model.forward_chunked(pair, mask), expected) < 1e-12, seed
+        residual = pair.clone()
+        model.update_(residual, mask)
+        assert rel_error(residual, pair + expected) < 1e-12, seed
+
+
+def test_chunk_plan_fits_its_budget():
+    """_chunk_plan's sizes: the chunk's planes within half the budget, a block's and a fill step's temporaries
+    within the other half (1 GiB off CUDA), at least one row / column each."""
+    pair = torch.empty(1, 3000, 3000, 128, dtype=torch.bfloat16, device="meta")
+    plan = ti._chunk_plan(pair, 128, torch.bfloat16, 1 << 40, None)
+    half = 1 << 29
+    assert plan.rows * 3000 * 128 * 2 <= half and (plan.rows + 1) * 3000 * 128 * 2 > half
+    assert plan.cols * plan.rows * (4 * 128 + 8 * 128) * 2 <= half
+    assert plan.fill * 3000 * (128 + 3 * 128) * 2 <= half
+    assert ti._chunk_plan(pair, 128, torch.bfloat16, 1 << 40, 7).rows == 7
+    tiny = ti._chunk_plan(torch.empty(1, 5, 5, 8, device="meta"), 4, torch.float32, 1, None)
+    assert tiny == ti._ChunkPlan(5, 5, 5)
+
+
 def test_chunked_forward_refuses_what_it_cannot_do():
     model = ti.ModelNew(8, 4).double()
     pair, mask = random_inputs(1, 5, 8, torch.Generator().manual_seed(fresh_seed()))
@@ -2617,7 +2652,7 @@ def test_in_place_update_holds_one_operand_and_a_chunk(direction):
         base = torch.cuda.memory_allocated()
         model.update_(residual, mask, chunk_size=rows)
         peak = torch.cuda.max_memory_allocated() - base
-        chunk_bytes = rows * n * (4 * channels + 8 * channels) * 2  # (_default_chunk_rows's per-row bound)
+        chunk_bytes = rows * n * (4 * channels + 8 * channels) * 2  # (a block's bound, _chunk_plan's)
         assert peak <= pair.numel() * 2 + chunk_bytes, f"peak {peak} bytes for a {pair.numel() * 2}-byte pair"
         assert torch.equal(residual, pair + chunked), f"seed {seed}"
 

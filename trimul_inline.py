@@ -1733,7 +1733,7 @@ class ModelNew(_TriMulLayers):
                         out: Optional[torch.Tensor] = None, add: bool = False) -> torch.Tensor:
         """The memory-bounded forward (inference): one side of the projection for every position (b outgoing,
         a incoming: B H N^2 operands), then the other side, the contraction and the output layers `chunk_size`
-        rows (incoming: columns) at a time (None: sized by _default_chunk_rows). out: where the update goes
+        rows (incoming: columns) at a time (None: sized by _chunk_plan). out: where the update goes
         (pair_repr itself for an in-place update: each chunk's positions are read before they are written);
         add: out += update (a residual)."""
         if self._needs_autograd(pair_repr, pair_mask):
@@ -1969,15 +1969,31 @@ def _fused_buffers_fit(pair: torch.Tensor, hidden: int, mode: str) -> bool:
     return needed * 1.05 <= _free_bytes(pair.device)
 
 
-def _default_chunk_rows(pair: torch.Tensor, hidden: int, whole_bytes: int) -> int:
-    """Rows per chunk (once the whole operand is allocated): a chunk's temporaries (LayerNorm_in's rows, one
-    side's projections, its operand copy, z, the output layers' rows: about 4 C + 8 H values per position in
-    the pair's dtype) within a sixteenth of the whole operand's bytes (at least 1 GiB) and a
-    quarter of the free memory; 1 GiB off CUDA."""
+class _ChunkPlan(NamedTuple):
+    """The chunked forward's sizes: output rows (incoming: columns) per chunk, whose side of the projection is
+    kept as planes [B, H, rows, N]; positions of the whole side per block multiplied against a chunk (the
+    z block and the output layers run on rows x cols positions); input rows per step while a side is filled."""
+    rows: int
+    cols: int
+    fill: int
+
+
+def _chunk_plan(pair: torch.Tensor, hidden: int, operand: torch.dtype, whole_bytes: int,
+                chunk_size: Optional[int]) -> _ChunkPlan:
+    """The chunked forward's temporaries within a budget, a sixteenth of the whole side's bytes (at least 1 GiB)
+    and at most a quarter of the free memory (1 GiB off CUDA): half for the chunk's planes (chunk_size rows where
+    given), half for the step in hand: filling (LayerNorm_in's rows and one side's projections, about C + 3 H
+    values per position in the pair's dtype) or one block (z, LayerNorm_out and the output layers, about 4 C + 8 H).
+    Large chunks read the whole side fewer times: it is read once per chunk."""
     batch, n, _, c = pair.shape
-    per_row = batch * n * (4 * c + 8 * hidden) * pair.element_size()
+    size = pair.element_size()
     budget = min(_free_bytes(pair.device) // 4, max(whole_bytes // 16, 1 << 30)) if pair.is_cuda else 1 << 30
-    return int(max(1, min(n, budget // per_row)))
+    half = budget // 2
+    rows = chunk_size or half // (batch * n * hidden * operand.itemsize)
+    rows = max(1, min(n, rows))
+    fill = max(1, min(n, half // (batch * n * (c + 3 * hidden) * size)))
+    cols = max(1, min(n, half // (batch * rows * (4 * c + 8 * hidden) * size)))
+    return _ChunkPlan(rows, cols, fill)
 
 
 def _gated_side(params, x, mask, side: int, operand: torch.dtype):
@@ -1995,49 +2011,61 @@ def _gated_side(params, x, mask, side: int, operand: torch.dtype):
 def _chunked_update(layers, pair, mask, operand, mode, chunk_size, out, add):
     """ModelNew.forward_chunked's work (no autograd). Only the operand every output chunk needs whole is kept
     for all positions, as planes [B, H, N, N] in `operand`: b (outgoing, plane[j, k] = b[j, k]) or a (incoming,
-    plane[i, k] = a[k, i]), filled chunk by chunk of input rows. Then per chunk of output rows i (outgoing) or
-    columns j (incoming): the other side from those rows / columns of pair_repr, z against the whole planes
-    (torch.matmul: cuBLAS at the mode's precision) and the output layers, into `out`. Every read of a chunk's
-    positions comes before its write, and the whole planes are complete before any write, so `out` may be
-    pair_repr itself: the update in place needs the planes and one chunk's temporaries (DESIGN.md)."""
+    plane[i, k] = a[k, i]), filled a few input rows at a time. Then per chunk of output rows i (outgoing) or
+    columns j (incoming): the other side from those rows / columns of pair_repr, as planes [B, H, rows, N]; and
+    per block of the whole side's planes, z of those positions (torch.matmul: cuBLAS at the mode's precision)
+    and the output layers, into `out` (_ChunkPlan sizes them). Each block reads its positions of pair_repr
+    before writing them, a chunk's side is made before its blocks, and the whole side before any chunk, so `out`
+    may be pair_repr itself: the update in place needs the whole side and the plan's temporaries (DESIGN.md)."""
     batch, n = pair.shape[:2]
     hidden, incoming = layers.hidden_dim, layers.direction == "incoming"
     params = [None if p is None else p.to(pair.dtype) for p in _param_list(layers)]
     eps_in, eps_out = layers.layer_norm_in.eps, layers.layer_norm_out.eps
     layer_norm = lambda rows: torch.nn.functional.layer_norm(rows, rows.shape[-1:], params[0], params[1], eps_in)
+    spans = lambda size, start=0, stop=n: [slice(s, min(s + size, stop)) for s in range(start, stop, size)]
+    # (positions of pair_repr that give rows `part` of a side's planes: rows of pair_repr, or incoming's
+    # chunk side (b[k, j] as plane[j, k]) its columns)
+    lines = lambda part, columns: (slice(None), slice(None), part) if columns else (slice(None), part)
+
+    def fill(planes, part, offset, side, columns):
+        """planes[:, :, part - offset] = that side ([B, H, ., N]) from pair_repr's rows (columns) `part`."""
+        where = lines(part, columns)
+        values = _gated_side(params, layer_norm(pair[where]), mask[where], side, operand)
+        target = slice(part.start - offset, part.stop - offset)
+        planes[:, :, target] = values.permute(0, 3, 2, 1) if columns else values.permute(0, 3, 1, 2)
+
     whole = pair.new_empty((batch, hidden, n, n), dtype=operand)
-    rows = chunk_size or _default_chunk_rows(pair, hidden, whole.numel() * whole.element_size())
-    blocks = [slice(start, min(start + rows, n)) for start in range(0, n, rows)]
-    for block in blocks:  # whole side: from the input rows k (outgoing: rows j) of pair_repr
-        side = _gated_side(params, layer_norm(pair[:, block]), mask[:, block], 0 if incoming else 1, operand)
-        if incoming:
-            whole[:, :, :, block] = side.permute(0, 3, 2, 1)
+    plan = _chunk_plan(pair, hidden, operand, whole.numel() * whole.element_size(), chunk_size)
+    for part in spans(plan.fill):  # whole side: from the input rows k (outgoing: rows j) of pair_repr
+        if incoming:  # (a[k, i] as plane[i, k]: rows k of pair_repr are the planes' columns)
+            values = _gated_side(params, layer_norm(pair[:, part]), mask[:, part], 0, operand)
+            whole[:, :, :, part] = values.permute(0, 3, 2, 1)
+            del values
         else:
-            whole[:, :, block] = side.permute(0, 3, 1, 2)
-        del side
+            fill(whole, part, 0, 1, False)
     out = torch.empty_like(pair, memory_format=torch.contiguous_format) if out is None else out
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
-        for block in blocks:
-            # outgoing: output rows i, a[i, k] from pair rows i; incoming: output columns j, b[k, j] from pair
-            # columns j (both [B, H, chunk, k] as planes), z = that against the whole planes
-            index = (slice(None), block) if not incoming else (slice(None), slice(None), block)
-            source = pair[index]
-            side = _gated_side(params, layer_norm(source), mask[index], 1 if incoming else 0, operand)
-            chunk = side.permute(0, 3, 1, 2) if not incoming else side.permute(0, 3, 2, 1)
+        for chunk in spans(plan.rows):
+            side = pair.new_empty((batch, hidden, chunk.stop - chunk.start, n), dtype=operand)
+            for part in spans(plan.fill, chunk.start, chunk.stop):  # outgoing: a[i, k]; incoming: b[k, j]
+                fill(side, part, chunk.start, 1 if incoming else 0, incoming)
+            for block in spans(plan.cols):
+                if incoming:  # z[i, j] = sum_k a[k, i] b[k, j]: [B, H, block (i), chunk (j)]
+                    z = torch.matmul(whole[:, :, block], side.transpose(-1, -2))
+                    index = (slice(None), block, chunk)
+                else:  # z[i, j] = sum_k a[i, k] b[j, k]: [B, H, chunk (i), block (j)]
+                    z = torch.matmul(side, whole[:, :, block].transpose(-1, -2))
+                    index = (slice(None), chunk, block)
+                z = z.permute(0, 2, 3, 1).to(pair.dtype)
+                source = pair[index]
+                gate_source = source if layers.gate_input == "raw" else layer_norm(source)
+                update = _layers_out(params, z, gate_source, eps_out)
+                del z, gate_source
+                if add:
+                    out[index] += update
+                else:
+                    out[index] = update
             del side
-            if incoming:  # z[i, j] = sum_k a[k, i] b[k, j]: [B, H, N, chunk]
-                z = torch.matmul(whole, chunk.transpose(-1, -2))
-            else:  # z[i, j] = sum_k a[i, k] b[j, k]: [B, H, chunk, N]
-                z = torch.matmul(chunk, whole.transpose(-1, -2))
-            del chunk
-            z = z.permute(0, 2, 3, 1).to(pair.dtype)
-            gate_source = source if layers.gate_input == "raw" else layer_norm(source)
-            update = _layers_out(params, z, gate_source, eps_out)
-            del z, gate_source
-            if add:
-                out[index] += update
-            else:
-                out[index] = update
     return out
 
 
