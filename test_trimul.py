@@ -2578,7 +2578,8 @@ def test_chunk_plan_fits_its_budget():
     assert plan.rows * 3000 * 128 * 2 <= half and (plan.rows + 1) * 3000 * 128 * 2 > half
     assert plan.cols * plan.rows * (4 * 128 + 8 * 128) * 2 <= half
     assert plan.fill * 3000 * (128 + 3 * 128) * 2 <= half
-    assert ti._chunk_plan(pair, 128, torch.bfloat16, 1 << 40, 7).rows == 7
+    given = ti._chunk_plan(pair, 128, torch.bfloat16, 1 << 40, 7)
+    assert given.rows == 7 and given.fill == 7
     tiny = ti._chunk_plan(torch.empty(1, 5, 5, 8, device="meta"), 4, torch.float32, 1, None)
     assert tiny == ti._ChunkPlan(5, 5, 5)
 

@@ -1982,16 +1982,16 @@ def _chunk_plan(pair: torch.Tensor, hidden: int, operand: torch.dtype, whole_byt
                 chunk_size: Optional[int]) -> _ChunkPlan:
     """The chunked forward's temporaries within a budget, a sixteenth of the whole side's bytes (at least 1 GiB)
     and at most a quarter of the free memory (1 GiB off CUDA): half for the chunk's planes (chunk_size rows where
-    given), half for the step in hand: filling (LayerNorm_in's rows and one side's projections, about C + 3 H
-    values per position in the pair's dtype) or one block (z, LayerNorm_out and the output layers, about 4 C + 8 H).
-    Large chunks read the whole side fewer times: it is read once per chunk."""
+    given, which then bounds the fill steps too), half for the step in hand: filling (LayerNorm_in's rows and one
+    side's projections, about C + 3 H values per position in the pair's dtype) or one block (z, LayerNorm_out and
+    the output layers, about 4 C + 8 H). Large chunks read the whole side fewer times: it is read once per chunk."""
     batch, n, _, c = pair.shape
     size = pair.element_size()
     budget = min(_free_bytes(pair.device) // 4, max(whole_bytes // 16, 1 << 30)) if pair.is_cuda else 1 << 30
     half = budget // 2
     rows = chunk_size or half // (batch * n * hidden * operand.itemsize)
     rows = max(1, min(n, rows))
-    fill = max(1, min(n, half // (batch * n * (c + 3 * hidden) * size)))
+    fill = max(1, min(n, chunk_size or n, half // (batch * n * (c + 3 * hidden) * size)))
     cols = max(1, min(n, half // (batch * rows * (4 * c + 8 * hidden) * size)))
     return _ChunkPlan(rows, cols, fill)
 
