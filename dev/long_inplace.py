@@ -56,6 +56,10 @@ def main() -> None:
     rows = torch.linspace(0, n - 1, 8).long()
     results = {"n": n, "channels": c, "direction": args.direction, "pair_gib": pair_bytes / 2**30,
                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    whole_bytes = pair.shape[0] * c * n * n * pair.element_size()  # (the whole side's planes: bf16, H = C)
+    plan = ti._chunk_plan(pair, c, pair.dtype, whole_bytes, None)
+    results["plan"] = plan._asdict()
+    print(f"chunk plan (before the whole side is allocated, so the free-memory cap may differ): {plan}", flush=True)
     with torch.no_grad():
         expected = bench.fp64_output_rows(ref, pair, mask, rows)
         before = pair[:, rows].clone()
