@@ -1285,11 +1285,16 @@ class _BackwardGraphs:
         the call takes a torch baseline role, None where no graph may run now or this signature's capture failed
         (warned once per signature; the caller then makes the call itself)."""
         grad_out, pair, mask, params, *options = call
-        if torch.cuda.is_current_stream_capturing() or _python_dispatch_mode_active():
-            return None
-        key = (tuple((t.shape, t.dtype) for t in (grad_out, pair, mask)), pair.device,
-               tuple((p.data_ptr(), p.shape, p.dtype) for p in params), tuple(options),
-               torch.get_float32_matmul_precision(), id(_extension()))
+        with torch.cuda.device(pair.device):  # (capture and replay on the tensors' device, whatever is current)
+            if torch.cuda.is_current_stream_capturing() or _python_dispatch_mode_active():
+                return None
+            key = (tuple((t.shape, t.dtype) for t in (grad_out, pair, mask)), pair.device,
+                   tuple((p.data_ptr(), p.shape, p.dtype) for p in params), tuple(options),
+                   torch.get_float32_matmul_precision(), id(_extension()))
+            return self._run(key, call)
+
+    def _run(self, key, call):
+        grad_out, pair, mask, params, *options = call
         entry = self.entries.pop(key, None)
         if entry is None:
             try:
