@@ -227,7 +227,7 @@ def contenders(args):
             return run
         found.append(Contender("ref bf16 autocast", autocast, "bfloat16"))
     if "cueq" in args.contenders and cuequivariance() is not None:
-        if not getattr(args, "bf16_inputs", False):
+        if not args.bf16_inputs:
             found.append(Contender("cueq fp32", lambda ref: make_cueq(ref, torch.float32), "high"))
         found.append(Contender("cueq bf16", lambda ref: make_cueq(ref, torch.bfloat16), "bfloat16"))
     if "new-bf16" in args.contenders:
@@ -386,7 +386,7 @@ def bench_shape(shape, args, index, total):
     if args.bf16_inputs:  # (the contenders cast to bf16 anyway: drop the fp32 copy)
         pair = pair.to(torch.bfloat16)
         torch.cuda.empty_cache()
-    if getattr(args, "float_mask", False):  # (as real models pass it: mask.float(); the reference took the bool)
+    if args.float_mask:  # (as real models pass it: mask.float(); the reference took the bool)
         mask = mask.to(torch.float32)
     rows = []
     timed_groups = set()
@@ -509,7 +509,7 @@ def profile_kernels(shapes, args, repeat_only=0):
     for shape in shapes:
         ref, pair, mask = seeded_case(shape, args, args.seed)
         expected = fp64_output(ref, pair, mask) if len(args.kernels) > 1 and not repeat_only else None
-        dtype = torch.bfloat16 if getattr(args, "bf16_inputs", False) else torch.float32
+        dtype = torch.bfloat16 if args.bf16_inputs else torch.float32
         pair = pair.to(dtype)  # (--bf16-inputs: bf16 pair and parameters, as new-bf16's row)
         for precision in args.precision:
             models = {str(choice): make_model_new(ref, choice, precision).to(dtype) for choice in args.kernels}

@@ -2005,6 +2005,15 @@ def test_training_gradients_are_bitwise_repeatable(precision):
         assert torch.equal(first[name], second[name]), name
 
 
+def _assert_equal_gradients(got, expected, label=None):
+    """Two training_backward results hold the same gradients, bit for bit (None in the same places)."""
+    for i, (a, b) in enumerate(zip(got, expected)):
+        where = i if label is None else (label, i)
+        assert (a is None) == (b is None), where
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+
+
 @cuda
 @pytest.mark.parametrize("precision, direction, gate_input, mask_dtype",
                          [("medium", "outgoing", "normalized", torch.bool), ("medium", "incoming", "raw", torch.float32),
@@ -2027,10 +2036,7 @@ def test_backward_host_path_equals_the_python_steps(precision, direction, gate_i
     poison_allocator()
     slow = ti.training_backward(*args, host="python")
     assert len(fast) == len(slow) == 18
-    for i, (a, b) in enumerate(zip(fast, slow)):
-        assert (a is None) == (b is None), i
-        if a is not None:
-            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), i
+    _assert_equal_gradients(fast, slow)
     pointers = [t.untyped_storage().data_ptr() for t in fast if t is not None]
     assert len(set(pointers)) == len(pointers)
     baseline = ti.training_backward(*args[:4], ti.parse_kernels("input_backward=torch"), *args[5:])
@@ -2065,10 +2071,7 @@ def test_backward_graph_replays_the_call(precision, direction, gate_input, mask_
         poison_allocator()
         graph = ti.training_backward(grad_out, pair, mask, params, *options, host="graph")
         assert len(ti._BACKWARD_GRAPHS.entries) == 1
-        for i, (a, b) in enumerate(zip(graph, call)):
-            assert (a is None) == (b is None), (step, i)
-            if a is not None:
-                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (step, i)
+        _assert_equal_gradients(graph, call, step)
         returned.append(graph)
     pointers = [t.untyped_storage().data_ptr() for grads in returned for t in grads if t is not None]
     assert len(set(pointers)) == len(pointers)  # (no gradient is the graph's own memory, none shared)

@@ -33,6 +33,7 @@ from typing import Mapping, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = [
     "Model", "ModelNew", "Kernels", "KernelEntry", "ROLES", "parse_kernels", "kernel_registry",
@@ -1348,7 +1349,6 @@ _BACKWARD_GRAPHS = _BackwardGraphs()
 def _python_dispatch_mode_active() -> bool:
     """Whether a Python dispatch mode (opcheck's schema check, a profiler's or a user's) sees each ATen call:
     it should see the backward's calls, not a graph replay."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
     return _get_current_dispatch_mode() is not None
 
 
@@ -2028,32 +2028,25 @@ def _chunked_update(layers, pair, mask, operand, mode, chunk_size, out, add):
     eps_in, eps_out = layers.layer_norm_in.eps, layers.layer_norm_out.eps
     layer_norm = lambda rows: torch.nn.functional.layer_norm(rows, rows.shape[-1:], params[0], params[1], eps_in)
     spans = lambda size, start=0, stop=n: [slice(s, min(s + size, stop)) for s in range(start, stop, size)]
-    # (positions of pair_repr that give rows `part` of a side's planes: rows of pair_repr, or incoming's
-    # chunk side (b[k, j] as plane[j, k]) its columns)
-    lines = lambda part, columns: (slice(None), slice(None), part) if columns else (slice(None), part)
-
-    def fill(planes, part, offset, side, columns):
-        """planes[:, :, part - offset] = that side ([B, H, ., N]) from pair_repr's rows (columns) `part`."""
-        where = lines(part, columns)
-        values = _gated_side(params, layer_norm(pair[where]), mask[where], side, operand)
+    def fill(planes, part, offset, side, from_columns, into_columns):
+        """That side of pair_repr's rows (from_columns: columns) `part` into the planes [B, H, ., .]: into their
+        rows part - offset, or their columns (into_columns)."""
+        where = (slice(None), slice(None), part) if from_columns else (slice(None), part)
+        values = _gated_side(params, layer_norm(pair[where]), mask[where], side, operand)  # [B, ., ., H]
+        values = values.permute(0, 3, 2, 1) if from_columns != into_columns else values.permute(0, 3, 1, 2)
         target = slice(part.start - offset, part.stop - offset)
-        planes[:, :, target] = values.permute(0, 3, 2, 1) if columns else values.permute(0, 3, 1, 2)
+        planes[(..., target) if into_columns else (slice(None), slice(None), target)] = values
 
     whole = pair.new_empty((batch, hidden, n, n), dtype=operand)
     plan = _chunk_plan(pair, hidden, operand, whole.numel() * whole.element_size(), chunk_size)
-    for part in spans(plan.fill):  # whole side: from the input rows k (outgoing: rows j) of pair_repr
-        if incoming:  # (a[k, i] as plane[i, k]: rows k of pair_repr are the planes' columns)
-            values = _gated_side(params, layer_norm(pair[:, part]), mask[:, part], 0, operand)
-            whole[:, :, :, part] = values.permute(0, 3, 2, 1)
-            del values
-        else:
-            fill(whole, part, 0, 1, False)
+    for part in spans(plan.fill):  # whole side from pair_repr's rows: b[j, k] (rows j), a[k, i] as plane[i, k]
+        fill(whole, part, 0, 0 if incoming else 1, False, incoming)
     out = torch.empty_like(pair, memory_format=torch.contiguous_format) if out is None else out
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
         for chunk in spans(plan.rows):
             side = pair.new_empty((batch, hidden, chunk.stop - chunk.start, n), dtype=operand)
-            for part in spans(plan.fill, chunk.start, chunk.stop):  # outgoing: a[i, k]; incoming: b[k, j]
-                fill(side, part, chunk.start, 1 if incoming else 0, incoming)
+            for part in spans(plan.fill, chunk.start, chunk.stop):  # a[i, k] (rows i); b[k, j] (columns j)
+                fill(side, part, chunk.start, 1 if incoming else 0, incoming, False)
             for block in spans(plan.cols):
                 if incoming:  # z[i, j] = sum_k a[k, i] b[k, j]: [B, H, block (i), chunk (j)]
                     z = torch.matmul(whole[:, :, block], side.transpose(-1, -2))
@@ -2092,8 +2085,8 @@ class _Ring:
         import torch.distributed as dist
         self.dist, self.group = dist, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.counts = [len(shard_rows(n, self.world, r)) for r in range(self.world)]
         self.columns = [slice(r.start, r.stop) for r in (shard_rows(n, self.world, s) for s in range(self.world))]
+        self.counts = [c.stop - c.start for c in self.columns]
         self.stage = device.type == "cuda" and dist.get_backend(group) == "gloo"
 
     def peer(self, rank: int) -> int:

@@ -35,14 +35,6 @@ def wall_us(step, steps):
     return statistics.median(per_block)
 
 
-def step_of(forward, pair, leaves):
-    def step():
-        for tensor in (pair, *leaves):
-            tensor.grad = None
-        forward(pair).float().square().mean().backward()
-    return step
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="16,32,64,32")
@@ -54,19 +46,19 @@ def main() -> None:
     ref = bench.randomize(ti.Model(c, h, "outgoing", "normalized").cuda(), generator)
     pair0, mask = bench.make_inputs(batch, n, c, generator, "cuda")
     pair = pair0.clone().requires_grad_(True)
-    rows = {}
-    rows["loss only (out = pair * 1)"] = step_of(lambda p: p * 1.0, pair, [])
-    rows["loss only (out = pair)"] = step_of(lambda p: p.float(), pair, [])
-    rows["reference, eager"] = step_of(lambda p: ref(p, mask), pair, list(ref.parameters()))
+    layerless = lambda forward: bench.Trainable(forward, [], dict)  # noqa: E731
     model = ti.ModelNew(c, h, "outgoing", "normalized", precision=args.precision).cuda()
     model.load_state_dict(ref.state_dict())
-    rows["ModelNew"] = step_of(lambda p: model(p, mask), pair, list(model.parameters()))
+    trainables = {"loss only (out = pair * 1)": layerless(lambda p, m: p * 1.0),
+                  "loss only (out = pair)": layerless(lambda p, m: p.float()),
+                  "reference, eager": bench.trainable_module(ref),
+                  "ModelNew": bench.trainable_module(model)}
     try:  # (on a copy: make_graphed_callables replaces a module's forward with the graphed one)
         graphed = torch.cuda.make_graphed_callables(copy.deepcopy(model), (pair0.clone().requires_grad_(True), mask))
-        rows["ModelNew, make_graphed_callables"] = step_of(lambda p: graphed(p, mask), pair,
-                                                           list(graphed.parameters()))
+        trainables["ModelNew, make_graphed_callables"] = bench.trainable_module(graphed)
     except Exception as error:  # (reported, not fatal: this is a measurement script)
         print(f"make_graphed_callables failed: {type(error).__name__}: {error}")
+    rows = {name: bench.training_step(trainable, pair, mask) for name, trainable in trainables.items()}
     print(f"{args.shape} precision={args.precision}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     for name, step in rows.items():
         try:
@@ -74,15 +66,11 @@ def main() -> None:
         except Exception as error:
             print(f"{name:<36} failed: {type(error).__name__}: {error}")
     if "ModelNew, make_graphed_callables" in rows:
-        expected = bench.fp64_gradients(ref, pair0, mask)
-        pair.grad = None
-        for p in graphed.parameters():
-            p.grad = None
-        graphed(pair, mask).float().square().mean().backward()
-        got = {"pair_repr": pair.grad, **{name: p.grad for name, p in graphed.named_parameters()}}
-        worst = max((bench.relative_error(got[k], v), k) for k, v in expected.items())
-        print(f"graphed step's worst gradient error vs fp64: {worst[0]:.1e} ({worst[1]})")
-
+        rows["ModelNew, make_graphed_callables"]()
+        got = bench.step_gradients(trainables["ModelNew, make_graphed_callables"], pair)
+        errors, _ = bench.gradient_check(got, bench.fp64_gradients(ref, pair0, mask), args.precision)
+        name, worst = bench.worst_gradient(errors)
+        print(f"graphed step's worst gradient error vs fp64: {worst:.1e} ({name})")
 
 if __name__ == "__main__":
     main()
