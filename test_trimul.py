@@ -1851,7 +1851,7 @@ def _floor_gradients(reference, precision, pair, mask, grad_out, dtype=torch.flo
 
 
 def _check_training(precision, direction, gate_input, batch, n, pair_dim, hidden, dtype=torch.float32,
-                    mask_dtype=torch.bool, kernels=None, autocast=False, strict_floor=False):
+                    mask_dtype=torch.bool, kernels=None, autocast=False, strict_floor=False, backward_saves=None):
     """ModelNew's gradients (d pair_repr, every parameter, a float mask's) against fp64 autograd of the reference
     on the same (rounded, for 16-bit models) parameters and inputs, outputs poisoned first. Each tensor within
     GRAD_TOLERANCE, or, past it, within 1.5x of what PyTorch's own reduced-precision reference gives on this
@@ -1873,6 +1873,7 @@ def _check_training(precision, direction, gate_input, batch, n, pair_dim, hidden
     if dtype != torch.float32:
         reference.load_state_dict({k: v.to(dtype).double() for k, v in reference.state_dict().items()})
     new = _make_new(reference, dtype, kernels, precision)
+    new.backward_saves = backward_saves
     if mask.is_floating_point():
         mask = mask * torch.rand(mask.shape, generator=g, dtype=mask.dtype)
     pair = pair.to(dtype).double()
@@ -1915,6 +1916,47 @@ TRAINING_SHAPES = [(1, 1, 8, 4), (2, 7, 16, 8), (1, 33, 32, 16), (1, 257, 24, 12
 def test_training_gradients_match_fp64(precision, direction, gate_input, batch, n, pair_dim, hidden):
     """fp32 parameters and inputs, each precision; masks with all-zero rows and columns; C != H both ways."""
     _check_training(precision, direction, gate_input, batch, n, pair_dim, hidden)
+
+
+@cuda
+@pytest.mark.parametrize("precision, direction, n", [("highest", "outgoing", 97), ("medium", "incoming", 70),
+                                                      ("medium", "outgoing", 72), ("high", "incoming", 65)])
+def test_training_with_saved_z(precision, direction, n, monkeypatch):
+    """backward_saves="z": the forward's z planes (rows padded where N is not a multiple of the z row's
+    alignment; N > 64, where the forward has a z buffer) stand in for the recomputed ones and the backward runs
+    lean; gradients within the tolerances (the bf16 steps at this size: TF32_BACKWARD_POSITIONS off)."""
+    monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)
+    calls = []
+    original = ti.training_backward
+    monkeypatch.setattr(ti, "training_backward", lambda *a, **k: calls.append(k.get("saved_z")) or original(*a, **k))
+    _check_training(precision, direction, "normalized", 2, n, 64, 48, backward_saves="z")
+    assert calls and all(z is not None for z in calls)
+
+
+@cuda
+@pytest.mark.parametrize("precision, gate_input", [("medium", "normalized"), ("highest", "raw")])
+def test_backward_host_path_with_saved_z_equals_the_python_steps(precision, gate_input, monkeypatch):
+    """With the forward's z and the lean steps, the one-call backward and the Python steps agree bit for bit."""
+    monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(24, 40, gate_input=gate_input, precision=precision), g).cuda()
+    pair, mask = random_inputs(1, 70, 24, g, dtype=torch.float32, device="cuda")  # (N > 64: a z buffer)
+    steps = model.forward_steps(pair, mask)
+    ab, z = steps.new_ab(), steps.new_z()
+    steps.input_pass(ab)
+    steps.contraction(ab, z)
+    params = [p.detach() for p in ti._param_list(model)]
+    grad_out = torch.randn(pair.shape, generator=g).cuda()
+    mode = ti.compute_mode(pair.dtype, precision)
+    args = (grad_out, pair, mask, params, ti.Kernels(), mode, False, gate_input == "normalized", 1e-5, 1e-5, False)
+    fast = ti.training_backward(*args, host="call", saved_z=z, lean=True)
+    slow = ti.training_backward(*args, host="python", saved_z=z, lean=True)
+    plain = ti.training_backward(*args, host="call")
+    for a, b, c in zip(fast, slow, plain):
+        assert (a is None) == (b is None) == (c is None)
+        if a is not None:
+            assert torch.equal(a, b)
+            assert rel_error(a, c) < (1e-5 if precision == "highest" else 2e-2)
 
 
 @cuda
@@ -2141,7 +2183,7 @@ def test_eager_training_function_equals_the_op(direction, mask_dtype):
     weights = ti.prepare_weights(params, "bf16")
     runs = []
     for fn in (lambda p, m: ti.trimul(p, m, params, weights, *options),
-               lambda p, m: ti._TrimulFunction.apply(p, m, weights, *options, *params)):
+               lambda p, m: ti._TrimulFunction.apply(p, m, weights, *options, False, *params)):
         runs.append(_gradients(fn, pair, mask, grad_out, params=dict(model.named_parameters())))
     assert torch.equal(runs[0][0], runs[1][0])
     for name in runs[0][1]:
@@ -2298,7 +2340,7 @@ def test_training_op_on_cpu_matches_autograd_and_passes_opcheck(direction, mask_
         return ti.trimul(pair_repr, pair_mask, params, [], *options)
 
     def eager(pair_repr, pair_mask):  # (what ModelNew runs outside torch.compile: the same steps, no dispatcher)
-        return ti._TrimulFunction.apply(pair_repr, pair_mask, [], *options, *params)
+        return ti._TrimulFunction.apply(pair_repr, pair_mask, [], *options, False, *params)
 
     results = []
     for fn in (call, torch.compile(call, fullgraph=True, backend="aot_eager"), eager):
@@ -2310,6 +2352,40 @@ def test_training_op_on_cpu_matches_autograd_and_passes_opcheck(direction, mask_
         assert torch.equal(results[0][name], results[2][name]), name
     pair.requires_grad_()
     torch.library.opcheck(ti.trimul, (pair, mask.requires_grad_(mask.is_floating_point()), params, [], *options))
+
+
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+def test_backward_with_saved_z_and_lean_equals_the_plain_steps_on_cpu(direction):
+    """The backward given the forward's z planes (padded rows, as the fused forward's ldz) and running lean (proj
+    recomputed before d_proj) gives the plain backward's gradients (float64 steps on the CPU); a saved z of the
+    wrong shape or dtype raises."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = random_layers(ti.Model(12, 20, direction, "normalized").double(), g)
+    pair, mask = random_inputs(2, 7, 12, g)
+    grad_out = torch.randn(pair.shape, generator=g, dtype=torch.float64)
+    params = [p.detach() for p in ti._param_list(model)]
+    args = (grad_out, pair, mask, params, ti.Kernels(), "highest", direction == "incoming", True, 1e-5, 1e-5, False)
+    plain = ti.training_backward(*args)
+    _, a, b = ti._layers_in(params, pair, mask, 1e-5)
+    z = torch.einsum("bkih,bkjh->bijh" if direction == "incoming" else "bikh,bjkh->bijh", a, b)
+    padded = torch.full((2 * 20, 7, 10), float("nan"), dtype=torch.float64)
+    padded[:, :, :7] = z.permute(0, 3, 1, 2).reshape(2 * 20, 7, 7)
+    lean = ti.training_backward(*args, saved_z=padded, lean=True)
+    for got, expected in zip(lean, plain):
+        assert (got is None) == (expected is None)
+        if got is not None:
+            assert rel_error(got, expected) < 1e-12, seed
+    with pytest.raises(ValueError, match="saved z"):
+        ti.training_backward(*args, saved_z=padded[:, :, :6])
+    with pytest.raises(ValueError, match="saved z"):
+        ti.training_backward(*args, saved_z=padded.float())
+
+
+def test_backward_saves_is_checked():
+    with pytest.raises(ValueError, match="backward_saves"):
+        ti.ModelNew(8, 4, backward_saves="everything")
+    assert ti.ModelNew(8, 4, backward_saves="z").backward_saves == "z"
 
 
 def test_backward_outputs_never_share_memory():

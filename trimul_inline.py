@@ -1109,9 +1109,9 @@ class _TorchBackwardPasses:
         return _planes(dz.to(dtype), batch, n, False)
 
     @staticmethod
-    def d_proj(proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad):
+    def d_proj(proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad, in_place=False):
         """d proj [P, 4H] (pa | ga | pb | gb) from da and db planes; d mask [P] where mask_grad; d proj's sums
-        over positions."""
+        over positions. (in_place: allowed, not done: the baseline's d proj is a new tensor.)"""
         acc = _accumulate(proj)
         pa, ga, pb, gb = proj.to(acc).chunk(4, 1)
         m = mask_rows.to(acc)[:, None]
@@ -1180,8 +1180,8 @@ class _KernelBackwardPasses:
         self._run("dz_planes", z_hat, d_rows=d_z_hat, rows=z_hat, rstd=rstd, a_planes=dz)
         return dz
 
-    def d_proj(self, proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad):
-        rows = torch.empty_like(proj)
+    def d_proj(self, proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad, in_place=False):
+        rows = proj if in_place else torch.empty_like(proj)
         sums = proj.new_zeros((_BACKWARD_SUM_ROWS, proj.shape[1]), dtype=torch.float32)
         tensors = dict(proj=proj, a_planes=da_planes, b_planes=db_planes, mask=mask_rows, rows=rows, sums=sums)
         d_mask = proj.new_empty((self._positions,), dtype=torch.float32) if mask_grad else None
@@ -1222,32 +1222,54 @@ def _unfolded_grads(g_folded, s_folded, weight, ln_weight, ln_bias):
 
 
 def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: str, incoming: bool,
-                      gate_normalized: bool, eps_in: float, eps_out: float, mask_grad: bool, host: str = "auto"):
+                      gate_normalized: bool, eps_in: float, eps_out: float, mask_grad: bool, host: str = "auto",
+                      saved_z: Optional[torch.Tensor] = None, lean: bool = False):
     """The gradients of sum(grad_out * forward(pair, mask)): [d pair, d mask (None unless mask_grad), then the 16
     parameters' (_PARAM_PATHS order)], each in its tensor's dtype. Any device; CUDA in the op. host: "auto" runs
     a CUDA call whose backward roles are library kernels in one extension call (the same steps in C++: the
     host time of a small step), replayed from a CUDA graph (_BackwardGraphs) for problems of at most
     GRAPHED_BACKWARD_POSITIONS positions; "call" always the one extension call; "graph" a graph at any size;
-    "python" always here step by step. A 16-bit mode's small CUDA call multiplies in TF32 (_backward_mode)."""
+    "python" always here step by step. A 16-bit mode's small CUDA call multiplies in TF32 (_backward_mode).
+    saved_z: the forward's z planes [B*H, N, >= N] in the backward's operand dtype, used instead of recomputing
+    z; lean: proj recomputed before d_proj instead of kept across the output side (a [P, 4H] buffer off the
+    peak, one GEMM more; DESIGN.md "Training")."""
     mode = _backward_mode(mode, pair)
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
         if pair.is_cuda and pair.dtype != torch.float64 and host != "python" and \
                 kernels.contract_backward in (None, "bmm"):  # (the C++ steps' contraction backward)
             call = (grad_out, pair, mask, params, kernels.output_backward or "", kernels.input_backward or "",
-                    _COMPUTE_DTYPE[mode] == torch.float32, incoming, gate_normalized, eps_in, eps_out, mask_grad)
+                    _COMPUTE_DTYPE[mode] == torch.float32, incoming, gate_normalized, eps_in, eps_out, mask_grad,
+                    saved_z, lean)
             positions = pair.shape[0] * pair.shape[1] * pair.shape[2]
-            graphed = host == "graph" or (host == "auto" and positions <= GRAPHED_BACKWARD_POSITIONS)
+            graphed = saved_z is None and not lean and \
+                (host == "graph" or (host == "auto" and positions <= GRAPHED_BACKWARD_POSITIONS))
             grads = _BACKWARD_GRAPHS.run(call) if graphed else None
             if grads is None:
                 grads = _extension().training_backward(*call)
             if grads:  # (empty: a backward role runs a torch baseline, which the Python path below runs)
                 return grads
         grads = _training_backward(grad_out, pair, mask, [p.detach() for p in params], kernels, mode, incoming,
-                                   gate_normalized, eps_in, eps_out, mask_grad)
+                                   gate_normalized, eps_in, eps_out, mask_grad, saved_z, lean)
     d_pair, d_mask, d_params = grads
     return _distinct([d_pair.view(pair.shape).to(pair.dtype),
                       None if d_mask is None else d_mask.view(mask.shape).to(mask.dtype)] +
                      [g.to(p.dtype) for g, p in zip(d_params, params)])
+
+
+# What the training forward keeps for its backward (ModelNew's backward_saves): "inputs" (pair_repr, the mask,
+# the parameters: the backward recomputes z) or "z" as well (the forward's z planes, B*H*N^2 operands, kept from
+# the forward to the backward: one N^3 product fewer, and the backward runs lean to make room). None: "z" from
+# SAVE_Z_POSITIONS positions, where the N^3 products are most of the step and the lean backward's smaller
+# peak pays for the planes.
+BACKWARD_SAVES = ("inputs", "z")
+SAVE_Z_POSITIONS = 1 << 22
+
+
+def _saves_z(choice: Optional[str], pair: torch.Tensor) -> bool:
+    """Whether the eager training forward keeps z (the backward_saves rule above)."""
+    if choice is not None:
+        return choice == "z"
+    return pair.is_cuda and pair.shape[0] * pair.shape[1] * pair.shape[2] >= SAVE_Z_POSITIONS
 
 
 # A 16-bit mode's CUDA backward calls of at most this many positions take fp32 operands and TF32 products (mode
@@ -1352,6 +1374,15 @@ def _python_dispatch_mode_active() -> bool:
     return _get_current_dispatch_mode() is not None
 
 
+def _saved_z_planes(saved_z, batch, n, hidden, dtype):
+    """The forward's z (planes [B*H, N, ldz], ldz >= N) as [B*H, N, N] planes in the backward's operand dtype."""
+    if saved_z.dim() != 3 or saved_z.shape[0] != batch * hidden or saved_z.shape[1] != n or saved_z.shape[2] < n \
+            or saved_z.dtype != dtype:
+        raise ValueError(f"trimul_inline: the saved z must be [B*H, N, >= N] = [{batch * hidden}, {n}, >= {n}] in "
+                         f"{dtype}, got {tuple(saved_z.shape)} {saved_z.dtype}")
+    return saved_z[:, :, :n].contiguous()
+
+
 def _distinct(tensors: list) -> list:
     """The tensors with any that shares memory with an earlier one copied: an op's outputs may not alias each
     other (several bias gradients are slices of one sum)."""
@@ -1366,7 +1397,7 @@ def _distinct(tensors: list) -> list:
 
 
 def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
-                       mask_grad):
+                       mask_grad, saved_z=None, lean=False):
     (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
      out_w, out_b, gate_w, gate_b) = [p.to(_accumulate(pair)) for p in params]
     batch, n, _, pair_dim = pair.shape
@@ -1387,7 +1418,10 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     x_hat = inputs.input_rows(pair_rows, eps_in, dtype)
     proj = products.linear(x_hat, w_in_f, b_in_f)
     a_planes, b_planes = inputs.gated_planes(proj, mask_rows, batch, n, incoming)
-    z_planes = products.bmm(a_planes, b_planes.transpose(1, 2))
+    if lean:
+        del proj
+    z_planes = products.bmm(a_planes, b_planes.transpose(1, 2)) if saved_z is None else \
+        _saved_z_planes(saved_z, batch, n, hidden, dtype)
 
     # output_backward: out = sigmoid(gate_rows W_g^T + b_g) * (z_hat W_out_f^T + b_out_f).
     z_hat, rstd_out = outputs.z_rows(z_planes, batch, n, eps_out, dtype)
@@ -1413,7 +1447,10 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     del a_planes, b_planes, dz_planes
 
     # input_backward
-    d_proj, d_mask, s_in = inputs.d_proj(proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad)
+    if lean:  # (the same GEMM as above, the same bits; d proj then overwrites it where the passes allow)
+        proj = products.linear(x_hat, w_in_f, b_in_f)
+    d_proj, d_mask, s_in = inputs.d_proj(proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad,
+                                         in_place=lean)
     del proj, da_planes, db_planes
     g_in = products.mm(d_proj.t(), x_hat, acc)
     d_x_hat = products.mm(d_proj, w_in_f.to(dtype), acc)
@@ -1447,38 +1484,57 @@ def trimul(pair: torch.Tensor, mask: torch.Tensor, params: list[torch.Tensor], w
     return _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out)
 
 
-def _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out):
-    """trimul's forward, for the op and for _TrimulFunction."""
+def _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
+                    keep_z=None):
+    """trimul's forward, for the op and for _TrimulFunction. keep_z (True / False; None for the op): return
+    (out, z), z the forward's planes [B*H, N, ldz] where they can stand in for the backward's recomputed ones
+    (the fused steps write z in the backward's operand dtype; else None)."""
     if not pair.is_cuda:  # (the op runs anywhere: off CUDA it is the reference computation)
-        return _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in, eps_out)
+        out = _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in, eps_out)
+        return out if keep_z is None else (out, None)
     chosen = parse_kernels(kernels)
     hidden = params[2].shape[0]
-    return _run_fused_forward(pair, mask, weights, chosen[:len(FORWARD_ROLES)], mode, incoming, gate_normalized,
-                              eps_in, eps_out, hidden)
+    if not keep_z:
+        out = _run_fused_forward(pair, mask, weights, chosen[:len(FORWARD_ROLES)], mode, incoming, gate_normalized,
+                                 eps_in, eps_out, hidden)
+        return out if keep_z is None else (out, None)
+    options = _forward_options(chosen[:len(FORWARD_ROLES)], mode, incoming, gate_normalized, eps_in, eps_out, hidden)
+    steps = ForwardSteps(pair, mask, weights, options, mode)
+    ab, z, out = steps.new_ab(), steps.new_z(), steps.new_out()
+    steps.input_pass(ab)
+    steps.contraction(ab, z)
+    steps.output_pass(out, z=z, ab=ab)
+    usable = z is not None and z.dtype == _COMPUTE_DTYPE[_backward_mode(mode, pair)]
+    return out, z if usable else None
 
 
 class _TrimulFunction(torch.autograd.Function):
     """`trimul` for eager calls: the op's forward and backward without the dispatcher around them (for an op
     whose arguments are ~35 tensors, flattening and alias checks cost ~0.7 ms per call on the H200's host: most
     of a small training step). torch.compile traces the op, opcheck checks it, and tests hold the two to equal
-    gradients. apply(pair, mask, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out, *params)."""
+    gradients. apply(pair, mask, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out, keep_z,
+    *params); keep_z: the forward's z planes kept for the backward (ModelNew's backward_saves="z"), which then
+    runs lean (training_backward)."""
 
     @staticmethod
-    def forward(ctx, pair, mask, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out, *params):
+    def forward(ctx, pair, mask, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out, keep_z, *params):
         ctx.save_for_backward(pair, mask, *params)
         ctx.options = (kernels, mode, incoming, gate_normalized, eps_in, eps_out)
-        return _trimul_forward(pair, mask, list(params), weights, kernels, mode, incoming, gate_normalized, eps_in,
-                               eps_out)
+        out, ctx.z = _trimul_forward(pair, mask, list(params), weights, kernels, mode, incoming, gate_normalized,
+                                     eps_in, eps_out, keep_z=keep_z)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         pair, mask, *params = ctx.saved_tensors
         kernels, *options = ctx.options
         wanted = ctx.needs_input_grad
+        z, ctx.z = ctx.z, None  # (an intermediate, not an input or output: kept on ctx, dropped once used)
         d_pair, d_mask, *d_params = training_backward(grad_out.contiguous(), pair, mask, params,
-                                                      parse_kernels(kernels), *options, bool(wanted[1]))
-        return (d_pair if wanted[0] else None, d_mask if wanted[1] else None) + (None,) * 7 + \
-            tuple(g if w else None for g, w in zip(d_params, wanted[9:]))
+                                                      parse_kernels(kernels), *options, bool(wanted[1]),
+                                                      saved_z=z, lean=z is not None)
+        return (d_pair if wanted[0] else None, d_mask if wanted[1] else None) + (None,) * 8 + \
+            tuple(g if w else None for g, w in zip(d_params, wanted[10:]))
 
 
 def _layers_in(params, pair, mask, eps_in, cast_mask=False):
@@ -1659,11 +1715,13 @@ class ModelNew(_TriMulLayers):
 
     def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "outgoing",
                  gate_input: str = "raw", kernels=None, precision: Optional[str] = None, bias: bool = True,
-                 process_group=None):
+                 process_group=None, backward_saves: Optional[str] = None):
         super().__init__(pair_dim, hidden_dim, direction, gate_input, bias)
         if precision is not None and precision not in PRECISIONS:
             raise ValueError(f"precision must be None or one of {PRECISIONS}, got {precision!r}")
-        self.kernels, self.precision = parse_kernels(kernels), precision
+        if backward_saves not in (None,) + BACKWARD_SAVES:
+            raise ValueError(f"backward_saves must be None or one of {BACKWARD_SAVES}, got {backward_saves!r}")
+        self.kernels, self.precision, self.backward_saves = parse_kernels(kernels), precision, backward_saves
         self.process_group = process_group  # not state: a process group does not pickle
         self._weights_cache = {}  # mode -> (parameter versions, prepared weights); not state
         self._plans = {}  # call signature -> (mode, kernels, ForwardOptions, extension) (see _plan_key)
@@ -1697,6 +1755,7 @@ class ModelNew(_TriMulLayers):
         super().__setstate__(state)
         self.__dict__.setdefault("_fast", None)
         self.__dict__.setdefault("process_group", None)
+        self.__dict__.setdefault("backward_saves", None)
 
     def forward(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor,
                 chunk_size: Optional[int] = None) -> torch.Tensor:
@@ -1783,9 +1842,10 @@ class ModelNew(_TriMulLayers):
         if torch.compiler.is_compiling():
             params = _with_zero_biases(_param_list(self))
             return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values)
+        keep_z = _saves_z(self.backward_saves, pair_repr)
         try:
             return _TrimulFunction.apply(pair_repr, pair_mask, self._prepared_weights(mode), str(kernels), *values,
-                                         *_with_zero_biases(_param_list_eager(self)))
+                                         keep_z, *_with_zero_biases(_param_list_eager(self)))
         except NotImplementedError:  # nothing of a default order takes this call: the unfused path
             return self._forward_unfused(*original)
 

@@ -657,10 +657,14 @@ std::string role_kernel(const char* role, const std::string& chosen, const Passe
 // ([d pair, d mask or None, the 16 parameters' in _PARAM_PATHS order], each in its tensor's dtype, no two
 // sharing memory), or an empty list where a backward role's kernel is a torch baseline (Python's path
 // then runs it). operand_f32: the operands are fp32 (else bf16); the caller sets the matmul precision.
+// saved_z: the forward's z planes [B*H, N, >= N] in the operand dtype (not recomputed); lean: proj is not
+// kept across the output side and the contraction's backward (recomputed, the same GEMM, before d_proj, whose
+// d proj overwrites it): the step's peak loses the [P, 4H] proj buffer, one GEMM more.
 std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::Tensor& pair, const at::Tensor& mask,
                                           const std::vector<at::Tensor>& params, const std::string& output_kernel,
                                           const std::string& input_kernel, bool operand_f32, bool incoming,
-                                          bool gate_normalized, double eps_in, double eps_out, bool mask_grad) {
+                                          bool gate_normalized, double eps_in, double eps_out, bool mask_grad,
+                                          const c10::optional<at::Tensor>& saved_z, bool lean) {
   using namespace host_backward;
   using P = trimul::BackwardPass;
   TORCH_CHECK_VALUE(pair.is_cuda() && pair.dim() == 4 && params.size() == 16 && grad_out.sizes().equals(pair.sizes()),
@@ -693,7 +697,16 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   at::Tensor proj = linear(x_hat, w_in_f, b_in_f);
   at::Tensor a_planes = planes(), b_planes = planes();
   inputs.run(P::gated_planes, 0.0, {{"proj", proj}, {"mask", mask_rows}, {"a_planes", a_planes}, {"b_planes", b_planes}});
-  at::Tensor z_planes = at::bmm(a_planes, b_planes.transpose(1, 2));
+  if (lean) proj.reset();
+  at::Tensor z_planes;
+  if (saved_z.has_value()) {
+    TORCH_CHECK_VALUE(saved_z->dim() == 3 && saved_z->size(0) == batch * h && saved_z->size(1) == n &&
+                          saved_z->size(2) >= n && saved_z->scalar_type() == dtype,
+                      "trimul_inline: training_backward's saved z must be [B*H, N, >= N] in the operand dtype");
+    z_planes = saved_z->narrow(2, 0, n).contiguous();
+  } else {
+    z_planes = at::bmm(a_planes, b_planes.transpose(1, 2));
+  }
 
   // output_backward: out = sigmoid(gate_rows W_g^T + b_g) * (z_hat W_out_f^T + b_out_f).
   at::Tensor z_hat = rows_of(h, dtype), rstd_out = rows_of(1, acc);
@@ -727,7 +740,8 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   dz.reset();
 
   // input_backward
-  at::Tensor d_proj = at::empty_like(proj);
+  if (lean) proj = linear(x_hat, w_in_f, b_in_f);
+  at::Tensor d_proj = lean ? proj : at::empty_like(proj);  // (lean: in place, d_proj reads a row before it writes it)
   const at::Tensor in_sums = at::zeros({trimul::kBackwardSumRows, 4 * h}, like.options().dtype(acc));
   std::unordered_map<std::string, at::Tensor> tensors{{"proj", proj}, {"a_planes", da}, {"b_planes", db},
                                                       {"mask", mask_rows}, {"rows", d_proj}, {"sums", in_sums}};

@@ -90,7 +90,8 @@ __global__ void __launch_bounds__(kThreads) gated_planes_kernel(const BackwardAr
   tile_to_planes(tile_b, static_cast<T*>(args.b_planes), t, args.n, hidden);
 }
 
-// da, db planes -> d proj rows: d pa = da s m, d ga = da pa m s (1 - s) (s = sigmoid(ga)), the same for b;
+// da, db planes -> d proj rows (rows may be proj: in place): d pa = da s m, d ga = da pa m s (1 - s)
+// (s = sigmoid(ga)), the same for b;
 // d mask = sum over h of da pa s + db pb s_b where asked; the block's sums of d proj over its positions into
 // sums (the projections' bias gradients). Blocks loop over the tiles.
 template <typename T, int V>
@@ -112,8 +113,10 @@ __global__ void __launch_bounds__(kThreads) d_proj_kernel(const BackwardArgs arg
     for (int q = warp; q < t.count; q += kWarps) {
       const int64_t p = tile_position(t, q, args.n, args.incoming);
       const float m = load_mask(args.mask, args.mask_kind, p);
-      const T* __restrict__ proj = static_cast<const T*>(args.proj) + p * 4 * hidden;
-      T* __restrict__ d_proj = static_cast<T*>(args.rows) + p * 4 * hidden;
+      // (not __restrict__: rows may be proj itself, d proj written in place; a lane reads its channels of a
+      // row before it writes them, and no other lane touches them)
+      const T* proj = static_cast<const T*>(args.proj) + p * 4 * hidden;
+      T* d_proj = static_cast<T*>(args.rows) + p * 4 * hidden;
       float d_mask = 0.f;
       for (int64_t h = lane * V; h < hidden; h += 32 * V) {
         float pa[V], ga[V], pb[V], gb[V];
