@@ -2822,9 +2822,11 @@ def test_host_layers_on_the_gpu(name, make, precision):
 
 
 # ---- sharded over ranks (process_group): spawned gloo processes on the CPU -----------------------------------
-def _sharded_worker(rank, world, store, cases, device):
+def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, precision=None, tolerance=1e-12):
     """One rank: for each case, the sharded ModelNew's rows of the output, d pair_repr and (summed over the group)
-    parameter gradients against the single-process computation of the same seeded problem, in float64."""
+    parameter gradients against the single-process computation of the same seeded problem in float64; the
+    sharded model in `dtype` at `precision`, within `tolerance`. On CUDA in fp32, outgoing's block products
+    must run on the contraction kernels (one contract_into call per rank's block)."""
     import datetime
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -2839,25 +2841,35 @@ def _sharded_worker(rank, world, store, cases, device):
             full_mask = mask.clone().requires_grad_(float_mask)
             expected = reference(full_pair, full_mask)
             expected.backward(grad_out)
-            sharded = ti.ModelNew(pair_dim, hidden, direction, gate_input, process_group=dist.group.WORLD).double()
-            sharded.load_state_dict(reference.state_dict())
+            sharded = ti.ModelNew(pair_dim, hidden, direction, gate_input, process_group=dist.group.WORLD,
+                                  precision=precision).to(dtype)
+            sharded.load_state_dict(reference.state_dict())  # (in dtype: float64 values into fp64 parameters)
             sharded = sharded.to(device)
             rows = ti.shard_rows(n, world, rank)
-            local_pair = pair[:, rows.start:rows.stop].clone().to(device).requires_grad_()
-            local_mask = mask[:, rows.start:rows.stop].clone().to(device).requires_grad_(float_mask)
-            out = sharded(local_pair, local_mask)
-            out.backward(grad_out[:, rows.start:rows.stop].to(device))
+            local_pair = pair[:, rows.start:rows.stop].to(device, dtype).requires_grad_()
+            local_mask = mask[:, rows.start:rows.stop].to(device, dtype if float_mask else mask.dtype) \
+                .requires_grad_(float_mask)
+            contract_into, calls = ti.contract_into, []
+            ti.contract_into = lambda *args: calls.append(args) or contract_into(*args)
+            try:
+                out = sharded(local_pair, local_mask)
+            finally:
+                ti.contract_into = contract_into
+            out.backward(grad_out[:, rows.start:rows.stop].to(device, dtype))
             label = f"rank {rank}/{world} {direction} {gate_input} N={n} (seed {seed})"
+            if device == "cuda" and dtype == torch.float32 and direction == "outgoing":
+                assert len(calls) == world, f"{label}: {len(calls)} contraction kernel calls, expected {world}"
             # (a rank may hold no rows: N < world)
             assert out.shape == expected[:, rows.start:rows.stop].shape, label
-            assert _grad_error(out.cpu(), expected[:, rows.start:rows.stop]) < 1e-12, label
-            assert _grad_error(local_pair.grad.cpu(), full_pair.grad[:, rows.start:rows.stop]) < 1e-12, label
+            assert _grad_error(out.cpu(), expected[:, rows.start:rows.stop]) < tolerance, label
+            assert _grad_error(local_pair.grad.cpu(), full_pair.grad[:, rows.start:rows.stop]) < tolerance, label
             if float_mask:
-                assert _grad_error(local_mask.grad.cpu(), full_mask.grad[:, rows.start:rows.stop]) < 1e-12, label
+                assert _grad_error(local_mask.grad.cpu(), full_mask.grad[:, rows.start:rows.stop]) < tolerance, \
+                    label
             for (name, p_sharded), p_ref in zip(sharded.named_parameters(), reference.parameters()):
                 total = p_sharded.grad.clone()
                 dist.all_reduce(total, group=dist.group.WORLD)
-                assert _grad_error(total.cpu(), p_ref.grad) < 1e-12, f"{label}: {name}"
+                assert _grad_error(total.cpu(), p_ref.grad) < tolerance, f"{label}: {name}"
     finally:
         _leave_group(dist)
 
@@ -2913,6 +2925,17 @@ def test_sharded_two_processes_share_the_gpu(tmp_path):
     """Two ranks on one GPU, gloo (transfers staged through the CPU): the sharded path on CUDA tensors."""
     cases = [(fresh_seed(), direction, "normalized", 1, 33, 16, 24, False) for direction in ti.DIRECTIONS]
     _spawn(_sharded_worker, 2, tmp_path, cases, "cuda")
+
+
+@cuda
+def test_sharded_block_products_run_on_the_contraction_kernels(tmp_path):
+    """Two ranks on one GPU in fp32 at "highest": outgoing's block products through contract_into (counted in the
+    worker), incoming's through cuBLAS; outputs and gradients within 1e-5 of the float64 single process, an odd
+    N, a float mask with zero rows."""
+    seed = fresh_seed()
+    cases = [(seed + i, direction, gate_input, 1, 37, 24, 16, True)
+             for i, (direction, gate_input) in enumerate([("outgoing", "raw"), ("incoming", "normalized")])]
+    _spawn(_sharded_worker, 2, tmp_path, cases, "cuda", torch.float32, "highest", 1e-5)
 
 
 def test_distributed_bench_runs_on_cpus(tmp_path):

@@ -2242,13 +2242,37 @@ def _ring_reduce(ring: _Ring, partial, row_dim: int):
     return own if accumulator is None else accumulator + own
 
 
+def _as_planes(t: torch.Tensor) -> torch.Tensor:
+    """[..., m, n] as [planes, m, n] (a view where the strides allow; empty blocks too)."""
+    return t.reshape(math.prod(t.shape[:-2]), *t.shape[-2:])
+
+
+def _block_product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x @ y^T over the last two dims ([B, H, m, k] and [B, H, n, k] -> [B, H, m, n], x's dtype) at the current
+    fp32 matmul precision: the contraction kernels' default order for CUDA operands they take (fp32, bf16,
+    fp16), PyTorch's matmul otherwise (the CPU, float64)."""
+    if not (x.is_cuda and x.dtype in _DTYPE_CODE and x.numel() and y.numel()):
+        return x @ y.transpose(-1, -2)
+    planes = _as_planes(x).contiguous()
+    z = planes.new_empty((planes.shape[0], planes.shape[1], y.shape[-2]))
+    contract_into(z, planes, _as_planes(y).contiguous(), None, torch.get_float32_matmul_precision())
+    return z.view(*x.shape[:-1], y.shape[-2])
+
+
+def _add_product_(total: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+    """total += x @ y over the last two dims, in place (cuBLAS's baddbmm: no temporary the size of total; the
+    contraction kernels write z, they do not add to it)."""
+    total.view(math.prod(total.shape[:-2]), *total.shape[-2:]).baddbmm_(_as_planes(x), _as_planes(y))
+
+
 class _ShardedContraction(torch.autograd.Function):
     """z's rows of this rank from a/b planes [B, H, N_r, N] of this rank's rows (a_t[b, h, r, k] is position
     (r, k): row r of this rank's block). Outgoing: z[i, j] = sum_k a[i, k] b[j, k], b's row blocks round the
     ring. Incoming: z[i, j] = sum_k a[k, i] b[k, j]: a's column blocks by one all-to-all (each rank then holds
     a[:, its rows]), then b's row blocks round the ring with z accumulated. Backward: the same rings; the
     gradient of a travelling operand (b) is the sum over ranks of each rank's share, reduced round the ring to
-    its owner (never a local slice)."""
+    its owner (never a local slice). Outgoing's z blocks run on the contraction kernels (_block_product);
+    incoming's partial sums over k and the backward's products add in place through cuBLAS (_add_product_)."""
 
     @staticmethod
     def forward(ctx, a_t, b_t, ring, incoming):
@@ -2263,12 +2287,12 @@ class _ShardedContraction(torch.autograd.Function):
                 if s != ring.rank and not received:
                     received.update(enumerate(arrival()))
                 chunk = chunks[s] if s == ring.rank else received[s]
-                z.add_(chunk.transpose(-1, -2) @ block)
+                _add_product_(z, chunk.transpose(-1, -2), block)
         else:
             z = a_t.new_empty(a_t.shape[:3] + (sum(ring.counts),))
 
             def product(block, s):
-                z[..., columns[s]] = a_t @ block.transpose(-1, -2)
+                z[..., columns[s]] = _block_product(a_t, block)
         _ring_products(ring, b_t, product, 2)
         if incoming:  # a's column block [B, H, N, N_r], for the backward
             if not received:
@@ -2276,10 +2300,16 @@ class _ShardedContraction(torch.autograd.Function):
             a_t = torch.cat([received[s] for s in range(ring.world)], dim=2)
         ctx.save_for_backward(a_t, b_t)
         ctx.ring, ctx.incoming = ring, incoming
+        ctx.precision = torch.get_float32_matmul_precision()  # (the layer's; autograd runs backward outside it)
         return z
 
     @staticmethod
     def backward(ctx, d_z):
+        with _float32_matmul_precision(ctx.precision):
+            return _ShardedContraction._backward(ctx, d_z)
+
+    @staticmethod
+    def _backward(ctx, d_z):
         a_t, b_t = ctx.saved_tensors
         ring, columns = ctx.ring, ctx.ring.columns
         d_z = d_z.contiguous()
@@ -2295,7 +2325,7 @@ class _ShardedContraction(torch.autograd.Function):
             d_a = torch.zeros_like(a_t)
 
             def product(block, s):
-                d_a.add_(d_z[..., columns[s]] @ block)
+                _add_product_(d_a, d_z[..., columns[s]], block)
             _ring_products(ring, b_t, product, 2)
             d_b = _ring_reduce(ring, lambda s: d_z[..., columns[s]].transpose(-1, -2) @ a_t, 2)
         return d_a, d_b, None, None
