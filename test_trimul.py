@@ -1934,6 +1934,19 @@ def test_training_with_saved_z(precision, direction, n, monkeypatch):
 
 
 @cuda
+@pytest.mark.parametrize("precision", ["high", "highest"])
+def test_fp32_training_keeps_z_past_the_graphed_sizes(precision, monkeypatch):
+    """backward_saves=None in the fp32 modes past GRAPHED_BACKWARD_POSITIONS: the forward's z reaches the backward,
+    which does not run lean (memory is not what it saves there); gradients within the precision's tolerances."""
+    calls = []
+    original = ti.training_backward
+    monkeypatch.setattr(ti, "training_backward",
+                        lambda *a, **k: calls.append((k.get("saved_z"), k.get("lean"))) or original(*a, **k))
+    _check_training(precision, "outgoing", "normalized", 1, 131, 32, 24)  # (17161 positions)
+    assert calls and all(z is not None and lean is False for z, lean in calls)
+
+
+@cuda
 @pytest.mark.parametrize("precision, gate_input", [("medium", "normalized"), ("highest", "raw")])
 def test_backward_host_path_with_saved_z_equals_the_python_steps(precision, gate_input, monkeypatch):
     """With the forward's z and the lean steps, the one-call backward and the Python steps agree bit for bit."""
@@ -2340,7 +2353,7 @@ def test_training_op_on_cpu_matches_autograd_and_passes_opcheck(direction, mask_
         return ti.trimul(pair_repr, pair_mask, params, [], *options)
 
     def eager(pair_repr, pair_mask):  # (what ModelNew runs outside torch.compile: the same steps, no dispatcher)
-        return ti._TrimulFunction.apply(pair_repr, pair_mask, [], *options, False, *params)
+        return ti._TrimulFunction.apply(pair_repr, pair_mask, [], *options, False, False, *params)
 
     results = []
     for fn in (call, torch.compile(call, fullgraph=True, backend="aot_eager"), eager):
@@ -2380,6 +2393,19 @@ def test_backward_with_saved_z_and_lean_equals_the_plain_steps_on_cpu(direction)
         ti.training_backward(*args, saved_z=padded[:, :, :6])
     with pytest.raises(ValueError, match="saved z"):
         ti.training_backward(*args, saved_z=padded.float())
+
+
+def test_backward_saves_rule():
+    """None keeps z from SAVE_Z_POSITIONS positions, and in the fp32 modes past the graphed backward's sizes; only
+    on CUDA; lean from SAVE_Z_POSITIONS or when the caller chose "z"."""
+    graphed, large = ti.GRAPHED_BACKWARD_POSITIONS, ti.SAVE_Z_POSITIONS
+    assert ti._saves_z("z", 1, "bf16", False) and not ti._saves_z("inputs", large, "highest", True)
+    assert not ti._saves_z(None, large, "bf16", False)
+    assert ti._saves_z(None, large, "bf16", True) and not ti._saves_z(None, large - 1, "bf16", True)
+    for mode in ("high", "highest"):
+        assert ti._saves_z(None, graphed + 1, mode, True) and not ti._saves_z(None, graphed, mode, True)
+    assert ti._runs_lean("z", 1) and ti._runs_lean(None, large) and not ti._runs_lean(None, large - 1)
+    assert not ti._runs_lean("inputs", large - 1)
 
 
 def test_backward_saves_is_checked():

@@ -1258,18 +1258,28 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
 
 # What the training forward keeps for its backward (ModelNew's backward_saves): "inputs" (pair_repr, the mask,
 # the parameters: the backward recomputes z) or "z" as well (the forward's z planes, B*H*N^2 operands, kept from
-# the forward to the backward: one N^3 product fewer, and the backward runs lean to make room). None: "z" from
-# SAVE_Z_POSITIONS positions, where the N^3 products are most of the step and the lean backward's smaller
-# peak pays for the planes.
+# the forward to the backward: one N^3 product fewer). None: "z" from SAVE_Z_POSITIONS positions, where the N^3
+# products are most of the step, and in the fp32 modes ("high", "highest") above GRAPHED_BACKWARD_POSITIONS,
+# where the recomputed z is an fp32 or TF32 product on cuBLAS (at "highest" on the CUDA cores: ~5 ms at
+# (1,1024,128,128)) and the forward's comes from the tensor cores anyway (below, graphed backwards need no saved
+# tensor). The backward runs lean (proj recomputed, _runs_lean) where z is kept for memory: from
+# SAVE_Z_POSITIONS, or when the caller chose "z".
 BACKWARD_SAVES = ("inputs", "z")
 SAVE_Z_POSITIONS = 1 << 22
 
 
-def _saves_z(choice: Optional[str], pair: torch.Tensor) -> bool:
+def _saves_z(choice: Optional[str], positions: int, mode: str, cuda: bool) -> bool:
     """Whether the eager training forward keeps z (the backward_saves rule above)."""
     if choice is not None:
         return choice == "z"
-    return pair.is_cuda and pair.shape[0] * pair.shape[1] * pair.shape[2] >= SAVE_Z_POSITIONS
+    if not cuda:
+        return False
+    return positions >= SAVE_Z_POSITIONS or (mode in ("high", "highest") and positions > GRAPHED_BACKWARD_POSITIONS)
+
+
+def _runs_lean(choice: Optional[str], positions: int) -> bool:
+    """Whether a backward given the forward's z runs lean (the backward_saves rule above)."""
+    return choice == "z" or positions >= SAVE_Z_POSITIONS
 
 
 # A 16-bit mode's CUDA backward calls of at most this many positions take fp32 operands and TF32 products (mode
@@ -1513,13 +1523,15 @@ class _TrimulFunction(torch.autograd.Function):
     whose arguments are ~35 tensors, flattening and alias checks cost ~0.7 ms per call on the H200's host: most
     of a small training step). torch.compile traces the op, opcheck checks it, and tests hold the two to equal
     gradients. apply(pair, mask, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out, keep_z,
-    *params); keep_z: the forward's z planes kept for the backward (ModelNew's backward_saves="z"), which then
-    runs lean (training_backward)."""
+    lean, *params); keep_z: the forward's z planes kept for the backward (ModelNew's backward_saves), which then
+    runs lean if `lean` (training_backward)."""
 
     @staticmethod
-    def forward(ctx, pair, mask, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out, keep_z, *params):
+    def forward(ctx, pair, mask, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out, keep_z, lean,
+                *params):
         ctx.save_for_backward(pair, mask, *params)
         ctx.options = (kernels, mode, incoming, gate_normalized, eps_in, eps_out)
+        ctx.lean = lean
         out, ctx.z = _trimul_forward(pair, mask, list(params), weights, kernels, mode, incoming, gate_normalized,
                                      eps_in, eps_out, keep_z=keep_z)
         return out
@@ -1532,9 +1544,9 @@ class _TrimulFunction(torch.autograd.Function):
         z, ctx.z = ctx.z, None  # (an intermediate, not an input or output: kept on ctx, dropped once used)
         d_pair, d_mask, *d_params = training_backward(grad_out.contiguous(), pair, mask, params,
                                                       parse_kernels(kernels), *options, bool(wanted[1]),
-                                                      saved_z=z, lean=z is not None)
-        return (d_pair if wanted[0] else None, d_mask if wanted[1] else None) + (None,) * 8 + \
-            tuple(g if w else None for g, w in zip(d_params, wanted[10:]))
+                                                      saved_z=z, lean=z is not None and ctx.lean)
+        return (d_pair if wanted[0] else None, d_mask if wanted[1] else None) + (None,) * 9 + \
+            tuple(g if w else None for g, w in zip(d_params, wanted[11:]))
 
 
 def _layers_in(params, pair, mask, eps_in, cast_mask=False):
@@ -1842,10 +1854,12 @@ class ModelNew(_TriMulLayers):
         if torch.compiler.is_compiling():
             params = _with_zero_biases(_param_list(self))
             return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values)
-        keep_z = _saves_z(self.backward_saves, pair_repr)
+        positions = pair_repr.shape[0] * pair_repr.shape[1] * pair_repr.shape[2]
+        keep_z = _saves_z(self.backward_saves, positions, mode, pair_repr.is_cuda)
+        lean = _runs_lean(self.backward_saves, positions)
         try:
             return _TrimulFunction.apply(pair_repr, pair_mask, self._prepared_weights(mode), str(kernels), *values,
-                                         keep_z, *_with_zero_biases(_param_list_eager(self)))
+                                         keep_z, lean, *_with_zero_biases(_param_list_eager(self)))
         except NotImplementedError:  # nothing of a default order takes this call: the unfused path
             return self._forward_unfused(*original)
 
