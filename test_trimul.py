@@ -2883,6 +2883,11 @@ def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, prec
                 ti.contract_into = contract_into
             out.backward(grad_out[:, rows.start:rows.stop].to(device, dtype))
             label = f"rank {rank}/{world} {direction} {gate_input} N={n} (seed {seed})"
+            ti.SHARDED_STEP_MIN_BYTES = 1  # (the inference path one row at a time: its steps exercised)
+            with torch.no_grad():
+                inferred = sharded(local_pair, local_mask)
+            assert _grad_error(inferred.cpu(), expected[:, rows.start:rows.stop].to(inferred.dtype)) < tolerance, \
+                f"{label}: no_grad"
             if device == "cuda" and dtype == torch.float32 and direction == "outgoing":
                 assert len(calls) == world, f"{label}: {len(calls)} contraction kernel calls, expected {world}"
             # (a rank may hold no rows: N < world)
@@ -2924,6 +2929,17 @@ def test_sharded_matches_one_process(world, tmp_path):
                   ("outgoing", "normalized", 1, 5, True), ("incoming", "normalized", 2, 7, False),
                   ("incoming", "raw", 1, 2, False)])]
     _spawn(_sharded_worker, world, tmp_path, cases, "cpu")
+
+
+def test_sharded_steps_cover_the_rows_once(monkeypatch):
+    """_sharded_steps: consecutive spans covering every row of the rank's block once, one row each at the
+    smallest budget, all rows in one step when they fit it, none for an empty block."""
+    pair = torch.empty(2, 5, 9, 8)
+    monkeypatch.setattr(ti, "SHARDED_STEP_MIN_BYTES", 1)
+    assert ti._sharded_steps(pair, 4) == [slice(r, r + 1) for r in range(5)]
+    monkeypatch.setattr(ti, "SHARDED_STEP_MIN_BYTES", 1 << 26)
+    assert ti._sharded_steps(pair, 4) == [slice(0, 5)]
+    assert ti._sharded_steps(torch.empty(2, 0, 9, 8), 4) == []
 
 
 def _bad_input_worker(rank, world, store):

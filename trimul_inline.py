@@ -1995,6 +1995,8 @@ class ModelNew(_TriMulLayers):
         ring = _Ring(self.process_group, pair_repr.shape[2] if shaped else 0,
                      pair_repr.device if shaped else torch.device("cpu"))
         _check_sharded_inputs(self, ring, pair_repr, pair_mask)
+        if not self._needs_autograd(pair_repr, pair_mask):
+            return self._sharded_inference(pair_repr, pair_mask, ring)
         params = _param_list(self)
         with _float32_matmul_precision(self.resolved_precision()):
             x, a, b = _layers_in(params, pair_repr, pair_mask, self.layer_norm_in.eps, cast_mask=True)
@@ -2002,6 +2004,37 @@ class ModelNew(_TriMulLayers):
             z = _ShardedContraction.apply(a.permute(0, 3, 1, 2).contiguous(), b.permute(0, 3, 1, 2).contiguous(),
                                           ring, self.direction == "incoming").permute(0, 2, 3, 1)
             return _layers_out(params, z, pair_repr if self.gate_input == "raw" else x, self.layer_norm_out.eps)
+
+    def _sharded_inference(self, pair_repr, pair_mask, ring):
+        """_forward_sharded with no gradient needed: the a / b planes [B, H, N_r, N] filled a few rows at a time
+        (_gated_side, in the chunked forward's operand dtype), the contraction across ranks, then the output
+        layers a few rows at a time into the output, so the rank holds its planes, z and the output plus one
+        step's temporaries (_sharded_steps), not the layers' whole intermediates."""
+        batch, rows, n, _ = pair_repr.shape
+        hidden, incoming = self.hidden_dim, self.direction == "incoming"
+        mode = compute_mode(pair_repr.dtype, self.resolved_precision())
+        operand = _chunk_operand(pair_repr.dtype, mode)
+        with torch.no_grad(), torch.autocast(pair_repr.device.type, enabled=False), \
+                _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
+            params = [None if p is None else p.to(pair_repr.dtype) for p in _param_list(self)]
+            eps_in, eps_out = self.layer_norm_in.eps, self.layer_norm_out.eps
+            layer_norm = lambda x: torch.nn.functional.layer_norm(x, x.shape[-1:], params[0], params[1], eps_in)
+            steps = _sharded_steps(pair_repr, hidden)
+            a_t, b_t = (pair_repr.new_empty((batch, hidden, rows, n), dtype=operand) for _ in range(2))
+            for part in steps:
+                x = layer_norm(pair_repr[:, part])
+                for side, planes in enumerate((a_t, b_t)):
+                    planes[:, :, part] = _gated_side(params, x, pair_mask[:, part], side, operand).permute(0, 3, 1, 2)
+                del x
+            z = _ShardedContraction.apply(a_t, b_t, ring, incoming)  # [B, H, N_r, N]
+            del a_t, b_t
+            out = torch.empty_like(pair_repr, memory_format=torch.contiguous_format)
+            for part in steps:
+                source = pair_repr[:, part]
+                gate_source = source if self.gate_input == "raw" else layer_norm(source)
+                out[:, part] = _layers_out(params, z[:, :, part].permute(0, 2, 3, 1).to(pair_repr.dtype), gate_source,
+                                           eps_out)
+            return out
 
     def _forward_unfused(self, pair_repr, pair_mask):
         """PyTorch layers around the `contract` op (its kernels, its backward): sizes the fused passes do not
@@ -2277,6 +2310,20 @@ def _add_product_(total: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None
     """total += x @ y over the last two dims, in place (cuBLAS's baddbmm: no temporary the size of total; the
     contraction kernels write z, they do not add to it)."""
     total.view(math.prod(total.shape[:-2]), *total.shape[-2:]).baddbmm_(_as_planes(x), _as_planes(y))
+
+
+SHARDED_STEP_MIN_BYTES = 1 << 26  # (tests set it to 1: one row per step)
+
+
+def _sharded_steps(pair: torch.Tensor, hidden: int) -> list:
+    """The row spans of _sharded_inference's steps: each step's temporaries (LayerNorm_in's rows and one side's
+    projections, or z's rows and the output layers: about 4 C + 8 H values per position) within an eighth of one
+    side's planes, at least SHARDED_STEP_MIN_BYTES."""
+    batch, rows, n, c = pair.shape
+    per_row = max(1, batch * n * (4 * c + 8 * hidden) * pair.element_size())
+    side_bytes = batch * rows * n * hidden * pair.element_size()
+    step = max(1, min(rows, max(side_bytes // 8, SHARDED_STEP_MIN_BYTES) // per_row))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
 class _ShardedContraction(torch.autograd.Function):
