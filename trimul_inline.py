@@ -1191,7 +1191,7 @@ class _KernelBackwardPasses:
         return rows, d_mask, sums.sum(0)
 
     def d_pair(self, pair_rows, eps, d_x_hat, add=None):
-        out = torch.empty_like(d_x_hat)
+        out = torch.empty_like(pair_rows)  # (pair's dtype: the pass rounds a 16-bit gradient once)
         tensors = dict(pair=pair_rows, d_rows=d_x_hat, d_pair=out)
         if add is not None:
             tensors["d_rows_add"] = add

@@ -180,7 +180,7 @@ enum class BackwardPass : int {
   gate_grad,       // d_out, o, gate_pre [P, C] -> o := d o, gate_pre := d gate_pre (in place), sums output_backward
   dz_planes,       // d_rows (d z_hat, fp32 [P, H]), rows (z_hat), rstd -> a_planes (dz)        output_backward
   d_proj,          // proj, a_planes (da), b_planes (db), mask -> rows: d proj [P, 4H], d_mask, sums input_backward
-  d_pair,          // pair, d_rows (d x_hat, fp32 [P, C]) + d_rows_add -> d_pair (fp32)         input_backward
+  d_pair,          // pair, d_rows (d x_hat, fp32 [P, C]) + d_rows_add -> d_pair (pair's dtype) input_backward
 };
 
 // One backward pass's arguments: sizes, then the buffers each pass reads and writes (BackwardPass says
@@ -207,7 +207,7 @@ struct BackwardArgs {
   Dtype d_out_dtype;
   void* o;         // gate_grad: [P, C] operand
   void* gate_pre;  // gate_grad: [P, C] operand
-  float* d_pair;   // d_pair: [P, C]
+  void* d_pair;    // d_pair: [P, C] in pair_dtype (a 16-bit pair's gradient rounded once, in the pass)
   // Per-block partial sums over positions, [kBackwardSumRows, width] fp32 (rows of blocks that did not run
   // stay as the caller left them, zero): d_proj of d proj (width 4H), gate_grad of d o then d gate_pre
   // (width 2C); the caller adds the rows up. nullptr: not wanted.
@@ -271,7 +271,7 @@ struct KernelLibrary {
 
 // Changes whenever a struct above changes, so a library and an extension built from different
 // versions of this file refuse each other.
-constexpr uint32_t kKernelAbi = 4;
+constexpr uint32_t kKernelAbi = 5;
 
 }  // namespace trimul
 

@@ -580,7 +580,7 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
       args.d_rows = static_cast<const float*>(pass_tensor(tensors, "d_rows", positions * c, f32, like));
       if (has("d_rows_add"))
         args.d_rows_add = static_cast<const float*>(pass_tensor(tensors, "d_rows_add", positions * c, f32, like));
-      args.d_pair = static_cast<float*>(pass_tensor(tensors, "d_pair", positions * c, f32, like));
+      args.d_pair = pass_tensor(tensors, "d_pair", positions * c, {get("pair").scalar_type()}, like);
       break;
   }
   if (positions == 0) return;
@@ -758,7 +758,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   if (gate_normalized) add_mm_(d_x_hat, d_gate, in_type(w_gate, dtype));
   std::unordered_map<std::string, at::Tensor> pair_tensors{{"pair", pair_rows}, {"d_rows", d_x_hat}};
   if (!gate_normalized) pair_tensors["d_rows_add"] = mm_to(d_gate, in_type(gate_w, dtype), acc);
-  at::Tensor d_pair = at::empty_like(d_x_hat);
+  at::Tensor d_pair = at::empty_like(pair_rows);  // (pair's dtype: the pass rounds a 16-bit gradient once)
   pair_tensors["d_pair"] = d_pair;
   inputs.run(P::d_pair, eps_in, pair_tensors);
   pair_tensors.clear();

@@ -151,7 +151,8 @@ __global__ void __launch_bounds__(kThreads) d_proj_kernel(const BackwardArgs arg
 }
 
 // LayerNorm_in's backward: d pair = rstd (d x_hat - mean(d x_hat) - x_hat mean(d x_hat x_hat)) (+ d_rows_add),
-// the statistics recomputed from pair; one warp per position.
+// the statistics recomputed from pair; one warp per position; written in pair's dtype (a 16-bit pair's gradient
+// rounded once here, not written in fp32 and converted by another pass).
 template <typename TPair, int V>
 __global__ void __launch_bounds__(kThreads) d_pair_kernel(const BackwardArgs args) {
   const int64_t positions = args.batch * args.n * args.n, width = args.c;
@@ -163,7 +164,7 @@ __global__ void __launch_bounds__(kThreads) d_pair_kernel(const BackwardArgs arg
     row_statistics<V>(row, width, args.eps, &mean, &rstd);
     float mean_d, mean_dot;
     layer_norm_grad_means<V, false>(d_row, row, width, mean, rstd, &mean_d, &mean_dot);
-    float* __restrict__ out = args.d_pair + p * width;
+    TPair* __restrict__ out = static_cast<TPair*>(args.d_pair) + p * width;
     const float* __restrict__ add = args.d_rows_add != nullptr ? args.d_rows_add + p * width : nullptr;
     for (int64_t c = lane * V; c < width; c += 32 * V) {
       float x[V], d[V], extra[V] = {};
