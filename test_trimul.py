@@ -2106,7 +2106,7 @@ def test_backward_host_path_equals_the_python_steps(precision, direction, gate_i
 def test_backward_graph_replays_the_call(precision, direction, gate_input, mask_dtype, monkeypatch):
     """The small-problem backward's CUDA graph (host "graph", what "auto" takes up to GRAPHED_BACKWARD_POSITIONS)
     gives the one-call backward's gradients bit for bit, on new inputs each replay, after a parameter changes in
-    place (the graph reads it where it lives), each gradient a fresh tensor of its own. (The bf16 steps at this
+    place (copied in at every replay), each gradient a fresh tensor of its own. (The bf16 steps at this
     small size: TF32_BACKWARD_POSITIONS off.)"""
     monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)
     g = torch.Generator().manual_seed(fresh_seed())
@@ -2131,6 +2131,32 @@ def test_backward_graph_replays_the_call(precision, direction, gate_input, mask_
     pointers = [t.untyped_storage().data_ptr() for grads in returned for t in grads if t is not None]
     assert len(set(pointers)) == len(pointers)  # (no gradient is the graph's own memory, none shared)
     ti._BACKWARD_GRAPHS.entries.clear()
+
+
+@cuda
+def test_backward_graph_is_shared_by_layers_of_one_shape(monkeypatch):
+    """Layers with the same shapes but their own parameters (a deeper stack than the graphs kept) share one graph:
+    one entry, no capture after the first call, each layer's gradients those of its own one-call backward."""
+    monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)
+    g = torch.Generator().manual_seed(fresh_seed())
+    layers = [[p.detach().cuda() for p in ti._param_list(random_layers(ti.ModelNew(16, 12), g))]
+              for _ in range(ti._BACKWARD_GRAPHS.limit + 2)]
+    options = (ti.Kernels(), "bf16", False, True, 1e-5, 1e-5, False)
+    captures = []
+    capture = ti._BackwardGraphs._capture
+    monkeypatch.setattr(ti._BackwardGraphs, "_capture", staticmethod(lambda call: captures.append(1) or capture(call)))
+    ti._BACKWARD_GRAPHS.entries.clear()
+    try:
+        for step in range(2):
+            for index, params in enumerate(layers):
+                pair, mask = random_inputs(1, 11, 16, g, dtype=torch.float32, device="cuda")
+                grad_out = torch.randn(pair.shape, generator=g).cuda()
+                call = ti.training_backward(grad_out, pair, mask, params, *options, host="call")
+                graph = ti.training_backward(grad_out, pair, mask, params, *options, host="graph")
+                _assert_equal_gradients(graph, call, (step, index))
+        assert len(captures) == 1 and len(ti._BACKWARD_GRAPHS.entries) == 1
+    finally:
+        ti._BACKWARD_GRAPHS.entries.clear()
 
 
 @cuda

@@ -1302,12 +1302,13 @@ GRAPHED_BACKWARD_POSITIONS = 1 << 14
 
 
 class _BackwardGraphs:
-    """CUDA graphs of the extension's one-call backward, one per call signature (shapes, dtypes, options, where
-    the parameters live, the matmul precision, the extension), the `limit` most recently used kept. A graph reads
-    the parameters in place (optimizer steps that update them in place are seen; a parameter that moves is a new
-    signature), copies grad_out, pair and the mask into its own inputs, and its gradients are copied out, since
-    the next replay overwrites them. Not while a capture is under way (a caller's own graph captures the call)
-    nor under a Python dispatch mode."""
+    """CUDA graphs of the extension's one-call backward, one per call signature (shapes, dtypes, options, the
+    parameters' shapes, dtypes and device, the matmul precision, the extension), the `limit` most recently used
+    kept. A graph copies grad_out, pair, the mask and the parameters into its own inputs (one multi-tensor copy
+    for the parameters), so every layer of a model with the same shapes shares one graph and its memory; keyed by
+    where the parameters live, a stack deeper than `limit` would capture again on every call. Its gradients are
+    copied out, since the next replay overwrites them. Not while a capture is under way (a caller's own graph
+    captures the call) nor under a Python dispatch mode."""
 
     def __init__(self, limit: int = 8):
         self.limit = limit
@@ -1322,7 +1323,7 @@ class _BackwardGraphs:
             if torch.cuda.is_current_stream_capturing() or _python_dispatch_mode_active():
                 return None
             key = (tuple((t.shape, t.dtype) for t in (grad_out, pair, mask)), pair.device,
-                   tuple((p.data_ptr(), p.shape, p.dtype) for p in params), tuple(options),
+                   tuple((p.shape, p.dtype, p.device) for p in params), tuple(options),
                    torch.get_float32_matmul_precision(), id(_extension()))
             return self._run(key, call)
 
@@ -1342,8 +1343,10 @@ class _BackwardGraphs:
         inputs, graph, grads = entry
         if graph is None:
             return None if inputs is None else []
-        for static, given in zip(inputs, (grad_out, pair, mask)):
+        static_pair_inputs, static_params = inputs
+        for static, given in zip(static_pair_inputs, (grad_out, pair, mask)):
             static.copy_(given)
+        torch._foreach_copy_(static_params, list(params))
         graph.replay()
         defined = [g for g in grads if g is not None]
         copies = [torch.empty_like(g) for g in defined]
@@ -1358,20 +1361,22 @@ class _BackwardGraphs:
         a torch baseline role (the extension returns no gradients)."""
         grad_out, pair, mask, params, *options = call
         extension = _extension()
-        inputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (grad_out, pair, mask)]
-        for static, given in zip(inputs, (grad_out, pair, mask)):
+        pair_inputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (grad_out, pair, mask)]
+        for static, given in zip(pair_inputs, (grad_out, pair, mask)):
             static.copy_(given)
+        static_params = [p.detach().clone(memory_format=torch.contiguous_format) for p in params]
+        inputs = (pair_inputs, static_params)
         side = torch.cuda.Stream(device=pair.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            warm = extension.training_backward(*inputs, params, *options)
+            warm = extension.training_backward(*pair_inputs, static_params, *options)
         torch.cuda.current_stream().wait_stream(side)
         if not warm:
             return inputs, None, None
         del warm
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            grads = extension.training_backward(*inputs, params, *options)
+            grads = extension.training_backward(*pair_inputs, static_params, *options)
         return inputs, graph, grads
 
 
