@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import gc
 import json
 import math
 import os
@@ -277,6 +278,26 @@ def time_cuda(fn, min_reps=10, max_reps=1000, budget_s=0.5):
     times = sorted(b.elapsed_time(f) * 1e3 for b, f in events)
     quantile = lambda q: times[min(len(times) - 1, int(q * len(times)))]
     return statistics.median(times), quantile(0.1), quantile(0.9), reps
+
+
+def held_memory_start() -> int:
+    """Device memory reserved before a contender's first training step, once the backward graphs of earlier
+    contenders are dropped (trimul_inline keeps them between calls) and the cache is emptied."""
+    ti._BACKWARD_GRAPHS.entries.clear()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+def held_memory_mib(reserved_before: int) -> float:
+    """Memory a contender still holds after its steps, its model, inputs and gradients released: CUDA graph pools
+    and the buffers a graph keeps (a graphed step's intermediates live there, outside the allocations its peak
+    counts, so peak + held is what such a step takes); ~0 for a contender that keeps nothing."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return max(0.0, (torch.cuda.memory_reserved() - reserved_before) / 2**20)
 
 
 def peak_memory_mib(fn) -> float:
@@ -767,6 +788,7 @@ def bench_backward_contender(contender, ref, pair, mask, expected, shape, label,
     tolerance (or informational), the step timed and its peak memory above the inputs and parameters
     (the previous step's gradients released first)."""
     row = {"shape": list(shape), "contender": contender.name, "status": "ok"}
+    reserved = held_memory_start()
     try:
         trainable = contender.make(ref)
         pair_in = pair.detach().to(contender.dtype).requires_grad_(True)
@@ -787,6 +809,8 @@ def bench_backward_contender(contender, ref, pair, mask, expected, shape, label,
         clear_gradients(trainable, pair_in)
         row.update(median_us=median, p10_us=low, p90_us=high, reps=reps, peak_mib=peak_memory_mib(step))
         clear_gradients(trainable, pair_in)
+        del trainable, step, pair_in
+        row["held_mib"] = held_memory_mib(reserved)
     except Exception as error:  # one broken contender must not hide the others
         row["status"] = "ERROR"
         row["error"] = f"{type(error).__name__}: {error}"[:300]
@@ -846,6 +870,8 @@ def print_backward_tables(rows):
                footer=("geomean (7 large)", {name: f"{t:.0f}" for name, t in geomean_rows.items()}))
     print_grid("peak MiB per training step, above inputs and parameters", rows, "peak_mib",
                lambda r: f"{r['peak_mib']:.0f}")
+    print_grid("held MiB after the steps (CUDA graph pools and buffers; peak + held is a graphed step's memory)",
+               rows, "held_mib", lambda r: f"{r['held_mib']:.0f}")
     print_grid("worst gradient error vs fp64, ||g - g_ref|| / ||g_ref||", rows, "worst_error",
                lambda r: f"{r['worst_error']:.1e} {r['worst_tensor']}{' !' if r['over_tolerance'] else ''}")
     return geomean_rows

@@ -1942,7 +1942,8 @@ def test_fp32_training_keeps_z_past_the_graphed_sizes(precision, monkeypatch):
     original = ti.training_backward
     monkeypatch.setattr(ti, "training_backward",
                         lambda *a, **k: calls.append((k.get("saved_z"), k.get("lean"))) or original(*a, **k))
-    _check_training(precision, "outgoing", "normalized", 1, 131, 32, 24)  # (17161 positions)
+    _check_training(precision, "outgoing", "normalized", 2, 257, 32, 24)  # (132098 positions)
+    assert 2 * 257 * 257 > ti.GRAPHED_BACKWARD_POSITIONS
     assert calls and all(z is not None and lean is False for z, lean in calls)
 
 

@@ -1296,9 +1296,12 @@ def _backward_mode(mode: str, pair: torch.Tensor) -> str:
     return "high" if pair.is_cuda and small and mode in ("bf16", "f16") else mode
 
 
-# Backward calls of at most this many positions replay a CUDA graph: their time is host time (~50 ATen calls in
-# the one-call backward), and their intermediates, which the graph's memory pool keeps, are at most ~20 MiB.
-GRAPHED_BACKWARD_POSITIONS = 1 << 14
+# Backward calls of at most this many positions replay a CUDA graph: their time is mostly host time (~50 ATen
+# calls in the one-call backward, ~1.4 ms on the H200's host, against ~1.3 ms of CUDA time at (2,256,128,128)).
+# The graph's memory pool keeps one backward's intermediates between calls (about 0.4 GiB at (2,256,128,128),
+# shared by every layer of that shape; bench.py --backward reports it as held memory); past this size the CUDA
+# time dominates and the held memory grows with it.
+GRAPHED_BACKWARD_POSITIONS = 1 << 17
 
 
 class _BackwardGraphs:
