@@ -2363,9 +2363,9 @@ class _ShardedContraction(torch.autograd.Function):
             def product(block, s):
                 z[..., columns[s]] = _block_product(a_t, block)
         _ring_products(ring, b_t, product, 2)
-        if incoming:  # a's column block [B, H, N, N_r], for the backward
-            if not received:
-                received.update(enumerate(arrival()))
+        if incoming and not received:
+            received.update(enumerate(arrival()))
+        if incoming and any(ctx.needs_input_grad[:2]):  # a's column block [B, H, N, N_r], for the backward
             a_t = torch.cat([received[s] for s in range(ring.world)], dim=2)
         ctx.save_for_backward(a_t, b_t)
         ctx.ring, ctx.incoming = ring, incoming
