@@ -1923,14 +1923,17 @@ def test_training_gradients_match_fp64(precision, direction, gate_input, batch, 
                                                       ("medium", "outgoing", 72), ("high", "incoming", 65)])
 def test_training_with_saved_z(precision, direction, n, monkeypatch):
     """backward_saves="z": the forward's z planes (rows padded where N is not a multiple of the z row's
-    alignment; N > 64, where the forward has a z buffer) stand in for the recomputed ones and the backward runs
-    lean; gradients within the tolerances (the bf16 steps at this size: TF32_BACKWARD_POSITIONS off)."""
+    alignment; N > 64, where the forward has a z buffer) stand in for the recomputed ones, at medium its a/b
+    planes too (rows padded to the forward's ld), and the backward runs lean; gradients within the tolerances
+    (the bf16 steps at this size: TF32_BACKWARD_POSITIONS off)."""
     monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)
     calls = []
     original = ti.training_backward
-    monkeypatch.setattr(ti, "training_backward", lambda *a, **k: calls.append(k.get("saved_z")) or original(*a, **k))
+    monkeypatch.setattr(ti, "training_backward",
+                        lambda *a, **k: calls.append((k.get("saved_z"), k.get("saved_ab"))) or original(*a, **k))
     _check_training(precision, direction, "normalized", 2, n, 64, 48, backward_saves="z")
-    assert calls and all(z is not None for z in calls)
+    assert calls and all(z is not None for z, _ in calls)
+    assert all((ab is not None) == (precision == "medium") for _, ab in calls)
 
 
 @cuda
@@ -1950,7 +1953,8 @@ def test_fp32_training_keeps_z_past_the_graphed_sizes(precision, monkeypatch):
 @cuda
 @pytest.mark.parametrize("precision, gate_input", [("medium", "normalized"), ("highest", "raw")])
 def test_backward_host_path_with_saved_z_equals_the_python_steps(precision, gate_input, monkeypatch):
-    """With the forward's z and the lean steps, the one-call backward and the Python steps agree bit for bit."""
+    """With the forward's z (and at medium its a/b planes) and the lean steps, the one-call backward and the Python
+    steps agree bit for bit, and with the plain backward within the precision's reach."""
     monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)
     g = torch.Generator().manual_seed(fresh_seed())
     model = random_layers(ti.ModelNew(24, 40, gate_input=gate_input, precision=precision), g).cuda()
@@ -1963,14 +1967,18 @@ def test_backward_host_path_with_saved_z_equals_the_python_steps(precision, gate
     grad_out = torch.randn(pair.shape, generator=g).cuda()
     mode = ti.compute_mode(pair.dtype, precision)
     args = (grad_out, pair, mask, params, ti.Kernels(), mode, False, gate_input == "normalized", 1e-5, 1e-5, False)
-    fast = ti.training_backward(*args, host="call", saved_z=z, lean=True)
-    slow = ti.training_backward(*args, host="python", saved_z=z, lean=True)
     plain = ti.training_backward(*args, host="call")
-    for a, b, c in zip(fast, slow, plain):
-        assert (a is None) == (b is None) == (c is None)
-        if a is not None:
-            assert torch.equal(a, b)
-            assert rel_error(a, c) < (1e-5 if precision == "highest" else 2e-2)
+    # (the forward's a/b planes stand in too where they are whole values in the operand dtype: medium's bf16)
+    saved_ab = ab if precision == "medium" else None
+    assert precision != "medium" or ab.dtype == torch.bfloat16 and ab.shape[1] == 40
+    for kept in ({}, {"saved_ab": saved_ab}) if saved_ab is not None else ({},):
+        fast = ti.training_backward(*args, host="call", saved_z=z, lean=True, **kept)
+        slow = ti.training_backward(*args, host="python", saved_z=z, lean=True, **kept)
+        for a, b, c in zip(fast, slow, plain):
+            assert (a is None) == (b is None) == (c is None)
+            if a is not None:
+                assert torch.equal(a, b), sorted(kept)
+                assert rel_error(a, c) < (1e-5 if precision == "highest" else 2e-2), sorted(kept)
 
 
 @cuda
@@ -2412,10 +2420,20 @@ def test_backward_with_saved_z_and_lean_equals_the_plain_steps_on_cpu(direction)
     padded = torch.full((2 * 20, 7, 10), float("nan"), dtype=torch.float64)
     padded[:, :, :7] = z.permute(0, 3, 1, 2).reshape(2 * 20, 7, 7)
     lean = ti.training_backward(*args, saved_z=padded, lean=True)
-    for got, expected in zip(lean, plain):
-        assert (got is None) == (expected is None)
-        if got is not None:
-            assert rel_error(got, expected) < 1e-12, seed
+    ab = torch.full((2, 2 * 20, 7, 9), float("nan"), dtype=torch.float64)  # (rows padded, as the forward's ld)
+    for side, values in enumerate((a, b)):
+        planes = values.permute(0, 3, 2, 1) if direction == "incoming" else values.permute(0, 3, 1, 2)
+        ab[side, :, :, :7] = planes.reshape(2 * 20, 7, 7)
+    with_ab = ti.training_backward(*args, saved_z=padded, lean=True, saved_ab=ab)
+    for grads in (lean, with_ab):
+        for got, expected in zip(grads, plain):
+            assert (got is None) == (expected is None)
+            if got is not None:
+                assert rel_error(got, expected) < 1e-12, seed
+    with pytest.raises(ValueError, match="saved a/b"):
+        ti.training_backward(*args, saved_z=padded, lean=False, saved_ab=ab)
+    with pytest.raises(ValueError, match="saved a/b"):
+        ti.training_backward(*args, saved_z=padded, lean=True, saved_ab=ab[:, :, :6])
     with pytest.raises(ValueError, match="saved z"):
         ti.training_backward(*args, saved_z=padded[:, :, :6])
     with pytest.raises(ValueError, match="saved z"):

@@ -1223,7 +1223,8 @@ def _unfolded_grads(g_folded, s_folded, weight, ln_weight, ln_bias):
 
 def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: str, incoming: bool,
                       gate_normalized: bool, eps_in: float, eps_out: float, mask_grad: bool, host: str = "auto",
-                      saved_z: Optional[torch.Tensor] = None, lean: bool = False):
+                      saved_z: Optional[torch.Tensor] = None, lean: bool = False,
+                      saved_ab: Optional[torch.Tensor] = None):
     """The gradients of sum(grad_out * forward(pair, mask)): [d pair, d mask (None unless mask_grad), then the 16
     parameters' (_PARAM_PATHS order)], each in its tensor's dtype. Any device; CUDA in the op. host: "auto" runs
     a CUDA call whose backward roles are library kernels in one extension call (the same steps in C++: the
@@ -1232,14 +1233,15 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
     "python" always here step by step. A 16-bit mode's small CUDA call multiplies in TF32 (_backward_mode).
     saved_z: the forward's z planes [B*H, N, >= N] in the backward's operand dtype, used instead of recomputing
     z; lean: proj recomputed before d_proj instead of kept across the output side (a [P, 4H] buffer off the
-    peak, one GEMM more; DESIGN.md "Training")."""
+    peak, one GEMM more; DESIGN.md "Training"); saved_ab (with saved_z and lean): the forward's a/b planes
+    [2, B*H, N, >= N] in the operand dtype, read in place instead of the proj GEMM and gated_planes."""
     mode = _backward_mode(mode, pair)
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
         if pair.is_cuda and pair.dtype != torch.float64 and host != "python" and \
                 kernels.contract_backward in (None, "bmm"):  # (the C++ steps' contraction backward)
             call = (grad_out, pair, mask, params, kernels.output_backward or "", kernels.input_backward or "",
                     _COMPUTE_DTYPE[mode] == torch.float32, incoming, gate_normalized, eps_in, eps_out, mask_grad,
-                    saved_z, lean)
+                    saved_z, saved_ab, lean)
             positions = pair.shape[0] * pair.shape[1] * pair.shape[2]
             graphed = saved_z is None and not lean and \
                 (host == "graph" or (host == "auto" and positions <= GRAPHED_BACKWARD_POSITIONS))
@@ -1249,7 +1251,7 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
             if grads:  # (empty: a backward role runs a torch baseline, which the Python path below runs)
                 return grads
         grads = _training_backward(grad_out, pair, mask, [p.detach() for p in params], kernels, mode, incoming,
-                                   gate_normalized, eps_in, eps_out, mask_grad, saved_z, lean)
+                                   gate_normalized, eps_in, eps_out, mask_grad, saved_z, lean, saved_ab)
     d_pair, d_mask, d_params = grads
     return _distinct([d_pair.view(pair.shape).to(pair.dtype),
                       None if d_mask is None else d_mask.view(mask.shape).to(mask.dtype)] +
@@ -1392,6 +1394,16 @@ def _python_dispatch_mode_active() -> bool:
     return _get_current_dispatch_mode() is not None
 
 
+def _saved_ab_planes(saved_ab, saved_z, lean, batch, n, hidden, dtype):
+    """The forward's a/b planes [2, B*H, N, >= N] as two [B*H, N, N] views (rows strided), checked as the C++ steps
+    check them."""
+    if saved_z is None or not lean or saved_ab.dim() != 4 or tuple(saved_ab.shape[:3]) != (2, batch * hidden, n) or \
+            saved_ab.shape[3] < n or saved_ab.stride(3) != 1 or saved_ab.dtype != dtype:
+        raise ValueError("trimul_inline: training_backward's saved a/b must be [2, B*H, N, >= N] in the operand "
+                         "dtype, with a saved z and lean")
+    return saved_ab[0, :, :, :n], saved_ab[1, :, :, :n]
+
+
 def _saved_z_planes(saved_z, batch, n, hidden, dtype):
     """The forward's z (planes [B*H, N, ldz], ldz >= N) as [B*H, N, N] planes in the backward's operand dtype."""
     if saved_z.dim() != 3 or saved_z.shape[0] != batch * hidden or saved_z.shape[1] != n or saved_z.shape[2] < n \
@@ -1415,7 +1427,7 @@ def _distinct(tensors: list) -> list:
 
 
 def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
-                       mask_grad, saved_z=None, lean=False):
+                       mask_grad, saved_z=None, lean=False, saved_ab=None):
     (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
      out_w, out_b, gate_w, gate_b) = [p.to(_accumulate(pair)) for p in params]
     batch, n, _, pair_dim = pair.shape
@@ -1434,10 +1446,13 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     w_in, b_in = torch.cat([pa_w, ga_w, pb_w, gb_w]), torch.cat([pa_b, ga_b, pb_b, gb_b])
     w_in_f, b_in_f = _folded(w_in, b_in, ln_in_w, ln_in_b)
     x_hat = inputs.input_rows(pair_rows, eps_in, dtype)
-    proj = products.linear(x_hat, w_in_f, b_in_f)
-    a_planes, b_planes = inputs.gated_planes(proj, mask_rows, batch, n, incoming)
-    if lean:
-        del proj
+    if saved_ab is not None:
+        a_planes, b_planes = _saved_ab_planes(saved_ab, saved_z, lean, batch, n, hidden, dtype)
+    else:
+        proj = products.linear(x_hat, w_in_f, b_in_f)
+        a_planes, b_planes = inputs.gated_planes(proj, mask_rows, batch, n, incoming)
+        if lean:
+            del proj
     z_planes = products.bmm(a_planes, b_planes.transpose(1, 2)) if saved_z is None else \
         _saved_z_planes(saved_z, batch, n, hidden, dtype)
 
@@ -1505,25 +1520,27 @@ def trimul(pair: torch.Tensor, mask: torch.Tensor, params: list[torch.Tensor], w
 def _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
                     keep_z=None):
     """trimul's forward, for the op and for _TrimulFunction. keep_z (True / False; None for the op): return
-    (out, z), z the forward's planes [B*H, N, ldz] where they can stand in for the backward's recomputed ones
-    (the fused steps write z in the backward's operand dtype; else None)."""
+    (out, z, ab), z the forward's planes [B*H, N, ldz] where they can stand in for the backward's recomputed ones
+    (the fused steps write z in the backward's operand dtype; else None), ab its a/b planes [2, B*H, N, ld] where
+    they can (whole values in the operand dtype: the 16-bit modes; else None)."""
     if not pair.is_cuda:  # (the op runs anywhere: off CUDA it is the reference computation)
         out = _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in, eps_out)
-        return out if keep_z is None else (out, None)
+        return out if keep_z is None else (out, None, None)
     chosen = parse_kernels(kernels)
     hidden = params[2].shape[0]
     if not keep_z:
         out = _run_fused_forward(pair, mask, weights, chosen[:len(FORWARD_ROLES)], mode, incoming, gate_normalized,
                                  eps_in, eps_out, hidden)
-        return out if keep_z is None else (out, None)
+        return out if keep_z is None else (out, None, None)
     options = _forward_options(chosen[:len(FORWARD_ROLES)], mode, incoming, gate_normalized, eps_in, eps_out, hidden)
     steps = ForwardSteps(pair, mask, weights, options, mode)
     ab, z, out = steps.new_ab(), steps.new_z(), steps.new_out()
     steps.input_pass(ab)
     steps.contraction(ab, z)
     steps.output_pass(out, z=z, ab=ab)
-    usable = z is not None and z.dtype == _COMPUTE_DTYPE[_backward_mode(mode, pair)]
-    return out, z if usable else None
+    operand = _COMPUTE_DTYPE[_backward_mode(mode, pair)]
+    whole_ab = ab.dtype == operand and ab.shape[1] == pair.shape[0] * hidden  # (not split parts, not scaled fp16)
+    return out, z if z is not None and z.dtype == operand else None, ab if whole_ab and operand != torch.float32 else None
 
 
 class _TrimulFunction(torch.autograd.Function):
@@ -1540,8 +1557,9 @@ class _TrimulFunction(torch.autograd.Function):
         ctx.save_for_backward(pair, mask, *params)
         ctx.options = (kernels, mode, incoming, gate_normalized, eps_in, eps_out)
         ctx.lean = lean
-        out, ctx.z = _trimul_forward(pair, mask, list(params), weights, kernels, mode, incoming, gate_normalized,
-                                     eps_in, eps_out, keep_z=keep_z)
+        out, ctx.z, ab = _trimul_forward(pair, mask, list(params), weights, kernels, mode, incoming, gate_normalized,
+                                         eps_in, eps_out, keep_z=keep_z)
+        ctx.ab = ab if lean and ctx.z is not None else None  # (where z is kept for memory: proj is made once)
         return out
 
     @staticmethod
@@ -1549,10 +1567,11 @@ class _TrimulFunction(torch.autograd.Function):
         pair, mask, *params = ctx.saved_tensors
         kernels, *options = ctx.options
         wanted = ctx.needs_input_grad
-        z, ctx.z = ctx.z, None  # (an intermediate, not an input or output: kept on ctx, dropped once used)
+        z, ctx.z = ctx.z, None  # (intermediates, not inputs or outputs: kept on ctx, dropped once used)
+        ab, ctx.ab = ctx.ab, None
         d_pair, d_mask, *d_params = training_backward(grad_out.contiguous(), pair, mask, params,
                                                       parse_kernels(kernels), *options, bool(wanted[1]),
-                                                      saved_z=z, lean=z is not None and ctx.lean)
+                                                      saved_z=z, lean=z is not None and ctx.lean, saved_ab=ab)
         return (d_pair if wanted[0] else None, d_mask if wanted[1] else None) + (None,) * 9 + \
             tuple(g if w else None for g, w in zip(d_params, wanted[11:]))
 

@@ -659,12 +659,15 @@ std::string role_kernel(const char* role, const std::string& chosen, const Passe
 // then runs it). operand_f32: the operands are fp32 (else bf16); the caller sets the matmul precision.
 // saved_z: the forward's z planes [B*H, N, >= N] in the operand dtype (not recomputed); lean: proj is not
 // kept across the output side and the contraction's backward (recomputed, the same GEMM, before d_proj, whose
-// d proj overwrites it): the step's peak loses the [P, 4H] proj buffer, one GEMM more.
+// d proj overwrites it): the step's peak loses the [P, 4H] proj buffer, one GEMM more. saved_ab: the forward's
+// a/b planes [2, B*H, N, >= N] in the operand dtype (with saved_z and lean): the proj GEMM and gated_planes of the
+// recompute are skipped, the products read the planes in place (rows strided).
 std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::Tensor& pair, const at::Tensor& mask,
                                           const std::vector<at::Tensor>& params, const std::string& output_kernel,
                                           const std::string& input_kernel, bool operand_f32, bool incoming,
                                           bool gate_normalized, double eps_in, double eps_out, bool mask_grad,
-                                          const c10::optional<at::Tensor>& saved_z, bool lean) {
+                                          const c10::optional<at::Tensor>& saved_z,
+                                          const c10::optional<at::Tensor>& saved_ab, bool lean) {
   using namespace host_backward;
   using P = trimul::BackwardPass;
   TORCH_CHECK_VALUE(pair.is_cuda() && pair.dim() == 4 && params.size() == 16 && grad_out.sizes().equals(pair.sizes()),
@@ -694,10 +697,22 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   const auto [w_in_f, b_in_f] = folded(w_in, b_in, ln_in_w, ln_in_b);
   const at::Tensor x_hat = rows_of(c, dtype);
   inputs.run(P::input_rows, eps_in, {{"pair", pair_rows}, {"rows", x_hat}});
-  at::Tensor proj = linear(x_hat, w_in_f, b_in_f);
-  at::Tensor a_planes = planes(), b_planes = planes();
-  inputs.run(P::gated_planes, 0.0, {{"proj", proj}, {"mask", mask_rows}, {"a_planes", a_planes}, {"b_planes", b_planes}});
-  if (lean) proj.reset();
+  at::Tensor proj, a_planes, b_planes;
+  if (saved_ab.has_value()) {
+    TORCH_CHECK_VALUE(saved_z.has_value() && lean && saved_ab->dim() == 4 && saved_ab->size(0) == 2 &&
+                          saved_ab->size(1) == batch * h && saved_ab->size(2) == n && saved_ab->size(3) >= n &&
+                          saved_ab->stride(3) == 1 && saved_ab->scalar_type() == dtype,
+                      "trimul_inline: training_backward's saved a/b must be [2, B*H, N, >= N] in the operand dtype, "
+                      "with a saved z and lean");
+    a_planes = saved_ab->select(0, 0).narrow(2, 0, n);
+    b_planes = saved_ab->select(0, 1).narrow(2, 0, n);
+  } else {
+    proj = linear(x_hat, w_in_f, b_in_f);
+    a_planes = planes();
+    b_planes = planes();
+    inputs.run(P::gated_planes, 0.0, {{"proj", proj}, {"mask", mask_rows}, {"a_planes", a_planes}, {"b_planes", b_planes}});
+    if (lean) proj.reset();
+  }
   at::Tensor z_planes;
   if (saved_z.has_value()) {
     TORCH_CHECK_VALUE(saved_z->dim() == 3 && saved_z->size(0) == batch * h && saved_z->size(1) == n &&
