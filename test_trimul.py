@@ -2424,8 +2424,11 @@ def test_backward_with_saved_z_and_lean_equals_the_plain_steps_on_cpu(direction)
     for side, values in enumerate((a, b)):
         planes = values.permute(0, 3, 2, 1) if direction == "incoming" else values.permute(0, 3, 1, 2)
         ab[side, :, :, :7] = planes.reshape(2 * 20, 7, 7)
+    kept = [padded.clone(), ab.clone()]
+    handed = ti.training_backward(*args, lean=True, saved=kept)  # (the call takes the buffers: the list emptied)
+    assert kept == []
     with_ab = ti.training_backward(*args, saved_z=padded, lean=True, saved_ab=ab)
-    for grads in (lean, with_ab):
+    for grads in (lean, with_ab, handed):
         for got, expected in zip(grads, plain):
             assert (got is None) == (expected is None)
             if got is not None:

@@ -1224,7 +1224,7 @@ def _unfolded_grads(g_folded, s_folded, weight, ln_weight, ln_bias):
 def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: str, incoming: bool,
                       gate_normalized: bool, eps_in: float, eps_out: float, mask_grad: bool, host: str = "auto",
                       saved_z: Optional[torch.Tensor] = None, lean: bool = False,
-                      saved_ab: Optional[torch.Tensor] = None):
+                      saved_ab: Optional[torch.Tensor] = None, saved: Optional[list] = None):
     """The gradients of sum(grad_out * forward(pair, mask)): [d pair, d mask (None unless mask_grad), then the 16
     parameters' (_PARAM_PATHS order)], each in its tensor's dtype. Any device; CUDA in the op. host: "auto" runs
     a CUDA call whose backward roles are library kernels in one extension call (the same steps in C++: the
@@ -1234,24 +1234,29 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
     saved_z: the forward's z planes [B*H, N, >= N] in the backward's operand dtype, used instead of recomputing
     z; lean: proj recomputed before d_proj instead of kept across the output side (a [P, 4H] buffer off the
     peak, one GEMM more; DESIGN.md "Training"); saved_ab (with saved_z and lean): the forward's a/b planes
-    [2, B*H, N, >= N] in the operand dtype, read in place instead of the proj GEMM and gated_planes."""
+    [2, B*H, N, >= N] in the operand dtype, read in place instead of the proj GEMM and gated_planes. saved: the
+    two as a list [saved_z, saved_ab] instead, which the call empties so that each is freed once used (the
+    caller keeps no reference: _TrimulFunction's way)."""
+    if saved is None:
+        saved = [saved_z, saved_ab]
+    del saved_z, saved_ab
     mode = _backward_mode(mode, pair)
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
         if pair.is_cuda and pair.dtype != torch.float64 and host != "python" and \
                 kernels.contract_backward in (None, "bmm"):  # (the C++ steps' contraction backward)
+            positions = pair.shape[0] * pair.shape[1] * pair.shape[2]
+            graphed = all(t is None for t in saved) and not lean and \
+                (host == "graph" or (host == "auto" and positions <= GRAPHED_BACKWARD_POSITIONS))
             call = (grad_out, pair, mask, params, kernels.output_backward or "", kernels.input_backward or "",
                     _COMPUTE_DTYPE[mode] == torch.float32, incoming, gate_normalized, eps_in, eps_out, mask_grad,
-                    saved_z, saved_ab, lean)
-            positions = pair.shape[0] * pair.shape[1] * pair.shape[2]
-            graphed = saved_z is None and not lean and \
-                (host == "graph" or (host == "auto" and positions <= GRAPHED_BACKWARD_POSITIONS))
+                    None if graphed else saved, lean)
             grads = _BACKWARD_GRAPHS.run(call) if graphed else None
             if grads is None:
                 grads = _extension().training_backward(*call)
             if grads:  # (empty: a backward role runs a torch baseline, which the Python path below runs)
                 return grads
         grads = _training_backward(grad_out, pair, mask, [p.detach() for p in params], kernels, mode, incoming,
-                                   gate_normalized, eps_in, eps_out, mask_grad, saved_z, lean, saved_ab)
+                                   gate_normalized, eps_in, eps_out, mask_grad, saved, lean)
     d_pair, d_mask, d_params = grads
     return _distinct([d_pair.view(pair.shape).to(pair.dtype),
                       None if d_mask is None else d_mask.view(mask.shape).to(mask.dtype)] +
@@ -1427,7 +1432,9 @@ def _distinct(tensors: list) -> list:
 
 
 def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
-                       mask_grad, saved_z=None, lean=False, saved_ab=None):
+                       mask_grad, saved, lean=False):
+    saved_z, saved_ab = saved
+    saved.clear()  # (the caller's list held the only other references: each is freed once used)
     (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
      out_w, out_b, gate_w, gate_b) = [p.to(_accumulate(pair)) for p in params]
     batch, n, _, pair_dim = pair.shape
@@ -1448,6 +1455,7 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     x_hat = inputs.input_rows(pair_rows, eps_in, dtype)
     if saved_ab is not None:
         a_planes, b_planes = _saved_ab_planes(saved_ab, saved_z, lean, batch, n, hidden, dtype)
+        del saved_ab
     else:
         proj = products.linear(x_hat, w_in_f, b_in_f)
         a_planes, b_planes = inputs.gated_planes(proj, mask_rows, batch, n, incoming)
@@ -1455,6 +1463,7 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
             del proj
     z_planes = products.bmm(a_planes, b_planes.transpose(1, 2)) if saved_z is None else \
         _saved_z_planes(saved_z, batch, n, hidden, dtype)
+    del saved_z
 
     # output_backward: out = sigmoid(gate_rows W_g^T + b_g) * (z_hat W_out_f^T + b_out_f).
     z_hat, rstd_out = outputs.z_rows(z_planes, batch, n, eps_out, dtype)
@@ -1567,11 +1576,12 @@ class _TrimulFunction(torch.autograd.Function):
         pair, mask, *params = ctx.saved_tensors
         kernels, *options = ctx.options
         wanted = ctx.needs_input_grad
-        z, ctx.z = ctx.z, None  # (intermediates, not inputs or outputs: kept on ctx, dropped once used)
-        ab, ctx.ab = ctx.ab, None
+        # (intermediates, not inputs or outputs: kept on ctx, handed over so that each is freed once used)
+        saved, lean = [ctx.z, ctx.ab], ctx.z is not None and ctx.lean
+        ctx.z = ctx.ab = None
         d_pair, d_mask, *d_params = training_backward(grad_out.contiguous(), pair, mask, params,
                                                       parse_kernels(kernels), *options, bool(wanted[1]),
-                                                      saved_z=z, lean=z is not None and ctx.lean, saved_ab=ab)
+                                                      saved=saved, lean=lean)
         return (d_pair if wanted[0] else None, d_mask if wanted[1] else None) + (None,) * 9 + \
             tuple(g if w else None for g, w in zip(d_params, wanted[11:]))
 

@@ -661,13 +661,14 @@ std::string role_kernel(const char* role, const std::string& chosen, const Passe
 // kept across the output side and the contraction's backward (recomputed, the same GEMM, before d_proj, whose
 // d proj overwrites it): the step's peak loses the [P, 4H] proj buffer, one GEMM more. saved_ab: the forward's
 // a/b planes [2, B*H, N, >= N] in the operand dtype (with saved_z and lean): the proj GEMM and gated_planes of the
-// recompute are skipped, the products read the planes in place (rows strided).
+// recompute are skipped, the products read the planes in place (rows strided). `saved` is None or the list
+// [saved_z or None, saved_ab or None], which this call empties (once it knows it runs the backward), so that
+// each buffer is freed as soon as its last use is done rather than when the caller returns.
 std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::Tensor& pair, const at::Tensor& mask,
                                           const std::vector<at::Tensor>& params, const std::string& output_kernel,
                                           const std::string& input_kernel, bool operand_f32, bool incoming,
                                           bool gate_normalized, double eps_in, double eps_out, bool mask_grad,
-                                          const c10::optional<at::Tensor>& saved_z,
-                                          const c10::optional<at::Tensor>& saved_ab, bool lean) {
+                                          const py::object& saved, bool lean) {
   using namespace host_backward;
   using P = trimul::BackwardPass;
   TORCH_CHECK_VALUE(pair.is_cuda() && pair.dim() == 4 && params.size() == 16 && grad_out.sizes().equals(pair.sizes()),
@@ -687,6 +688,14 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   inputs.kernel = role_kernel("input_backward", input_kernel, inputs);
   outputs.kernel = role_kernel("output_backward", output_kernel, outputs);
   if (inputs.kernel.empty() || outputs.kernel.empty()) return {};
+  c10::optional<at::Tensor> saved_z, saved_ab;
+  if (!saved.is_none()) {
+    const py::list kept = saved.cast<py::list>();
+    TORCH_CHECK_VALUE(kept.size() == 2, "trimul_inline: training_backward's saved list is [z or None, a/b or None]");
+    if (!kept[0].is_none()) saved_z = kept[0].cast<at::Tensor>();
+    if (!kept[1].is_none()) saved_ab = kept[1].cast<at::Tensor>();
+    kept.attr("clear")();
+  }
   const auto rows_of = [&](int64_t width, at::ScalarType type) { return at::empty({positions, width}, like.options().dtype(type)); };
   const auto planes = [&]() { return at::empty({batch * h, n, n}, like.options()); };
   const at::Tensor pair_rows = pair.reshape({positions, c}).contiguous();
@@ -706,6 +715,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
                       "with a saved z and lean");
     a_planes = saved_ab->select(0, 0).narrow(2, 0, n);
     b_planes = saved_ab->select(0, 1).narrow(2, 0, n);
+    saved_ab.reset();  // (the two views hold it: freed with the later of them)
   } else {
     proj = linear(x_hat, w_in_f, b_in_f);
     a_planes = planes();
@@ -719,6 +729,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
                           saved_z->size(2) >= n && saved_z->scalar_type() == dtype,
                       "trimul_inline: training_backward's saved z must be [B*H, N, >= N] in the operand dtype");
     z_planes = saved_z->narrow(2, 0, n).contiguous();
+    saved_z.reset();  // (z_planes holds it, or a copy of its rows: freed with z_planes)
   } else {
     z_planes = at::bmm(a_planes, b_planes.transpose(1, 2));
   }
