@@ -1930,24 +1930,48 @@ def test_training_with_saved_z(precision, direction, n, monkeypatch):
     calls = []
     original = ti.training_backward
     monkeypatch.setattr(ti, "training_backward",
-                        lambda *a, **k: calls.append((k.get("saved_z"), k.get("saved_ab"))) or original(*a, **k))
+                        lambda *a, **k: calls.append(tuple(k["saved"])) or original(*a, **k))  # ([z, a/b])
     _check_training(precision, direction, "normalized", 2, n, 64, 48, backward_saves="z")
     assert calls and all(z is not None for z, _ in calls)
     assert all((ab is not None) == (precision == "medium") for _, ab in calls)
 
 
 @cuda
-@pytest.mark.parametrize("precision", ["high", "highest"])
-def test_fp32_training_keeps_z_past_the_graphed_sizes(precision, monkeypatch):
-    """backward_saves=None in the fp32 modes past GRAPHED_BACKWARD_POSITIONS: the forward's z reaches the backward,
-    which does not run lean (memory is not what it saves there); gradients within the precision's tolerances."""
+def test_checkpointed_training_keeps_nothing_in_its_first_forward(monkeypatch):
+    """Under torch.utils.checkpoint (non-reentrant) the first forward keeps no z or a/b on the autograd context
+    (its saved-tensor hooks would not see them: checkpointing would hold them anyway); the recompute inside the
+    backward keeps them, and the gradients equal the unchecked step's within the precision's reach."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(32, 24, gate_input="normalized"), g).cuda()
+    pair, mask = random_inputs(2, 257, 32, g, dtype=torch.float32, device="cuda")  # (132098 positions)
+    kept = []
+    original = ti._trimul_forward
+    monkeypatch.setattr(ti, "_trimul_forward", lambda *a, **k: kept.append(k.get("keep_z")) or original(*a, **k))
+    grads = []
+    for checkpointed in (False, True):
+        leaf = pair.clone().requires_grad_()
+        out = torch.utils.checkpoint.checkpoint(model, leaf, mask, use_reentrant=False) if checkpointed else \
+            model(leaf, mask)
+        out.square().mean().backward()
+        grads.append(leaf.grad)
+    assert kept == [True, False, True]  # (plain forward; checkpoint's first forward; its recompute)
+    assert rel_error(grads[1], grads[0]) < 1e-2
+
+
+@cuda
+@pytest.mark.parametrize("precision", ["medium", "high", "highest"])
+def test_training_keeps_z_past_the_graphed_sizes(precision, monkeypatch):
+    """backward_saves=None past GRAPHED_BACKWARD_POSITIONS: the forward's z (and at medium its bf16 a/b planes)
+    reach the backward, which does not run lean (below LEAN_BACKWARD_POSITIONS); gradients within the precision's
+    tolerances."""
     calls = []
     original = ti.training_backward
     monkeypatch.setattr(ti, "training_backward",
-                        lambda *a, **k: calls.append((k.get("saved_z"), k.get("lean"))) or original(*a, **k))
+                        lambda *a, **k: calls.append((*k["saved"], k.get("lean"))) or original(*a, **k))
     _check_training(precision, "outgoing", "normalized", 2, 257, 32, 24)  # (132098 positions)
     assert 2 * 257 * 257 > ti.GRAPHED_BACKWARD_POSITIONS
-    assert calls and all(z is not None and lean is False for z, lean in calls)
+    assert calls and all(z is not None and (ab is not None) == (precision == "medium") and lean is False
+                         for z, ab, lean in calls)
 
 
 @cuda
@@ -2404,9 +2428,10 @@ def test_training_op_on_cpu_matches_autograd_and_passes_opcheck(direction, mask_
 
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 def test_backward_with_saved_z_and_lean_equals_the_plain_steps_on_cpu(direction):
-    """The backward given the forward's z planes (padded rows, as the fused forward's ldz) and running lean (proj
-    recomputed before d_proj) gives the plain backward's gradients (float64 steps on the CPU); a saved z of the
-    wrong shape or dtype raises."""
+    """The backward given the forward's z planes (padded rows, as the fused forward's ldz), with or without its a/b
+    planes (padded rows, as the forward's ld), lean (proj recomputed before d_proj) or not, the buffers handed over
+    in a list the call empties, gives the plain backward's gradients (float64 steps on the CPU); a saved z or a/b
+    of the wrong shape or dtype, or a/b without z, raises."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     model = random_layers(ti.Model(12, 20, direction, "normalized").double(), g)
@@ -2428,13 +2453,14 @@ def test_backward_with_saved_z_and_lean_equals_the_plain_steps_on_cpu(direction)
     handed = ti.training_backward(*args, lean=True, saved=kept)  # (the call takes the buffers: the list emptied)
     assert kept == []
     with_ab = ti.training_backward(*args, saved_z=padded, lean=True, saved_ab=ab)
-    for grads in (lean, with_ab, handed):
+    not_lean = ti.training_backward(*args, saved_z=padded, saved_ab=ab)
+    for grads in (lean, with_ab, handed, not_lean):
         for got, expected in zip(grads, plain):
             assert (got is None) == (expected is None)
             if got is not None:
                 assert rel_error(got, expected) < 1e-12, seed
     with pytest.raises(ValueError, match="saved a/b"):
-        ti.training_backward(*args, saved_z=padded, lean=False, saved_ab=ab)
+        ti.training_backward(*args, lean=True, saved_ab=ab)  # (a/b without z)
     with pytest.raises(ValueError, match="saved a/b"):
         ti.training_backward(*args, saved_z=padded, lean=True, saved_ab=ab[:, :, :6])
     with pytest.raises(ValueError, match="saved z"):
@@ -2444,16 +2470,18 @@ def test_backward_with_saved_z_and_lean_equals_the_plain_steps_on_cpu(direction)
 
 
 def test_backward_saves_rule():
-    """None keeps z from SAVE_Z_POSITIONS positions, and in the fp32 modes past the graphed backward's sizes; only
-    on CUDA; lean from SAVE_Z_POSITIONS or when the caller chose "z"."""
-    graphed, large = ti.GRAPHED_BACKWARD_POSITIONS, ti.SAVE_Z_POSITIONS
-    assert ti._saves_z("z", 1, "bf16", False) and not ti._saves_z("inputs", large, "highest", True)
-    assert not ti._saves_z(None, large, "bf16", False)
-    assert ti._saves_z(None, large, "bf16", True) and not ti._saves_z(None, large - 1, "bf16", True)
-    for mode in ("high", "highest"):
-        assert ti._saves_z(None, graphed + 1, mode, True) and not ti._saves_z(None, graphed, mode, True)
+    """None keeps z (and a/b) on CUDA past the graphed backward's sizes; lean from LEAN_BACKWARD_POSITIONS or when
+    the caller chose "z"."""
+    graphed, large = ti.GRAPHED_BACKWARD_POSITIONS, ti.LEAN_BACKWARD_POSITIONS
+    assert ti._saves_z("z", 1, False) and not ti._saves_z("inputs", large, True)
+    assert not ti._saves_z(None, large, False)
+    assert ti._saves_z(None, graphed + 1, True) and not ti._saves_z(None, graphed, True)
     assert ti._runs_lean("z", 1) and ti._runs_lean(None, large) and not ti._runs_lean(None, large - 1)
     assert not ti._runs_lean("inputs", large - 1)
+    assert not ti._saves_z(None, large, True, hooked=True) and not ti._saves_z("z", large, True, hooked=True)
+    assert not ti._saved_tensor_hooks_active()
+    with torch.autograd.graph.save_on_cpu():
+        assert ti._saved_tensor_hooks_active()
 
 
 def test_backward_saves_is_checked():

@@ -1233,8 +1233,9 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
     "python" always here step by step. A 16-bit mode's small CUDA call multiplies in TF32 (_backward_mode).
     saved_z: the forward's z planes [B*H, N, >= N] in the backward's operand dtype, used instead of recomputing
     z; lean: proj recomputed before d_proj instead of kept across the output side (a [P, 4H] buffer off the
-    peak, one GEMM more; DESIGN.md "Training"); saved_ab (with saved_z and lean): the forward's a/b planes
-    [2, B*H, N, >= N] in the operand dtype, read in place instead of the proj GEMM and gated_planes. saved: the
+    peak, one GEMM more; DESIGN.md "Training"); saved_ab (with saved_z): the forward's a/b planes
+    [2, B*H, N, >= N] in the operand dtype, read in place instead of gated_planes (and, lean, the first proj
+    GEMM). saved: the
     two as a list [saved_z, saved_ab] instead, which the call empties so that each is freed once used (the
     caller keeps no reference: _TrimulFunction's way)."""
     if saved is None:
@@ -1264,29 +1265,39 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
 
 
 # What the training forward keeps for its backward (ModelNew's backward_saves): "inputs" (pair_repr, the mask,
-# the parameters: the backward recomputes z) or "z" as well (the forward's z planes, B*H*N^2 operands, kept from
-# the forward to the backward: one N^3 product fewer). None: "z" from SAVE_Z_POSITIONS positions, where the N^3
-# products are most of the step, and in the fp32 modes ("high", "highest") above GRAPHED_BACKWARD_POSITIONS,
-# where the recomputed z is an fp32 or TF32 product on cuBLAS (at "highest" on the CUDA cores: ~5 ms at
-# (1,1024,128,128)) and the forward's comes from the tensor cores anyway (below, graphed backwards need no saved
-# tensor). The backward runs lean (proj recomputed, _runs_lean) where z is kept for memory: from
-# SAVE_Z_POSITIONS, or when the caller chose "z".
+# the parameters: the backward recomputes a/b and z) or "z" as well (the forward's z planes, B*H*N^2 operands,
+# and in the 16-bit modes its a/b planes, kept from the forward to the backward: one N^3 product and the a/b
+# recompute fewer). None: "z" on CUDA above GRAPHED_BACKWARD_POSITIONS (a graphed backward takes no saved
+# tensor, and its step is host time anyway): the buffers are the ones the backward would allocate for its
+# recompute, handed over and freed after their last use, so the step's peak stays the backward's own (the
+# d_proj pass), while the z product (at "highest" an fp32 one on the CUDA cores: ~5 ms at (1,1024,128,128)),
+# gated_planes and, lean, a proj GEMM are saved. The backward runs lean (proj recomputed, _runs_lean) where z is
+# kept for memory: from LEAN_BACKWARD_POSITIONS, or when the caller chose "z".
 BACKWARD_SAVES = ("inputs", "z")
-SAVE_Z_POSITIONS = 1 << 22
+LEAN_BACKWARD_POSITIONS = 1 << 22
 
 
-def _saves_z(choice: Optional[str], positions: int, mode: str, cuda: bool) -> bool:
-    """Whether the eager training forward keeps z (the backward_saves rule above)."""
+def _saves_z(choice: Optional[str], positions: int, cuda: bool, hooked: bool = False) -> bool:
+    """Whether the eager training forward keeps z (the backward_saves rule above). hooked: saved-tensor hooks are
+    active (torch.utils.checkpoint's first forward, save_on_cpu): the kept buffers live on the autograd context,
+    outside what such hooks see, so nothing is kept (under checkpointing the recompute keeps them, for the
+    backward that follows at once)."""
+    if hooked:
+        return False
     if choice is not None:
         return choice == "z"
-    if not cuda:
-        return False
-    return positions >= SAVE_Z_POSITIONS or (mode in ("high", "highest") and positions > GRAPHED_BACKWARD_POSITIONS)
+    return cuda and positions > GRAPHED_BACKWARD_POSITIONS
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks) are in effect now."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
 
 
 def _runs_lean(choice: Optional[str], positions: int) -> bool:
     """Whether a backward given the forward's z runs lean (the backward_saves rule above)."""
-    return choice == "z" or positions >= SAVE_Z_POSITIONS
+    return choice == "z" or positions >= LEAN_BACKWARD_POSITIONS
 
 
 # A 16-bit mode's CUDA backward calls of at most this many positions take fp32 operands and TF32 products (mode
@@ -1399,13 +1410,13 @@ def _python_dispatch_mode_active() -> bool:
     return _get_current_dispatch_mode() is not None
 
 
-def _saved_ab_planes(saved_ab, saved_z, lean, batch, n, hidden, dtype):
+def _saved_ab_planes(saved_ab, saved_z, batch, n, hidden, dtype):
     """The forward's a/b planes [2, B*H, N, >= N] as two [B*H, N, N] views (rows strided), checked as the C++ steps
     check them."""
-    if saved_z is None or not lean or saved_ab.dim() != 4 or tuple(saved_ab.shape[:3]) != (2, batch * hidden, n) or \
+    if saved_z is None or saved_ab.dim() != 4 or tuple(saved_ab.shape[:3]) != (2, batch * hidden, n) or \
             saved_ab.shape[3] < n or saved_ab.stride(3) != 1 or saved_ab.dtype != dtype:
         raise ValueError("trimul_inline: training_backward's saved a/b must be [2, B*H, N, >= N] in the operand "
-                         "dtype, with a saved z and lean")
+                         "dtype, with a saved z")
     return saved_ab[0, :, :, :n], saved_ab[1, :, :, :n]
 
 
@@ -1454,8 +1465,10 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     w_in_f, b_in_f = _folded(w_in, b_in, ln_in_w, ln_in_b)
     x_hat = inputs.input_rows(pair_rows, eps_in, dtype)
     if saved_ab is not None:
-        a_planes, b_planes = _saved_ab_planes(saved_ab, saved_z, lean, batch, n, hidden, dtype)
+        a_planes, b_planes = _saved_ab_planes(saved_ab, saved_z, batch, n, hidden, dtype)
         del saved_ab
+        if not lean:  # (for d_proj; lean makes it there)
+            proj = products.linear(x_hat, w_in_f, b_in_f)
     else:
         proj = products.linear(x_hat, w_in_f, b_in_f)
         a_planes, b_planes = inputs.gated_planes(proj, mask_rows, batch, n, incoming)
@@ -1568,7 +1581,7 @@ class _TrimulFunction(torch.autograd.Function):
         ctx.lean = lean
         out, ctx.z, ab = _trimul_forward(pair, mask, list(params), weights, kernels, mode, incoming, gate_normalized,
                                          eps_in, eps_out, keep_z=keep_z)
-        ctx.ab = ab if lean and ctx.z is not None else None  # (where z is kept for memory: proj is made once)
+        ctx.ab = ab if ctx.z is not None else None
         return out
 
     @staticmethod
@@ -1892,7 +1905,7 @@ class ModelNew(_TriMulLayers):
             params = _with_zero_biases(_param_list(self))
             return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values)
         positions = pair_repr.shape[0] * pair_repr.shape[1] * pair_repr.shape[2]
-        keep_z = _saves_z(self.backward_saves, positions, mode, pair_repr.is_cuda)
+        keep_z = _saves_z(self.backward_saves, positions, pair_repr.is_cuda, _saved_tensor_hooks_active())
         lean = _runs_lean(self.backward_saves, positions)
         try:
             return _TrimulFunction.apply(pair_repr, pair_mask, self._prepared_weights(mode), str(kernels), *values,

@@ -660,8 +660,8 @@ std::string role_kernel(const char* role, const std::string& chosen, const Passe
 // saved_z: the forward's z planes [B*H, N, >= N] in the operand dtype (not recomputed); lean: proj is not
 // kept across the output side and the contraction's backward (recomputed, the same GEMM, before d_proj, whose
 // d proj overwrites it): the step's peak loses the [P, 4H] proj buffer, one GEMM more. saved_ab: the forward's
-// a/b planes [2, B*H, N, >= N] in the operand dtype (with saved_z and lean): the proj GEMM and gated_planes of the
-// recompute are skipped, the products read the planes in place (rows strided). `saved` is None or the list
+// a/b planes [2, B*H, N, >= N] in the operand dtype (with saved_z): gated_planes (and, lean, the first proj GEMM)
+// of the recompute are skipped, the products read the planes in place (rows strided). `saved` is None or the list
 // [saved_z or None, saved_ab or None], which this call empties (once it knows it runs the backward), so that
 // each buffer is freed as soon as its last use is done rather than when the caller returns.
 std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::Tensor& pair, const at::Tensor& mask,
@@ -708,14 +708,15 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   inputs.run(P::input_rows, eps_in, {{"pair", pair_rows}, {"rows", x_hat}});
   at::Tensor proj, a_planes, b_planes;
   if (saved_ab.has_value()) {
-    TORCH_CHECK_VALUE(saved_z.has_value() && lean && saved_ab->dim() == 4 && saved_ab->size(0) == 2 &&
+    TORCH_CHECK_VALUE(saved_z.has_value() && saved_ab->dim() == 4 && saved_ab->size(0) == 2 &&
                           saved_ab->size(1) == batch * h && saved_ab->size(2) == n && saved_ab->size(3) >= n &&
                           saved_ab->stride(3) == 1 && saved_ab->scalar_type() == dtype,
                       "trimul_inline: training_backward's saved a/b must be [2, B*H, N, >= N] in the operand dtype, "
-                      "with a saved z and lean");
+                      "with a saved z");
     a_planes = saved_ab->select(0, 0).narrow(2, 0, n);
     b_planes = saved_ab->select(0, 1).narrow(2, 0, n);
     saved_ab.reset();  // (the two views hold it: freed with the later of them)
+    if (!lean) proj = linear(x_hat, w_in_f, b_in_f);  // (for d_proj; lean makes it there)
   } else {
     proj = linear(x_hat, w_in_f, b_in_f);
     a_planes = planes();
