@@ -1940,7 +1940,8 @@ def test_training_with_saved_z(precision, direction, n, monkeypatch):
 def test_checkpointed_training_keeps_nothing_in_its_first_forward(monkeypatch):
     """Under torch.utils.checkpoint (non-reentrant) the first forward keeps no z or a/b on the autograd context
     (its saved-tensor hooks would not see them: checkpointing would hold them anyway); the recompute inside the
-    backward keeps them, and the gradients equal the unchecked step's within the precision's reach."""
+    backward asks for them again (and drops them: the backward runs the first forward's nodes, which recompute
+    z); the gradients equal the unchecked step's within the precision's reach."""
     g = torch.Generator().manual_seed(fresh_seed())
     model = random_layers(ti.ModelNew(32, 24, gate_input="normalized"), g).cuda()
     pair, mask = random_inputs(2, 257, 32, g, dtype=torch.float32, device="cuda")  # (132098 positions)

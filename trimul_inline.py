@@ -1280,8 +1280,9 @@ LEAN_BACKWARD_POSITIONS = 1 << 22
 def _saves_z(choice: Optional[str], positions: int, cuda: bool, hooked: bool = False) -> bool:
     """Whether the eager training forward keeps z (the backward_saves rule above). hooked: saved-tensor hooks are
     active (torch.utils.checkpoint's first forward, save_on_cpu): the kept buffers live on the autograd context,
-    outside what such hooks see, so nothing is kept (under checkpointing the recompute keeps them, for the
-    backward that follows at once)."""
+    outside what such hooks see, so nothing is kept and the backward recomputes (a reentrant checkpoint's
+    recompute runs with no hooks and its backward uses what it keeps; a non-reentrant one's keeps them briefly,
+    unused: its backward runs the first forward's nodes)."""
     if hooked:
         return False
     if choice is not None:
