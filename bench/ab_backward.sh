@@ -2,7 +2,9 @@
 # bench/ab_backward.sh OUT DIFF...: one device call's A/B of backward-kernel patches (dev/*.diff): the per-kernel
 # profile of a training step at (1,1024,128,128), medium, with the kernels as committed, then with each patch
 # applied alone (only the files it touches rebuild), after the medium training tests on it; logs under OUT.
+# A+B (patches joined by '+') applies them together.
 #   bench/ab_backward.sh $OUT dev/backward_tile64.diff dev/d_proj_register_sums.diff
+#   bench/ab_backward.sh $OUT dev/a.diff dev/b.diff dev/a.diff+dev/b.diff
 set -uo pipefail
 out=${1:?usage: bench/ab_backward.sh OUT DIFF...}
 shift
@@ -12,9 +14,19 @@ profile() { timeout 60 python3 dev/backward_profile.py --shape 1,1024,128,128 --
   grep -v -i warn; }
 python3 trimul_inline.py build > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
 profile > "$out/committed.log"
-for diff in "$@"; do
-  name=$(basename "$diff" .diff)
-  git apply "$diff" 2>/dev/null || patch -p1 < "$diff" > /dev/null || { echo "$name: does not apply"; continue; }
+apply() { git apply "$1" 2>/dev/null || patch -p1 < "$1" > /dev/null; }
+revert() { git apply -R "$1" 2>/dev/null || patch -R -p1 < "$1" > /dev/null; }
+for spec in "$@"; do
+  IFS=+ read -r -a diffs <<< "$spec"
+  name=$(for d in "${diffs[@]}"; do basename "$d" .diff; done | paste -sd+)
+  applied=()
+  for diff in "${diffs[@]}"; do
+    apply "$diff" && applied+=("$diff") || { echo "$name: $diff does not apply"; break; }
+  done
+  if [ ${#applied[@]} -ne ${#diffs[@]} ]; then
+    for ((i = ${#applied[@]} - 1; i >= 0; i--)); do revert "${applied[i]}"; done
+    continue
+  fi
   if python3 trimul_inline.py build >> "$out/build.log" 2>&1; then
     timeout 120 python3 -m pytest -q test_trimul.py -k "training and (medium or bitwise)" > "$out/$name-tests.log" 2>&1
     echo "$name: $(tail -n 1 "$out/$name-tests.log")"
@@ -22,7 +34,7 @@ for diff in "$@"; do
   else
     echo "$name: does not build"
   fi
-  git apply -R "$diff" 2>/dev/null || patch -R -p1 < "$diff" > /dev/null
+  for ((i = ${#diffs[@]} - 1; i >= 0; i--)); do revert "${diffs[i]}"; done
 done
 for log in "$out"/*.log; do
   case $log in *-tests.log|*/build.log) continue ;; esac
