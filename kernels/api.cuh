@@ -267,11 +267,20 @@ struct KernelLibrary {
                               int size);
   cudaError_t (*run_backward)(int kernel, const BackwardArgs* args);
   uint32_t backward_args_bytes;
+  // The fp32 modes' F16x3Scale factors for a mask that is not bool (launch_mask_scales).
+  cudaError_t (*mask_scales)(const void* mask, MaskKind kind, int64_t count, const float* scales, float* out,
+                             unsigned int* work, cudaStream_t stream);
 };
+
+// out = the kF16x3Scales factors `scales` with max(1, max|mask|) folded in: its power of two at or above
+// (shift) divides kAbUp and shift^2 multiplies kZDown (|a| and |b| grow with the mask). One launch, no host
+// synchronisation; `work` is two words of device scratch (zeroed by the call, on `stream`).
+cudaError_t launch_mask_scales(const void* mask, MaskKind kind, int64_t count, const float* scales, float* out,
+                               unsigned int* work, cudaStream_t stream);
 
 // Changes whenever a struct above changes, so a library and an extension built from different
 // versions of this file refuse each other.
-constexpr uint32_t kKernelAbi = 5;
+constexpr uint32_t kKernelAbi = 6;
 
 }  // namespace trimul
 

@@ -289,14 +289,20 @@ struct Planned {
 
 // The fp32 modes' F16x3Scale factors for a mask that is not bool: |a| and |b| grow with max|mask| past 1, so
 // the contraction operands' scale 2^s_ab (kAbUp) drops, and its way back (kZDown) grows, by the power of two at
-// or above max(1, max|mask|). Computed on the device (no synchronisation), so every mask takes the scaled fp16
-// operands a bool mask does, at the same accuracy.
+// or above max(1, max|mask|). Computed on the device (no synchronisation, one launch: mask_bound.cu), so every
+// mask takes the scaled fp16 operands a bool mask does, at the same accuracy. (The result holds two words of the
+// kernel's scratch after the factors.)
 at::Tensor scales_for_mask(const at::Tensor& scales, const at::Tensor& mask) {
-  const at::Tensor bound = mask.abs().amax().to(at::kFloat).clamp_min(1.0);
-  const at::Tensor shift = at::exp2(at::ceil(at::log2(bound)));
-  at::Tensor out = scales.clone();
-  out.narrow(0, trimul::kAbUp, 1).div_(shift);
-  out.narrow(0, trimul::kZDown, 1).mul_(shift * shift);
+  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                        scales.numel() == trimul::kF16x3Scales,
+                    "trimul_inline: the prepared weights' f16x3 scales must be ", trimul::kF16x3Scales, " fp32 values");
+  const at::Tensor rows = mask.contiguous();
+  at::Tensor out = at::empty({trimul::kF16x3Scales + 2}, scales.options());  // (+2 words: the kernel's scratch)
+  float* factors = out.data_ptr<float>();
+  check_launch(library().mask_scales(rows.data_ptr(), mask_kind(rows), rows.numel(), scales.data_ptr<float>(),
+                                     factors, reinterpret_cast<unsigned int*>(factors + trimul::kF16x3Scales),
+                                     c10::cuda::getCurrentCUDAStream(mask.device().index()).stream()),
+               "the mask's bound (mask_scales)");
   return out;
 }
 

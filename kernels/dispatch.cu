@@ -447,6 +447,7 @@ Library build_library() {
   e.plan_backward = plan_backward;
   e.run_backward = run_backward;
   e.backward_args_bytes = sizeof(BackwardArgs);
+  e.mask_scales = launch_mask_scales;
   return lib;
 }
 
