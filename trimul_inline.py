@@ -1563,7 +1563,8 @@ def _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_n
     steps.output_pass(out, z=z, ab=ab)
     operand = _COMPUTE_DTYPE[_backward_mode(mode, pair)]
     whole_ab = ab.dtype == operand and ab.shape[1] == pair.shape[0] * hidden  # (not split parts, not scaled fp16)
-    return out, z if z is not None and z.dtype == operand else None, ab if whole_ab and operand != torch.float32 else None
+    kept_z = z if z is not None and z.dtype == operand else None
+    return out, kept_z, ab if whole_ab and operand != torch.float32 else None
 
 
 class _TrimulFunction(torch.autograd.Function):
@@ -2067,9 +2068,8 @@ class ModelNew(_TriMulLayers):
         operand = _chunk_operand(pair_repr.dtype, mode)
         with torch.no_grad(), torch.autocast(pair_repr.device.type, enabled=False), \
                 _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
-            params = [None if p is None else p.to(pair_repr.dtype) for p in _param_list(self)]
-            eps_in, eps_out = self.layer_norm_in.eps, self.layer_norm_out.eps
-            layer_norm = lambda x: torch.nn.functional.layer_norm(x, x.shape[-1:], params[0], params[1], eps_in)
+            params, layer_norm = _layers_in_dtype(self, pair_repr.dtype)
+            eps_out = self.layer_norm_out.eps
             steps = _sharded_steps(pair_repr, hidden)
             a_t, b_t = (pair_repr.new_empty((batch, hidden, rows, n), dtype=operand) for _ in range(2))
             for part in steps:
@@ -2159,6 +2159,19 @@ def _chunk_plan(pair: torch.Tensor, hidden: int, operand: torch.dtype, whole_byt
     return _ChunkPlan(rows, cols, fill)
 
 
+def _spans(size: int, start: int, stop: int) -> list:
+    """Consecutive slices of at most `size` covering start .. stop."""
+    return [slice(s, min(s + size, stop)) for s in range(start, stop, size)]
+
+
+def _layers_in_dtype(layers, dtype: torch.dtype):
+    """(the layers' parameters in `dtype`, _PARAM_PATHS order; LayerNorm_in with them): what the no-gradient
+    forwards built of PyTorch layers (chunked, sharded) run on."""
+    params = [None if p is None else p.to(dtype) for p in _param_list(layers)]
+    eps_in = layers.layer_norm_in.eps
+    return params, lambda rows: torch.nn.functional.layer_norm(rows, rows.shape[-1:], params[0], params[1], eps_in)
+
+
 def _gated_side(params, x, mask, side: int, operand: torch.dtype):
     """One side of the gated projection, proj(x) * sigmoid(gate(x)) * mask ([B, rows, cols, H]; side 0: a,
     1: b), in `operand`; in-place steps, so a chunk's peak is x plus two [.., H] tensors."""
@@ -2182,10 +2195,8 @@ def _chunked_update(layers, pair, mask, operand, mode, chunk_size, out, add):
     may be pair_repr itself: the update in place needs the whole side and the plan's temporaries (DESIGN.md)."""
     batch, n = pair.shape[:2]
     hidden, incoming = layers.hidden_dim, layers.direction == "incoming"
-    params = [None if p is None else p.to(pair.dtype) for p in _param_list(layers)]
-    eps_in, eps_out = layers.layer_norm_in.eps, layers.layer_norm_out.eps
-    layer_norm = lambda rows: torch.nn.functional.layer_norm(rows, rows.shape[-1:], params[0], params[1], eps_in)
-    spans = lambda size, start=0, stop=n: [slice(s, min(s + size, stop)) for s in range(start, stop, size)]
+    params, layer_norm = _layers_in_dtype(layers, pair.dtype)
+    eps_out = layers.layer_norm_out.eps
     def fill(planes, part, offset, side, from_columns, into_columns):
         """That side of pair_repr's rows (from_columns: columns) `part` into the planes [B, H, ., .]: into their
         rows part - offset, or their columns (into_columns)."""
@@ -2197,15 +2208,15 @@ def _chunked_update(layers, pair, mask, operand, mode, chunk_size, out, add):
 
     whole = pair.new_empty((batch, hidden, n, n), dtype=operand)
     plan = _chunk_plan(pair, hidden, operand, whole.numel() * whole.element_size(), chunk_size)
-    for part in spans(plan.fill):  # whole side from pair_repr's rows: b[j, k] (rows j), a[k, i] as plane[i, k]
+    for part in _spans(plan.fill, 0, n):  # whole side from pair_repr's rows: b[j, k] (rows j), a[k, i] as plane[i, k]
         fill(whole, part, 0, 0 if incoming else 1, False, incoming)
     out = torch.empty_like(pair, memory_format=torch.contiguous_format) if out is None else out
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
-        for chunk in spans(plan.rows):
+        for chunk in _spans(plan.rows, 0, n):
             side = pair.new_empty((batch, hidden, chunk.stop - chunk.start, n), dtype=operand)
-            for part in spans(plan.fill, chunk.start, chunk.stop):  # a[i, k] (rows i); b[k, j] (columns j)
+            for part in _spans(plan.fill, chunk.start, chunk.stop):  # a[i, k] (rows i); b[k, j] (columns j)
                 fill(side, part, chunk.start, 1 if incoming else 0, incoming, False)
-            for block in spans(plan.cols):
+            for block in _spans(plan.cols, 0, n):
                 if incoming:  # z[i, j] = sum_k a[k, i] b[k, j]: [B, H, block (i), chunk (j)]
                     z = torch.matmul(whole[:, :, block], side.transpose(-1, -2))
                     index = (slice(None), block, chunk)
@@ -2373,8 +2384,7 @@ def _sharded_steps(pair: torch.Tensor, hidden: int) -> list:
     batch, rows, n, c = pair.shape
     per_row = max(1, batch * n * (4 * c + 8 * hidden) * pair.element_size())
     side_bytes = batch * rows * n * hidden * pair.element_size()
-    step = max(1, min(rows, max(side_bytes // 8, SHARDED_STEP_MIN_BYTES) // per_row))
-    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+    return _spans(max(1, min(rows, max(side_bytes // 8, SHARDED_STEP_MIN_BYTES) // per_row)), 0, rows)
 
 
 class _ShardedContraction(torch.autograd.Function):

@@ -808,7 +808,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     in[3] = in[3] + gate[3];
   }
   const std::vector<at::Tensor> d_w_in = in[0].chunk(4), d_b_in = in[1].chunk(4);
-  std::vector<at::Tensor> grads{in_type(d_pair.view(pair.sizes()), pair.scalar_type()),
+  std::vector<at::Tensor> grads{d_pair.view(pair.sizes()),  // (the pass wrote pair's dtype)
                                 mask_grad ? in_type(d_mask.view(mask.sizes()), mask.is_floating_point() ? mask.scalar_type() : acc)
                                           : at::Tensor()};
   const at::Tensor d_params[16] = {in[2],     in[3],     d_w_in[0], d_b_in[0], d_w_in[1], d_b_in[1], d_w_in[2], d_b_in[2],
