@@ -1939,9 +1939,10 @@ def test_training_with_saved_z(precision, direction, n, monkeypatch):
 @cuda
 def test_checkpointed_training_keeps_nothing_in_its_first_forward(monkeypatch):
     """Under torch.utils.checkpoint (non-reentrant) the first forward keeps no z or a/b on the autograd context
-    (its saved-tensor hooks would not see them: checkpointing would hold them anyway); the recompute inside the
-    backward asks for them again (and drops them: the backward runs the first forward's nodes, which recompute
-    z); the gradients equal the unchecked step's within the precision's reach."""
+    (its saved-tensor hooks would not see them: checkpointing would hold them anyway); nor does the recompute
+    inside the backward (it runs under checkpoint's recomputation hooks, and its autograd context is dropped:
+    the backward runs the first forward's nodes, which recompute z); the gradients equal the unchecked step's
+    within the precision's reach."""
     g = torch.Generator().manual_seed(fresh_seed())
     model = random_layers(ti.ModelNew(32, 24, gate_input="normalized"), g).cuda()
     pair, mask = random_inputs(2, 257, 32, g, dtype=torch.float32, device="cuda")  # (132098 positions)
@@ -1955,7 +1956,7 @@ def test_checkpointed_training_keeps_nothing_in_its_first_forward(monkeypatch):
             model(leaf, mask)
         out.square().mean().backward()
         grads.append(leaf.grad)
-    assert kept == [True, False, True]  # (plain forward; checkpoint's first forward; its recompute)
+    assert kept == [True, False, False]  # (plain forward; checkpoint's first forward; its recompute)
     assert rel_error(grads[1], grads[0]) < 1e-2
 
 
@@ -2256,7 +2257,7 @@ def test_eager_training_function_equals_the_op(direction, mask_dtype):
     weights = ti.prepare_weights(params, "bf16")
     runs = []
     for fn in (lambda p, m: ti.trimul(p, m, params, weights, *options),
-               lambda p, m: ti._TrimulFunction.apply(p, m, weights, *options, False, *params)):
+               lambda p, m: ti._TrimulFunction.apply(p, m, weights, *options, False, False, *params)):
         runs.append(_gradients(fn, pair, mask, grad_out, params=dict(model.named_parameters())))
     assert torch.equal(runs[0][0], runs[1][0])
     for name in runs[0][1]:
@@ -2474,12 +2475,15 @@ def test_backward_saves_rule():
     """None keeps z (and a/b) on CUDA past the graphed backward's sizes; lean from LEAN_BACKWARD_POSITIONS or when
     the caller chose "z"."""
     graphed, large = ti.GRAPHED_BACKWARD_POSITIONS, ti.LEAN_BACKWARD_POSITIONS
-    assert ti._saves_z("z", 1, False) and not ti._saves_z("inputs", large, True)
-    assert not ti._saves_z(None, large, False)
-    assert ti._saves_z(None, graphed + 1, True) and not ti._saves_z(None, graphed, True)
+    assert ti._saves_z("z", 1, 128, False) and not ti._saves_z("inputs", large, 128, True)
+    assert not ti._saves_z(None, large, 128, False)
+    assert ti._saves_z(None, graphed + 1, 128, True) and not ti._saves_z(None, graphed, 128, True)
+    assert ti._saves_z(None, graphed, 384, True)  # (past GRAPHED_BACKWARD_ELEMENTS: not graphed, z kept)
+    assert ti._graphs_backward(graphed, 128) and not ti._graphs_backward(graphed, 384)
     assert ti._runs_lean("z", 1) and ti._runs_lean(None, large) and not ti._runs_lean(None, large - 1)
     assert not ti._runs_lean("inputs", large - 1)
-    assert not ti._saves_z(None, large, True, hooked=True) and not ti._saves_z("z", large, True, hooked=True)
+    assert not ti._saves_z(None, large, 128, True, hooked=True) and \
+        not ti._saves_z("z", large, 128, True, hooked=True)
     assert not ti._saved_tensor_hooks_active()
     with torch.autograd.graph.save_on_cpu():
         assert ti._saved_tensor_hooks_active()

@@ -1229,7 +1229,8 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
     parameters' (_PARAM_PATHS order)], each in its tensor's dtype. Any device; CUDA in the op. host: "auto" runs
     a CUDA call whose backward roles are library kernels in one extension call (the same steps in C++: the
     host time of a small step), replayed from a CUDA graph (_BackwardGraphs) for problems of at most
-    GRAPHED_BACKWARD_POSITIONS positions; "call" always the one extension call; "graph" a graph at any size;
+    GRAPHED_BACKWARD_POSITIONS positions of at most GRAPHED_BACKWARD_ELEMENTS pair elements (_graphs_backward);
+    "call" always the one extension call; "graph" a graph at any size;
     "python" always here step by step. A 16-bit mode's small CUDA call multiplies in TF32 (_backward_mode).
     saved_z: the forward's z planes [B*H, N, >= N] in the backward's operand dtype, used instead of recomputing
     z; lean: proj recomputed before d_proj instead of kept across the output side (a [P, 4H] buffer off the
@@ -1247,7 +1248,7 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
                 kernels.contract_backward in (None, "bmm"):  # (the C++ steps' contraction backward)
             positions = pair.shape[0] * pair.shape[1] * pair.shape[2]
             graphed = all(t is None for t in saved) and not lean and \
-                (host == "graph" or (host == "auto" and positions <= GRAPHED_BACKWARD_POSITIONS))
+                (host == "graph" or (host == "auto" and _graphs_backward(positions, pair.shape[3])))
             call = (grad_out, pair, mask, params, kernels.output_backward or "", kernels.input_backward or "",
                     _COMPUTE_DTYPE[mode] == torch.float32, incoming, gate_normalized, eps_in, eps_out, mask_grad,
                     None if graphed else saved, lean)
@@ -1267,7 +1268,7 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
 # What the training forward keeps for its backward (ModelNew's backward_saves): "inputs" (pair_repr, the mask,
 # the parameters: the backward recomputes a/b and z) or "z" as well (the forward's z planes, B*H*N^2 operands,
 # and in the 16-bit modes its a/b planes, kept from the forward to the backward: one N^3 product and the a/b
-# recompute fewer). None: "z" on CUDA above GRAPHED_BACKWARD_POSITIONS (a graphed backward takes no saved
+# recompute fewer). None: "z" on CUDA past the graphed sizes (_graphs_backward: a graphed backward takes no saved
 # tensor, and its step is host time anyway): the buffers are the ones the backward would allocate for its
 # recompute, handed over and freed after their last use, so the step's peak stays the backward's own (the
 # d_proj pass), while the z product (at "highest" an fp32 one on the CUDA cores: ~5 ms at (1,1024,128,128)),
@@ -1277,7 +1278,7 @@ BACKWARD_SAVES = ("inputs", "z")
 LEAN_BACKWARD_POSITIONS = 1 << 22
 
 
-def _saves_z(choice: Optional[str], positions: int, cuda: bool, hooked: bool = False) -> bool:
+def _saves_z(choice: Optional[str], positions: int, channels: int, cuda: bool, hooked: bool = False) -> bool:
     """Whether the eager training forward keeps z (the backward_saves rule above). hooked: saved-tensor hooks are
     active (torch.utils.checkpoint's first forward, save_on_cpu): the kept buffers live on the autograd context,
     outside what such hooks see, so nothing is kept and the backward recomputes (a reentrant checkpoint's
@@ -1287,7 +1288,7 @@ def _saves_z(choice: Optional[str], positions: int, cuda: bool, hooked: bool = F
         return False
     if choice is not None:
         return choice == "z"
-    return cuda and positions > GRAPHED_BACKWARD_POSITIONS
+    return cuda and not _graphs_backward(positions, channels)
 
 
 def _saved_tensor_hooks_active() -> bool:
@@ -1315,12 +1316,19 @@ def _backward_mode(mode: str, pair: torch.Tensor) -> str:
     return "high" if pair.is_cuda and small and mode in ("bf16", "f16") else mode
 
 
-# Backward calls of at most this many positions replay a CUDA graph: their time is mostly host time (~50 ATen
-# calls in the one-call backward, ~1.4 ms on the H200's host, against ~1.3 ms of CUDA time at (2,256,128,128)).
-# The graph's memory pool keeps one backward's intermediates between calls (about 0.4 GiB at (2,256,128,128),
-# shared by every layer of that shape; bench.py --backward reports it as held memory); past this size the CUDA
-# time dominates and the held memory grows with it.
+# Backward calls of at most this many positions, and of at most this many pair elements (B*N^2*C), replay a CUDA
+# graph: their time is mostly host time (~50 ATen calls in the one-call backward, ~1.4 ms on the H200's host,
+# against ~1.3 ms of CUDA time at (2,256,128,128)). The graph's memory pool keeps one backward's intermediates
+# between calls (~0.7 GiB at (2,256,128,128), shared by every layer of that shape; bench.py --backward reports it
+# as held memory); past these sizes the CUDA time dominates, and the copies of pair and grad_out into the graph's
+# inputs and of d pair out cost more than the host time saved (pair_dim 384 at 131072 positions: a slower step).
 GRAPHED_BACKWARD_POSITIONS = 1 << 17
+GRAPHED_BACKWARD_ELEMENTS = 1 << 24
+
+
+def _graphs_backward(positions: int, channels: int) -> bool:
+    """Whether an "auto" CUDA backward of `positions` positions of `channels` pair channels replays a graph."""
+    return positions <= GRAPHED_BACKWARD_POSITIONS and positions * channels <= GRAPHED_BACKWARD_ELEMENTS
 
 
 class _BackwardGraphs:
@@ -1907,7 +1915,8 @@ class ModelNew(_TriMulLayers):
             params = _with_zero_biases(_param_list(self))
             return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values)
         positions = pair_repr.shape[0] * pair_repr.shape[1] * pair_repr.shape[2]
-        keep_z = _saves_z(self.backward_saves, positions, pair_repr.is_cuda, _saved_tensor_hooks_active())
+        keep_z = _saves_z(self.backward_saves, positions, pair_repr.shape[3], pair_repr.is_cuda,
+                          _saved_tensor_hooks_active())
         lean = _runs_lean(self.backward_saves, positions)
         try:
             return _TrimulFunction.apply(pair_repr, pair_mask, self._prepared_weights(mode), str(kernels), *values,

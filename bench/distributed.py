@@ -105,6 +105,8 @@ def bandwidth(device, megabytes=256):
     """GB/s of a send from rank 0 to rank 1 (one direction), timed on rank 1."""
     if dist.get_world_size() < 2:
         return None
+    if dist.get_backend() == "gloo":  # (gloo's point-to-point calls take CPU tensors only: its TCP rate)
+        device = torch.device("cpu")
     buffer = torch.empty(megabytes << 18, dtype=torch.float32, device=device)
     clock = Clock(device)
     rank = dist.get_rank()
@@ -136,6 +138,7 @@ def bench_shape(shape, args, device):
         base = torch.cuda.memory_allocated()
     with torch.no_grad():
         forward = timed(clock, lambda: model(pair, mask), args.reps)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else None
     contraction, products, transfers = contraction_parts(ring, batch, n, hidden, dtype, device, incoming)
     with torch.no_grad():
         result = {"rank": rank, "rows": len(rows), "forward": forward,
@@ -145,8 +148,7 @@ def bench_shape(shape, args, device):
     moving = result["transfers"]["median_ms"]
     overlap = result["products"]["median_ms"] + moving - result["contraction"]["median_ms"]
     result["hidden_share"] = min(1.0, max(0.0, overlap / moving)) if moving > 0 else float("nan")
-    if device.type == "cuda":
-        result["peak_mib_forward"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    result["peak_mib_forward"] = peak  # (the forward's alone: the parts below allocate planes of their own)
     if args.backward:
         leaf = pair.clone().requires_grad_()
 

@@ -129,9 +129,35 @@ __device__ __forceinline__ int64_t plane_index(const Tile& t, int64_t h, int q, 
 }
 
 // Copies tile values between planes and shared memory [h][kTileStride] (fp32), all threads of the block.
-template <typename T>
+// kVectorRead (a pass that reads one set of planes and little else: z_rows): whole tiles of rows whose length is
+// a multiple of 4 load 4 adjacent positions per lane, four loads in flight per thread before any is stored, so a
+// warp reads 4 channels' rows per instruction (scalar loads keep too few bytes in flight: such a pass reads at a
+// third of the bandwidth); the tile's stores stay conflict-free. d_proj, which reads two sets of planes and
+// holds more registers, ran slower with it (bench/NOTES.md): scalar there.
+template <bool kVectorRead = false, typename T>
 __device__ __forceinline__ void planes_to_tile(const T* planes, float* tile, const Tile& t, int64_t n,
                                                int64_t hidden) {
+  constexpr int kVector = 4, kLanesPerRow = kTile / kVector, kRowsPerPass = kThreads / kLanesPerRow, kBatch = 4;
+  if (kVectorRead && t.count == kTile && n % kVector == 0) {
+    const int q = static_cast<int>(threadIdx.x % kLanesPerRow) * kVector;
+    for (int64_t h0 = threadIdx.x / kLanesPerRow; h0 < hidden; h0 += kBatch * kRowsPerPass) {
+      float v[kBatch][kVector];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int64_t h = h0 + u * kRowsPerPass;
+        if (h < hidden) load_pack<kVector>(planes + plane_index(t, h, q, n, hidden), v[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int64_t h = h0 + u * kRowsPerPass;
+        if (h < hidden) {
+#pragma unroll
+          for (int j = 0; j < kVector; ++j) tile[h * kTileStride + q + j] = v[u][j];
+        }
+      }
+    }
+    return;
+  }
   for (int64_t i = threadIdx.x; i < hidden * kTile; i += kThreads) {
     const int64_t h = i / kTile;
     const int q = static_cast<int>(i % kTile);

@@ -14,7 +14,7 @@ __global__ void __launch_bounds__(kThreads) z_rows_kernel(const BackwardArgs arg
   extern __shared__ float tile[];
   const Tile t = tile_at(blockIdx.x, args.n);
   const int64_t hidden = args.h;
-  planes_to_tile(static_cast<const T*>(args.a_planes), tile, t, args.n, hidden);
+  planes_to_tile<true>(static_cast<const T*>(args.a_planes), tile, t, args.n, hidden);
   __syncthreads();
   const int lane = threadIdx.x % 32;
   T* __restrict__ rows = static_cast<T*>(args.rows);
