@@ -2402,8 +2402,8 @@ class _ShardedContraction(torch.autograd.Function):
     ring. Incoming: z[i, j] = sum_k a[k, i] b[k, j]: a's column blocks by one all-to-all (each rank then holds
     a[:, its rows]), then b's row blocks round the ring with z accumulated. Backward: the same rings; the
     gradient of a travelling operand (b) is the sum over ranks of each rank's share, reduced round the ring to
-    its owner (never a local slice). Outgoing's z blocks run on the contraction kernels (_block_product);
-    incoming's partial sums over k and the backward's products add in place through cuBLAS (_add_product_)."""
+    its owner (never a local slice). Outgoing's z blocks run on the contraction kernels (_block_product), a
+    quarter of the hidden channels at a time (the product's temporary a quarter of a block); incoming's partial sums over k and the backward's products add in place through cuBLAS (_add_product_)."""
 
     @staticmethod
     def forward(ctx, a_t, b_t, ring, incoming):
@@ -2422,8 +2422,9 @@ class _ShardedContraction(torch.autograd.Function):
         else:
             z = a_t.new_empty(a_t.shape[:3] + (sum(ring.counts),))
 
-            def product(block, s):
-                z[..., columns[s]] = _block_product(a_t, block)
+            def product(block, s):  # (a quarter of the hidden channels at a time: the block's temporary)
+                for part in _spans(max(1, -(-a_t.shape[1] // 4)), 0, a_t.shape[1]):
+                    z[:, part, :, columns[s]] = _block_product(a_t[:, part], block[:, part])
         _ring_products(ring, b_t, product, 2)
         if incoming and not received:
             received.update(enumerate(arrival()))
