@@ -1282,8 +1282,8 @@ def _saves_z(choice: Optional[str], positions: int, channels: int, cuda: bool, h
     """Whether the eager training forward keeps z (the backward_saves rule above). hooked: saved-tensor hooks are
     active (torch.utils.checkpoint's first forward, save_on_cpu): the kept buffers live on the autograd context,
     outside what such hooks see, so nothing is kept and the backward recomputes (a reentrant checkpoint's
-    recompute runs with no hooks and its backward uses what it keeps; a non-reentrant one's keeps them briefly,
-    unused: its backward runs the first forward's nodes)."""
+    recompute runs with no hooks and its backward uses what it keeps; a non-reentrant one's recompute runs under
+    checkpoint's own hooks and keeps nothing either, as its backward runs the first forward's nodes)."""
     if hooked:
         return False
     if choice is not None:
