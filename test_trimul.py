@@ -2475,15 +2475,15 @@ def test_backward_saves_rule():
     """None keeps z (and a/b) on CUDA past the graphed backward's sizes; lean from LEAN_BACKWARD_POSITIONS or when
     the caller chose "z"."""
     graphed, large = ti.GRAPHED_BACKWARD_POSITIONS, ti.LEAN_BACKWARD_POSITIONS
-    assert ti._saves_z("z", 1, 128, False) and not ti._saves_z("inputs", large, 128, True)
-    assert not ti._saves_z(None, large, 128, False)
-    assert ti._saves_z(None, graphed + 1, 128, True) and not ti._saves_z(None, graphed, 128, True)
-    assert ti._saves_z(None, graphed, 384, True)  # (past GRAPHED_BACKWARD_ELEMENTS: not graphed, z kept)
-    assert ti._graphs_backward(graphed, 128) and not ti._graphs_backward(graphed, 384)
+    assert ti._saves_z("z", True, False) and not ti._saves_z("inputs", False, True)
+    assert not ti._saves_z(None, False, False)
+    assert ti._saves_z(None, False, True) and not ti._saves_z(None, True, True)
+    assert ti._graphs_backward(graphed, 128, 2) and not ti._graphs_backward(graphed + 1, 128, 2)
+    assert not ti._graphs_backward(graphed, 384, 2) and not ti._graphs_backward(graphed, 128, 4)  # (the bytes)
+    assert ti._graphs_backward(16 * 32 * 32, 64, 4)  # (the seeds, fp32 operands)
     assert ti._runs_lean("z", 1) and ti._runs_lean(None, large) and not ti._runs_lean(None, large - 1)
     assert not ti._runs_lean("inputs", large - 1)
-    assert not ti._saves_z(None, large, 128, True, hooked=True) and \
-        not ti._saves_z("z", large, 128, True, hooked=True)
+    assert not ti._saves_z(None, False, True, hooked=True) and not ti._saves_z("z", False, True, hooked=True)
     assert not ti._saved_tensor_hooks_active()
     with torch.autograd.graph.save_on_cpu():
         assert ti._saved_tensor_hooks_active()

@@ -1229,7 +1229,7 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
     parameters' (_PARAM_PATHS order)], each in its tensor's dtype. Any device; CUDA in the op. host: "auto" runs
     a CUDA call whose backward roles are library kernels in one extension call (the same steps in C++: the
     host time of a small step), replayed from a CUDA graph (_BackwardGraphs) for problems of at most
-    GRAPHED_BACKWARD_POSITIONS positions of at most GRAPHED_BACKWARD_ELEMENTS pair elements (_graphs_backward);
+    GRAPHED_BACKWARD_POSITIONS positions and GRAPHED_BACKWARD_BYTES of pair-sized operands (_graphs_backward);
     "call" always the one extension call; "graph" a graph at any size;
     "python" always here step by step. A 16-bit mode's small CUDA call multiplies in TF32 (_backward_mode).
     saved_z: the forward's z planes [B*H, N, >= N] in the backward's operand dtype, used instead of recomputing
@@ -1248,7 +1248,8 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
                 kernels.contract_backward in (None, "bmm"):  # (the C++ steps' contraction backward)
             positions = pair.shape[0] * pair.shape[1] * pair.shape[2]
             graphed = all(t is None for t in saved) and not lean and \
-                (host == "graph" or (host == "auto" and _graphs_backward(positions, pair.shape[3])))
+                (host == "graph" or (host == "auto" and
+                                     _graphs_backward(positions, pair.shape[3], _COMPUTE_DTYPE[mode].itemsize)))
             call = (grad_out, pair, mask, params, kernels.output_backward or "", kernels.input_backward or "",
                     _COMPUTE_DTYPE[mode] == torch.float32, incoming, gate_normalized, eps_in, eps_out, mask_grad,
                     None if graphed else saved, lean)
@@ -1278,8 +1279,9 @@ BACKWARD_SAVES = ("inputs", "z")
 LEAN_BACKWARD_POSITIONS = 1 << 22
 
 
-def _saves_z(choice: Optional[str], positions: int, channels: int, cuda: bool, hooked: bool = False) -> bool:
-    """Whether the eager training forward keeps z (the backward_saves rule above). hooked: saved-tensor hooks are
+def _saves_z(choice: Optional[str], graphed: bool, cuda: bool, hooked: bool = False) -> bool:
+    """Whether the eager training forward keeps z (the backward_saves rule above); graphed: its backward would replay
+    a graph (_graphs_backward). hooked: saved-tensor hooks are
     active (torch.utils.checkpoint's first forward, save_on_cpu): the kept buffers live on the autograd context,
     outside what such hooks see, so nothing is kept and the backward recomputes (a reentrant checkpoint's
     recompute runs with no hooks and its backward uses what it keeps; a non-reentrant one's recompute runs under
@@ -1288,7 +1290,7 @@ def _saves_z(choice: Optional[str], positions: int, channels: int, cuda: bool, h
         return False
     if choice is not None:
         return choice == "z"
-    return cuda and not _graphs_backward(positions, channels)
+    return cuda and not graphed
 
 
 def _saved_tensor_hooks_active() -> bool:
@@ -1322,13 +1324,16 @@ def _backward_mode(mode: str, pair: torch.Tensor) -> str:
 # between calls (~0.7 GiB at (2,256,128,128), shared by every layer of that shape; bench.py --backward reports it
 # as held memory); past these sizes the CUDA time dominates, and the copies of pair and grad_out into the graph's
 # inputs and of d pair out cost more than the host time saved (pair_dim 384 at 131072 positions: a slower step).
+# The bytes count the backward's operands (B*N^2*C of them): fp32 operands ("high", "highest") take twice the CUDA
+# time per position and hold twice the pool, so they stop graphing at half the positions' channels.
 GRAPHED_BACKWARD_POSITIONS = 1 << 17
-GRAPHED_BACKWARD_ELEMENTS = 1 << 24
+GRAPHED_BACKWARD_BYTES = 1 << 25
 
 
-def _graphs_backward(positions: int, channels: int) -> bool:
-    """Whether an "auto" CUDA backward of `positions` positions of `channels` pair channels replays a graph."""
-    return positions <= GRAPHED_BACKWARD_POSITIONS and positions * channels <= GRAPHED_BACKWARD_ELEMENTS
+def _graphs_backward(positions: int, channels: int, operand_bytes: int) -> bool:
+    """Whether an "auto" CUDA backward of `positions` positions of `channels` pair channels, its operands of
+    `operand_bytes` each, replays a graph."""
+    return positions <= GRAPHED_BACKWARD_POSITIONS and positions * channels * operand_bytes <= GRAPHED_BACKWARD_BYTES
 
 
 class _BackwardGraphs:
@@ -1915,8 +1920,9 @@ class ModelNew(_TriMulLayers):
             params = _with_zero_biases(_param_list(self))
             return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values)
         positions = pair_repr.shape[0] * pair_repr.shape[1] * pair_repr.shape[2]
-        keep_z = _saves_z(self.backward_saves, positions, pair_repr.shape[3], pair_repr.is_cuda,
-                          _saved_tensor_hooks_active())
+        operand_bytes = _COMPUTE_DTYPE[_backward_mode(mode, pair_repr)].itemsize
+        keep_z = _saves_z(self.backward_saves, _graphs_backward(positions, pair_repr.shape[3], operand_bytes),
+                          pair_repr.is_cuda, _saved_tensor_hooks_active())
         lean = _runs_lean(self.backward_saves, positions)
         try:
             return _TrimulFunction.apply(pair_repr, pair_mask, self._prepared_weights(mode), str(kernels), *values,
