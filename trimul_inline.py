@@ -2409,7 +2409,8 @@ class _ShardedContraction(torch.autograd.Function):
     a[:, its rows]), then b's row blocks round the ring with z accumulated. Backward: the same rings; the
     gradient of a travelling operand (b) is the sum over ranks of each rank's share, reduced round the ring to
     its owner (never a local slice). Outgoing's z blocks run on the contraction kernels (_block_product), a
-    quarter of the hidden channels at a time (the product's temporary a quarter of a block); incoming's partial sums over k and the backward's products add in place through cuBLAS (_add_product_)."""
+    quarter of the hidden channels at a time (the product's temporary a quarter of a block); incoming's partial
+    sums over k and the backward's products add in place through cuBLAS (_add_product_)."""
 
     @staticmethod
     def forward(ctx, a_t, b_t, ring, incoming):
