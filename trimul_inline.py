@@ -1230,15 +1230,14 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
     a CUDA call whose backward roles are library kernels in one extension call (the same steps in C++: the
     host time of a small step), replayed from a CUDA graph (_BackwardGraphs) for problems of at most
     GRAPHED_BACKWARD_POSITIONS positions and GRAPHED_BACKWARD_BYTES of pair-sized operands (_graphs_backward);
-    "call" always the one extension call; "graph" a graph at any size;
-    "python" always here step by step. A 16-bit mode's small CUDA call multiplies in TF32 (_backward_mode).
-    saved_z: the forward's z planes [B*H, N, >= N] in the backward's operand dtype, used instead of recomputing
-    z; lean: proj recomputed before d_proj instead of kept across the output side (a [P, 4H] buffer off the
-    peak, one GEMM more; DESIGN.md "Training"); saved_ab (with saved_z): the forward's a/b planes
-    [2, B*H, N, >= N] in the operand dtype, read in place instead of gated_planes (and, lean, the first proj
-    GEMM). saved: the
-    two as a list [saved_z, saved_ab] instead, which the call empties so that each is freed once used (the
-    caller keeps no reference: _TrimulFunction's way)."""
+    "call" always the one extension call; "graph" a graph at any size; "python" always here step by step. A
+    16-bit mode's small CUDA call multiplies in TF32 (_backward_mode). saved_z: the forward's z planes
+    [B*H, N, >= N] in the backward's operand dtype, used instead of recomputing z; lean: proj recomputed before
+    d_proj instead of kept across the output side (a [P, 4H] buffer off the peak, one GEMM more; DESIGN.md
+    "Training"); saved_ab (with saved_z): the forward's a/b planes [2, B*H, N, >= N] in the operand dtype, read
+    in place instead of gated_planes (and, lean, the first proj GEMM). saved: the two as a list
+    [saved_z, saved_ab] instead, which the call empties so that each is freed once used (the caller keeps no
+    reference: _TrimulFunction's way)."""
     if saved is None:
         saved = [saved_z, saved_ab]
     del saved_z, saved_ab
@@ -1246,10 +1245,8 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
         if pair.is_cuda and pair.dtype != torch.float64 and host != "python" and \
                 kernels.contract_backward in (None, "bmm"):  # (the C++ steps' contraction backward)
-            positions = pair.shape[0] * pair.shape[1] * pair.shape[2]
             graphed = all(t is None for t in saved) and not lean and \
-                (host == "graph" or (host == "auto" and
-                                     _graphs_backward(positions, pair.shape[3], _COMPUTE_DTYPE[mode].itemsize)))
+                (host == "graph" or (host == "auto" and _graphs_backward(pair, mode)))
             call = (grad_out, pair, mask, params, kernels.output_backward or "", kernels.input_backward or "",
                     _COMPUTE_DTYPE[mode] == torch.float32, incoming, gate_normalized, eps_in, eps_out, mask_grad,
                     None if graphed else saved, lean)
@@ -1272,8 +1269,8 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
 # recompute fewer). None: "z" on CUDA past the graphed sizes (_graphs_backward: a graphed backward takes no saved
 # tensor, and its step is host time anyway): the buffers are the ones the backward would allocate for its
 # recompute, handed over and freed after their last use, so the step's peak stays the backward's own (the
-# d_proj pass), while the z product (at "highest" an fp32 one on the CUDA cores: ~5 ms at (1,1024,128,128)),
-# gated_planes and, lean, a proj GEMM are saved. The backward runs lean (proj recomputed, _runs_lean) where z is
+# d_proj pass), while the z product (at "highest" an fp32 one on the CUDA cores), gated_planes and, lean, a proj
+# GEMM are saved. The backward runs lean (proj recomputed, _runs_lean) where z is
 # kept for memory: from LEAN_BACKWARD_POSITIONS, or when the caller chose "z".
 BACKWARD_SAVES = ("inputs", "z")
 LEAN_BACKWARD_POSITIONS = 1 << 22
@@ -1311,6 +1308,11 @@ def _runs_lean(choice: Optional[str], positions: int) -> bool:
 TF32_BACKWARD_POSITIONS = 1 << 14
 
 
+def _backward_dtype(mode: str, pair: torch.Tensor) -> torch.dtype:
+    """The backward's operand dtype for the forward's mode (_backward_mode's, as _COMPUTE_DTYPE maps it)."""
+    return _COMPUTE_DTYPE[_backward_mode(mode, pair)]
+
+
 def _backward_mode(mode: str, pair: torch.Tensor) -> str:
     """The mode the backward computes in: "high" for a 16-bit mode's CUDA call of at most TF32_BACKWARD_POSITIONS
     positions, else the forward's."""
@@ -1318,22 +1320,23 @@ def _backward_mode(mode: str, pair: torch.Tensor) -> str:
     return "high" if pair.is_cuda and small and mode in ("bf16", "f16") else mode
 
 
-# Backward calls of at most this many positions, and of at most this many pair elements (B*N^2*C), replay a CUDA
-# graph: their time is mostly host time (~50 ATen calls in the one-call backward, ~1.4 ms on the H200's host,
-# against ~1.3 ms of CUDA time at (2,256,128,128)). The graph's memory pool keeps one backward's intermediates
-# between calls (~0.7 GiB at (2,256,128,128), shared by every layer of that shape; bench.py --backward reports it
-# as held memory); past these sizes the CUDA time dominates, and the copies of pair and grad_out into the graph's
-# inputs and of d pair out cost more than the host time saved (pair_dim 384 at 131072 positions: a slower step).
-# The bytes count the backward's operands (B*N^2*C of them): fp32 operands ("high", "highest") take twice the CUDA
-# time per position and hold twice the pool, so they stop graphing at half the positions' channels.
+# Backward calls of at most this many positions, and of at most this many bytes of pair-sized operands
+# (B*N^2*C in the backward's operand dtype), replay a CUDA graph: their time is mostly the host's (~50 ATen calls
+# in the one-call backward). The graph's memory pool keeps one backward's intermediates between calls, shared by
+# every layer of that shape (bench.py --backward reports it as held memory; sizes in bench/NOTES.md); past these
+# sizes the CUDA time dominates, and the copies of pair and grad_out into the graph's inputs and of d pair out
+# cost more than the host time saved. fp32 operands ("high", "highest") take twice the CUDA time per position and
+# hold twice the pool, so they stop graphing at half the channels.
 GRAPHED_BACKWARD_POSITIONS = 1 << 17
 GRAPHED_BACKWARD_BYTES = 1 << 25
 
 
-def _graphs_backward(positions: int, channels: int, operand_bytes: int) -> bool:
-    """Whether an "auto" CUDA backward of `positions` positions of `channels` pair channels, its operands of
-    `operand_bytes` each, replays a graph."""
-    return positions <= GRAPHED_BACKWARD_POSITIONS and positions * channels * operand_bytes <= GRAPHED_BACKWARD_BYTES
+def _graphs_backward(pair: torch.Tensor, mode: str) -> bool:
+    """Whether an "auto" CUDA backward of this pair, its forward in `mode`, replays a graph."""
+    positions = pair.shape[0] * pair.shape[1] * pair.shape[2]
+    operand_bytes = _backward_dtype(mode, pair).itemsize
+    return positions <= GRAPHED_BACKWARD_POSITIONS and positions * pair.shape[3] * operand_bytes <= \
+        GRAPHED_BACKWARD_BYTES
 
 
 class _BackwardGraphs:
@@ -1574,7 +1577,7 @@ def _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_n
     steps.input_pass(ab)
     steps.contraction(ab, z)
     steps.output_pass(out, z=z, ab=ab)
-    operand = _COMPUTE_DTYPE[_backward_mode(mode, pair)]
+    operand = _backward_dtype(mode, pair)
     whole_ab = ab.dtype == operand and ab.shape[1] == pair.shape[0] * hidden  # (not split parts, not scaled fp16)
     kept_z = z if z is not None and z.dtype == operand else None
     return out, kept_z, ab if whole_ab and operand != torch.float32 else None
@@ -1919,11 +1922,9 @@ class ModelNew(_TriMulLayers):
         if torch.compiler.is_compiling():
             params = _with_zero_biases(_param_list(self))
             return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values)
-        positions = pair_repr.shape[0] * pair_repr.shape[1] * pair_repr.shape[2]
-        operand_bytes = _COMPUTE_DTYPE[_backward_mode(mode, pair_repr)].itemsize
-        keep_z = _saves_z(self.backward_saves, _graphs_backward(positions, pair_repr.shape[3], operand_bytes),
-                          pair_repr.is_cuda, _saved_tensor_hooks_active())
-        lean = _runs_lean(self.backward_saves, positions)
+        keep_z = _saves_z(self.backward_saves, _graphs_backward(pair_repr, mode), pair_repr.is_cuda,
+                          _saved_tensor_hooks_active())
+        lean = _runs_lean(self.backward_saves, pair_repr.shape[0] * pair_repr.shape[1] * pair_repr.shape[2])
         try:
             return _TrimulFunction.apply(pair_repr, pair_mask, self._prepared_weights(mode), str(kernels), *values,
                                          keep_z, lean, *_with_zero_biases(_param_list_eager(self)))
