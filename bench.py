@@ -280,24 +280,27 @@ def time_cuda(fn, min_reps=10, max_reps=1000, budget_s=0.5):
     return statistics.median(times), quantile(0.1), quantile(0.9), reps
 
 
-def held_memory_start() -> int:
-    """Device memory reserved before a contender's first training step, once the backward graphs of earlier
-    contenders are dropped (trimul_inline keeps them between calls) and the cache is emptied."""
-    ti._BACKWARD_GRAPHS.entries.clear()
+def settled_reserved_bytes() -> int:
+    """Device memory the caching allocator still reserves once unreferenced objects are collected, the device is
+    idle and unused cached blocks are released."""
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return torch.cuda.memory_reserved()
 
 
+def held_memory_start() -> int:
+    """Device memory reserved before a contender's first training step, once the backward graphs of earlier
+    contenders are dropped (trimul_inline keeps them between calls)."""
+    ti._BACKWARD_GRAPHS.entries.clear()
+    return settled_reserved_bytes()
+
+
 def held_memory_mib(reserved_before: int) -> float:
     """Memory a contender still holds after its steps, its model, inputs and gradients released: CUDA graph pools
     and the buffers a graph keeps (a graphed step's intermediates live there, outside the allocations its peak
     counts, so peak + held is what such a step takes); ~0 for a contender that keeps nothing."""
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return max(0.0, (torch.cuda.memory_reserved() - reserved_before) / 2**20)
+    return max(0.0, (settled_reserved_bytes() - reserved_before) / 2**20)
 
 
 def peak_memory_mib(fn) -> float:
