@@ -2936,7 +2936,7 @@ def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, prec
     """One rank: for each case, the sharded ModelNew's rows of the output, d pair_repr and (summed over the group)
     parameter gradients against the single-process computation of the same seeded problem in float64; the
     sharded model in `dtype` at `precision`, within `tolerance`. On CUDA in fp32, outgoing's block products
-    must run on the contraction kernels (one contract_into call per rank's block)."""
+    must run on the contraction kernels (one contract_into call per rank's block and channel part)."""
     import datetime
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -2973,7 +2973,9 @@ def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, prec
             assert _grad_error(inferred.cpu(), expected[:, rows.start:rows.stop].to(inferred.dtype)) < tolerance, \
                 f"{label}: no_grad"
             if device == "cuda" and dtype == torch.float32 and direction == "outgoing":
-                assert len(calls) == world, f"{label}: {len(calls)} contraction kernel calls, expected {world}"
+                expected_calls = world * len(ti._block_product_channels(hidden))  # (per block, per channel part)
+                assert len(calls) == expected_calls, \
+                    f"{label}: {len(calls)} contraction kernel calls, expected {expected_calls}"
             # (a rank may hold no rows: N < world)
             assert out.shape == expected[:, rows.start:rows.stop].shape, label
             assert _grad_error(out.cpu(), expected[:, rows.start:rows.stop]) < tolerance, label

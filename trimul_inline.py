@@ -2180,6 +2180,12 @@ def _spans(size: int, start: int, stop: int) -> list:
     return [slice(s, min(s + size, stop)) for s in range(start, stop, size)]
 
 
+def _block_product_channels(hidden: int) -> list:
+    """The hidden-channel slices a sharded outgoing block product runs one at a time (a quarter each): the
+    product's temporary is a quarter of an N_r x N_s x H block, which keeps the per-rank peak near 1/P."""
+    return _spans(max(1, -(-hidden // 4)), 0, hidden)
+
+
 def _layers_in_dtype(layers, dtype: torch.dtype):
     """(the layers' parameters in `dtype`, _PARAM_PATHS order; LayerNorm_in with them): what the no-gradient
     forwards built of PyTorch layers (chunked, sharded) run on."""
@@ -2430,8 +2436,8 @@ class _ShardedContraction(torch.autograd.Function):
         else:
             z = a_t.new_empty(a_t.shape[:3] + (sum(ring.counts),))
 
-            def product(block, s):  # (a quarter of the hidden channels at a time: the block's temporary)
-                for part in _spans(max(1, -(-a_t.shape[1] // 4)), 0, a_t.shape[1]):
+            def product(block, s):
+                for part in _block_product_channels(a_t.shape[1]):
                     z[:, part, :, columns[s]] = _block_product(a_t[:, part], block[:, part])
         _ring_products(ring, b_t, product, 2)
         if incoming and not received:

@@ -104,6 +104,10 @@ __global__ void __launch_bounds__(kThreads) d_proj_kernel(const BackwardArgs arg
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   sum_rows_clear(warp_sums, 4 * hidden);
   float* own = warp_sums + warp * 4 * hidden;
+  // A warp's sums of channel h of each quarter at h % V * (H / V) + h / V (V divides H): a lane's V adjacent
+  // channels (h = V lane + i) land in 32 consecutive words per i, where h itself would put four lanes on each
+  // bank (V = 4): 4-way conflicts on 16 read-modify-writes per position.
+  const int64_t spread = hidden / V;
   for (int64_t index = blockIdx.x; index < tiles; index += gridDim.x) {
     const Tile t = tile_at(index, args.n);
     __syncthreads();  // (the previous tile's reads of tile_a / tile_b are done)
@@ -130,10 +134,11 @@ __global__ void __launch_bounds__(kThreads) d_proj_kernel(const BackwardArgs arg
           pa[i] = da * sa * m;
           gb[i] = db * pb[i] * m * sb * (1.f - sb);
           pb[i] = db * sb * m;
-          own[h + i] += pa[i];
-          own[hidden + h + i] += ga[i];
-          own[2 * hidden + h + i] += pb[i];
-          own[3 * hidden + h + i] += gb[i];
+          const int64_t at = i * spread + (h + i) / V;
+          own[at] += pa[i];
+          own[hidden + at] += ga[i];
+          own[2 * hidden + at] += pb[i];
+          own[3 * hidden + at] += gb[i];
         }
         store_pack<V>(d_proj + h, pa);
         store_pack<V>(d_proj + hidden + h, ga);
@@ -147,7 +152,12 @@ __global__ void __launch_bounds__(kThreads) d_proj_kernel(const BackwardArgs arg
     }
   }
   __syncthreads();
-  sum_rows_out(warp_sums, 4 * hidden, args.sums);
+  for (int64_t c = threadIdx.x; c < 4 * hidden; c += kThreads) {  // (sum_rows_out with the spread channels)
+    const int64_t quarter = c / hidden, h = c % hidden, at = quarter * hidden + h % V * spread + h / V;
+    float total = 0.f;
+    for (int w = 0; w < kWarps; ++w) total += warp_sums[w * 4 * hidden + at];
+    args.sums[blockIdx.x * 4 * hidden + c] = total;
+  }
 }
 
 // LayerNorm_in's backward: d pair = rstd (d x_hat - mean(d x_hat) - x_hat mean(d x_hat x_hat)) (+ d_rows_add),
