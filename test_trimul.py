@@ -257,7 +257,7 @@ def test_registry_lists_each_role_in_rank_order_with_a_kernel_file():
     registered = {}
     patterns = (r"^TRIMUL_REGISTER_PASS\((input|output), (\w+),", r"^TRIMUL_REGISTER_CONTRACTION\(()(\w+),",
                 r"^TRIMUL_REGISTER_CONTRACTION_IN_OUTPUT_PASS\(()(\w+),",
-                r"^TRIMUL_REGISTER_BACKWARD\((output_backward|input_backward), (\w+),")
+                r"^TRIMUL_REGISTER_BACKWARD\((output_backward|contract_backward|input_backward), (\w+),")
     for name, text in sources.items():
         for pattern in patterns:
             for role, kernel in re.findall(pattern, text, re.M):
@@ -2075,10 +2075,64 @@ def test_training_medium_within_autocast_reach(pair_dim, gate_input):
 
 @cuda
 @pytest.mark.parametrize("kernels", ["output_backward=torch,input_backward=torch", "input_backward=torch",
-                                     "output_backward=torch"])
+                                     "output_backward=torch", "contract_backward=bmm",
+                                     "contract_backward=bmm,input_backward=torch"])
 def test_training_torch_backward_passes_match_fp64(kernels):
-    """The backward roles' PyTorch baselines, chosen by name, alone and beside the kernels of ours."""
+    """The backward roles' PyTorch baselines, chosen by name, alone and beside the kernels of ours (at
+    "highest", where contract_backward's default on Hopper is wgmma_f16x3)."""
     _check_training("highest", "incoming", "raw", 2, 37, 24, 40, kernels=kernels)
+
+
+def _f16x3_planes(g, planes, n, scales, row_pad=0):
+    """fp64 [planes, N, N] normal draws times a scale per plane, as a view with rows row_pad longer (strided)."""
+    x = torch.randn(planes, n, n + row_pad, generator=g, dtype=torch.float64)[:, :, :n]
+    return x * torch.tensor(scales, dtype=torch.float64).view(-1, 1, 1)
+
+
+@HOPPER
+@pytest.mark.parametrize("n", [1, 7, 33, 257])
+def test_contract_backward_f16x3_products_match_fp64(n):
+    """contract_backward's wgmma_f16x3 (split fp16 parts on the contraction's fp16x3 path): z = a b^T, da = dz b,
+    db = dz^T a against fp64, plane by plane, with odd N, a and b as strided-row views (the saved planes'), and
+    planes of far apart magnitudes in one stack (one 1e-5 of the largest, one all zero: zero stays zero)."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    a = _f16x3_planes(g, 4, n, [1.0, 1e-5, 0.0, 3e3], row_pad=5)
+    b = _f16x3_planes(g, 4, n, [2e2, 1.0, 1e-4, 0.0], row_pad=3)
+    dz = _f16x3_planes(g, 4, n, [1e-3, 1.0, 7.0, 1.0])
+    expected = {"z": a @ b.transpose(1, 2), "da": dz @ b, "db": dz.transpose(1, 2) @ a}
+    cuda = [t.float().cuda() for t in (a, b, dz)]
+    cuda[0], cuda[1] = (torch.empty(4, n, n + 5, device="cuda")[:, :, :n].copy_(cuda[0]),
+                        torch.empty(4, n, n + 3, device="cuda")[:, :, :n].copy_(cuda[1]))  # (rows strided)
+    extension = ti._extension()
+    poison_allocator()
+    (z,) = extension.contract_backward_products("wgmma_f16x3", cuda[0], cuda[1], None)
+    poison_allocator()
+    da, db = extension.contract_backward_products("wgmma_f16x3", *cuda)
+    for name, got in (("z", z), ("da", da), ("db", db)):
+        assert got.shape == (4, n, n) and got.dtype == torch.float32, name
+        for plane in range(4):
+            err = _grad_error(got[plane].cpu(), expected[name][plane])
+            assert err < 2e-6, f"{name} plane {plane} N={n}: error {err} (seed {seed})"
+
+
+@HOPPER
+def test_contract_backward_kernel_by_precision():
+    """contract_backward's default on Hopper: wgmma_f16x3 for fp32 planes at "highest", cuBLAS's bmm ("") at
+    "high" and for bf16 planes; wgmma_f16x3 named where it does not apply is a ValueError; and a "highest"
+    training step runs its split pass."""
+    extension = ti._extension()
+    like32, like16 = torch.empty(0, device="cuda"), torch.empty(0, device="cuda", dtype=torch.bfloat16)
+    assert extension.backward_kernel("contract_backward", "", 1, 64, 32, 16, False, like32, 0) == "wgmma_f16x3"
+    assert extension.backward_kernel("contract_backward", "", 1, 64, 32, 16, False, like32, 1) == ""
+    assert extension.backward_kernel("contract_backward", "", 1, 64, 32, 16, False, like16, 2) == ""
+    with pytest.raises(ValueError, match="does not take this call"):
+        extension.backward_kernel("contract_backward", "wgmma_f16x3", 1, 64, 32, 16, False, like32, 1)
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(32, 16, precision="highest"), g).cuda()
+    pair, mask = random_inputs(1, 40, 32, g, dtype=torch.float32, device="cuda")
+    ran = _cuda_kernels_launched(lambda: model(pair.requires_grad_(), mask).square().sum().backward())
+    assert any("contract_backward_f16x3::" in k for k in ran), [k for k in ran if "trimul::" in k]
 
 
 @cuda

@@ -1135,23 +1135,24 @@ def _accumulate(t: torch.Tensor) -> torch.dtype:
 
 _BACKWARD_SUM_ROWS = 512  # blocks of the passes that sum over positions (trimul::kBackwardSumRows)
 _BACKWARD_PASS = {name: code for code, name in enumerate(
-    ("input_rows", "gated_planes", "z_rows", "gate_grad", "dz_planes", "d_proj", "d_pair"))}  # trimul::BackwardPass
+    ("input_rows", "gated_planes", "z_rows", "gate_grad", "dz_planes", "d_proj", "d_pair", "split_f16x3"))}
+# (trimul::BackwardPass; split_f16x3 runs inside contract_backward_products)
 
 
 class _KernelBackwardPasses:
     """The backward's memory passes on a backward role's kernel of ours (kernels/*_backward_*.cu), with
     _TorchBackwardPasses' signatures."""
 
-    def __init__(self, role, kernel, batch, n, pair_dim, hidden, incoming):
+    def __init__(self, role, kernel, batch, n, pair_dim, hidden, incoming, precision):
         self._call = (role, kernel)
-        self._sizes = (batch, n, pair_dim, hidden, incoming)
+        self._sizes = (batch, n, pair_dim, hidden, incoming, precision)
         self._positions, self._hidden = batch * n * n, hidden
 
     def _run(self, name, like, eps=0.0, **tensors):
         _extension().backward_pass(*self._call, _BACKWARD_PASS[name], *self._sizes, eps, like, tensors)
 
     def _planes(self, like, count=1):
-        shape = (count, self._sizes[0] * self._hidden, self._sizes[1], self._sizes[1])
+        shape = (count, self._sizes[0] * self._hidden, self._sizes[1], self._sizes[1])  # (B*H, N, N)
         return like.new_empty(shape).unbind(0) if count > 1 else like.new_empty(shape[1:])
 
     def input_rows(self, pair_rows, eps, dtype):
@@ -1199,19 +1200,51 @@ class _KernelBackwardPasses:
         return out
 
 
-def _backward_passes(role: str, name: Optional[str], batch, n, pair_dim, hidden, incoming, operand):
+def _backward_kernel(role: str, name: Optional[str], batch, n, pair_dim, hidden, incoming, operand, mode) -> str:
+    """The library kernel a backward role runs for the call (name, else the default order's first that takes it);
+    "" for a torch baseline (and off CUDA)."""
+    if not operand.is_cuda or _is_torch_kernel(role, name):
+        return ""
+    return _extension().backward_kernel(role, name or "", batch, n, pair_dim, hidden, incoming, operand,
+                                        _PRECISION_CODE[_MODE_PRECISION.get(mode, "highest")])
+
+
+def _backward_passes(role: str, name: Optional[str], batch, n, pair_dim, hidden, incoming, operand, mode):
     """The memory passes of a backward role's kernel (None: the default order's first that takes the call):
     _KernelBackwardPasses, or _TorchBackwardPasses for a torch baseline (and off CUDA)."""
-    if not operand.is_cuda or _is_torch_kernel(role, name):
-        return _TorchBackwardPasses
-    kernel = _extension().backward_kernel(role, name or "", batch, n, pair_dim, hidden, incoming, operand)
-    return _KernelBackwardPasses(role, kernel, batch, n, pair_dim, hidden, incoming) if kernel else \
+    kernel = _backward_kernel(role, name, batch, n, pair_dim, hidden, incoming, operand, mode)
+    precision = _PRECISION_CODE[_MODE_PRECISION.get(mode, "highest")]
+    return _KernelBackwardPasses(role, kernel, batch, n, pair_dim, hidden, incoming, precision) if kernel else \
         _TorchBackwardPasses
 
 
-def _contract_backward(products, a_planes, b_planes, dz_planes):
-    """contract_backward: da = dz b, db = dz^T a per plane (cuBLAS)."""
-    return products.bmm(dz_planes, b_planes), products.bmm(dz_planes.transpose(1, 2), a_planes)
+class _BmmContractions:
+    """contract_backward's torch baseline: the N^3 products per plane by torch.bmm (cuBLAS), at the matmul
+    precision around the backward."""
+
+    def __init__(self, products):
+        self._products = products
+
+    def z(self, a_planes, b_planes):
+        return self._products.bmm(a_planes, b_planes.transpose(1, 2))
+
+    def grads(self, a_planes, b_planes, dz_planes):
+        """(da = dz b, db = dz^T a)."""
+        return self._products.bmm(dz_planes, b_planes), self._products.bmm(dz_planes.transpose(1, 2), a_planes)
+
+
+class _KernelContractions:
+    """contract_backward on a library kernel (wgmma_f16x3): the same products from split operands, in the
+    extension's contract_backward_products (the C++ backward calls it too: both paths give the same bits)."""
+
+    def __init__(self, kernel):
+        self._kernel = kernel
+
+    def z(self, a_planes, b_planes):
+        return _extension().contract_backward_products(self._kernel, a_planes, b_planes, None)[0]
+
+    def grads(self, a_planes, b_planes, dz_planes):
+        return tuple(_extension().contract_backward_products(self._kernel, a_planes, b_planes, dz_planes))
 
 
 def _unfolded_grads(g_folded, s_folded, weight, ln_weight, ln_bias):
@@ -1243,11 +1276,11 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
     del saved_z, saved_ab
     mode = _backward_mode(mode, pair)
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
-        if pair.is_cuda and pair.dtype != torch.float64 and host != "python" and \
-                kernels.contract_backward in (None, "bmm"):  # (the C++ steps' contraction backward)
+        if pair.is_cuda and pair.dtype != torch.float64 and host != "python":
             graphed = all(t is None for t in saved) and not lean and \
                 (host == "graph" or (host == "auto" and _graphs_backward(pair, mode)))
             call = (grad_out, pair, mask, params, kernels.output_backward or "", kernels.input_backward or "",
+                    kernels.contract_backward or "", _PRECISION_CODE[_MODE_PRECISION[mode]],
                     _COMPUTE_DTYPE[mode] == torch.float32, incoming, gate_normalized, eps_in, eps_out, mask_grad,
                     None if graphed else saved, lean)
             grads = _BACKWARD_GRAPHS.run(call) if graphed else None
@@ -1470,12 +1503,16 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     dtype = acc if acc == torch.float64 else _COMPUTE_DTYPE[mode]
     hidden = pa_w.shape[0]
     operand = pair.new_empty((0,), dtype=dtype)
-    inputs = _backward_passes("input_backward", kernels.input_backward, batch, n, pair_dim, hidden, incoming, operand)
+    inputs = _backward_passes("input_backward", kernels.input_backward, batch, n, pair_dim, hidden, incoming, operand,
+                              mode)
     outputs = _backward_passes("output_backward", kernels.output_backward, batch, n, pair_dim, hidden, incoming,
-                               operand)
+                               operand, mode)
+    contract = _backward_kernel("contract_backward", kernels.contract_backward, batch, n, pair_dim, hidden, incoming,
+                                operand, mode)
     positions = batch * n * n
     pair_rows, mask_rows = pair.reshape(positions, pair_dim).contiguous(), mask.reshape(positions).contiguous()
     products = _Products
+    contractions = _KernelContractions(contract) if contract else _BmmContractions(products)
 
     # The forward again, up to z: x_hat, proj = [pa | ga | pb | gb], a and b planes.
     w_in, b_in = torch.cat([pa_w, ga_w, pb_w, gb_w]), torch.cat([pa_b, ga_b, pb_b, gb_b])
@@ -1491,7 +1528,7 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
         a_planes, b_planes = inputs.gated_planes(proj, mask_rows, batch, n, incoming)
         if lean:
             del proj
-    z_planes = products.bmm(a_planes, b_planes.transpose(1, 2)) if saved_z is None else \
+    z_planes = contractions.z(a_planes, b_planes) if saved_z is None else \
         _saved_z_planes(saved_z, batch, n, hidden, dtype)
     del saved_z
 
@@ -1515,7 +1552,7 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     del d_z_hat, z_hat
 
     # contract_backward
-    da_planes, db_planes = _contract_backward(products, a_planes, b_planes, dz_planes)
+    da_planes, db_planes = contractions.grads(a_planes, b_planes, dz_planes)
     del a_planes, b_planes, dz_planes
 
     # input_backward

@@ -47,6 +47,7 @@ struct ContractArgs {
   // fp16 operands scaled by a power of two (ForwardArgs::ab_f16): the factor that takes the
   // products back; nullptr otherwise.
   const float* z_scale;
+  int64_t z_scale_stride;  // z_scale per plane: plane p's factor at z_scale[p * stride] (0: one for all)
   bool fused;  // inside the fused forward (the output pass may contract there: in_output_pass)
   cudaStream_t stream;
 };
@@ -181,6 +182,7 @@ enum class BackwardPass : int {
   dz_planes,       // d_rows (d z_hat, fp32 [P, H]), rows (z_hat), rstd -> a_planes (dz)        output_backward
   d_proj,          // proj, a_planes (da), b_planes (db), mask -> rows: d proj [P, 4H], d_mask, sums input_backward
   d_pair,          // pair, d_rows (d x_hat, fp32 [P, C]) + d_rows_add -> d_pair (pair's dtype) input_backward
+  split_f16x3,     // a_planes (fp32, strided) -> parts and/or parts_t, scaled fp16; unscale     contract_backward
 };
 
 // One backward pass's arguments: sizes, then the buffers each pass reads and writes (BackwardPass says
@@ -212,6 +214,19 @@ struct BackwardArgs {
   // stay as the caller left them, zero): d_proj of d proj (width 4H), gate_grad of d o then d gate_pre
   // (width 2C); the caller adds the rows up. nullptr: not wanted.
   float* sums;
+  // split_f16x3: a_planes holds `batch` fp32 N x N planes at plane_stride, rows at row_stride (elements). It
+  // writes plane p times 2^s_p (s_p from bound[p], the plane's largest |element|, which lands just under 2^15)
+  // as fp16 parts hi = fp16(x 2^s), lo = fp16(x 2^s - hi): `parts` [2, batch, N, ld] as they are, `parts_t`
+  // the same transposed (either may be nullptr), columns N .. ld zero: the split operands of ContractArgs.
+  // Where unscale is not null it also writes unscale[p] = 2^-(s_p + s'_p), s'_p from bound_other[p]: the
+  // products' z_scale per plane.
+  int64_t plane_stride, row_stride, ld;
+  const float* bound;
+  const float* bound_other;
+  float* unscale;
+  void* parts;
+  void* parts_t;
+  Precision precision;  // of the backward's fp32 products (contract_backward's kernels apply per precision)
   cudaStream_t stream;
 };
 
@@ -280,7 +295,7 @@ cudaError_t launch_mask_scales(const void* mask, MaskKind kind, int64_t count, c
 
 // Changes whenever a struct above changes, so a library and an extension built from different
 // versions of this file refuse each other.
-constexpr uint32_t kKernelAbi = 6;
+constexpr uint32_t kKernelAbi = 7;
 
 }  // namespace trimul
 

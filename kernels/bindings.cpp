@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -482,7 +483,9 @@ trimul::Role backward_role(const std::string& role) {
 
 // The sizes every pass of a backward shares.
 trimul::BackwardArgs backward_sizes(int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
-                                    const at::Tensor& like) {
+                                    const at::Tensor& like, int64_t precision) {
+  TORCH_CHECK_VALUE(precision >= 0 && precision <= 2, "trimul_inline: precision code ", text(precision),
+                    " is not 0 (highest), 1 (high) or 2 (medium)");
   TORCH_CHECK_VALUE(batch >= 0 && n >= 0 && c > 0 && h > 0, "trimul_inline: backward sizes B ", text(batch), ", N ",
                     text(n), ", C ", text(c), ", H ", text(h));
   trimul::BackwardArgs args{};
@@ -491,6 +494,7 @@ trimul::BackwardArgs backward_sizes(int64_t batch, int64_t n, int64_t c, int64_t
   args.c = c;
   args.h = h;
   args.incoming = incoming;
+  args.precision = static_cast<trimul::Precision>(precision);
   args.operand = dtype_code(like, "the backward's operand");
   args.stream = c10::cuda::getCurrentCUDAStream(like.device().index()).stream();
   return args;
@@ -506,8 +510,9 @@ int plan_backward_kernel(trimul::Role role, const std::string& chosen, const tri
 // The kernel a backward role runs for these sizes and operand dtype (chosen, else the default order's
 // first that takes them): its name, or "" where that is a torch baseline (the caller's PyTorch passes).
 std::string backward_kernel(const std::string& role, const std::string& chosen, int64_t batch, int64_t n, int64_t c,
-                            int64_t h, bool incoming, const at::Tensor& like) {
-  const int kernel = plan_backward_kernel(backward_role(role), chosen, backward_sizes(batch, n, c, h, incoming, like));
+                            int64_t h, bool incoming, const at::Tensor& like, int64_t precision) {
+  const int kernel =
+      plan_backward_kernel(backward_role(role), chosen, backward_sizes(batch, n, c, h, incoming, like, precision));
   return kernel < 0 ? std::string() : std::string(kernel_name(kernel));
 }
 
@@ -528,13 +533,13 @@ void* pass_tensor(const std::unordered_map<std::string, at::Tensor>& tensors, co
 // Runs backward pass `pass` (trimul::BackwardPass) of the named backward kernel (backward_kernel's) on the
 // tensors named as BackwardArgs' fields; `like` fixes the device and the operand dtype.
 void backward_pass(const std::string& role, const std::string& kernel, int64_t pass, int64_t batch, int64_t n,
-                   int64_t c, int64_t h, bool incoming, double eps, const at::Tensor& like,
+                   int64_t c, int64_t h, bool incoming, int64_t precision, double eps, const at::Tensor& like,
                    const std::unordered_map<std::string, at::Tensor>& tensors) {
   TORCH_CHECK_VALUE(like.is_cuda(), "trimul_inline: the backward's kernels take CUDA tensors");
   TORCH_CHECK_VALUE(pass >= 0 && pass <= static_cast<int64_t>(trimul::BackwardPass::d_pair),
                     "trimul_inline: backward pass code ", text(pass));
   const c10::cuda::CUDAGuard guard(like.device());
-  trimul::BackwardArgs args = backward_sizes(batch, n, c, h, incoming, like);
+  trimul::BackwardArgs args = backward_sizes(batch, n, c, h, incoming, like, precision);
   args.pass = static_cast<trimul::BackwardPass>(pass);
   args.eps = static_cast<float>(eps);
   const int64_t positions = batch * n * n;
@@ -644,26 +649,152 @@ struct Passes {
   std::string role, kernel;
   int64_t batch, n, c, h;
   bool incoming;
-  at::Tensor like;  // empty, the operand dtype on the device
+  at::Tensor like;    // empty, the operand dtype on the device
+  int64_t precision;  // the fp32 products' (trimul::Precision)
 
   void run(trimul::BackwardPass pass, double eps, const std::unordered_map<std::string, at::Tensor>& tensors) const {
-    backward_pass(role, kernel, static_cast<int64_t>(pass), batch, n, c, h, incoming, eps, like, tensors);
+    backward_pass(role, kernel, static_cast<int64_t>(pass), batch, n, c, h, incoming, precision, eps, like, tensors);
   }
 };
 
 // The role's kernel for this call (chosen, else the default order's first that takes it); "" for a
 // torch baseline.
 std::string role_kernel(const char* role, const std::string& chosen, const Passes& sizes) {
-  return backward_kernel(role, chosen, sizes.batch, sizes.n, sizes.c, sizes.h, sizes.incoming, sizes.like);
+  return backward_kernel(role, chosen, sizes.batch, sizes.n, sizes.c, sizes.h, sizes.incoming, sizes.like,
+                         sizes.precision);
 }
 
 }  // namespace host_backward
 
+// ---- contract_backward's products on a library kernel (wgmma_f16x3) -----------------------------------
+namespace split_products {
+
+// The contraction that multiplies the split parts: the forward's fp16x3 path.
+constexpr const char* kContraction = "wgmma_tma";
+
+// Plane stacks [planes, N, >= N], fp32, rows contiguous (the saved a/b planes are such views).
+void check_planes(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  TORCH_CHECK_VALUE(t.is_cuda() && t.device() == like.device() && t.dim() == 3 && t.size(0) == like.size(0) &&
+                        t.size(1) == like.size(1) && t.size(2) == like.size(1) && t.stride(2) == 1 &&
+                        (t.size(1) <= 1 || t.stride(1) >= t.size(2)) &&
+                        (t.size(0) <= 1 || t.stride(0) >= t.size(1) * t.stride(1)),
+                    "trimul_inline: contract_backward's ", name, " must be [planes, N, N] planes on one device with "
+                    "rows contiguous, like a ", text(like.sizes()), ", got ", text(t.sizes()));
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "trimul_inline: contract_backward's split products take float32 ",
+                   name, ", got ", t.scalar_type());
+}
+
+struct Split {
+  int kernel;                       // the library's contract_backward kernel
+  trimul::BackwardArgs sizes;       // planes, N; precision highest
+  int64_t ld;                       // the parts' row length (k of the products, padded to 32)
+
+  // The parts of `planes`, each plane scaled by its bound: as they are (rows) and/or transposed, [2, planes, N,
+  // ld] fp16. unscale (with other_bound): where the product's 2^-(s + s_other) per plane goes.
+  void run(const at::Tensor& planes, const at::Tensor& bound, at::Tensor* parts, at::Tensor* parts_t,
+           const at::Tensor* other_bound = nullptr, at::Tensor* unscale = nullptr) const {
+    const auto make = [&]() { return at::empty({2, sizes.batch, sizes.n, ld}, planes.options().dtype(at::kHalf)); };
+    trimul::BackwardArgs args = sizes;
+    args.pass = trimul::BackwardPass::split_f16x3;
+    args.a_planes = planes.data_ptr();
+    args.plane_stride = planes.stride(0);
+    args.row_stride = planes.stride(1);
+    args.ld = ld;
+    args.bound = bound.data_ptr<float>();
+    if (parts != nullptr) args.parts = (*parts = make()).data_ptr();
+    if (parts_t != nullptr) args.parts_t = (*parts_t = make()).data_ptr();
+    if (unscale != nullptr) {
+      args.bound_other = other_bound->data_ptr<float>();
+      args.unscale = unscale->data_ptr<float>();
+    }
+    check_launch(library().run_backward(kernel, &args), "the contract_backward kernel's split pass");
+  }
+
+  // out = x y^T per plane from split parts (k-major both), plane p times unscale[p].
+  void product(const at::Tensor& x, const at::Tensor& y, const at::Tensor& unscale, at::Tensor& out) const {
+    trimul::ContractArgs args{};
+    args.a = x.data_ptr();
+    args.b = y.data_ptr();
+    args.z = out.data_ptr();
+    args.batch = sizes.batch;
+    args.m = args.n = args.k = sizes.n;
+    args.lda = ld;
+    args.ldz = sizes.n;
+    args.operand = trimul::Dtype::f16;
+    args.out = trimul::Dtype::f32;
+    args.precision = trimul::Precision::highest;
+    args.split = true;
+    args.z_scale = unscale.data_ptr<float>();
+    args.z_scale_stride = 1;
+    args.stream = sizes.stream;
+    char message[1024] = "";
+    int contraction = -1;
+    check_plan(library().plan_contraction(&args, kContraction, &contraction, message, sizeof(message)), message);
+    check_launch(library().run_contraction(contraction, &args), std::string("contraction kernel '") + kContraction + "'");
+  }
+};
+
+// The largest |element| of each plane, on the device ([planes] fp32): the split pass's scales.
+at::Tensor bound(const at::Tensor& planes) {
+  return at::linalg_vector_norm(planes, std::numeric_limits<double>::infinity(), at::IntArrayRef({1, 2}), false,
+                                c10::nullopt);
+}
+
+}  // namespace split_products
+
+// contract_backward on the library's kernel `kernel` (wgmma_f16x3), per plane of fp32 [planes, N, N] stacks
+// (a and b may have their rows strided): without dz [z = a b^T]; with dz [da = dz b, db = dz^T a]. Each operand
+// is split into scaled fp16 parts (transposed where its product reads it so), multiplied as fp16x3 by the
+// forward's split-operand contraction; each product's parts are freed before the next is split.
+std::vector<at::Tensor> contract_backward_products(const std::string& kernel, const at::Tensor& a, const at::Tensor& b,
+                                                   const c10::optional<at::Tensor>& dz) {
+  using namespace split_products;
+  TORCH_CHECK_VALUE(a.is_cuda() && a.dim() == 3, "trimul_inline: contract_backward's a must be CUDA [planes, N, N]");
+  check_planes(a, "a", a);
+  check_planes(b, "b", a);
+  if (dz.has_value()) {
+    check_planes(*dz, "dz", a);
+    TORCH_CHECK_VALUE(dz->is_contiguous(), "trimul_inline: contract_backward's dz must be contiguous");
+  }
+  const c10::cuda::CUDAGuard guard(a.device());
+  const int64_t planes = a.size(0), n = a.size(1);
+  const auto planes_out = [&]() { return at::empty({planes, n, n}, a.options()); };
+  if (planes == 0 || n == 0) return dz.has_value() ? std::vector<at::Tensor>{planes_out(), planes_out()}
+                                                   : std::vector<at::Tensor>{planes_out()};
+  const at::Tensor like = at::empty({0}, a.options());
+  Split split{-1, backward_sizes(planes, n, 1, 1, false, like, 0), round_up(std::max<int64_t>(n, 1), 32)};
+  split.kernel = plan_backward_kernel(trimul::Role::contract_backward, kernel, split.sizes);
+  TORCH_CHECK_VALUE(split.kernel >= 0, "trimul_inline: '", kernel, "' is a torch baseline, not a kernel of the library");
+  const at::Tensor unscale = at::empty({2, planes}, a.options());
+  const at::Tensor a_bound = bound(a), b_bound = bound(b);
+  at::Tensor x, y, unscale_0 = unscale[0], unscale_1 = unscale[1];
+  if (!dz.has_value()) {
+    at::Tensor z = planes_out();
+    split.run(a, a_bound, &x, nullptr);
+    split.run(b, b_bound, &y, nullptr, &a_bound, &unscale_0);
+    split.product(x, y, unscale_0, z);
+    return {z};
+  }
+  const at::Tensor dz_bound = bound(*dz);
+  at::Tensor da = planes_out();
+  split.run(*dz, dz_bound, &x, nullptr);
+  split.run(b, b_bound, nullptr, &y, &dz_bound, &unscale_0);
+  split.product(x, y, unscale_0, da);  // da[i, k] = sum_j dz[i, j] b[j, k]: dz's rows by b^T's rows
+  x.reset();
+  y.reset();
+  at::Tensor db = planes_out();
+  split.run(*dz, dz_bound, nullptr, &x);
+  split.run(a, a_bound, nullptr, &y, &dz_bound, &unscale_1);
+  split.product(x, y, unscale_1, db);  // db[j, k] = sum_i dz[i, j] a[i, k]: dz^T's rows by a^T's rows
+  return {da, db};
+}
+
 // The gradients of sum(grad_out * forward(pair, mask)) as trimul_inline.training_backward returns them
 // ([d pair, d mask or None, the 16 parameters' in _PARAM_PATHS order], each in its tensor's dtype, no two
 // sharing memory), or an empty list where a backward role's kernel is a torch baseline (Python's path
-// then runs it). operand_f32: the operands are fp32 (else bf16); the caller sets the matmul precision.
-// saved_z: the forward's z planes [B*H, N, >= N] in the operand dtype (not recomputed); lean: proj is not
+// then runs it; contract_backward's torch baseline, bmm, runs here). precision: the fp32 products'
+// (trimul::Precision: contract_backward's kernel applies per precision); operand_f32: the operands are fp32
+// (else bf16); the caller sets the matmul precision. saved_z: the forward's z planes [B*H, N, >= N] in the operand dtype (not recomputed); lean: proj is not
 // kept across the output side and the contraction's backward (recomputed, the same GEMM, before d_proj, whose
 // d proj overwrites it): the step's peak loses the [P, 4H] proj buffer, one GEMM more. saved_ab: the forward's
 // a/b planes [2, B*H, N, >= N] in the operand dtype (with saved_z): gated_planes (and, lean, the first proj GEMM)
@@ -672,7 +803,8 @@ std::string role_kernel(const char* role, const std::string& chosen, const Passe
 // each buffer is freed as soon as its last use is done rather than when the caller returns.
 std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::Tensor& pair, const at::Tensor& mask,
                                           const std::vector<at::Tensor>& params, const std::string& output_kernel,
-                                          const std::string& input_kernel, bool operand_f32, bool incoming,
+                                          const std::string& input_kernel, const std::string& contract_kernel,
+                                          int64_t precision, bool operand_f32, bool incoming,
                                           bool gate_normalized, double eps_in, double eps_out, bool mask_grad,
                                           const py::object& saved, bool lean) {
   using namespace host_backward;
@@ -689,10 +821,11 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   const int64_t batch = pair.size(0), n = pair.size(1), c = pair.size(3), h = p[2].size(0);
   const int64_t positions = batch * n * n;
   const at::Tensor like = at::empty({0}, pair.options().dtype(dtype));
-  Passes inputs{"input_backward", "", batch, n, c, h, incoming, like};
-  Passes outputs{"output_backward", "", batch, n, c, h, incoming, like};
+  Passes inputs{"input_backward", "", batch, n, c, h, incoming, like, precision};
+  Passes outputs{"output_backward", "", batch, n, c, h, incoming, like, precision};
   inputs.kernel = role_kernel("input_backward", input_kernel, inputs);
   outputs.kernel = role_kernel("output_backward", output_kernel, outputs);
+  const std::string contracts = role_kernel("contract_backward", contract_kernel, inputs);  // ("": cuBLAS's bmm)
   if (inputs.kernel.empty() || outputs.kernel.empty()) return {};
   c10::optional<at::Tensor> saved_z, saved_ab;
   if (!saved.is_none()) {
@@ -738,7 +871,8 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     z_planes = saved_z->narrow(2, 0, n).contiguous();
     saved_z.reset();  // (z_planes holds it, or a copy of its rows: freed with z_planes)
   } else {
-    z_planes = at::bmm(a_planes, b_planes.transpose(1, 2));
+    z_planes = contracts.empty() ? at::bmm(a_planes, b_planes.transpose(1, 2))
+                                 : contract_backward_products(contracts, a_planes, b_planes, c10::nullopt)[0];
   }
 
   // output_backward: out = sigmoid(gate_rows W_g^T + b_g) * (z_hat W_out_f^T + b_out_f).
@@ -767,7 +901,15 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   z_hat.reset();
 
   // contract_backward
-  at::Tensor da = at::bmm(dz, b_planes), db = at::bmm(dz.transpose(1, 2), a_planes);
+  at::Tensor da, db;
+  if (contracts.empty()) {
+    da = at::bmm(dz, b_planes);
+    db = at::bmm(dz.transpose(1, 2), a_planes);
+  } else {
+    const std::vector<at::Tensor> grads = contract_backward_products(contracts, a_planes, b_planes, dz);
+    da = grads[0];
+    db = grads[1];
+  }
   a_planes.reset();
   b_planes.reset();
   dz.reset();
@@ -941,6 +1083,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_takes", &fused_takes, "whether the fused passes take these sizes in this mode");
   m.def("backward_kernel", &backward_kernel, "the kernel a backward role runs ('': a torch baseline's passes)");
   m.def("backward_pass", &backward_pass, "one memory pass of the backward (trimul::BackwardPass) on given tensors");
+  m.def("contract_backward_products", &contract_backward_products,
+        "contract_backward on a library kernel: [z = a b^T] without dz, else [da = dz b, db = dz^T a]");
   m.def("training_backward", &training_backward,
         "the whole backward on the library's backward kernels and cuBLAS ([] where a role is a torch baseline)");
   py::class_<PlannedForward>(m, "PlannedForward", "a checked eager call's decisions (ModelNew._fast)")

@@ -2,7 +2,8 @@
 // zero fill past the edges) into a 4-stage mbarrier pipeline, two consumer warpgroups each run
 // m64n256k16 (k8 for TF32) on their 64 rows and keep one k-tile of MMAs in flight. Also 3xTF32 or
 // fp16x3 from split operands (ContractArgs::split): the k loop runs three times, over big.big,
-// big.small, small.big (fp16x3: scaled operands, the products scaled back by *z_scale). A 16-bit z
+// big.small, small.big (fp16x3: scaled operands, the products scaled back by z_scale, one factor or one
+// per plane). A 16-bit z
 // goes out through a per-warp shared-memory scratch as 16-byte row stores (store_accumulators_staged).
 #include "tma.cuh"
 
@@ -58,7 +59,8 @@ __device__ __forceinline__ void tile_origin(int64_t index, int64_t m, int64_t n,
 template <typename Op, typename TOut, bool kScaled = false>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b, TOut* __restrict__ z,
-           int64_t batch, int64_t m, int64_t n, int64_t ldz, int k_tiles, int segments, const float* z_scale) {
+           int64_t batch, int64_t m, int64_t n, int64_t ldz, int k_tiles, int segments, const float* z_scale,
+           int64_t z_scale_stride) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
@@ -110,7 +112,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<0>();
     if (k_tiles > 0 && leader) mbar_arrive(&empty[(it - 1) % kStages]);
     if constexpr (kScaled) {
-      const float scale = *z_scale;
+      const float scale = z_scale[bz * z_scale_stride];
 #pragma unroll
       for (int r = 0; r < 128; ++r) acc[r] *= scale;
     }

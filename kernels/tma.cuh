@@ -594,7 +594,7 @@ __device__ __forceinline__ void load_contraction_stage(uint8_t* smem, uint64_t* 
 }
 
 // Launches Kernel, a TMA contraction kernel (map_a, map_b, z, batch, m, n, ldz, k_tiles, segments,
-// z_scale; 128-byte k-tiles), on `grid` blocks of `threads` with `smem_bytes` of shared memory.
+// z_scale, z_scale_stride; 128-byte k-tiles), on `grid` blocks of `threads` with `smem_bytes` of shared memory.
 template <auto Kernel, typename Op, typename TOut>
 cudaError_t launch_contraction_kernel(const ContractArgs& args, const CUtensorMap& map_a, const CUtensorMap& map_b,
                                       dim3 grid, int threads, int smem_bytes) {
@@ -602,7 +602,8 @@ cudaError_t launch_contraction_kernel(const ContractArgs& args, const CUtensorMa
   if (status != cudaSuccess) return status;
   const int k_tiles = static_cast<int>(ceil_div(args.k * static_cast<int64_t>(sizeof(Op)), ws::kKBytes));
   Kernel<<<grid, threads, smem_bytes, args.stream>>>(map_a, map_b, static_cast<TOut*>(args.z), args.batch, args.m,
-                                                     args.n, args.ldz, k_tiles, args.split ? 3 : 1, args.z_scale);
+                                                     args.n, args.ldz, k_tiles, args.split ? 3 : 1, args.z_scale,
+                                                     args.z_scale_stride);
   return cudaGetLastError();
 }
 

@@ -1,0 +1,95 @@
+// wgmma_f16x3 — contract_backward at "highest": z = a b^T again, da = dz b, db = dz^T a as fp16x3 products
+// The products are the forward's own split-operand contraction (wgmma_tma with fp16 parts and z_scale, run by
+// the extension through the contraction registry); this file is the pass that makes its operands
+// (BackwardPass::split_f16x3): fp32 planes, each scaled by a power of two so that its largest element lands
+// just under 2^15, as fp16 parts hi + lo (22 significant bits; the products' lo.lo term, 2^-22 of the product, is
+// dropped), laid out as they are or transposed, whichever the product reads k-major. One read of the
+// planes and one write of the parts; the scales come from device-side bounds (no host synchronisation).
+// Per plane, since channels differ in scale: an element r times below its plane's largest keeps ~2^-40 / r
+// of relative precision from the parts (2^-22 down to r ~ 2^-18, 1e-6 at r = 1e-6).
+#include "tma.cuh"
+
+namespace trimul {
+namespace contract_backward_f16x3 {
+
+constexpr int kSide = 64;  // a block's tile of a plane: kSide x kSide elements through shared memory
+constexpr int kThreads = 256;
+// The scale's exponent keeps within +-kReach, so that 2^-(s_x + s_y) stays a normal fp32 number; planes
+// whose largest element is below 2^(15 - kReach) lose the low bits of their small elements (fp16's
+// subnormals), far below any gradient the model makes.
+constexpr int kTop = 15, kReach = 60;
+
+__device__ __forceinline__ int scale_exponent(float bound) {
+  int e = 0;
+  if (bound > 0.f && bound <= 3.0e38f) frexpf(bound, &e);  // bound = m 2^e, m in [0.5, 1); else 2^kTop
+  return min(max(kTop - e, -kReach), kReach);
+}
+
+// Stores x0, x1 (adjacent columns) of one output row as hi and lo parts; `remainder` planes are the parts'
+// second half ([2, batch, rows, ld]).
+__device__ __forceinline__ void store_parts(__half* out, int64_t remainder, float x0, float x1) {
+  const __half2 hi = __floats2half2_rn(x0, x1);
+  const float2 back = __half22float2(hi);
+  *reinterpret_cast<__half2*>(out) = hi;
+  *reinterpret_cast<__half2*>(out + remainder) = __floats2half2_rn(x0 - back.x, x1 - back.y);
+}
+
+// Block (x, y) takes source columns x*kSide.. and rows y*kSide.. of planes z, z + gridDim.z, ...: a tile
+// read coalesced along the source rows into shared memory (scaled, zero past N), then written along the
+// output rows of each layout as half2 pairs (a warp: 128 contiguous bytes).
+__global__ void __launch_bounds__(kThreads) split_kernel(const BackwardArgs args) {
+  __shared__ float tile[kSide][kSide + 1];
+  const int64_t n = args.n, ld = args.ld, plane_elems = n * ld, remainder = args.batch * plane_elems;
+  const int64_t row0 = int64_t(blockIdx.y) * kSide, col0 = int64_t(blockIdx.x) * kSide;
+  const float* planes = static_cast<const float*>(args.a_planes);
+  __half* parts = static_cast<__half*>(args.parts);
+  __half* parts_t = static_cast<__half*>(args.parts_t);
+  for (int64_t plane = blockIdx.z; plane < args.batch; plane += gridDim.z) {
+    const float* source = planes + plane * args.plane_stride;
+    const float scale = ldexpf(1.f, scale_exponent(args.bound[plane]));
+    if (args.unscale != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
+      args.unscale[plane] = ldexpf(1.f, -(scale_exponent(args.bound[plane]) + scale_exponent(args.bound_other[plane])));
+    __syncthreads();  // (the previous plane's reads of the tile are done)
+    for (int i = threadIdx.x; i < kSide * kSide; i += kThreads) {
+      const int r = i / kSide, c = i % kSide;
+      const int64_t row = row0 + r, col = col0 + c;
+      tile[r][c] = row < n && col < n ? source[row * args.row_stride + col] * scale : 0.f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kSide * kSide / 2; i += kThreads) {
+      const int r = i / (kSide / 2), c = 2 * (i % (kSide / 2));
+      // (ld is a multiple of 32 and c even: a pair starting before ld ends before it)
+      if (parts != nullptr && row0 + r < n && col0 + c < ld)
+        store_parts(parts + plane * plane_elems + (row0 + r) * ld + col0 + c, remainder, tile[r][c], tile[r][c + 1]);
+      if (parts_t != nullptr && col0 + r < n && row0 + c < ld)
+        store_parts(parts_t + plane * plane_elems + (col0 + r) * ld + row0 + c, remainder, tile[c][r], tile[c + 1][r]);
+    }
+  }
+}
+
+// The products run on wgmma_tma's split-operand path (Hopper, its tensor-map encoder); only fp32 planes at
+// "highest" (at "high" cuBLAS's TF32 products are as fast as the split pass alone). batch * h planes (the
+// split pass: batch planes, h = 1).
+bool applies(const BackwardArgs& args) {
+  return args.operand == Dtype::f32 && args.precision == Precision::highest && tma::tensor_map_encoder() != nullptr &&
+         ceil_div(args.n, kSide) + 1 < 65535 && 2 * args.batch * args.h < (int64_t(1) << 31);
+}
+
+cudaError_t launch(const BackwardArgs& args) {
+  if (args.pass != BackwardPass::split_f16x3) return cudaErrorInvalidValue;  // (its only pass)
+  if (args.a_planes == nullptr || args.bound == nullptr || (args.parts == nullptr && args.parts_t == nullptr) ||
+      (args.unscale != nullptr && args.bound_other == nullptr) || args.ld < args.n || args.ld % 32 != 0 ||
+      !applies(args))
+    return cudaErrorInvalidValue;
+  if (args.batch == 0 || args.n == 0) return cudaSuccess;
+  const unsigned tiles = static_cast<unsigned>(ceil_div(args.ld, kSide));
+  const dim3 grid(tiles, tiles, static_cast<unsigned>(args.batch < 65535 ? args.batch : 65535));
+  split_kernel<<<grid, kThreads, 0, args.stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace contract_backward_f16x3
+}  // namespace trimul
+
+TRIMUL_REGISTER_BACKWARD(contract_backward, wgmma_f16x3, ::trimul::contract_backward_f16x3::applies,
+                         ::trimul::contract_backward_f16x3::launch);
