@@ -1,16 +1,20 @@
 #!/bin/bash
 # bench/ab_backward.sh OUT DIFF...: one device call's A/B of backward-kernel patches (dev/*.diff): the per-kernel
-# profile of a training step at (1,1024,128,128), medium, with the kernels as committed, then with each patch
-# applied alone (only the files it touches rebuild), after the medium training tests on it; logs under OUT.
-# A+B (patches joined by '+') applies them together.
+# profile of a training step at (1,1024,128,128), medium (or --precision), with the kernels as committed, then
+# with each patch applied alone (only the files it touches rebuild), after that precision's training tests and
+# the f16x3 tests on it; logs under OUT.
+# A+B (patches joined by '+') applies them together. --precision P (after OUT): profile and test at P instead.
 #   bench/ab_backward.sh $OUT dev/backward_tile64.diff dev/d_proj_register_sums.diff
 #   bench/ab_backward.sh $OUT dev/a.diff dev/b.diff dev/a.diff+dev/b.diff
+#   bench/ab_backward.sh $OUT --precision highest dev/split_f16x3_vector.diff
 set -uo pipefail
-out=${1:?usage: bench/ab_backward.sh OUT DIFF...}
+out=${1:?usage: bench/ab_backward.sh OUT [--precision P] DIFF...}
 shift
+precision=medium
+if [ "${1:-}" = --precision ]; then precision=$2; shift 2; fi
 cd "$(dirname "$0")/.."
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-.build}
-profile() { timeout 60 python3 dev/backward_profile.py --shape 1,1024,128,128 --precision medium --rows 14 2>&1 |
+profile() { timeout 60 python3 dev/backward_profile.py --shape 1,1024,128,128 --precision $precision --rows 14 2>&1 |
   grep -v -i warn; }
 python3 trimul_inline.py build > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
 profile > "$out/committed.log"
@@ -28,7 +32,8 @@ for spec in "$@"; do
     continue
   fi
   if python3 trimul_inline.py build >> "$out/build.log" 2>&1; then
-    timeout 120 python3 -m pytest -q test_trimul.py -k "training and (medium or bitwise)" > "$out/$name-tests.log" 2>&1
+    timeout 120 python3 -m pytest -q test_trimul.py -k "(training and ($precision or bitwise)) or f16x3" \
+      > "$out/$name-tests.log" 2>&1
     echo "$name: $(tail -n 1 "$out/$name-tests.log")"
     profile > "$out/$name.log"
   else
