@@ -2130,8 +2130,9 @@ class ModelNew(_TriMulLayers):
                 for side, planes in enumerate((a_t, b_t)):
                     planes[:, :, part] = _gated_side(params, x, pair_mask[:, part], side, operand).permute(0, 3, 1, 2)
                 del x
-            z = _ShardedContraction.apply(a_t, b_t, ring, incoming)  # [B, H, N_r, N]
-            del a_t, b_t
+            planes = [a_t, b_t]
+            del a_t, b_t  # (_sharded_z frees a as soon as it can: planes holds the only references)
+            z = _sharded_z(planes, ring, incoming, keep_a=False)[0]  # [B, H, N_r, N]
             out = torch.empty_like(pair_repr, memory_format=torch.contiguous_format)
             for part in steps:
                 source = pair_repr[:, part]
@@ -2347,11 +2348,14 @@ class _Ring:
         chunk of its rows and this rank's columns, so the last two sizes of chunks[s] swapped."""
         return self.start_all_to_all(chunks)()
 
-    def start_all_to_all(self, chunks):
+    def start_all_to_all(self, chunks, keep_own: bool = True):
         """all_to_all started: returns (wait() -> the received chunks); this rank's own chunk is chunks[rank]
-        and needs no waiting."""
-        device = "cpu" if self.stage else chunks[0].device
-        received = [chunks[0].new_empty(c.shape[:-2] + (c.shape[-1], c.shape[-2]), device=device) for c in chunks]
+        and needs no waiting (keep_own False: None there, and wait() holds no reference to the chunks, so
+        that their tensor can be freed while the transfers run). The sent copies are dropped once waited for."""
+        device, home = "cpu" if self.stage else chunks[0].device, chunks[0].device
+        received = [None if s == self.rank else
+                    chunks[0].new_empty(c.shape[:-2] + (c.shape[-1], c.shape[-2]), device=device)
+                    for s, c in enumerate(chunks)]
         # (point-to-point pairs, not dist.all_to_all: gloo's takes only chunks of one size, and N need not
         # divide by the world size)
         ops = []
@@ -2361,12 +2365,15 @@ class _Ring:
                                            self.group))
                 ops.append(self.dist.P2POp(self.dist.irecv, received[s], self.peer(s), self.group))
         requests = self.dist.batch_isend_irecv(ops) if ops else []
+        del ops
+        own = chunks[self.rank] if keep_own else None
 
         def wait():
             for request in requests:
                 request.wait()
-            out = [r.to(chunks[0].device) for r in received] if self.stage else list(received)
-            out[self.rank] = chunks[self.rank]
+            requests.clear()
+            out = [None if r is None else r.to(home) for r in received] if self.stage else list(received)
+            out[self.rank] = own
             return out
         return wait
 
@@ -2458,30 +2465,9 @@ class _ShardedContraction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a_t, b_t, ring, incoming):
-        columns = ring.columns
-        if incoming:  # a[k, i] for every k and this rank's i, chunk by chunk of k
-            chunks = [a_t[..., c] for c in columns]
-            arrival = ring.start_all_to_all(chunks)
-            received = {}  # (the own chunk's product runs while the others arrive)
-            z = a_t.new_zeros(a_t.shape[:2] + (chunks[ring.rank].shape[3], b_t.shape[3]))
-
-            def product(block, s):
-                if s != ring.rank and not received:
-                    received.update(enumerate(arrival()))
-                chunk = chunks[s] if s == ring.rank else received[s]
-                _add_product_(z, chunk.transpose(-1, -2), block)
-        else:
-            z = a_t.new_empty(a_t.shape[:3] + (sum(ring.counts),))
-
-            def product(block, s):
-                for part in _block_product_channels(a_t.shape[1]):
-                    z[:, part, :, columns[s]] = _block_product(a_t[:, part], block[:, part])
-        _ring_products(ring, b_t, product, 2)
-        if incoming and not received:
-            received.update(enumerate(arrival()))
-        if incoming and any(ctx.needs_input_grad[:2]):  # a's column block [B, H, N, N_r], for the backward
-            a_t = torch.cat([received[s] for s in range(ring.world)], dim=2)
-        ctx.save_for_backward(a_t, b_t)
+        keep = any(ctx.needs_input_grad[:2])
+        z, a_kept = _sharded_z([a_t, b_t], ring, incoming, keep)
+        ctx.save_for_backward(a_kept if keep else a_t, b_t)
         ctx.ring, ctx.incoming = ring, incoming
         ctx.precision = torch.get_float32_matmul_precision()  # (the layer's; autograd runs backward outside it)
         return z
@@ -2512,6 +2498,47 @@ class _ShardedContraction(torch.autograd.Function):
             _ring_products(ring, b_t, product, 2)
             d_b = _ring_reduce(ring, lambda s: d_z[..., columns[s]].transpose(-1, -2) @ a_t, 2)
         return d_a, d_b, None, None
+
+
+def _sharded_z(planes: list, ring: _Ring, incoming: bool, keep_a: bool):
+    """_ShardedContraction's forward: (z's rows of this rank, what the backward keeps of a: a_t, or for incoming a's
+    column block [B, H, N, N_r]; None unless keep_a). planes = [a_t, b_t], emptied by the call: where the caller
+    holds no other reference (the no-gradient forward), incoming's a_t is freed once its own chunk's product ran
+    (the others' chunks are sent by then, and a's column block arrives in their place)."""
+    a_t, b_t = planes
+    planes.clear()
+    columns = ring.columns
+    if incoming:  # a[k, i] for every k and this rank's i, chunk by chunk of k
+        chunks = [a_t[..., c] for c in columns]
+        arrival = ring.start_all_to_all(chunks, keep_own=keep_a)
+        own = [chunks[ring.rank]]  # (dropped after its product unless kept: then nothing holds a_t)
+        received = {}  # (the own chunk's product runs while the others arrive)
+        z = a_t.new_zeros(a_t.shape[:2] + (own[0].shape[3], b_t.shape[3]))
+        del a_t, chunks
+
+        def product(block, s):
+            if s == ring.rank:
+                _add_product_(z, own[0].transpose(-1, -2), block)
+                if not keep_a:
+                    own.clear()
+                return
+            if not received:
+                received.update(enumerate(arrival()))
+            _add_product_(z, received[s].transpose(-1, -2), block)
+    else:
+        z = a_t.new_empty(a_t.shape[:3] + (sum(ring.counts),))
+
+        def product(block, s):
+            for part in _block_product_channels(a_t.shape[1]):
+                z[:, part, :, columns[s]] = _block_product(a_t[:, part], block[:, part])
+    _ring_products(ring, b_t, product, 2)
+    if incoming and not received:  # (one rank: nothing arrives, but the exchange is closed all the same)
+        received.update(enumerate(arrival()))
+    if not keep_a:
+        return z, None
+    if incoming:
+        return z, torch.cat([received[s] for s in range(ring.world)], dim=2)  # (received[rank]: the own chunk)
+    return z, a_t
 
 
 def _check_sharded_inputs(layers, ring: _Ring, pair_repr, pair_mask) -> None:
