@@ -2094,7 +2094,8 @@ def _f16x3_planes(g, planes, n, scales, row_pad=0):
 def test_contract_backward_f16x3_products_match_fp64(n):
     """contract_backward's wgmma_f16x3 (split fp16 parts on the contraction's fp16x3 path): z = a b^T, da = dz b,
     db = dz^T a against fp64, plane by plane, with odd N, a and b as strided-row views (the saved planes'), and
-    planes of far apart magnitudes in one stack (one 1e-5 of the largest, one all zero: zero stays zero)."""
+    planes of far apart magnitudes in one stack (one 1e-5 of the largest, one all zero: zero stays zero); the
+    planes taken a few per call give the same bits."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     a = _f16x3_planes(g, 4, n, [1.0, 1e-5, 0.0, 3e3], row_pad=5)
@@ -2114,6 +2115,11 @@ def test_contract_backward_f16x3_products_match_fp64(n):
         for plane in range(4):
             err = _grad_error(got[plane].cpu(), expected[name][plane])
             assert err < 2e-6, f"{name} plane {plane} N={n}: error {err} (seed {seed})"
+    for per_call in (1, 3):  # (planes in groups, the last one short: the same bits)
+        poison_allocator()
+        assert torch.equal(extension.contract_backward_products("wgmma_f16x3", cuda[0], cuda[1], None, per_call)[0], z)
+        grouped = extension.contract_backward_products("wgmma_f16x3", *cuda, planes_per_call=per_call)
+        assert torch.equal(grouped[0], da) and torch.equal(grouped[1], db), per_call
 
 
 @HOPPER

@@ -734,6 +734,19 @@ struct Split {
   }
 };
 
+// Planes per product call: each call's split parts (two operands, hi and lo, fp16: 8 N ld bytes per plane) within
+// kGroupBytes, so that they stay small beside the backward's fp32 plane stacks, but at least enough planes for
+// two waves of the contraction's 128 x 256 tiles on a full GPU (kGroupTiles). The same bits for any grouping:
+// planes are split and multiplied independently.
+constexpr int64_t kGroupBytes = int64_t(256) << 20, kGroupTiles = 2 * 132;
+
+int64_t planes_per_group(int64_t planes, int64_t n, int64_t ld) {
+  const int64_t by_bytes = kGroupBytes / std::max<int64_t>(8 * n * ld, 1);
+  const auto ceil_ratio = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
+  const int64_t by_tiles = ceil_ratio(kGroupTiles, ceil_ratio(n, 128) * ceil_ratio(n, 256));
+  return std::min(planes, std::max<int64_t>({by_bytes, by_tiles, 1}));
+}
+
 // The largest |element| of each plane, on the device ([planes] fp32): the split pass's scales.
 at::Tensor bound(const at::Tensor& planes) {
   return at::linalg_vector_norm(planes, std::numeric_limits<double>::infinity(), at::IntArrayRef({1, 2}), false,
@@ -745,9 +758,11 @@ at::Tensor bound(const at::Tensor& planes) {
 // contract_backward on the library's kernel `kernel` (wgmma_f16x3), per plane of fp32 [planes, N, N] stacks
 // (a and b may have their rows strided): without dz [z = a b^T]; with dz [da = dz b, db = dz^T a]. Each operand
 // is split into scaled fp16 parts (transposed where its product reads it so), multiplied as fp16x3 by the
-// forward's split-operand contraction; each product's parts are freed before the next is split.
+// forward's split-operand contraction; each product's parts are freed before the next is split, and the planes go
+// planes_per_call at a time (None: planes_per_group's rule).
 std::vector<at::Tensor> contract_backward_products(const std::string& kernel, const at::Tensor& a, const at::Tensor& b,
-                                                   const c10::optional<at::Tensor>& dz) {
+                                                   const c10::optional<at::Tensor>& dz,
+                                                   c10::optional<int64_t> planes_per_call = c10::nullopt) {
   using namespace split_products;
   TORCH_CHECK_VALUE(a.is_cuda() && a.dim() == 3, "trimul_inline: contract_backward's a must be CUDA [planes, N, N]");
   check_planes(a, "a", a);
@@ -767,25 +782,44 @@ std::vector<at::Tensor> contract_backward_products(const std::string& kernel, co
   TORCH_CHECK_VALUE(split.kernel >= 0, "trimul_inline: '", kernel, "' is a torch baseline, not a kernel of the library");
   const at::Tensor unscale = at::empty({2, planes}, a.options());
   const at::Tensor a_bound = bound(a), b_bound = bound(b);
-  at::Tensor x, y, unscale_0 = unscale[0], unscale_1 = unscale[1];
-  if (!dz.has_value()) {
-    at::Tensor z = planes_out();
-    split.run(a, a_bound, &x, nullptr);
-    split.run(b, b_bound, &y, nullptr, &a_bound, &unscale_0);
-    split.product(x, y, unscale_0, z);
-    return {z};
+  const at::Tensor dz_bound = dz.has_value() ? bound(*dz) : at::Tensor();
+  at::Tensor z, da, db;
+  if (dz.has_value()) {
+    da = planes_out();
+    db = planes_out();
+  } else {
+    z = planes_out();
   }
-  const at::Tensor dz_bound = bound(*dz);
-  at::Tensor da = planes_out();
-  split.run(*dz, dz_bound, &x, nullptr);
-  split.run(b, b_bound, nullptr, &y, &dz_bound, &unscale_0);
-  split.product(x, y, unscale_0, da);  // da[i, k] = sum_j dz[i, j] b[j, k]: dz's rows by b^T's rows
-  x.reset();
-  y.reset();
-  at::Tensor db = planes_out();
-  split.run(*dz, dz_bound, nullptr, &x);
-  split.run(a, a_bound, nullptr, &y, &dz_bound, &unscale_1);
-  split.product(x, y, unscale_1, db);  // db[j, k] = sum_i dz[i, j] a[i, k]: dz^T's rows by a^T's rows
+  TORCH_CHECK_VALUE(!planes_per_call.has_value() || *planes_per_call > 0,
+                    "trimul_inline: planes_per_call must be positive");
+  const int64_t group = planes_per_call.has_value() ? std::min(*planes_per_call, planes)
+                                                    : planes_per_group(planes, n, split.ld);
+  for (int64_t first = 0; first < planes; first += group) {
+    const int64_t count = std::min(group, planes - first);
+    Split part = split;
+    part.sizes.batch = count;
+    const auto slice = [&](const at::Tensor& t) { return t.narrow(0, first, count); };
+    at::Tensor x, y, unscale_0 = slice(unscale[0]), unscale_1 = slice(unscale[1]);
+    const at::Tensor a_part = slice(a), b_part = slice(b), a_b = slice(a_bound), b_b = slice(b_bound);
+    if (!dz.has_value()) {
+      at::Tensor z_part = slice(z);
+      part.run(a_part, a_b, &x, nullptr);
+      part.run(b_part, b_b, &y, nullptr, &a_b, &unscale_0);
+      part.product(x, y, unscale_0, z_part);
+      continue;
+    }
+    const at::Tensor dz_part = slice(*dz), dz_b = slice(dz_bound);
+    at::Tensor da_part = slice(da), db_part = slice(db);
+    part.run(dz_part, dz_b, &x, nullptr);
+    part.run(b_part, b_b, nullptr, &y, &dz_b, &unscale_0);
+    part.product(x, y, unscale_0, da_part);  // da[i, k] = sum_j dz[i, j] b[j, k]: dz's rows by b^T's rows
+    x.reset();
+    y.reset();
+    part.run(dz_part, dz_b, nullptr, &x);
+    part.run(a_part, a_b, nullptr, &y, &dz_b, &unscale_1);
+    part.product(x, y, unscale_1, db_part);  // db[j, k] = sum_i dz[i, j] a[i, k]: dz^T's rows by a^T's rows
+  }
+  if (!dz.has_value()) return {z};
   return {da, db};
 }
 
@@ -1084,7 +1118,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward_kernel", &backward_kernel, "the kernel a backward role runs ('': a torch baseline's passes)");
   m.def("backward_pass", &backward_pass, "one memory pass of the backward (trimul::BackwardPass) on given tensors");
   m.def("contract_backward_products", &contract_backward_products,
-        "contract_backward on a library kernel: [z = a b^T] without dz, else [da = dz b, db = dz^T a]");
+        "contract_backward on a library kernel: [z = a b^T] without dz, else [da = dz b, db = dz^T a]",
+        py::arg("kernel"), py::arg("a"), py::arg("b"), py::arg("dz"), py::arg("planes_per_call") = py::none());
   m.def("training_backward", &training_backward,
         "the whole backward on the library's backward kernels and cuBLAS ([] where a role is a torch baseline)");
   py::class_<PlannedForward>(m, "PlannedForward", "a checked eager call's decisions (ModelNew._fast)")
