@@ -2992,14 +2992,19 @@ def test_host_layers_on_the_gpu(name, make, precision):
 
 
 # ---- sharded over ranks (process_group): spawned gloo processes on the CPU -----------------------------------
-def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, precision=None, tolerance=1e-12):
+def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, precision=None, tolerance=1e-12,
+                    backend="gloo"):
     """One rank: for each case, the sharded ModelNew's rows of the output, d pair_repr and (summed over the group)
     parameter gradients against the single-process computation of the same seeded problem in float64; the
     sharded model in `dtype` at `precision`, within `tolerance`. On CUDA in fp32, outgoing's block products
-    must run on the contraction kernels (one contract_into call per rank's block and channel part)."""
+    must run on the contraction kernels (one contract_into call per rank's block and channel part). backend
+    "nccl": one GPU per rank (device cuda:<rank>)."""
     import datetime
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+    if backend == "nccl":
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
         for seed, direction, gate_input, batch, n, pair_dim, hidden, float_mask in cases:
@@ -3032,7 +3037,7 @@ def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, prec
                 inferred = sharded(local_pair, local_mask)
             assert _grad_error(inferred.cpu(), expected[:, rows.start:rows.stop].to(inferred.dtype)) < tolerance, \
                 f"{label}: no_grad"
-            if device == "cuda" and dtype == torch.float32 and direction == "outgoing":
+            if device.startswith("cuda") and dtype == torch.float32 and direction == "outgoing":
                 expected_calls = world * len(ti._block_product_channels(hidden))  # (per block, per channel part)
                 assert len(calls) == expected_calls, \
                     f"{label}: {len(calls)} contraction kernel calls, expected {expected_calls}"
@@ -3124,6 +3129,23 @@ def test_sharded_block_products_run_on_the_contraction_kernels(tmp_path):
     cases = [(seed + i, direction, gate_input, 1, 37, 24, 16, True)
              for i, (direction, gate_input) in enumerate([("outgoing", "raw"), ("incoming", "normalized")])]
     _spawn(_sharded_worker, 2, tmp_path, cases, "cuda", torch.float32, "highest", 1e-5)
+
+
+GPU_COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif(GPU_COUNT < 2, reason="needs 2+ GPUs (one NCCL rank per GPU)")
+@pytest.mark.parametrize("world", sorted({2, max(GPU_COUNT, 2)}))
+def test_sharded_nccl_one_rank_per_gpu(world, tmp_path):
+    """One rank per GPU over NCCL (the multi-GPU issue's first run): fp32 at "highest" against the float64 single
+    process within 1e-5, both directions and gate inputs, N not a multiple of the world size (and one N below
+    it), a float mask with zero rows."""
+    seed = fresh_seed()
+    cases = [(seed + i, direction, gate_input, batch, n, 24, 16, float_mask)
+             for i, (direction, gate_input, batch, n, float_mask) in enumerate(
+                 [("outgoing", "raw", 1, 2 * world + 1, True), ("incoming", "normalized", 2, 3 * world - 1, False),
+                  ("outgoing", "normalized", 1, world - 1, False), ("incoming", "raw", 1, 37, True)])]
+    _spawn(_sharded_worker, world, tmp_path, cases, "cuda", torch.float32, "highest", 1e-5, "nccl")
 
 
 def test_distributed_bench_runs_on_cpus(tmp_path):

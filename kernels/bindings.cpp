@@ -828,9 +828,10 @@ std::vector<at::Tensor> contract_backward_products(const std::string& kernel, co
 // sharing memory), or an empty list where a backward role's kernel is a torch baseline (Python's path
 // then runs it; contract_backward's torch baseline, bmm, runs here). precision: the fp32 products'
 // (trimul::Precision: contract_backward's kernel applies per precision); operand_f32: the operands are fp32
-// (else bf16); the caller sets the matmul precision. saved_z: the forward's z planes [B*H, N, >= N] in the operand dtype (not recomputed); lean: proj is not
-// kept across the output side and the contraction's backward (recomputed, the same GEMM, before d_proj, whose
-// d proj overwrites it): the step's peak loses the [P, 4H] proj buffer, one GEMM more. saved_ab: the forward's
+// (else bf16); the caller sets the matmul precision. saved_z: the forward's z planes [B*H, N, >= N] in the
+// operand dtype (not recomputed); lean: proj is not kept across the output side and the contraction's backward
+// (recomputed, the same GEMM, before d_proj, whose d proj overwrites it): the step's peak loses the [P, 4H] proj
+// buffer, one GEMM more. saved_ab: the forward's
 // a/b planes [2, B*H, N, >= N] in the operand dtype (with saved_z): gated_planes (and, lean, the first proj GEMM)
 // of the recompute are skipped, the products read the planes in place (rows strided). `saved` is None or the list
 // [saved_z or None, saved_ab or None], which this call empties (once it knows it runs the backward), so that
