@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <dlfcn.h>
@@ -736,14 +737,15 @@ struct Split {
 
 // Planes per product call: each call's split parts (two operands, hi and lo, fp16: 8 N ld bytes per plane) within
 // kGroupBytes, so that they stay small beside the backward's fp32 plane stacks, but at least enough planes for
-// two waves of the contraction's 128 x 256 tiles on a full GPU (kGroupTiles). The same bits for any grouping:
-// planes are split and multiplied independently.
-constexpr int64_t kGroupBytes = int64_t(256) << 20, kGroupTiles = 2 * 132;
+// kGroupWaves waves of the contraction's 128 x 256 tiles (one CTA per SM) on this GPU. The same bits for any
+// grouping: planes are split and multiplied independently.
+constexpr int64_t kGroupBytes = int64_t(256) << 20, kGroupWaves = 2;
 
 int64_t planes_per_group(int64_t planes, int64_t n, int64_t ld) {
   const int64_t by_bytes = kGroupBytes / std::max<int64_t>(8 * n * ld, 1);
   const auto ceil_ratio = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
-  const int64_t by_tiles = ceil_ratio(kGroupTiles, ceil_ratio(n, 128) * ceil_ratio(n, 256));
+  const int64_t tiles = kGroupWaves * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t by_tiles = ceil_ratio(tiles, ceil_ratio(n, 128) * ceil_ratio(n, 256));
   return std::min(planes, std::max<int64_t>({by_bytes, by_tiles, 1}));
 }
 
