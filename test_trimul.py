@@ -3131,6 +3131,41 @@ def test_sharded_block_products_run_on_the_contraction_kernels(tmp_path):
     _spawn(_sharded_worker, 2, tmp_path, cases, "cuda", torch.float32, "highest", 1e-5)
 
 
+def _sharded_frees_worker(rank, world, store):
+    """One rank: incoming's no-gradient _sharded_z frees a's planes once its own chunk's product ran (a weak
+    reference dead at every later product), and gives the same z as the autograd forward, which keeps them."""
+    import datetime
+    import weakref
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        n, rows = 11, len(ti.shard_rows(11, world, rank))
+        ring = ti._Ring(dist.group.WORLD, n, torch.device("cpu"))
+        g = torch.Generator().manual_seed(1234 + rank)
+        a_t, b_t = (torch.randn(2, 3, rows, n, generator=g, dtype=torch.float64) for _ in range(2))
+        expected = ti._ShardedContraction.apply(a_t.clone(), b_t.clone(), ring, True)
+        a_alive, alive_at = weakref.ref(a_t), []
+        add_product = ti._add_product_
+        ti._add_product_ = lambda *args: alive_at.append(a_alive() is not None) or add_product(*args)
+        planes = [a_t, b_t]
+        del a_t, b_t
+        try:
+            z, kept = ti._sharded_z(planes, ring, True, keep_a=False)
+        finally:
+            ti._add_product_ = add_product
+        assert kept is None and planes == [] and len(alive_at) == world, alive_at
+        assert alive_at[0] and not any(alive_at[1:]), f"rank {rank}: a's planes alive at the products: {alive_at}"
+        assert torch.equal(z, expected), f"rank {rank}"
+    finally:
+        _leave_group(dist)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_incoming_inference_frees_a_once_sent(world, tmp_path):
+    _spawn(_sharded_frees_worker, world, tmp_path)
+
+
 GPU_COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
