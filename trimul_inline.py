@@ -2502,25 +2502,28 @@ class _ShardedContraction(torch.autograd.Function):
 
 def _sharded_z(planes: list, ring: _Ring, incoming: bool, keep_a: bool):
     """_ShardedContraction's forward: (z's rows of this rank, what the backward keeps of a: a_t, or for incoming a's
-    column block [B, H, N, N_r]; None unless keep_a). planes = [a_t, b_t], emptied by the call: where the caller
-    holds no other reference (the no-gradient forward), incoming's a_t is freed once its own chunk's product ran
-    (the others' chunks are sent by then, and a's column block arrives in their place)."""
+    column block [B, H, N, N_r]; None unless keep_a). planes = [a_t, b_t], emptied by the call. Where the caller
+    holds no other reference (the no-gradient forward), incoming frees a_t before b's ring allocates its first
+    block: the own chunk's product runs first, while the all-to-all of the others' chunks is in flight (whose
+    sends are copies), so the rank never holds a's rows, a's column block and a block of b at once."""
     a_t, b_t = planes
     planes.clear()
     columns = ring.columns
     if incoming:  # a[k, i] for every k and this rank's i, chunk by chunk of k
         chunks = [a_t[..., c] for c in columns]
         arrival = ring.start_all_to_all(chunks, keep_own=keep_a)
-        own = [chunks[ring.rank]]  # (dropped after its product unless kept: then nothing holds a_t)
+        own = chunks[ring.rank]
         received = {}  # (the own chunk's product runs while the others arrive)
-        z = a_t.new_zeros(a_t.shape[:2] + (own[0].shape[3], b_t.shape[3]))
+        z = a_t.new_zeros(a_t.shape[:2] + (own.shape[3], b_t.shape[3]))
         del a_t, chunks
+        if not keep_a:  # (the own term now; then nothing holds a_t)
+            _add_product_(z, own.transpose(-1, -2), b_t)
+            del own
 
         def product(block, s):
             if s == ring.rank:
-                _add_product_(z, own[0].transpose(-1, -2), block)
-                if not keep_a:
-                    own.clear()
+                if keep_a:
+                    _add_product_(z, own.transpose(-1, -2), block)
                 return
             if not received:
                 received.update(enumerate(arrival()))
