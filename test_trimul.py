@@ -3053,15 +3053,29 @@ def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, prec
                 dist.all_reduce(total, group=dist.group.WORLD)
                 assert _grad_error(total.cpu(), p_ref.grad) < tolerance, f"{label}: {name}"
     finally:
-        _leave_group(dist)
+        _leave_group(dist, store)
 
 
-def _leave_group(dist):
-    """Every rank at one barrier, then the group destroyed: a rank that closes its gloo connections while a
-    peer is still tearing down aborts that peer (seen as SIGABRT, 'terminate called without an active
-    exception'). The barrier waits out the group's timeout if a peer died."""
+def _leave_group(dist, store):
+    """Every rank at one barrier, then the group destroyed once every rank has left the barrier, then each process
+    exits once every rank has destroyed its group: a rank that closes its gloo connections while a peer is still
+    using or tearing down its own aborts that peer (seen as SIGABRT, 'terminate called without an active
+    exception', under load even with the barrier alone). The barrier waits out the group's timeout if a peer
+    died; the marker files (beside the store), 60 s each."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     dist.barrier()
+    _all_ranks_at(f"{store}.left", rank, world)
     dist.destroy_process_group()
+    _all_ranks_at(f"{store}.destroyed", rank, world)
+
+
+def _all_ranks_at(marker: str, rank: int, world: int, timeout: float = 60.0) -> None:
+    """A file barrier outside the process group: this rank's marker file, then a wait for every rank's."""
+    import time
+    open(f"{marker}{rank}", "w").close()
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(f"{marker}{r}") for r in range(world)) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _spawn(worker, world, tmp_path, *args):
@@ -3106,7 +3120,7 @@ def _bad_input_worker(rank, world, store):
         with pytest.raises(ValueError, match=expected):
             model(pair, mask)
     finally:
-        _leave_group(dist)
+        _leave_group(dist, store)
 
 
 def test_sharded_bad_input_raises_on_every_rank(tmp_path):
@@ -3158,7 +3172,7 @@ def _sharded_frees_worker(rank, world, store):
         assert alive_at[0] and not any(alive_at[1:]), f"rank {rank}: a's planes alive at the products: {alive_at}"
         assert torch.equal(z, expected), f"rank {rank}"
     finally:
-        _leave_group(dist)
+        _leave_group(dist, store)
 
 
 @pytest.mark.parametrize("world", [2, 3])
