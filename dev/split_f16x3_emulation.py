@@ -6,15 +6,17 @@ times unscale per plane), against fp64. Checks the index math and the error befo
     python dev/split_f16x3_emulation.py
 """
 import math
+import struct
 
 import torch
 
-K_SIDE, K_TOP, K_REACH = 64, 15, 60
+K_SIDE = 64
 
 
 def scale_exponent(bound: float) -> int:
-    e = math.frexp(bound)[1] if 0 < bound <= 3.0e38 else 0
-    return min(max(K_TOP - e, -K_REACH), K_REACH)
+    """fused::exponent_to_4096: from the float's biased exponent, clamped to [-100, 100]."""
+    biased = (struct.unpack("<I", struct.pack("<f", bound))[0] >> 23) & 0xFF
+    return min(max(12 - (biased - 126), -100), 100)
 
 
 def split(planes, bound, ld, rows=True, transposed=False, bound_other=None):
@@ -27,8 +29,8 @@ def split(planes, bound, ld, rows=True, transposed=False, bound_other=None):
     for plane in range(batch):
         scale = math.ldexp(1.0, scale_exponent(float(bound[plane])))
         if unscale is not None:
-            unscale[plane] = math.ldexp(1.0, -(scale_exponent(float(bound[plane])) +
-                                               scale_exponent(float(bound_other[plane]))))
+            unscale[plane] = math.ldexp(1.0, -scale_exponent(float(bound[plane]))) * \
+                math.ldexp(1.0, -scale_exponent(float(bound_other[plane])))
         for by in range(tiles):
             for bx in range(tiles):
                 row0, col0 = by * K_SIDE, bx * K_SIDE

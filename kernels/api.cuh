@@ -215,10 +215,10 @@ struct BackwardArgs {
   // (width 2C); the caller adds the rows up. nullptr: not wanted.
   float* sums;
   // split_f16x3: a_planes holds `batch` fp32 N x N planes at plane_stride, rows at row_stride (elements). It
-  // writes plane p times 2^s_p (s_p from bound[p], the plane's largest |element|, which lands just under 2^15)
+  // writes plane p times 2^s_p (s_p from bound[p], the plane's largest |element|, which lands in [2^11, 2^12))
   // as fp16 parts hi = fp16(x 2^s), lo = fp16(x 2^s - hi): `parts` [2, batch, N, ld] as they are, `parts_t`
   // the same transposed (either may be nullptr), columns N .. ld zero: the split operands of ContractArgs.
-  // Where unscale is not null it also writes unscale[p] = 2^-(s_p + s'_p), s'_p from bound_other[p]: the
+  // Where unscale is not null it also writes unscale[p] = 2^-s_p 2^-s'_p, s'_p from bound_other[p]: the
   // products' z_scale per plane.
   int64_t plane_stride, row_stride, ld;
   const float* bound;

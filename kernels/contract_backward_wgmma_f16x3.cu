@@ -1,68 +1,51 @@
 // wgmma_f16x3 — contract_backward at "highest": z = a b^T again, da = dz b, db = dz^T a as fp16x3 products
 // The products are the forward's own split-operand contraction (wgmma_tma with fp16 parts and z_scale, run by
 // the extension through the contraction registry); this file is the pass that makes its operands
-// (BackwardPass::split_f16x3): fp32 planes, each scaled by a power of two so that its largest element lands
-// just under 2^15, as fp16 parts hi + lo (22 significant bits; the products' lo.lo term, 2^-22 of the product, is
-// dropped), laid out as they are or transposed, whichever the product reads k-major. One read of the
-// planes and one write of the parts; the scales come from device-side bounds (no host synchronisation).
-// Per plane, since channels differ in scale: an element r times below its plane's largest keeps ~2^-40 / r
-// of relative precision from the parts (2^-22 down to r ~ 2^-18, 1e-6 at r = 1e-6).
-#include "tma.cuh"
+// (BackwardPass::split_f16x3): fp32 planes, each scaled by the forward's power of two for rows of no known range
+// (fused::exponent_to_4096 of the plane's largest element) and split as the forward's input pass splits its
+// operands (input_pass::store_contraction_pair: fp16 hi + lo, 22 significant bits; the products' lo.lo term,
+// 2^-22 of the product, is dropped), laid out as they are or transposed, whichever the product reads k-major.
+// One read of the planes and one write of the parts; the scales come from device-side bounds (no host
+// synchronisation). Per plane, since channels differ in scale: an element r times below its plane's largest
+// keeps ~2^-36 / r of relative precision from the parts (2^-22 down to r ~ 2^-14).
+#include "input_pass.cuh"
 
 namespace trimul {
 namespace contract_backward_f16x3 {
 
 constexpr int kSide = 64;  // a block's tile of a plane: kSide x kSide elements through shared memory
 constexpr int kThreads = 256;
-// The scale's exponent keeps within +-kReach, so that 2^-(s_x + s_y) stays a normal fp32 number; planes
-// whose largest element is below 2^(15 - kReach) lose the low bits of their small elements (fp16's
-// subnormals), far below any gradient the model makes.
-constexpr int kTop = 15, kReach = 60;
-
-__device__ __forceinline__ int scale_exponent(float bound) {
-  int e = 0;
-  if (bound > 0.f && bound <= 3.0e38f) frexpf(bound, &e);  // bound = m 2^e, m in [0.5, 1); else 2^kTop
-  return min(max(kTop - e, -kReach), kReach);
-}
-
-// Stores x0, x1 (adjacent columns) of one output row as hi and lo parts; `remainder` planes are the parts'
-// second half ([2, batch, rows, ld]).
-__device__ __forceinline__ void store_parts(__half* out, int64_t remainder, float x0, float x1) {
-  const __half2 hi = __floats2half2_rn(x0, x1);
-  const float2 back = __half22float2(hi);
-  *reinterpret_cast<__half2*>(out) = hi;
-  *reinterpret_cast<__half2*>(out + remainder) = __floats2half2_rn(x0 - back.x, x1 - back.y);
-}
 
 // Block (x, y) takes source columns x*kSide.. and rows y*kSide.. of planes z, z + gridDim.z, ...: a tile
-// read coalesced along the source rows into shared memory (scaled, zero past N), then written along the
-// output rows of each layout as half2 pairs (a warp: 128 contiguous bytes).
+// read coalesced along the source rows into shared memory (zero past N), then written scaled and split along
+// the output rows of each layout as half2 pairs (a warp: 128 contiguous bytes per part).
 __global__ void __launch_bounds__(kThreads) split_kernel(const BackwardArgs args) {
   __shared__ float tile[kSide][kSide + 1];
   const int64_t n = args.n, ld = args.ld, plane_elems = n * ld, remainder = args.batch * plane_elems;
   const int64_t row0 = int64_t(blockIdx.y) * kSide, col0 = int64_t(blockIdx.x) * kSide;
   const float* planes = static_cast<const float*>(args.a_planes);
-  __half* parts = static_cast<__half*>(args.parts);
-  __half* parts_t = static_cast<__half*>(args.parts_t);
   for (int64_t plane = blockIdx.z; plane < args.batch; plane += gridDim.z) {
     const float* source = planes + plane * args.plane_stride;
-    const float scale = ldexpf(1.f, scale_exponent(args.bound[plane]));
+    const int e = fused::exponent_to_4096(args.bound[plane]);
     if (args.unscale != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
-      args.unscale[plane] = ldexpf(1.f, -(scale_exponent(args.bound[plane]) + scale_exponent(args.bound_other[plane])));
+      args.unscale[plane] = fused::pow2(-e) * fused::pow2(-fused::exponent_to_4096(args.bound_other[plane]));
+    const float scale = fused::pow2(e);
     __syncthreads();  // (the previous plane's reads of the tile are done)
     for (int i = threadIdx.x; i < kSide * kSide; i += kThreads) {
       const int r = i / kSide, c = i % kSide;
       const int64_t row = row0 + r, col = col0 + c;
-      tile[r][c] = row < n && col < n ? source[row * args.row_stride + col] * scale : 0.f;
+      tile[r][c] = row < n && col < n ? source[row * args.row_stride + col] : 0.f;
     }
     __syncthreads();
     for (int i = threadIdx.x; i < kSide * kSide / 2; i += kThreads) {
       const int r = i / (kSide / 2), c = 2 * (i % (kSide / 2));
       // (ld is a multiple of 32 and c even: a pair starting before ld ends before it)
-      if (parts != nullptr && row0 + r < n && col0 + c < ld)
-        store_parts(parts + plane * plane_elems + (row0 + r) * ld + col0 + c, remainder, tile[r][c], tile[r][c + 1]);
-      if (parts_t != nullptr && col0 + r < n && row0 + c < ld)
-        store_parts(parts_t + plane * plane_elems + (col0 + r) * ld + row0 + c, remainder, tile[c][r], tile[c + 1][r]);
+      if (args.parts != nullptr && row0 + r < n && col0 + c < ld)
+        input_pass::store_contraction_pair<Mode::highest>(args.parts, plane * plane_elems + (row0 + r) * ld + col0 + c,
+                                                          tile[r][c], tile[r][c + 1], remainder, scale);
+      if (args.parts_t != nullptr && col0 + r < n && row0 + c < ld)
+        input_pass::store_contraction_pair<Mode::highest>(args.parts_t, plane * plane_elems + (col0 + r) * ld + row0 + c,
+                                                          tile[c][r], tile[c + 1][r], remainder, scale);
     }
   }
 }
