@@ -735,17 +735,17 @@ struct Split {
   }
 };
 
-// Planes per product call: each call's split parts (two operands, hi and lo, fp16: 8 N ld bytes per plane) within
-// kGroupBytes, so that they stay small beside the backward's fp32 plane stacks, but at least enough planes for
-// kGroupWaves waves of the contraction's 128 x 256 tiles (one CTA per SM) on this GPU. The same bits for any
-// grouping: planes are split and multiplied independently.
-constexpr int64_t kGroupBytes = int64_t(256) << 20, kGroupWaves = 2;
+// Planes per product call: each call's split parts (at most three operands alive, hi and lo, fp16: 12 N ld bytes
+// per plane) within kGroupBytes, so that they stay small beside the backward's fp32 plane stacks, but at least
+// enough planes for kGroupWaves waves of the contraction's 128 x 256 tiles (one CTA per SM) on this GPU. The
+// same bits for any grouping: planes are split and multiplied independently.
+constexpr int64_t kGroupBytes = int64_t(384) << 20, kGroupWaves = 2;
 
 int64_t planes_per_group(int64_t planes, int64_t n, int64_t ld) {
-  const int64_t by_bytes = kGroupBytes / std::max<int64_t>(8 * n * ld, 1);
-  const auto ceil_ratio = [](int64_t x, int64_t y) { return (x + y - 1) / y; };
+  const int64_t by_bytes = kGroupBytes / std::max<int64_t>(12 * n * ld, 1);
   const int64_t tiles = kGroupWaves * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t by_tiles = ceil_ratio(tiles, ceil_ratio(n, 128) * ceil_ratio(n, 256));
+  const int64_t tiles_per_plane = round_up(n, 128) / 128 * (round_up(n, 256) / 256);
+  const int64_t by_tiles = round_up(tiles, tiles_per_plane) / tiles_per_plane;
   return std::min(planes, std::max<int64_t>({by_bytes, by_tiles, 1}));
 }
 
@@ -759,9 +759,9 @@ at::Tensor bound(const at::Tensor& planes) {
 
 // contract_backward on the library's kernel `kernel` (wgmma_f16x3), per plane of fp32 [planes, N, N] stacks
 // (a and b may have their rows strided): without dz [z = a b^T]; with dz [da = dz b, db = dz^T a]. Each operand
-// is split into scaled fp16 parts (transposed where its product reads it so), multiplied as fp16x3 by the
-// forward's split-operand contraction; each product's parts are freed before the next is split, and the planes go
-// planes_per_call at a time (None: planes_per_group's rule).
+// is split into scaled fp16 parts (transposed where its product reads it so; dz both ways in one pass),
+// multiplied as fp16x3 by the forward's split-operand contraction; a part is freed once its last product ran,
+// and the planes go planes_per_call at a time (None: planes_per_group's rule).
 std::vector<at::Tensor> contract_backward_products(const std::string& kernel, const at::Tensor& a, const at::Tensor& b,
                                                    const c10::optional<at::Tensor>& dz,
                                                    c10::optional<int64_t> planes_per_call = c10::nullopt) {
@@ -810,16 +810,15 @@ std::vector<at::Tensor> contract_backward_products(const std::string& kernel, co
       part.product(x, y, unscale_0, z_part);
       continue;
     }
-    const at::Tensor dz_part = slice(*dz), dz_b = slice(dz_bound);
-    at::Tensor da_part = slice(da), db_part = slice(db);
-    part.run(dz_part, dz_b, &x, nullptr);
+    const at::Tensor dz_b = slice(dz_bound);
+    at::Tensor da_part = slice(da), db_part = slice(db), x_t;
+    part.run(slice(*dz), dz_b, &x, &x_t);  // (dz read once, both layouts)
     part.run(b_part, b_b, nullptr, &y, &dz_b, &unscale_0);
     part.product(x, y, unscale_0, da_part);  // da[i, k] = sum_j dz[i, j] b[j, k]: dz's rows by b^T's rows
     x.reset();
     y.reset();
-    part.run(dz_part, dz_b, nullptr, &x);
     part.run(a_part, a_b, nullptr, &y, &dz_b, &unscale_1);
-    part.product(x, y, unscale_1, db_part);  // db[j, k] = sum_i dz[i, j] a[i, k]: dz^T's rows by a^T's rows
+    part.product(x_t, y, unscale_1, db_part);  // db[j, k] = sum_i dz[i, j] a[i, k]: dz^T's rows by a^T's rows
   }
   if (!dz.has_value()) return {z};
   return {da, db};
@@ -862,8 +861,8 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   Passes outputs{"output_backward", "", batch, n, c, h, incoming, like, precision};
   inputs.kernel = role_kernel("input_backward", input_kernel, inputs);
   outputs.kernel = role_kernel("output_backward", output_kernel, outputs);
-  const std::string contracts = role_kernel("contract_backward", contract_kernel, inputs);  // ("": cuBLAS's bmm)
   if (inputs.kernel.empty() || outputs.kernel.empty()) return {};
+  const std::string contracts = role_kernel("contract_backward", contract_kernel, inputs);  // ("": cuBLAS's bmm)
   c10::optional<at::Tensor> saved_z, saved_ab;
   if (!saved.is_none()) {
     const py::list kept = saved.cast<py::list>();
