@@ -1135,8 +1135,7 @@ def _accumulate(t: torch.Tensor) -> torch.dtype:
 
 _BACKWARD_SUM_ROWS = 512  # blocks of the passes that sum over positions (trimul::kBackwardSumRows)
 _BACKWARD_PASS = {name: code for code, name in enumerate(
-    ("input_rows", "gated_planes", "z_rows", "gate_grad", "dz_planes", "d_proj", "d_pair", "split_f16x3"))}
-# (trimul::BackwardPass; split_f16x3 runs inside contract_backward_products)
+    ("input_rows", "gated_planes", "z_rows", "gate_grad", "dz_planes", "d_proj", "d_pair"))}  # trimul::BackwardPass
 
 
 class _KernelBackwardPasses:
@@ -1200,22 +1199,26 @@ class _KernelBackwardPasses:
         return out
 
 
+def _precision_code(mode: str) -> int:
+    """The extension's code (trimul::Precision) of the matmul precision a compute mode stands for."""
+    return _PRECISION_CODE[_MODE_PRECISION.get(mode, "highest")]
+
+
 def _backward_kernel(role: str, name: Optional[str], batch, n, pair_dim, hidden, incoming, operand, mode) -> str:
     """The library kernel a backward role runs for the call (name, else the default order's first that takes it);
     "" for a torch baseline (and off CUDA)."""
     if not operand.is_cuda or _is_torch_kernel(role, name):
         return ""
     return _extension().backward_kernel(role, name or "", batch, n, pair_dim, hidden, incoming, operand,
-                                        _PRECISION_CODE[_MODE_PRECISION.get(mode, "highest")])
+                                        _precision_code(mode))
 
 
 def _backward_passes(role: str, name: Optional[str], batch, n, pair_dim, hidden, incoming, operand, mode):
     """The memory passes of a backward role's kernel (None: the default order's first that takes the call):
     _KernelBackwardPasses, or _TorchBackwardPasses for a torch baseline (and off CUDA)."""
     kernel = _backward_kernel(role, name, batch, n, pair_dim, hidden, incoming, operand, mode)
-    precision = _PRECISION_CODE[_MODE_PRECISION.get(mode, "highest")]
-    return _KernelBackwardPasses(role, kernel, batch, n, pair_dim, hidden, incoming, precision) if kernel else \
-        _TorchBackwardPasses
+    return _KernelBackwardPasses(role, kernel, batch, n, pair_dim, hidden, incoming, _precision_code(mode)) \
+        if kernel else _TorchBackwardPasses
 
 
 class _BmmContractions:
@@ -1280,7 +1283,7 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
             graphed = all(t is None for t in saved) and not lean and \
                 (host == "graph" or (host == "auto" and _graphs_backward(pair, mode)))
             call = (grad_out, pair, mask, params, kernels.output_backward or "", kernels.input_backward or "",
-                    kernels.contract_backward or "", _PRECISION_CODE[_MODE_PRECISION[mode]],
+                    kernels.contract_backward or "", _precision_code(mode),
                     _COMPUTE_DTYPE[mode] == torch.float32, incoming, gate_normalized, eps_in, eps_out, mask_grad,
                     None if graphed else saved, lean)
             grads = _BACKWARD_GRAPHS.run(call) if graphed else None
