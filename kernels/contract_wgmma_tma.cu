@@ -2,9 +2,9 @@
 // zero fill past the edges) into a 4-stage mbarrier pipeline, two consumer warpgroups each run
 // m64n256k16 (k8 for TF32) on their 64 rows and keep one k-tile of MMAs in flight. Also 3xTF32 or
 // fp16x3 from split operands (ContractArgs::split): the k loop runs three times, over big.big,
-// big.small, small.big (fp16x3: scaled operands, the products scaled back by z_scale, one factor or one
-// per plane). A 16-bit z
-// goes out through a per-warp shared-memory scratch as 16-byte row stores (store_accumulators_staged).
+// big.small, small.big (fp16x3: scaled operands, the products scaled back by z_scale, one factor or
+// one per plane). A 16-bit z goes out through a per-warp shared-memory scratch as 16-byte row stores
+// (store_accumulators_staged).
 #include "tma.cuh"
 
 namespace trimul {
