@@ -2368,7 +2368,6 @@ class _Ring:
                                            self.group))
                 ops.append(self.dist.P2POp(self.dist.irecv, received[s], self.peer(s), self.group))
         requests = self.dist.batch_isend_irecv(ops) if ops else []
-        del ops
         own = chunks[self.rank] if keep_own else None
 
         def wait():
@@ -2468,9 +2467,8 @@ class _ShardedContraction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a_t, b_t, ring, incoming):
-        keep = any(ctx.needs_input_grad[:2])
-        z, a_kept = _sharded_z([a_t, b_t], ring, incoming, keep)
-        ctx.save_for_backward(a_kept if keep else a_t, b_t)
+        z, a_kept = _sharded_z([a_t, b_t], ring, incoming, keep_a=any(ctx.needs_input_grad[:2]))
+        ctx.save_for_backward(a_kept, b_t)  # (a_kept None: no backward will run)
         ctx.ring, ctx.incoming = ring, incoming
         ctx.precision = torch.get_float32_matmul_precision()  # (the layer's; autograd runs backward outside it)
         return z
