@@ -6,7 +6,7 @@
 # A+B (patches joined by '+') applies them together. --precision P (after OUT): profile and test at P instead.
 #   bench/ab_backward.sh $OUT dev/backward_tile64.diff dev/d_proj_register_sums.diff
 #   bench/ab_backward.sh $OUT dev/a.diff dev/b.diff dev/a.diff+dev/b.diff
-#   bench/ab_backward.sh $OUT --precision highest dev/split_f16x3_vector.diff
+#   bench/ab_backward.sh $OUT --precision highest dev/c.diff
 set -uo pipefail
 out=${1:?usage: bench/ab_backward.sh OUT [--precision P] DIFF...}
 shift

@@ -17,9 +17,12 @@ constexpr int kSide = 64;  // a block's tile of a plane: kSide x kSide elements 
 constexpr int kThreads = 256;
 
 // Block (x, y) takes source columns x*kSide.. and rows y*kSide.. of planes z, z + gridDim.z, ...: a tile
-// read coalesced along the source rows into shared memory (zero past N), then written scaled and split along
-// the output rows of each layout as half2 pairs (a warp: 128 contiguous bytes per part).
+// read along the source rows into shared memory (zero past N; kVector: 16-byte loads, the four a thread makes
+// issued before any is used), then written scaled and split along the output rows of each layout as half2
+// pairs (a warp: 128 contiguous bytes per part).
+template <bool kVector>
 __global__ void __launch_bounds__(kThreads) split_kernel(const BackwardArgs args) {
+  constexpr int kQuads = kSide * kSide / 4 / kThreads;  // 4-element groups per thread
   __shared__ float tile[kSide][kSide + 1];
   const int64_t n = args.n, ld = args.ld, plane_elems = n * ld, remainder = args.batch * plane_elems;
   const int64_t row0 = int64_t(blockIdx.y) * kSide, col0 = int64_t(blockIdx.x) * kSide;
@@ -30,11 +33,26 @@ __global__ void __launch_bounds__(kThreads) split_kernel(const BackwardArgs args
     if (args.unscale != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
       args.unscale[plane] = fused::pow2(-e) * fused::pow2(-fused::exponent_to_4096(args.bound_other[plane]));
     const float scale = fused::pow2(e);
-    __syncthreads();  // (the previous plane's reads of the tile are done)
-    for (int i = threadIdx.x; i < kSide * kSide; i += kThreads) {
-      const int r = i / kSide, c = i % kSide;
+    float x[kQuads][4];
+#pragma unroll
+    for (int q = 0; q < kQuads; ++q) {  // (loads first, then the shared-memory stores: kQuads loads in flight)
+      const int i = threadIdx.x + q * kThreads, r = i / (kSide / 4), c = 4 * (i % (kSide / 4));
       const int64_t row = row0 + r, col = col0 + c;
-      tile[r][c] = row < n && col < n ? source[row * args.row_stride + col] : 0.f;
+      const float* at = source + row * args.row_stride + col;
+      if constexpr (kVector) {  // (N and the row stride multiples of 4: a group is wholly inside or outside)
+        const float4 v = row < n && col < n ? *reinterpret_cast<const float4*>(at) : make_float4(0.f, 0.f, 0.f, 0.f);
+        x[q][0] = v.x, x[q][1] = v.y, x[q][2] = v.z, x[q][3] = v.w;
+      } else {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) x[q][k] = row < n && col + k < n ? at[k] : 0.f;
+      }
+    }
+    __syncthreads();  // (the previous plane's reads of the tile are done)
+#pragma unroll
+    for (int q = 0; q < kQuads; ++q) {
+      const int i = threadIdx.x + q * kThreads, r = i / (kSide / 4), c = 4 * (i % (kSide / 4));
+#pragma unroll
+      for (int k = 0; k < 4; ++k) tile[r][c + k] = x[q][k];
     }
     __syncthreads();
     for (int i = threadIdx.x; i < kSide * kSide / 2; i += kThreads) {
@@ -67,7 +85,13 @@ cudaError_t launch(const BackwardArgs& args) {
   if (args.batch == 0 || args.n == 0) return cudaSuccess;
   const unsigned tiles = static_cast<unsigned>(ceil_div(args.ld, kSide));
   const dim3 grid(tiles, tiles, static_cast<unsigned>(args.batch < 65535 ? args.batch : 65535));
-  split_kernel<<<grid, kThreads, 0, args.stream>>>(args);
+  const bool vector = args.n % 4 == 0 && args.row_stride % 4 == 0 && args.plane_stride % 4 == 0 &&
+                      reinterpret_cast<uintptr_t>(args.a_planes) % 16 == 0;
+  if (vector) {
+    split_kernel<true><<<grid, kThreads, 0, args.stream>>>(args);
+  } else {
+    split_kernel<false><<<grid, kThreads, 0, args.stream>>>(args);
+  }
   return cudaGetLastError();
 }
 
