@@ -21,6 +21,7 @@ import glob
 import hashlib
 import importlib.machinery
 import importlib.util
+import itertools
 import math
 import os
 import re
@@ -2247,56 +2248,163 @@ def _gated_side(params, x, mask, side: int, operand: torch.dtype):
     return p.mul_(mask.unsqueeze(-1).to(p.dtype)).to(operand)
 
 
+_IN_PLACE_LEAST_BUDGET = 1 << 28  # bytes: smaller temporaries would make blocks too thin to multiply well
+
+
+class _InPlacePlan(NamedTuple):
+    """The in-place update's sizes (_chunked_update), in lines of pair_repr (rows outgoing, columns incoming):
+    the first chunks, whose side is saved (`first` lines each, while more than `last` lines are left), then
+    the last lines `rows` at a time; `cols` whole-side lines per block, the output layers on at most
+    `positions` positions at a time, `fill` input lines per fill step."""
+    first: int
+    last: int
+    rows: int
+    cols: int
+    positions: int
+    fill: int
+
+
+def _in_place_plan(pair: torch.Tensor, hidden: int, operand: torch.dtype, chunk_size: Optional[int]) -> _InPlacePlan:
+    """Sizes that keep the in-place update within the pair's bytes at H <= C (DESIGN.md "Long sequences"): a
+    temporary budget T of a sixteenth of one side (at least _IN_PLACE_LEAST_BUDGET, at most a quarter of the free
+    memory); the first chunk 0.45 N lines (its side and its saved whole-side lines: 0.9 N + T); then the last
+    0.55 N lines N / 16 at a time (the saved lines 0.45 N + the held updates ~0.25 N + a chunk + T; then their own
+    whole side 0.55 N + the held updates + a chunk + T). Within T: a block made from raw lines and its z
+    ([B, H, chunk, cols]), then z and the output layers' temporaries (about 4 C + 8 H values per position)."""
+    batch, n, _, c = pair.shape
+    size, line = pair.element_size(), batch * n * hidden * operand.itemsize
+    budget = max(line * n // 16, _IN_PLACE_LEAST_BUDGET)
+    if pair.is_cuda:
+        budget = min(budget, _free_bytes(pair.device) // 4)
+    first = chunk_size or max(1, n * 9 // 20)
+    rows = max(1, min(n, chunk_size or n // 16))
+    chunk = max(first, rows)
+    cols = max(1, min(n, budget // (2 * batch * hidden * operand.itemsize * (n + chunk))))
+    z_bytes = batch * hidden * chunk * cols * operand.itemsize
+    positions = max(1, (budget - z_bytes) // (batch * (4 * c + 8 * hidden) * size))
+    fill = max(1, min(n, chunk_size or n, budget // 2 // (batch * n * (c + 3 * hidden) * size)))
+    return _InPlacePlan(first, n - first if chunk_size is None else n - n // 2, rows, cols, positions, fill)
+
+
 def _chunked_update(layers, pair, mask, operand, mode, chunk_size, out, add):
-    """ModelNew.forward_chunked's work (no autograd). Only the operand every output chunk needs whole is kept
-    for all positions, as planes [B, H, N, N] in `operand`: b (outgoing, plane[j, k] = b[j, k]) or a (incoming,
-    plane[i, k] = a[k, i]), filled a few input rows at a time. Then per chunk of output rows i (outgoing) or
-    columns j (incoming): the other side from those rows / columns of pair_repr, as planes [B, H, rows, N]; and
-    per block of the whole side's planes, z of those positions (torch.matmul: cuBLAS at the mode's precision)
-    and the output layers, into `out` (_ChunkPlan sizes them). Each block reads its positions of pair_repr
-    before writing them, a chunk's side is made before its blocks, and the whole side before any chunk, so `out`
-    may be pair_repr itself: the update in place needs the whole side and the plan's temporaries (DESIGN.md)."""
+    """ModelNew.forward_chunked's work (no autograd). One side is needed whole by every output chunk: b
+    (outgoing, plane[j, k] = b[j, k]: pair_repr's row j) or a (incoming, plane[i, k] = a[k, i]: its column i),
+    as planes [B, H, lines, N] in `operand` -- the whole side; the other side per chunk of output lines (rows i
+    outgoing, columns j incoming), as planes [B, H, chunk, N]; z per block of whole-side lines (torch.matmul:
+    cuBLAS at the mode's precision) and the output layers on those positions. Into a separate `out` the whole
+    side is made first (_chunk_plan sizes the rest); in place (`out` is pair_repr) _in_place_update keeps the
+    update within the pair's bytes."""
     batch, n = pair.shape[:2]
     hidden, incoming = layers.hidden_dim, layers.direction == "incoming"
     params, layer_norm = _layers_in_dtype(layers, pair.dtype)
     eps_out = layers.layer_norm_out.eps
-    def fill(planes, part, offset, side, from_columns, into_columns):
-        """That side of pair_repr's rows (from_columns: columns) `part` into the planes [B, H, ., .]: into their
-        rows part - offset, or their columns (into_columns)."""
-        where = (slice(None), slice(None), part) if from_columns else (slice(None), part)
-        values = _gated_side(params, layer_norm(pair[where]), mask[where], side, operand)  # [B, ., ., H]
-        values = values.permute(0, 3, 2, 1) if from_columns != into_columns else values.permute(0, 3, 1, 2)
-        target = slice(part.start - offset, part.stop - offset)
-        planes[(..., target) if into_columns else (slice(None), slice(None), target)] = values
+    whole_side, chunk_side = (0, 1) if incoming else (1, 0)
 
-    whole = pair.new_empty((batch, hidden, n, n), dtype=operand)
-    plan = _chunk_plan(pair, hidden, operand, whole.numel() * whole.element_size(), chunk_size)
-    for part in _spans(plan.fill, 0, n):  # whole side from pair_repr's rows: b[j, k] (rows j), a[k, i] as plane[i, k]
-        fill(whole, part, 0, 0 if incoming else 1, False, incoming)
-    out = torch.empty_like(pair, memory_format=torch.contiguous_format) if out is None else out
-    with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
-        for chunk in _spans(plan.rows, 0, n):
-            side = pair.new_empty((batch, hidden, chunk.stop - chunk.start, n), dtype=operand)
-            for part in _spans(plan.fill, chunk.start, chunk.stop):  # a[i, k] (rows i); b[k, j] (columns j)
-                fill(side, part, chunk.start, 1 if incoming else 0, incoming, False)
-            for block in _spans(plan.cols, 0, n):
-                if incoming:  # z[i, j] = sum_k a[k, i] b[k, j]: [B, H, block (i), chunk (j)]
-                    z = torch.matmul(whole[:, :, block], side.transpose(-1, -2))
-                    index = (slice(None), block, chunk)
-                else:  # z[i, j] = sum_k a[i, k] b[j, k]: [B, H, chunk (i), block (j)]
-                    z = torch.matmul(side, whole[:, :, block].transpose(-1, -2))
-                    index = (slice(None), chunk, block)
-                z = z.permute(0, 2, 3, 1).to(pair.dtype)
+    def fill(planes, part, offset, side, from_columns, into_columns, step):
+        """That side of pair_repr's rows (from_columns: columns) `part`, `step` lines at a time, into the planes
+        [B, H, ., .]: into their rows part - offset, or their columns (into_columns)."""
+        for piece in _spans(step, part.start, part.stop):
+            where = (slice(None), slice(None), piece) if from_columns else (slice(None), piece)
+            values = _gated_side(params, layer_norm(pair[where]), mask[where], side, operand)  # [B, ., ., H]
+            values = values.permute(0, 3, 2, 1) if from_columns != into_columns else values.permute(0, 3, 1, 2)
+            target = slice(piece.start - offset, piece.stop - offset)
+            planes[(..., target) if into_columns else (slice(None), slice(None), target)] = values
+
+    def lines(part, side, step):
+        """That side for pair_repr's lines `part` (rows outgoing, columns incoming): planes [B, H, part, N]."""
+        planes = pair.new_empty((batch, hidden, part.stop - part.start, n), dtype=operand)
+        fill(planes, part, part.start, side, incoming, False, step)
+        return planes
+
+    def updates(side, chunk, blocks, positions=None):
+        """(positions, update) for the chunk's lines against each (whole-side lines, their planes) of blocks;
+        the output layers on at most `positions` positions at a time (None: a block at once)."""
+        for block, whole in blocks:
+            if incoming:  # z[i, j] = sum_k a[k, i] b[k, j]: [B, H, block (i), chunk (j)]
+                z, rows, cols = torch.matmul(whole, side.transpose(-1, -2)), block, chunk
+            else:  # z[i, j] = sum_k a[i, k] b[j, k]: [B, H, chunk (i), block (j)]
+                z, rows, cols = torch.matmul(side, whole.transpose(-1, -2)), chunk, block
+            del whole  # (a block made for this product is freed before the next is made)
+            z = z.permute(0, 2, 3, 1)  # [B, rows, cols, H]
+            step = rows.stop - rows.start if positions is None else max(1, positions // (cols.stop - cols.start))
+            for part in _spans(step, rows.start, rows.stop):
+                index = (slice(None), part, cols)
                 source = pair[index]
                 gate_source = source if layers.gate_input == "raw" else layer_norm(source)
-                update = _layers_out(params, z, gate_source, eps_out)
-                del z, gate_source
-                if add:
-                    out[index] += update
-                else:
-                    out[index] = update
+                z_part = z[:, part.start - rows.start:part.stop - rows.start].to(pair.dtype)
+                update = _layers_out(params, z_part, gate_source, eps_out)
+                del z_part, source, gate_source
+                yield index, update
+                del update
+
+    def write(index, update):
+        if add:
+            out[index] += update
+        else:
+            out[index] = update
+
+    with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
+        if out is not None and out.data_ptr() == pair.data_ptr():
+            return _in_place_update(pair, hidden, operand, chunk_size, lines, updates, write, whole_side,
+                                    chunk_side)
+        whole = pair.new_empty((batch, hidden, n, n), dtype=operand)
+        plan = _chunk_plan(pair, hidden, operand, whole.numel() * whole.element_size(), chunk_size)
+        # (incoming: a[k, i] from pair_repr's rows k, into the planes' columns: contiguous reads)
+        fill(whole, slice(0, n), 0, whole_side, False, incoming, plan.fill)
+        out = torch.empty_like(pair, memory_format=torch.contiguous_format) if out is None else out
+        for chunk in _spans(plan.rows, 0, n):
+            side = lines(chunk, chunk_side, plan.fill)
+            for index, update in updates(side, chunk, _blocks(plan.cols, [(slice(0, n), whole)])):
+                write(index, update)
             del side
     return out
+
+
+def _blocks(cols: int, pieces):
+    """(lines, planes) per block of at most `cols` lines of each (lines, planes [B, H, lines, N]) piece."""
+    for part, planes in pieces:
+        for block in _spans(cols, part.start, part.stop):
+            yield block, planes[:, :, block.start - part.start:block.stop - part.start]
+
+
+def _in_place_update(pair, hidden, operand, chunk_size, lines, updates, write, whole_side, chunk_side):
+    """_chunked_update into pair_repr itself. A line's update may be written once no later step needs its raw
+    values: the whole side of a written line is saved first. Stage 1, chunks of the first lines: the chunk's
+    side and its whole-side lines (saved), then its blocks against the saved lines, its own, and the lines still
+    raw (their whole side made per block), written at once. Stage 2, the last lines L: their updates against the
+    saved lines are held (L's raw values stay for their own whole side), the saved lines freed; then L's whole
+    side, L's updates against it written, and the held ones. Peak: the saved lines + two chunks' sides + the
+    temporaries, or the saved lines + the held updates (< |L| (N - |L|) positions) + a chunk (_in_place_plan)."""
+    n = pair.shape[1]
+    plan = _in_place_plan(pair, hidden, operand, chunk_size)
+
+    def made(part):  # whole-side lines made per block from raw lines
+        return ((block, lines(block, whole_side, plan.fill)) for block in _spans(plan.cols, part.start, part.stop))
+
+    saved, start = [], 0
+    while n - start > plan.last:
+        chunk = slice(start, min(n, start + plan.first))
+        side, own = lines(chunk, chunk_side, plan.fill), lines(chunk, whole_side, plan.fill)
+        blocks = itertools.chain(_blocks(plan.cols, saved + [(chunk, own)]), made(slice(chunk.stop, n)))
+        for index, update in updates(side, chunk, blocks, plan.positions):
+            write(index, update)
+        saved.append((chunk, own))
+        start = chunk.stop
+        del side, own
+    last, held = slice(start, n), []
+    for chunk in _spans(plan.rows, start, n):
+        held.extend(updates(lines(chunk, chunk_side, plan.fill), chunk, _blocks(plan.cols, saved), plan.positions))
+    saved.clear()
+    own = lines(last, whole_side, plan.fill)
+    for chunk in _spans(plan.rows, start, n):
+        side = lines(chunk, chunk_side, plan.fill)
+        for index, update in updates(side, chunk, _blocks(plan.cols, [(last, own)]), plan.positions):
+            write(index, update)
+        del side
+    del own
+    for index, update in held:
+        write(index, update)
+    return pair
 
 
 # ------------------------------------------------------------------------------------------------

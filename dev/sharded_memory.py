@@ -15,40 +15,12 @@ import os
 import sys
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import trimul_inline as ti  # noqa: E402
+from test_trimul import LiveBytes  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class LiveBytes(TorchDispatchMode):
-    """The largest sum of bytes of the storages created under it that were alive at once (checked after each op);
-    `existing`: tensors whose storages are not counted (the inputs and parameters: views of them come out of ops)."""
-
-    def __init__(self, existing=()):
-        super().__init__()
-        self.live, self.peak, self.at = {}, 0, None
-        self.existing = {t.untyped_storage()._cdata for t in existing}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.live = {key: entry for key, entry in self.live.items() if not entry[0].expired()}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                if storage._cdata in self.existing:
-                    continue
-                self.live.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes(),
-                                                      f"{func.__name__}{tuple(t.shape)}"))
-        total = sum(entry[1] for entry in self.live.values())
-        if total > self.peak:  # (where: the op, and the largest live storages with the op that made each)
-            self.peak, self.at = total, (func.__name__, sorted((entry[1:] for entry in self.live.values()),
-                                                               reverse=True))
-        return out
 
 
 def worker(rank, world, store, args):
