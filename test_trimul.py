@@ -2887,10 +2887,10 @@ def test_in_place_update_stages(direction, first, last, rows, cols, positions, f
         with torch.no_grad():
             expected = reference(pair, mask)
             residual = pair.clone()
-            assert model.update_(residual, mask) is residual
+            assert model.update_(residual, mask, lean=True) is residual
             assert rel_error(residual, pair + expected) < 1e-12, f"{gate_input} (seed {seed})"
             overwritten = pair.clone()
-            model.forward_chunked(overwritten, mask, out=overwritten)
+            model.forward_chunked(overwritten, mask, out=overwritten, lean=True)
             assert rel_error(overwritten, expected) < 1e-12, f"{gate_input} (seed {seed})"
 
 
@@ -2910,7 +2910,7 @@ def test_in_place_update_stays_within_the_pair(direction, monkeypatch):
         residual = pair.clone()
         counter = LiveBytes([residual, mask, *model.parameters()])
         with counter:
-            model.update_(residual, mask)
+            model.update_(residual, mask, lean=True)
     pair_bytes = residual.numel() * residual.element_size()
     assert counter.peak <= pair_bytes, f"peak {counter.peak / pair_bytes:.3f}x the pair after {counter.at}"
     assert rel_error(residual, pair + expected) < 1e-12, f"seed {seed}"
@@ -2940,6 +2940,8 @@ def test_chunked_forward_refuses_what_it_cannot_do():
                 model(pair, mask, chunk_size=bad)
         with pytest.raises(ValueError, match="out must be like pair_repr"):
             model.forward_chunked(pair, mask, 2, out=pair[:, :3])
+        with pytest.raises(ValueError, match="lean must be"):
+            model.update_(pair.clone(), mask, lean="yes")
         with pytest.raises(ValueError, match="pair_repr"):
             model(pair[..., :7], mask, chunk_size=2)  # (check_inputs: the channel count)
     with pytest.raises(RuntimeError, match="inference"):
@@ -2965,8 +2967,11 @@ def test_chunked_forward_on_the_gpu_matches_the_fused_forward(precision, monkeyp
         chunked = model(pair, mask, chunk_size=37)
         assert rel_error(chunked, expected) < FUSED_TOLERANCE[precision], f"seed {seed}"
         residual = pair.clone()
-        model.update_(residual, mask, chunk_size=37)  # (the same chunks: the same update, added in place)
+        model.update_(residual, mask, chunk_size=37, lean=False)  # (the same chunks: the same update, in place)
         assert torch.equal(residual, pair + chunked), f"seed {seed}"
+        residual = pair.clone()
+        model.update_(residual, mask, chunk_size=37, lean=True)
+        assert rel_error(residual.double() - pair.double(), expected) < FUSED_TOLERANCE[precision], f"seed {seed}"
         monkeypatch.setattr(ti, "_CHUNK_CHECK_POSITIONS", 0)
         monkeypatch.setattr(ti, "_free_bytes", lambda device: 1 << 20)
         calls = []
@@ -2999,7 +3004,7 @@ def test_in_place_update_stays_within_the_pair_on_the_gpu(direction, monkeypatch
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        model.update_(residual, mask)
+        model.update_(residual, mask, lean=True)
         peak = torch.cuda.max_memory_allocated() - base
         assert peak <= pair.numel() * 2, f"peak {peak} bytes for a {pair.numel() * 2}-byte pair"
         assert rel_error(residual.double() - pair.double(), expected) < 2e-2, f"seed {seed}"

@@ -1915,12 +1915,15 @@ class ModelNew(_TriMulLayers):
         return self._forward_fused(pair_repr, pair_mask, mode, kernels)
 
     def forward_chunked(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor, chunk_size: Optional[int] = None,
-                        out: Optional[torch.Tensor] = None, add: bool = False) -> torch.Tensor:
+                        out: Optional[torch.Tensor] = None, add: bool = False,
+                        lean: Optional[bool] = None) -> torch.Tensor:
         """The memory-bounded forward (inference): one side of the projection for every position (b outgoing,
         a incoming: B H N^2 operands), then the other side, the contraction and the output layers `chunk_size`
         rows (incoming: columns) at a time (None: sized by _chunk_plan). out: where the update goes
         (pair_repr itself for an in-place update: each chunk's positions are read before they are written);
-        add: out += update (a residual)."""
+        add: out += update (a residual). lean (in place only): True keeps the update within the pair's bytes
+        (slower: part of the whole side is made twice); False keeps the whole side (the pair's bytes + a
+        chunk); None: lean only where the whole side would not fit in the free memory."""
         if self._needs_autograd(pair_repr, pair_mask):
             raise RuntimeError("trimul_inline: the chunked forward is for inference; call it under torch.no_grad() "
                                "or torch.inference_mode() (training takes the fused forward and its backward)")
@@ -1937,16 +1940,18 @@ class ModelNew(_TriMulLayers):
             raise ValueError(f"trimul_inline: out must be like pair_repr ({tuple(pair_repr.shape)}, "
                              f"{pair_repr.dtype}, {pair_repr.device}), got {tuple(out.shape)}, {out.dtype}, "
                              f"{out.device}")
+        if lean is not None and not isinstance(lean, bool):
+            raise ValueError(f"trimul_inline: lean must be True, False or None, got {lean!r}")
         mode = compute_mode(pair_repr.dtype, self.resolved_precision())
         with torch.no_grad(), torch.autocast(pair_repr.device.type, enabled=False):
             return _chunked_update(self, pair_repr, pair_mask, _chunk_operand(pair_repr.dtype, mode), mode,
-                                   chunk_size, out, add)
+                                   chunk_size, out, add, lean)
 
     def update_(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor,
-                chunk_size: Optional[int] = None) -> torch.Tensor:
+                chunk_size: Optional[int] = None, lean: Optional[bool] = None) -> torch.Tensor:
         """pair_repr += the update, in place, chunk by chunk (no second [B, N, N, C] buffer): the residual step
-        of inference (OpenFold's _add_with_inplace). Returns pair_repr."""
-        return self.forward_chunked(pair_repr, pair_mask, chunk_size, out=pair_repr, add=True)
+        of inference (OpenFold's _add_with_inplace). lean: as forward_chunked's. Returns pair_repr."""
+        return self.forward_chunked(pair_repr, pair_mask, chunk_size, out=pair_repr, add=True, lean=lean)
 
     def _needs_autograd(self, pair_repr, pair_mask) -> bool:
         if not torch.is_grad_enabled():
@@ -2286,14 +2291,15 @@ def _in_place_plan(pair: torch.Tensor, hidden: int, operand: torch.dtype, chunk_
     return _InPlacePlan(first, n - first if chunk_size is None else n - n // 2, rows, cols, positions, fill)
 
 
-def _chunked_update(layers, pair, mask, operand, mode, chunk_size, out, add):
+def _chunked_update(layers, pair, mask, operand, mode, chunk_size, out, add, lean=None):
     """ModelNew.forward_chunked's work (no autograd). One side is needed whole by every output chunk: b
     (outgoing, plane[j, k] = b[j, k]: pair_repr's row j) or a (incoming, plane[i, k] = a[k, i]: its column i),
     as planes [B, H, lines, N] in `operand` -- the whole side; the other side per chunk of output lines (rows i
     outgoing, columns j incoming), as planes [B, H, chunk, N]; z per block of whole-side lines (torch.matmul:
     cuBLAS at the mode's precision) and the output layers on those positions. Into a separate `out` the whole
-    side is made first (_chunk_plan sizes the rest); in place (`out` is pair_repr) _in_place_update keeps the
-    update within the pair's bytes."""
+    side is made first (_chunk_plan sizes the rest), and in place too unless `lean` (None: unless the whole
+    side and its plan's budget do not fit in the free memory), where _in_place_update keeps the update within
+    the pair's bytes."""
     batch, n = pair.shape[:2]
     hidden, incoming = layers.hidden_dim, layers.direction == "incoming"
     params, layer_norm = _layers_in_dtype(layers, pair.dtype)
@@ -2344,7 +2350,8 @@ def _chunked_update(layers, pair, mask, operand, mode, chunk_size, out, add):
             out[index] = update
 
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
-        if out is not None and out.data_ptr() == pair.data_ptr():
+        in_place = out is not None and out.data_ptr() == pair.data_ptr()
+        if in_place and (lean or lean is None and not _whole_side_fits(pair, hidden, operand)):
             return _in_place_update(pair, hidden, operand, chunk_size, lines, updates, write, whole_side,
                                     chunk_side)
         whole = pair.new_empty((batch, hidden, n, n), dtype=operand)
@@ -2358,6 +2365,15 @@ def _chunked_update(layers, pair, mask, operand, mode, chunk_size, out, add):
                 write(index, update)
             del side
     return out
+
+
+def _whole_side_fits(pair: torch.Tensor, hidden: int, operand: torch.dtype) -> bool:
+    """Whether the whole side's planes and _chunk_plan's budget (a sixteenth of them) fit in the free memory
+    (off CUDA: taken to fit)."""
+    if not pair.is_cuda:
+        return True
+    whole = pair.shape[0] * hidden * pair.shape[1] ** 2 * operand.itemsize
+    return whole * 17 // 16 <= _free_bytes(pair.device)
 
 
 def _blocks(cols: int, pieces):
