@@ -3,7 +3,7 @@ and parameters, C = H = 128, gate on the normalized input: time per call (CUDA e
 inputs, as a multiple of the pair's bytes, each checked on sampled output rows against float64
 (bench.fp64_output_rows at the same bf16 inputs and parameters).
 
-    python dev/long_inplace.py [--n 12288] [--repeats 2] [--direction outgoing] [--json OUT]
+    python dev/long_inplace.py [--n 12288] [--repeats 2] [--direction outgoing] [--json OUT] [--profile]
 """
 import argparse
 import json
@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--direction", default="outgoing", choices=ti.DIRECTIONS)
     parser.add_argument("--json")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timings, the top CUDA ops of one update_ per lean setting (torch.profiler)")
     args = parser.parse_args()
     n, c = args.n, args.channels
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -88,6 +90,14 @@ def main() -> None:
             print(f"update_(lean={lean}) (in place): {ms:.0f} ms, peak above inputs {peak / 2**30:.2f} GiB "
                   f"({peak / pair_bytes:.3f}x the pair's {pair_bytes / 2**30:.1f} GiB); sampled rows vs pair + fp64 "
                   f"update {in_place_error:.1e}, vs pair + forward_chunked's {in_place_vs_forward:.1e}", flush=True)
+        if args.profile:
+            for lean in (True, False):
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    model.update_(pair, mask, lean=lean)
+                    torch.cuda.synchronize()
+                print(f"update_(lean={lean}) by CUDA op:\n"
+                      f"{prof.key_averages().table(sort_by='cuda_time_total', row_limit=15, max_name_column_width=70)}",
+                      flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
