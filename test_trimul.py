@@ -895,11 +895,7 @@ def _check_model(new, reference, pair, mask, tolerance, seed, label, dtype=torch
 def _rounding_floor(reference, pair, mask, rounding, dtype):
     """handwritten_forward at `rounding` as a `dtype` ModelNew holds it: 16-bit parameters (LayerNorms and
     biases too) and a 16-bit output are roundings any correct implementation in that dtype shows."""
-    layers = reference
-    if dtype != torch.float32:
-        layers = copy.deepcopy(reference)
-        for parameter in layers.parameters():
-            parameter.copy_(parameter.to(dtype).double())
+    layers = reference if dtype == torch.float32 else copy.deepcopy(reference).to(dtype).double()
     out = handwritten_forward(layers.cuda(), pair.double().cuda(), mask.cuda(), rounding)
     return out if dtype == torch.float32 else out.to(dtype).double()
 
@@ -2810,6 +2806,14 @@ def test_replaced_openfold_layer_honours_inplace_arguments():
         assert rel_error(holder[0](pair, None), host(pair, None)) < 1e-12  # (no mask: all ones)
 
 
+def _float64_models(pair_dim, hidden, direction, gate_input, g, **options):
+    """A random float64 ModelNew and the reference Model with its parameters (options: both constructors')."""
+    model = random_layers(ti.ModelNew(pair_dim, hidden, direction, gate_input, **options), g).double()
+    reference = ti.Model(pair_dim, hidden, direction, gate_input, **options).double()
+    reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 @pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
 def test_chunked_forward_and_in_place_update_match_the_reference(direction, gate_input):
@@ -2819,9 +2823,7 @@ def test_chunked_forward_and_in_place_update_match_the_reference(direction, gate
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     for bias, mask_dtype in ((True, torch.bool), (False, torch.float64)):
-        model = random_layers(ti.ModelNew(10, 6, direction, gate_input, bias=bias), g).double()
-        reference = ti.Model(10, 6, direction, gate_input, bias=bias).double()
-        reference.load_state_dict(model.state_dict())
+        model, reference = _float64_models(10, 6, direction, gate_input, g, bias=bias)
         pair, mask = random_inputs(2, 9, 10, g, mask_dtype=mask_dtype)
         mask[1, 4] = 0
         with torch.no_grad():
@@ -2846,9 +2848,7 @@ def test_chunked_forward_blocks_and_fill_steps(direction, rows, cols, fill, monk
     divide N) gives the reference's update, out of place and in place (float64 on the CPU)."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
-    model = random_layers(ti.ModelNew(10, 6, direction, "normalized"), g).double()
-    reference = ti.Model(10, 6, direction, "normalized").double()
-    reference.load_state_dict(model.state_dict())
+    model, reference = _float64_models(10, 6, direction, "normalized", g)
     pair, mask = random_inputs(2, 9, 10, g)
     mask[0, 3] = False
     monkeypatch.setattr(ti, "_chunk_plan", lambda *args: ti._ChunkPlan(rows, cols, fill))
@@ -2858,14 +2858,6 @@ def test_chunked_forward_blocks_and_fill_steps(direction, rows, cols, fill, monk
         residual = pair.clone()
         model.update_(residual, mask)
         assert rel_error(residual, pair + expected) < 1e-12, seed
-
-
-def _float64_models(pair_dim, hidden, direction, gate_input, g):
-    """A random float64 ModelNew and the reference Model with its parameters."""
-    model = random_layers(ti.ModelNew(pair_dim, hidden, direction, gate_input), g).double()
-    reference = ti.Model(pair_dim, hidden, direction, gate_input).double()
-    reference.load_state_dict(model.state_dict())
-    return model, reference
 
 
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
