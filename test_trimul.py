@@ -1025,7 +1025,10 @@ def test_every_pass_kernel_matches_fp64(role, kernel, precision, batch, n, pair_
     ("input", "wgmma_rs", "medium", (1, 200, 64, 32)),     # (rows of 128 only)
     ("input", "resident", "highest", (1, 200, 64, 32)),    # (16-bit operands only)
     ("output", "resident", "medium", (1, 40, 64, 32)),     # (a z buffer: forces a contraction launch, then too
-])                                                          #  few tiles for every SM's warp pairs)
+                                                           #  few tiles for every SM's warp pairs)
+    ("output", "wgmma_rs", "medium", (1, 200, 128, 96)),   # (H 128 only)
+    ("output", "wgmma_rs", "high", (1, 200, 128, 128)),    # (bf16 z only)
+])
 def test_a_chosen_kernel_that_does_not_apply_raises(role, kernel, precision, shape):
     """A kernel chosen by name that does not take the call raises a ValueError naming it and the registry's
     "applies when", instead of running another one silently."""
@@ -1083,13 +1086,13 @@ def test_default_output_kernel_at_384(hidden, gate_input, dtype, kernel):
 
 
 def _check_register_row_kernel(role, kernel, pair_dim, hidden, dtype, autocast, batch, n, direction, mask_kind,
-                               offset):
-    """A fresh raw-gate model at "medium" with `role` pinned to `kernel`, checked against fp64 on poisoned
-    work buffers (rows `offset` away from zero; a float mask scaled by up to 2 where mask_kind is "float", under
-    `autocast` if given), and the profiler's word that the chosen kernel is the one that ran."""
+                               offset, gate_input="raw"):
+    """A fresh model at "medium" (gate on `gate_input`) with `role` pinned to `kernel`, checked against fp64 on
+    poisoned work buffers (rows `offset` away from zero; a float mask scaled by up to 2 where mask_kind is
+    "float", under `autocast` if given), and the profiler's word that the chosen kernel is the one that ran."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
-    reference = random_layers(ti.Model(pair_dim, hidden, direction, "raw").double(), g)
+    reference = random_layers(ti.Model(pair_dim, hidden, direction, gate_input).double(), g)
     new = _make_new(reference, dtype, {role: kernel}, "medium")
     pair, mask = random_inputs(batch, n, pair_dim, g)
     if mask_kind == "float":
@@ -1160,6 +1163,47 @@ def test_register_row_384_output_kernel_matches_fp64(dtype, batch, n, direction,
     epilogue) against fp64 on poisoned work buffers."""
     _check_register_row_kernel("output", "wgmma_rs_384", 384, 128, dtype, None, batch, n, direction, mask_kind,
                                offset)
+
+
+@cuda
+@HOPPER
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
+# (1, 200, 128, 128): the last tile of the plane partial (z's TMA box past the plane reads zeros); (2, 97, 128,
+# 128) incoming: batch 2, padding positions j >= n inside the plane (ldz 104); (1, 130, 128, 128) with a float
+# mask and rows 40 away from zero (the gate's LayerNorm in registers, raw rows in bf16); (1, 333, 128, 128):
+# several tiles per warpgroup (the next tile's z and gate rows loading while this one multiplies); (3, 7, 128,
+# 128): fewer tiles than warpgroups, most of a tile's rows without a position.
+@pytest.mark.parametrize("batch, n, direction, mask_kind, offset", [
+    (1, 200, "outgoing", "bool", 0.0), (2, 97, "incoming", "bool", 0.0), (1, 130, "outgoing", "float", 40.0),
+    (1, 333, "outgoing", "bool", 0.0), (3, 7, "outgoing", "bool", 0.0)])
+def test_register_row_output_kernel_matches_fp64(dtype, gate_input, batch, n, direction, mask_kind, offset):
+    """output=wgmma_rs: the register-row output kernel at pair_dim 128, H 128 ("medium": bf16 z; out_gate's
+    weights with k permuted for 16-byte gate-row loads, the normalized gate's LayerNorm in registers, the
+    output through per-warp staging) against fp64 on poisoned work buffers, both gate inputs."""
+    _check_register_row_kernel("output", "wgmma_rs", 128, 128, dtype, None, batch, n, direction, mask_kind,
+                               offset, gate_input)
+
+
+@cuda
+@HOPPER
+@pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_output_kernel_at_128(gate_input, dtype):
+    """The output role's default order at "medium", pair_dim 128: the resident kernel for either gate input at
+    H 128 and 96 (wgmma_rs is chosen by name only until measured faster); correct either way, and
+    forward_steps' plan names the kernel that ran."""
+    for hidden, kernel in ((128, "resident"), (96, "resident")):
+        seed = fresh_seed()
+        g = torch.Generator().manual_seed(seed)
+        reference = random_layers(ti.Model(128, hidden, "outgoing", gate_input).double(), g)
+        new = _make_new(reference, dtype, None, "medium")
+        pair, mask = random_inputs(1, 200, 128, g)  # (N 200: tiles enough for the resident kernel)
+        tolerance = FUSED_TOLERANCE["medium"] if dtype == torch.float32 else TOLERANCE[dtype]
+        _, ran = _check_model_profiled(new, reference, pair.to(dtype), mask, tolerance, seed,
+                                       f"auto output {hidden} {gate_input} {dtype}", dtype, rounding="medium")
+        assert _ran(ran, "output", kernel), ran
+        assert new.forward_steps(pair.to(dtype).cuda(), mask.cuda()).kernels.output == kernel
 
 
 @cuda

@@ -10,5 +10,89 @@ namespace output_pass {
 using namespace ::trimul::mma;
 using namespace ::trimul::fused;
 
+// The register-row output kernels' z (wgmma_rs, wgmma_rs_384): a warpgroup's [16 kSteps h][64 positions] bf16
+// tile, landed by TMA with the 128-byte swizzle, as this thread's wgmma A fragments (rows: positions
+// 16 warp4 + g and + 8; k: h). Block k of ldmatrix x4 = (h half k / 2, position half k % 2), so zf[s] = {row g
+// h 16 s + 2 t .., row g + 8 the same, row g h + 8, row g + 8 h + 8}.
+template <int kSteps>
+__device__ __forceinline__ void z_fragments(uint32_t (&zf)[kSteps][4], const uint8_t* z_tile, int warp4, int lane) {
+  const int k = lane >> 3, r = lane & 7, chunk = 2 * warp4 + (k & 1);
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    const int h = 16 * s + 8 * (k >> 1) + r;
+    ::trimul::tma::ldmatrix_x4_trans(zf[s], ::trimul::tma::smem_u32(z_tile) + h * ::trimul::tma::ws::kKBytes +
+                                                ((chunk ^ (h & 7)) << 4));
+  }
+}
+
+// LayerNorm_out of the fragments' two positions over their 16 kSteps h (a quad holds a row's): the mean taken
+// out of the fragments (bf16 z - mean), 1/std returned per row for the epilogue.
+template <int kSteps>
+__device__ __forceinline__ void center_z_fragments(uint32_t (&zf)[kSteps][4], float (&z_rstd)[2], float eps) {
+  constexpr float kInvH = 1.f / (16 * kSteps);
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float2 v[kSteps][2];
+    float sum = 0.f;
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      v[s][0] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&zf[s][hf]));
+      v[s][1] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&zf[s][2 + hf]));
+      sum += (v[s][0].x + v[s][0].y) + (v[s][1].x + v[s][1].y);
+    }
+    const float mean = quad_sum(sum) * kInvH;
+    float sum_sq = 0.f;
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        v[s][u].x -= mean;
+        v[s][u].y -= mean;
+        sum_sq = fmaf(v[s][u].x, v[s][u].x, fmaf(v[s][u].y, v[s][u].y, sum_sq));
+        zf[s][u == 0 ? hf : 2 + hf] = ::trimul::tma::pack_pair<__nv_bfloat16>(v[s][u].x, v[s][u].y);
+      }
+    z_rstd[hf] = rsqrtf(quad_sum(sum_sq) * kInvH + eps);
+  }
+}
+
+// A part's (64 output channels') two products on the register fragments: gate = xf . out_gate's rows (kGateSteps
+// k16 steps) and proj = zf . out_proj's rows (kZSteps), each part's weights as [k-tile][64 rows x 128 bytes]
+// (smem_descriptor's layout) from wg / wo. Two commit groups: the gate's sigmoids (bias from gate_bias, the
+// part's 64) are taken while out_proj's product is still in flight. On return gate[4 j + 2 hf + e] holds
+// sigmoid(gate + b) and proj[4 j + 2 hf + e] the product, of position row g + 8 hf and the part's channel
+// 8 j + 2 t + e.
+template <int kGateSteps, int kZSteps>
+__device__ __forceinline__ void gated_part_products(float (&gate)[32], float (&proj)[32],
+                                                    const uint32_t (&xf)[kGateSteps][4],
+                                                    const uint32_t (&zf)[kZSteps][4], const uint8_t* wg,
+                                                    const uint8_t* wo, const float* gate_bias, int t) {
+  using namespace ::trimul::tma;
+  constexpr int kTileBytes = 64 * ws::kKBytes;
+  wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < kGateSteps; ++s)
+    wgmma_rs_64x64<__nv_bfloat16>(gate, xf[s], desc_add(smem_descriptor(wg + (s / 4) * kTileBytes), 2 * (s % 4)),
+                                  s > 0);
+  wgmma_commit();
+#pragma unroll
+  for (int s = 0; s < kZSteps; ++s)
+    wgmma_rs_64x64<__nv_bfloat16>(proj, zf[s], desc_add(smem_descriptor(wo + (s / 4) * kTileBytes), 2 * (s % 4)),
+                                  s > 0);
+  wgmma_commit();
+  wgmma_wait<1>();
+  fence_accumulators(gate);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float2 bg = *reinterpret_cast<const float2*>(gate_bias + 8 * j + 2 * t);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      gate[4 * j + 2 * hf] = gate_sigmoid<Mode::bf16>(gate[4 * j + 2 * hf] + bg.x);
+      gate[4 * j + 2 * hf + 1] = gate_sigmoid<Mode::bf16>(gate[4 * j + 2 * hf + 1] + bg.y);
+    }
+  }
+  wgmma_wait<0>();
+  fence_accumulators(proj);
+}
+
 }  // namespace output_pass
 }  // namespace trimul

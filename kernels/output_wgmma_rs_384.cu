@@ -90,46 +90,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   int z_parity = 0;
   for (; tile < tiles; tile += stride) {
     const int64_t batch = tile / tiles_per_batch, q0 = (tile - batch * tiles_per_batch) * kPositions;
-    // z's A fragments (rows: positions 16 warp4 + g and + 8; k: h), block k of ldmatrix x4 = (h half k / 2,
-    // position half k % 2), so zf[s] = {row g h 16 s + 2 t .., row g + 8 the same, row g h + 8, row g + 8 h + 8}.
     mbar_wait(&z_full[group], z_parity);
     z_parity ^= 1;
     uint32_t zf[kZSteps][4];
-    {
-      const int k = lane >> 3, r = lane & 7, chunk = 2 * warp4 + (k & 1);
-#pragma unroll
-      for (int s = 0; s < kZSteps; ++s) {
-        const int h = 16 * s + 8 * (k >> 1) + r;
-        ldmatrix_x4_trans(zf[s], smem_u32(z_tile) + h * kKBytes + ((chunk ^ (h & 7)) << 4));
-      }
-    }
+    z_fragments(zf, z_tile, warp4, lane);
     named_barrier(1 + group, 128);  // the tile is in every thread's registers: the next one may land
     if (tid == 0 && tile + stride < tiles) load_z(tile + stride);
-    // LayerNorm_out per position over its 128 h (a quad holds a row's): mean out of the fragments, rstd kept.
     float z_rstd[2];
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      float2 v[kZSteps][2];
-      float sum = 0.f;
-#pragma unroll
-      for (int s = 0; s < kZSteps; ++s) {
-        v[s][0] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&zf[s][hf]));
-        v[s][1] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&zf[s][2 + hf]));
-        sum += (v[s][0].x + v[s][0].y) + (v[s][1].x + v[s][1].y);
-      }
-      const float mean = quad_sum(sum) * (1.f / kH);
-      float sum_sq = 0.f;
-#pragma unroll
-      for (int s = 0; s < kZSteps; ++s)
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          v[s][u].x -= mean;
-          v[s][u].y -= mean;
-          sum_sq = fmaf(v[s][u].x, v[s][u].x, fmaf(v[s][u].y, v[s][u].y, sum_sq));
-          zf[s][u == 0 ? hf : 2 + hf] = pack_pair<Op>(v[s][u].x, v[s][u].y);
-        }
-      z_rstd[hf] = rsqrtf(quad_sum(sum_sq) * (1.f / kH) + args.eps_out);
-    }
+    center_z_fragments(zf, z_rstd, args.eps_out);
     // The gate's raw rows as A fragments: channels 16 s + 2 t + {0, 1} (xf[s][hf]) and + 8 (xf[s][2 + hf]).
     uint32_t xf[kGateSteps][4];
     int64_t out_off[2];
@@ -165,32 +133,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int p = 0; p < kParts; ++p) {
       float gate[32], proj[32];
-      const uint8_t* wg = w_gate + p * kGateTiles * kTileBytes;
-      const uint8_t* wo = w_out + p * kOutTiles * kTileBytes;
-      // Two commit groups: the gate's sigmoids are taken while out_proj's product is still in flight.
-      wgmma_fence();
-#pragma unroll
-      for (int s = 0; s < kGateSteps; ++s)
-        wgmma_rs_64x64<Op>(gate, xf[s], desc_add(smem_descriptor(wg + (s / 4) * kTileBytes), 2 * (s % 4)), s > 0);
-      wgmma_commit();
-#pragma unroll
-      for (int s = 0; s < kZSteps; ++s)
-        wgmma_rs_64x64<Op>(proj, zf[s], desc_add(smem_descriptor(wo + (s / 4) * kTileBytes), 2 * (s % 4)), s > 0);
-      wgmma_commit();
-      wgmma_wait<1>();
-      fence_accumulators(gate);
-      // gate[4 j + 2 hf + e]: position row g + 8 hf, the part's channel 8 j + 2 t + e (proj likewise).
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float2 bg = *reinterpret_cast<const float2*>(gate_bias + 64 * p + 8 * j + 2 * t);
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          gate[4 * j + 2 * hf] = gate_sigmoid<Mode::bf16>(gate[4 * j + 2 * hf] + bg.x);
-          gate[4 * j + 2 * hf + 1] = gate_sigmoid<Mode::bf16>(gate[4 * j + 2 * hf + 1] + bg.y);
-        }
-      }
-      wgmma_wait<0>();
-      fence_accumulators(proj);
+      gated_part_products(gate, proj, xf, zf, w_gate + p * kGateTiles * kTileBytes, w_out + p * kOutTiles * kTileBytes,
+                          gate_bias + 64 * p, t);
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         if (out_off[hf] < 0) continue;
