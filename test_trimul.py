@@ -233,7 +233,7 @@ def test_parameters_on_other_device_raise():
     ({"kernels": "input=nope"}, "no input kernel 'nope'; the input kernels are wgmma_rs, "),
     ({"kernels": {"inputs": "streamed"}}, "no role 'inputs'; the roles are input, contract, output"),
     ({"kernels": "streamed"}, "'streamed' is not role=name"), ({"kernels": 3}, "kernels must be None"),
-    ({"kernels": {"output": "wgmma_rs"}}, "no output kernel 'wgmma_rs'"), ({"precision": "fast"}, "precision must be"),
+    ({"kernels": {"output": "wgmma_tma"}}, "no output kernel 'wgmma_tma'"), ({"precision": "fast"}, "precision must be"),
 ])
 def test_bad_options_raise(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message) if "'" in message else message):
