@@ -1190,10 +1190,9 @@ def test_register_row_output_kernel_matches_fp64(dtype, gate_input, batch, n, di
 @pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_default_output_kernel_at_128(gate_input, dtype):
-    """The output role's default order at "medium", pair_dim 128: the resident kernel for either gate input at
-    H 128 and 96 (wgmma_rs is chosen by name only until measured faster); correct either way, and
-    forward_steps' plan names the kernel that ran."""
-    for hidden, kernel in ((128, "resident"), (96, "resident")):
+    """The output role's default order at "medium", pair_dim 128: wgmma_rs for either gate input at H 128, the
+    resident kernel at H 96; correct either way, and forward_steps' plan names the kernel that ran."""
+    for hidden, kernel in ((128, "wgmma_rs"), (96, "resident")):
         seed = fresh_seed()
         g = torch.Generator().manual_seed(seed)
         reference = random_layers(ti.Model(128, hidden, "outgoing", gate_input).double(), g)

@@ -6,9 +6,14 @@ namespace trimul {
 namespace input_pass {
 namespace wgmma_rs {
 
+// MMA warpgroups per block: three for 16-bit rows (latency-bound with two: ~0.5 eligible warps per
+// scheduler; three fit 168 registers), two for fp32 rows (their prefetched rows need ~200 registers).
+template <typename TIn>
+constexpr int groups_for() { return sizeof(TIn) == 2 ? 3 : 2; }
+
 // kChunks: 128-row weight chunks, 2 * rows_ab / 128 (2 or 4: H <= 64, 128). TIn: the pair rows' type.
-template <Mode M, int kChunks, typename TIn>
-__global__ void __launch_bounds__(kThreads, 1)
+template <Mode M, int kChunks, typename TIn, int kG = groups_for<TIn>()>
+__global__ void __launch_bounds__(128 * kG, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, const __grid_constant__ CUtensorMap map_a,
            const __grid_constant__ CUtensorMap map_b, int64_t tiles_per_batch) {
   allow_dependent_launch();
@@ -17,14 +22,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* weights = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   constexpr int w_tiles = kChunks * kKTiles;
   uint8_t* scratch_all = weights + w_tiles * kStageBytes;
-  uint64_t* w_full = reinterpret_cast<uint64_t*>(scratch_all + kGroups * kScratchBytes);
+  uint64_t* w_full = reinterpret_cast<uint64_t*>(scratch_all + kG * kScratchBytes);
   load_resident_weights(weights, w_full, w_tiles, kKTiles, &map_w, 0);
 
   const int warp = warp_index(), lane = threadIdx.x & 31;
   const int group = warp >> 2, warp4 = warp & 3, t = lane & 3;
   uint8_t* scratch = scratch_all + group * kScratchBytes;
   const int64_t tiles = args.batch * tiles_per_batch, plane = args.n * args.ld;
-  const int64_t stride = int64_t(gridDim.x) * kGroups;
+  const int64_t stride = int64_t(gridDim.x) * kG;
   const TIn* pair = static_cast<const TIn*>(args.pair);
   using Four = FourChannels<TIn>;
   // This thread's rows of a tile: positions 16 warp4 + lane / 4 and 8 further (its rows of the wgmma's
@@ -49,7 +54,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         rows[hf][s] = off[hf] >= 0 ? Four::load(pair + off[hf] + 16 * s + 4 * t) : typename Four::Raw{};
   };
 
-  int64_t tile = int64_t(blockIdx.x) * kGroups + group;
+  int64_t tile = int64_t(blockIdx.x) * kG + group;
   typename Four::Raw raw[2][kSteps];
   float next_scale[2];
   load_rows(tile, raw, next_scale);
@@ -133,17 +138,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 // weights resident.
 template <Mode M, typename TIn>
 bool applicable(const ForwardArgs& args) {
-  return takes_rows<TIn>(args, kC, smem_bytes(args.rows_ab));
+  return takes_rows<TIn>(args, kC, smem_bytes(args.rows_ab, groups_for<TIn>()));
 }
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args) {
   const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
-  const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, kGroups));
-  const int64_t bytes = smem_bytes(args.rows_ab);
+  constexpr int groups = groups_for<TIn>();
+  const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, groups));
+  const int64_t bytes = smem_bytes(args.rows_ab, groups);
   switch (2 * args.rows_ab / kChunkRows) {  // (the weights' 128-row chunks, a's and b's)
-    case 2: return launch_kernel<kernel<M, 2, TIn>, op_t<M>>(args, blocks, bytes, tiles_per_batch);
-    case 4: return launch_kernel<kernel<M, 4, TIn>, op_t<M>>(args, blocks, bytes, tiles_per_batch);
+    case 2: return launch_kernel<kernel<M, 2, TIn>, op_t<M>>(args, blocks, bytes, tiles_per_batch, 128 * groups);
+    case 4: return launch_kernel<kernel<M, 4, TIn>, op_t<M>>(args, blocks, bytes, tiles_per_batch, 128 * groups);
     default: return cudaErrorNotSupported;
   }
 }

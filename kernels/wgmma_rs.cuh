@@ -36,8 +36,8 @@ constexpr int kScratchBytes = 2 * 32 * kPositions * 2;  // per warpgroup: two bu
 
 inline int64_t weight_tiles(int64_t rows_ab) { return 2 * rows_ab / kChunkRows * kKTiles; }
 // Dynamic shared memory: the resident weights (1024-byte aligned), the scratches, the weights' barriers.
-inline int64_t smem_bytes(int64_t rows_ab) {
-  return 1023 + weight_tiles(rows_ab) * (kStageBytes + 8) + kGroups * kScratchBytes;
+inline int64_t smem_bytes(int64_t rows_ab, int groups = kGroups) {
+  return 1023 + weight_tiles(rows_ab) * (kStageBytes + 8) + groups * kScratchBytes;
 }
 
 // Four adjacent channels of a row as one load: 16 bytes of fp32 rows, 8 of 16-bit ones.
@@ -95,7 +95,8 @@ bool takes_rows(const ForwardArgs& args, int c, int64_t smem) {
 // Launches a register-row kernel instance (both kernels' signature) on `blocks` blocks with `bytes` of shared
 // memory: the prepared weights' map (rows of c_pad + 64 columns, 128-row boxes) and the a_t / b_t maps.
 template <auto Kernel, typename Op>
-cudaError_t launch_kernel(const ForwardArgs& args, int64_t blocks, int64_t bytes, int64_t tiles_per_batch) {
+cudaError_t launch_kernel(const ForwardArgs& args, int64_t blocks, int64_t bytes, int64_t tiles_per_batch,
+                          int threads = kThreads) {
   // (a_t / b_t: boxes of 32 h x 64 positions, store_part)
   const int64_t plane = args.n * args.ld;
   CUtensorMap map_w, map_a, map_b;
@@ -105,7 +106,7 @@ cudaError_t launch_kernel(const ForwardArgs& args, int64_t blocks, int64_t bytes
     return cudaErrorNotSupported;
   const cudaError_t status = allow_smem<Kernel>(bytes);
   if (status != cudaSuccess) return status;
-  Kernel<<<static_cast<unsigned>(blocks), kThreads, bytes, args.stream>>>(args, map_w, map_a, map_b, tiles_per_batch);
+  Kernel<<<static_cast<unsigned>(blocks), threads, bytes, args.stream>>>(args, map_w, map_a, map_b, tiles_per_batch);
   return cudaGetLastError();
 }
 
