@@ -2204,6 +2204,9 @@ class _ChunkPlan(NamedTuple):
     fill: int
 
 
+_SIDE_SHARE = 16  # the chunked forward's temporaries: a 1/_SIDE_SHARE part of the whole side's bytes
+
+
 def _chunk_plan(pair: torch.Tensor, hidden: int, operand: torch.dtype, whole_bytes: int,
                 chunk_size: Optional[int]) -> _ChunkPlan:
     """The chunked forward's temporaries within a budget, a sixteenth of the whole side's bytes (at least 1 GiB)
@@ -2213,7 +2216,7 @@ def _chunk_plan(pair: torch.Tensor, hidden: int, operand: torch.dtype, whole_byt
     the output layers, about 4 C + 8 H). Large chunks read the whole side fewer times: it is read once per chunk."""
     batch, n, _, c = pair.shape
     size = pair.element_size()
-    budget = min(_free_bytes(pair.device) // 4, max(whole_bytes // 16, 1 << 30)) if pair.is_cuda else 1 << 30
+    budget = min(_free_bytes(pair.device) // 4, max(whole_bytes // _SIDE_SHARE, 1 << 30)) if pair.is_cuda else 1 << 30
     half = budget // 2
     rows = chunk_size or half // (batch * n * hidden * operand.itemsize)
     rows = max(1, min(n, rows))
@@ -2278,7 +2281,7 @@ def _in_place_plan(pair: torch.Tensor, hidden: int, operand: torch.dtype, chunk_
     ([B, H, chunk, cols]), then z and the output layers' temporaries (about 4 C + 8 H values per position)."""
     batch, n, _, c = pair.shape
     size, line = pair.element_size(), batch * n * hidden * operand.itemsize
-    budget = max(line * n // 16, _IN_PLACE_LEAST_BUDGET)
+    budget = max(line * n // _SIDE_SHARE, _IN_PLACE_LEAST_BUDGET)
     if pair.is_cuda:
         budget = min(budget, _free_bytes(pair.device) // 4)
     first = chunk_size or max(1, n * 9 // 20)
@@ -2373,7 +2376,7 @@ def _whole_side_fits(pair: torch.Tensor, hidden: int, operand: torch.dtype) -> b
     if not pair.is_cuda:
         return True
     whole = pair.shape[0] * hidden * pair.shape[1] ** 2 * operand.itemsize
-    return whole * 17 // 16 <= _free_bytes(pair.device)
+    return whole + whole // _SIDE_SHARE <= _free_bytes(pair.device)
 
 
 def _blocks(cols: int, pieces):

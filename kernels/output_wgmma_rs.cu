@@ -129,8 +129,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int c = threadIdx.x; c < kC; c += kThreads) {
     gate_bias[c] = args.b_gate[c];
     out_bias[c] = args.b_out[c];
-    ln_w[c] = normalized ? args.ln_in_w[c] : 1.f;
-    ln_b[c] = normalized ? args.ln_in_b[c] : 0.f;
+    if (normalized) {  // (read only on the normalized gate's path)
+      ln_w[c] = args.ln_in_w[c];
+      ln_b[c] = args.ln_in_b[c];
+    }
   }
   fence_proxy_async();  // (the weights were written by st.shared; wgmma reads them through the async proxy)
   __syncthreads();
