@@ -111,12 +111,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t stride = int64_t(gridDim.x) * kGroups;
   int64_t tile = int64_t(blockIdx.x) * kGroups + group;
   const bool normalized = args.gate_normalized;
-  const auto load_z = [&](int64_t at) {  // (the warpgroup's first thread)
-    const int64_t batch = at / tiles_per_batch;
-    mbar_expect_tx(&z_full[group], kZBytes);
-    tma_load_2d(z_tile, &map_z, static_cast<int>((at - batch * tiles_per_batch) * kPositions),
-                static_cast<int>(batch * kH), &z_full[group]);
-  };
+  const auto load_z = [&](int64_t at) { load_z_tile(z_tile, &map_z, &z_full[group], at, tiles_per_batch); };
   if (threadIdx.x == 0) {
     for (int i = 0; i < kGroups; ++i) mbar_init(&z_full[i], 1);
     mbar_init_fence();

@@ -56,12 +56,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t n = args.n, plane = n * args.ldz, tiles = args.batch * tiles_per_batch;
   const int64_t stride = int64_t(gridDim.x >> 1) * kGroups;
   int64_t tile = int64_t(blockIdx.x >> 1) * kGroups + group;
-  const auto load_z = [&](int64_t at) {  // (the warpgroup's first thread)
-    const int64_t batch = at / tiles_per_batch;
-    mbar_expect_tx(&z_full[group], kZBytes);
-    tma_load_2d(z_tile, &map_z, static_cast<int>((at - batch * tiles_per_batch) * kPositions),
-                static_cast<int>(batch * kH), &z_full[group]);
-  };
+  const auto load_z = [&](int64_t at) { load_z_tile(z_tile, &map_z, &z_full[group], at, tiles_per_batch); };
   if (threadIdx.x == 0) {
     mbar_init(w_full, 1);
     for (int i = 0; i < kGroups; ++i) mbar_init(&z_full[i], 1);
