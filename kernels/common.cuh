@@ -57,17 +57,34 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
 
-// A mask element, in whatever dtype the mask came in, as a float.
-__device__ __forceinline__ float load_mask(const void* mask, MaskKind kind, int64_t off) {
+// A mask element's bits as loaded, apart from their conversion (mask_value), so that a prefetch does not
+// wait for its load where it converts: 8-, 16- and 32-bit kinds as they are, i64 converted to its float's
+// bits here (that kind waits). Zero bits are the value 0 in every kind (a position that does not exist).
+__device__ __forceinline__ uint32_t load_mask_bits(const void* mask, MaskKind kind, int64_t off) {
   switch (kind) {
-    case MaskKind::u8: return static_cast<float>(static_cast<const uint8_t*>(mask)[off]);
-    case MaskKind::i32: return static_cast<float>(static_cast<const int32_t*>(mask)[off]);
-    case MaskKind::i64: return static_cast<float>(static_cast<const int64_t*>(mask)[off]);
-    case MaskKind::f32: return static_cast<const float*>(mask)[off];
-    case MaskKind::bf16: return to_float(static_cast<const __nv_bfloat16*>(mask)[off]);
-    case MaskKind::f16: return to_float(static_cast<const __half*>(mask)[off]);
+    case MaskKind::u8: return static_cast<const uint8_t*>(mask)[off];
+    case MaskKind::i32:
+    case MaskKind::f32: return static_cast<const uint32_t*>(mask)[off];
+    case MaskKind::i64: return __float_as_uint(static_cast<float>(static_cast<const int64_t*>(mask)[off]));
+    case MaskKind::bf16:
+    case MaskKind::f16: return static_cast<const uint16_t*>(mask)[off];
+  }
+  return 0u;
+}
+__device__ __forceinline__ float mask_value(uint32_t bits, MaskKind kind) {
+  switch (kind) {
+    case MaskKind::u8: return static_cast<float>(bits);
+    case MaskKind::i32: return static_cast<float>(static_cast<int32_t>(bits));
+    case MaskKind::i64:
+    case MaskKind::f32: return __uint_as_float(bits);
+    case MaskKind::bf16: return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(bits)));
+    case MaskKind::f16: return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
   }
   return 0.f;
+}
+// A mask element, in whatever dtype the mask came in, as a float.
+__device__ __forceinline__ float load_mask(const void* mask, MaskKind kind, int64_t off) {
+  return mask_value(load_mask_bits(mask, kind, off), kind);
 }
 
 __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -11,19 +11,28 @@ using namespace ::trimul::mma;
 using namespace ::trimul::fused;
 
 
-// Pair-row element offset (-1: no position) and mask value of the position at row f, column k of a
-// batch's [N, ld] operand plane (valid: the position exists, not padding).
+// Pair-row element offset (-1: no position) and mask of the position at row f, column k of a batch's [N, ld]
+// operand plane (valid: the position exists, not padding): the mask's value, or its bits as loaded
+// (uint32_t: load_mask_bits, for a prefetch that converts them later with mask_value).
 __device__ __forceinline__ void locate_fk(const ForwardArgs& args, int64_t batch, uint32_t f, uint32_t k, bool valid,
-                                          int64_t& row_off, float& mask) {
+                                          int64_t& row_off, uint32_t& mask_bits) {
   const int64_t row = args.incoming ? k : f, col = args.incoming ? f : k;
   row_off = valid ? batch * args.pair_sb + row * args.pair_sr + col * args.pair_sc : -1;
-  mask = valid ? load_mask(args.mask, args.mask_kind, batch * args.mask_sb + row * args.mask_sr + col * args.mask_sc)
-               : 0.f;
+  mask_bits = valid ? load_mask_bits(args.mask, args.mask_kind,
+                                     batch * args.mask_sb + row * args.mask_sr + col * args.mask_sc)
+                    : 0u;
+}
+__device__ __forceinline__ void locate_fk(const ForwardArgs& args, int64_t batch, uint32_t f, uint32_t k, bool valid,
+                                          int64_t& row_off, float& mask) {
+  uint32_t bits;
+  locate_fk(args, batch, f, k, valid, row_off, bits);
+  mask = mask_value(bits, args.mask_kind);
 }
 // The same for position p of the flattened plane (f = p / ld, k = p % ld; k >= n and p >= plane are
 // padding). plane < 2^32 (checked at launch): 32-bit division is a fraction of a 64-bit one's cost.
+template <typename MaskOut>
 __device__ __forceinline__ void locate_position(const ForwardArgs& args, int64_t batch, int64_t p, int64_t plane,
-                                                int64_t& row_off, float& mask) {
+                                                int64_t& row_off, MaskOut& mask) {
   const uint32_t f = static_cast<uint32_t>(p) / static_cast<uint32_t>(args.ld);
   const uint32_t k = static_cast<uint32_t>(p) - f * static_cast<uint32_t>(args.ld);
   locate_fk(args, batch, f, k, p < plane && k < args.n, row_off, mask);

@@ -33,19 +33,16 @@ __global__ void __launch_bounds__(128 * kG, 1)
   const TIn* pair = static_cast<const TIn*>(args.pair);
   using Four = FourChannels<TIn>;
   // This thread's rows of a tile: positions 16 warp4 + lane / 4 and 8 further (its rows of the wgmma's
-  // A fragment); of each, channels 16 s + 4 t .. + 3 for k-step s. half_scale: mask / 2 (gated_16bit_half).
+  // A fragment); of each, channels 16 s + 4 t .. + 3 for k-step s, and their masks' bits (converted a tile
+  // later: the load stays in flight through this tile's work).
   const int row0 = 16 * warp4 + (lane >> 2);
-  const auto load_rows = [&](int64_t tile, typename Four::Raw (&rows)[2][kSteps], float (&half_scale)[2]) {
+  const auto load_rows = [&](int64_t tile, typename Four::Raw (&rows)[2][kSteps], uint32_t (&mask_bits)[2]) {
     int64_t off[2] = {-1, -1};
-    half_scale[0] = half_scale[1] = 0.f;
+    mask_bits[0] = mask_bits[1] = 0u;
     if (tile < tiles) {
       const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        float mask;
-        locate_position(args, batch, p0 + row0 + 8 * hf, plane, off[hf], mask);
-        half_scale[hf] = 0.5f * mask;
-      }
+      for (int hf = 0; hf < 2; ++hf) locate_position(args, batch, p0 + row0 + 8 * hf, plane, off[hf], mask_bits[hf]);
     }
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf)
@@ -56,8 +53,8 @@ __global__ void __launch_bounds__(128 * kG, 1)
 
   int64_t tile = int64_t(blockIdx.x) * kG + group;
   typename Four::Raw raw[2][kSteps];
-  float next_scale[2];
-  load_rows(tile, raw, next_scale);
+  uint32_t next_mask[2];
+  load_rows(tile, raw, next_mask);
   for (int i = 0; i < w_tiles; ++i) mbar_wait(&w_full[i], 0);
   int parity = 0;  // the scratch buffer the next part writes
   // The bias k-step's A fragment: ones at k = kC, kC + 1 (lane t = 0 of each quad, both rows), zeros elsewhere.
@@ -93,8 +90,10 @@ __global__ void __launch_bounds__(128 * kG, 1)
         frag[s][2 + hf] = pack_pair<Op>(fmaf(v.z, rstd, centre), fmaf(v.w, rstd, centre));
       }
     }
-    const float half_scale[2] = {next_scale[0], next_scale[1]};
-    load_rows(tile + stride, raw, next_scale);  // in flight while this tile multiplies and stores
+    // mask / 2 (gated_16bit_half)
+    const float half_scale[2] = {0.5f * mask_value(next_mask[0], args.mask_kind),
+                                 0.5f * mask_value(next_mask[1], args.mask_kind)};
+    load_rows(tile + stride, raw, next_mask);  // in flight while this tile multiplies and stores
 
     // The weight rows in parts of 64 (N = 64: 32 h of a or b), two accumulator sets in turn: part p + 1
     // multiplies while part p's gated values go out (the products' latency under the epilogue's).
