@@ -10,15 +10,17 @@ namespace output_pass {
 using namespace ::trimul::mma;
 using namespace ::trimul::fused;
 
-// Issues the TMA load of tile `at`'s z box (the register-row output kernels' [128 h][64 positions] of batch
-// at / tiles_per_batch, bf16) into z_tile, completing on barrier `full`; called by a warpgroup's first thread.
+// The register-row output kernels' z box: [128 h][64 positions] bf16 (its tensor map's box; the kernels' tile).
+constexpr int kZBoxH = 128, kZBoxPositions = 64, kZBoxBytes = kZBoxH * kZBoxPositions * 2;
+
+// Issues the TMA load of tile `at`'s z box (of batch at / tiles_per_batch) into z_tile, completing on barrier
+// `full`; called by a warpgroup's first thread.
 __device__ __forceinline__ void load_z_tile(uint8_t* z_tile, const CUtensorMap* map_z, uint64_t* full, int64_t at,
                                             int64_t tiles_per_batch) {
-  constexpr int kH = 128, kPositions = 64;
   const int64_t batch = at / tiles_per_batch;
-  ::trimul::tma::mbar_expect_tx(full, kH * kPositions * 2);
-  ::trimul::tma::tma_load_2d(z_tile, map_z, static_cast<int>((at - batch * tiles_per_batch) * kPositions),
-                             static_cast<int>(batch * kH), full);
+  ::trimul::tma::mbar_expect_tx(full, kZBoxBytes);
+  ::trimul::tma::tma_load_2d(z_tile, map_z, static_cast<int>((at - batch * tiles_per_batch) * kZBoxPositions),
+                             static_cast<int>(batch * kZBoxH), full);
 }
 
 // The register-row output kernels' z (wgmma_rs, wgmma_rs_384): a warpgroup's [16 kSteps h][64 positions] bf16

@@ -33,7 +33,8 @@ constexpr int kSteps = kC / 16;                       // k16 steps of each produ
 constexpr int kTileBytes = 64 * kKBytes;              // a k-tile of a part's 64 weight rows
 constexpr int kKTiles = kC * 2 / kKBytes;             // k-tiles per part and product
 constexpr int kWeightBytes = kParts * kKTiles * kTileBytes;  // one product's weights
-constexpr int kZBytes = kH * kPositions * 2;          // z's [128 h][64 positions] bf16 tile
+constexpr int kZBytes = kZBoxBytes;  // z's tile: load_z_tile's box
+static_assert(kH == kZBoxH && kPositions == kZBoxPositions, "a tile is one z box");
 
 template <typename TIn>
 constexpr int stage_row_bytes() { return 64 * static_cast<int>(sizeof(TIn)); }  // a warp's staged row of a part

@@ -30,7 +30,8 @@ constexpr int kHalfC = kC / 2, kParts = kHalfC / 64;            // a block's out
 constexpr int kGateSteps = kC / 16, kZSteps = kH / 16;          // k16 steps of each product
 constexpr int kTileBytes = 64 * kKBytes;                        // a k-tile of a part's 64 weight rows
 constexpr int kGateTiles = kC * 2 / kKBytes, kOutTiles = kH * 2 / kKBytes;  // k-tiles per part
-constexpr int kZBytes = kH * kPositions * 2;                    // z's [128 h][64 positions] bf16 tile
+constexpr int kZBytes = kZBoxBytes;  // z's tile: load_z_tile's box
+static_assert(kH == kZBoxH && kPositions == kZBoxPositions, "a tile is one z box");
 // Dynamic shared memory: the weights (1024-byte aligned), each warpgroup's z tile, the half's biases, barriers.
 constexpr int64_t kSmemBytes =
     1023 + int64_t(kParts) * (kGateTiles + kOutTiles) * kTileBytes + kGroups * kZBytes + 2 * kHalfC * 4 + (1 + kGroups) * 8;
