@@ -2164,6 +2164,83 @@ def test_training_torch_backward_passes_match_fp64(kernels):
     _check_training("highest", "incoming", "raw", 2, 37, 24, 40, kernels=kernels)
 
 
+@HOPPER
+@pytest.mark.parametrize("n, hidden, direction, mask_dtype", [(36, 128, "outgoing", torch.bool),
+                                                               (20, 32, "incoming", torch.float32),
+                                                               (44, 96, "outgoing", torch.float32),
+                                                               (28, 64, "incoming", torch.bool)])
+def test_d_proj_from_x_hat_matches_fp64(n, hidden, direction, mask_dtype):
+    """input_backward wgmma_rs's d_proj (proj recomputed from x_hat on the tensor cores, never written): d proj,
+    d mask and d proj's sums against fp64 from the same bf16 operands, within the bf16 rounding of d proj and no
+    worse than the rows kernel's proj GEMM + d_proj on the same draw; batch 2, a mask with all-zero plane rows,
+    N^2 not a multiple of the 64-position tile, every h count it takes; outputs poisoned first."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    batch, pair_dim, incoming = 2, 128, direction == "incoming"
+    positions = batch * n * n
+    x_hat = torch.randn(positions, pair_dim, generator=g).bfloat16().cuda()
+    w_in_f = (torch.randn(4 * hidden, pair_dim, generator=g) / pair_dim ** 0.5).cuda()
+    b_in_f = (0.3 * torch.randn(4 * hidden, generator=g)).cuda()
+    da, db = (torch.randn(batch * hidden, n, n, generator=g).bfloat16().cuda() for _ in range(2))
+    mask = (torch.rand(batch, n, n, generator=g) > 0.2).to(mask_dtype)
+    if mask_dtype.is_floating_point:
+        mask = mask * torch.rand(mask.shape, generator=g)
+    mask[:, 3] = 0  # (all-zero rows)
+    mask_rows = mask.reshape(positions).cuda()
+    like = torch.empty(0, device="cuda", dtype=torch.bfloat16)
+    fused = ti._KernelBackwardPasses("input_backward", "wgmma_rs", batch, n, pair_dim, hidden, incoming, 2, like)
+    rows = ti._KernelBackwardPasses("input_backward", "rows", batch, n, pair_dim, hidden, incoming, 2, like)
+    assert fused.d_proj_from_x_hat() and not rows.d_proj_from_x_hat()
+    poison_allocator()
+    got = fused.d_proj_recomputed(x_hat, w_in_f, b_in_f, da, db, mask_rows, True)
+    poison_allocator()
+    base = rows.d_proj(ti._Products.linear(x_hat, w_in_f, b_in_f), da, db, mask_rows, batch, n, incoming, True)
+    # fp64 from the same operands (the weights as the pass takes them: bf16).
+    proj = x_hat.double() @ w_in_f.bfloat16().double().t() + b_in_f.double()
+    pa, ga, pb, gb = proj.chunk(4, 1)
+    m = mask_rows.double()[:, None]
+    da_rows, db_rows = (ti._rows(t, batch, n, incoming).double() for t in (da, db))
+    sa, sb = torch.sigmoid(ga), torch.sigmoid(gb)
+    d_proj = torch.cat([da_rows * sa * m, da_rows * pa * m * sa * (1 - sa), db_rows * sb * m,
+                        db_rows * pb * m * sb * (1 - sb)], 1)
+    expected = (d_proj, (da_rows * pa * sa + db_rows * pb * sb).sum(1), d_proj.sum(0))
+    for name, a, b, ref in zip(("d proj", "d mask", "sums"), got, base, expected):
+        err, base_err = _grad_error(a.cpu(), ref.cpu()), _grad_error(b.cpu(), ref.cpu())
+        assert a.shape == ref.shape and err < 5e-3 and err <= 1.5 * base_err + 1e-6, \
+            f"{name}: error {err} against the rows kernel's {base_err} (seed {seed})"
+    assert not got[0].view(batch, n, n, -1)[:, 3].any()  # (masked positions: d proj exactly zero)
+
+
+@HOPPER
+def test_d_proj_from_x_hat_applies_where_its_rules_say():
+    """wgmma_rs (input_backward) takes bf16 operands, pair_dim 128, H a multiple of 32 up to 128, N^2 a multiple of
+    8; elsewhere the default is rows, and naming wgmma_rs is a ValueError that says when it applies; a training
+    step at pair_dim 128 in bf16 runs its kernel, and not the proj GEMM's rows pass."""
+    extension = ti._extension()
+    like16, like32 = torch.empty(0, device="cuda", dtype=torch.bfloat16), torch.empty(0, device="cuda")
+    assert extension.backward_kernel("input_backward", "", 1, 64, 128, 128, False, like16, 2) == "wgmma_rs"
+    for sizes, like in (((1, 37, 128, 128), like16), ((1, 64, 64, 128), like16), ((1, 64, 128, 48), like16),
+                        ((1, 64, 128, 160), like16), ((1, 64, 128, 128), like32)):
+        assert extension.backward_kernel("input_backward", "", *sizes, False, like, 2) == "rows", sizes
+        with pytest.raises(ValueError, match="does not take this call.*applies when"):
+            extension.backward_kernel("input_backward", "wgmma_rs", *sizes, False, like, 2)
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(128, 64, precision="medium", gate_input="normalized"), g).cuda()
+    pair, mask = random_inputs(1, 136, 128, g, dtype=torch.float32, device="cuda")
+    ran = _cuda_kernels_launched(lambda: model(pair.requires_grad_(), mask).square().sum().backward())
+    assert any("proj_rs::kernel" in k for k in ran), [k for k in ran if "trimul::" in k]
+    assert not any("d_proj_kernel" in k for k in ran)
+
+
+@cuda
+@pytest.mark.parametrize("direction, gate_input, mask_dtype", [("outgoing", "normalized", torch.float32),
+                                                               ("incoming", "raw", torch.bool)])
+def test_training_bf16_d_proj_from_x_hat_matches_fp64(direction, gate_input, mask_dtype):
+    """The bf16 training step with input_backward's default at pair_dim 128 (wgmma_rs on Hopper: d_proj from
+    x_hat) against fp64, both directions, a float mask's gradient, H < C and a partial last tile (N = 132)."""
+    _check_training("medium", direction, gate_input, 1, 132, 128, 64, mask_dtype=mask_dtype)
+
+
 def _f16x3_planes(g, planes, n, scales, row_pad=0):
     """fp64 [planes, N, N] normal draws times a scale per plane, as a view with rows row_pad longer (strided)."""
     x = torch.randn(planes, n, n + row_pad, generator=g, dtype=torch.float64)[:, :, :n]

@@ -1110,6 +1110,11 @@ class _TorchBackwardPasses:
         return _planes(dz.to(dtype), batch, n, False)
 
     @staticmethod
+    def d_proj_from_x_hat():
+        """Whether d_proj recomputes proj from x_hat itself (_KernelBackwardPasses.d_proj_recomputed): never here."""
+        return False
+
+    @staticmethod
     def d_proj(proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad, in_place=False):
         """d proj [P, 4H] (pa | ga | pb | gb) from da and db planes; d mask [P] where mask_grad; d proj's sums
         over positions. (in_place: allowed, not done: the baseline's d proj is a new tensor.)"""
@@ -1143,10 +1148,11 @@ class _KernelBackwardPasses:
     """The backward's memory passes on a backward role's kernel of ours (kernels/*_backward_*.cu), with
     _TorchBackwardPasses' signatures."""
 
-    def __init__(self, role, kernel, batch, n, pair_dim, hidden, incoming, precision):
+    def __init__(self, role, kernel, batch, n, pair_dim, hidden, incoming, precision, like):
         self._call = (role, kernel)
         self._sizes = (batch, n, pair_dim, hidden, incoming, precision)
         self._positions, self._hidden = batch * n * n, hidden
+        self._like = like  # (an empty tensor of the operand dtype on the device)
 
     def _run(self, name, like, eps=0.0, **tensors):
         _extension().backward_pass(*self._call, _BACKWARD_PASS[name], *self._sizes, eps, like, tensors)
@@ -1191,6 +1197,23 @@ class _KernelBackwardPasses:
         self._run("d_proj", proj, **tensors)
         return rows, d_mask, sums.sum(0)
 
+    def d_proj_from_x_hat(self):
+        """Whether this kernel's d_proj recomputes proj from x_hat (d_proj_recomputed) at these sizes."""
+        return self._call[0] == "input_backward" and _extension().d_proj_from_x_hat(self._call[1], *self._sizes[:5],
+                                                                                  self._like, self._sizes[5])
+
+    def d_proj_recomputed(self, x_hat, w_in_f, b_in_f, da_planes, db_planes, mask_rows, mask_grad):
+        """d_proj with proj = x_hat w_in_f^T + b_in_f recomputed in the pass (never written): as d_proj."""
+        rows = x_hat.new_empty((self._positions, 4 * self._hidden))
+        sums = x_hat.new_zeros((_BACKWARD_SUM_ROWS, 4 * self._hidden), dtype=torch.float32)
+        tensors = dict(x_hat=x_hat, w_in_f=w_in_f.float().contiguous(), b_in_f=b_in_f.float().contiguous(),
+                       a_planes=da_planes, b_planes=db_planes, mask=mask_rows, rows=rows, sums=sums)
+        d_mask = x_hat.new_empty((self._positions,), dtype=torch.float32) if mask_grad else None
+        if d_mask is not None:
+            tensors["d_mask"] = d_mask
+        self._run("d_proj", x_hat, **tensors)
+        return rows, d_mask, sums.sum(0)
+
     def d_pair(self, pair_rows, eps, d_x_hat, add=None):
         out = torch.empty_like(pair_rows)  # (pair's dtype: the pass rounds a 16-bit gradient once)
         tensors = dict(pair=pair_rows, d_rows=d_x_hat, d_pair=out)
@@ -1218,7 +1241,7 @@ def _backward_passes(role: str, name: Optional[str], batch, n, pair_dim, hidden,
     """The memory passes of a backward role's kernel (None: the default order's first that takes the call):
     _KernelBackwardPasses, or _TorchBackwardPasses for a torch baseline (and off CUDA)."""
     kernel = _backward_kernel(role, name, batch, n, pair_dim, hidden, incoming, operand, mode)
-    return _KernelBackwardPasses(role, kernel, batch, n, pair_dim, hidden, incoming, _precision_code(mode)) \
+    return _KernelBackwardPasses(role, kernel, batch, n, pair_dim, hidden, incoming, _precision_code(mode), operand) \
         if kernel else _TorchBackwardPasses
 
 
@@ -1522,16 +1545,18 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     w_in, b_in = torch.cat([pa_w, ga_w, pb_w, gb_w]), torch.cat([pa_b, ga_b, pb_b, gb_b])
     w_in_f, b_in_f = _folded(w_in, b_in, ln_in_w, ln_in_b)
     x_hat = inputs.input_rows(pair_rows, eps_in, dtype)
+    # (proj_in_pass: d_proj recomputes proj from x_hat itself, so proj lives only until gated_planes)
+    proj_in_pass, proj = inputs.d_proj_from_x_hat(), None
     if saved_ab is not None:
         a_planes, b_planes = _saved_ab_planes(saved_ab, saved_z, batch, n, hidden, dtype)
         del saved_ab
-        if not lean:  # (for d_proj; lean makes it there)
+        if not lean and not proj_in_pass:  # (for d_proj; lean makes it there)
             proj = products.linear(x_hat, w_in_f, b_in_f)
     else:
         proj = products.linear(x_hat, w_in_f, b_in_f)
         a_planes, b_planes = inputs.gated_planes(proj, mask_rows, batch, n, incoming)
-        if lean:
-            del proj
+        if lean or proj_in_pass:
+            proj = None
     z_planes = contractions.z(a_planes, b_planes) if saved_z is None else \
         _saved_z_planes(saved_z, batch, n, hidden, dtype)
     del saved_z
@@ -1560,10 +1585,14 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     del a_planes, b_planes, dz_planes
 
     # input_backward
-    if lean:  # (the same GEMM as above, the same bits; d proj then overwrites it where the passes allow)
-        proj = products.linear(x_hat, w_in_f, b_in_f)
-    d_proj, d_mask, s_in = inputs.d_proj(proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad,
-                                         in_place=lean)
+    if proj_in_pass:
+        d_proj, d_mask, s_in = inputs.d_proj_recomputed(x_hat, w_in_f, b_in_f, da_planes, db_planes, mask_rows,
+                                                        mask_grad)
+    else:
+        if lean:  # (the same GEMM as above, the same bits; d proj then overwrites it where the passes allow)
+            proj = products.linear(x_hat, w_in_f, b_in_f)
+        d_proj, d_mask, s_in = inputs.d_proj(proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad,
+                                             in_place=lean)
     del proj, da_planes, db_planes
     g_in = products.mm(d_proj.t(), x_hat, acc)
     d_x_hat = products.mm(d_proj, w_in_f.to(dtype), acc)

@@ -197,7 +197,13 @@ struct BackwardArgs {
   Dtype pair_dtype;
   const void* mask;  // [P]
   MaskKind mask_kind;
-  const void* proj;  // [P, 4H] operand
+  const void* proj;  // [P, 4H] operand (d_proj: null where the kernel recomputes proj from x_hat, below)
+  // d_proj without proj (input_backward wgmma_rs): proj = x_hat W_in_f^T + b_in_f on the tensor cores, never
+  // written. x_hat [P, C] operand rows (LayerNorm_in without affine); w_in_f [4H, C] fp32 (LayerNorm_in's weight
+  // folded in; rows pa | ga | pb | gb), b_in_f [4H] fp32: the kernel lays them out as it multiplies them.
+  const void* x_hat;
+  const float* w_in_f;
+  const float* b_in_f;
   void* a_planes;    // [B*H, N, N] operand
   void* b_planes;
   void* rows;               // operand rows (x_hat, z_hat or d proj)
@@ -295,7 +301,7 @@ cudaError_t launch_mask_scales(const void* mask, MaskKind kind, int64_t count, c
 
 // Changes whenever a struct above changes, so a library and an extension built from different
 // versions of this file refuse each other.
-constexpr uint32_t kKernelAbi = 7;
+constexpr uint32_t kKernelAbi = 8;
 
 }  // namespace trimul
 

@@ -559,7 +559,13 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
       break;
     case P::gated_planes:
     case P::d_proj:
-      args.proj = pass_tensor(tensors, "proj", positions * 4 * h, op, like);
+      if (args.pass == P::d_proj && has("x_hat")) {  // (proj recomputed in the pass: d_proj_from_x_hat)
+        args.x_hat = pass_tensor(tensors, "x_hat", positions * c, op, like);
+        args.w_in_f = static_cast<const float*>(pass_tensor(tensors, "w_in_f", 4 * h * c, f32, like));
+        args.b_in_f = static_cast<const float*>(pass_tensor(tensors, "b_in_f", 4 * h, f32, like));
+      } else {
+        args.proj = pass_tensor(tensors, "proj", positions * 4 * h, op, like);
+      }
       args.mask = pass_tensor(tensors, "mask", positions, {at::kBool, at::kByte, at::kInt, at::kLong, at::kFloat,
                                                            at::kBFloat16, at::kHalf}, like);
       args.mask_kind = mask_kind(get("mask"));
@@ -599,6 +605,18 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
   const int index = plan_backward_kernel(backward_role(role), kernel, args);
   TORCH_CHECK_VALUE(index >= 0, "trimul_inline: '", kernel, "' is a torch baseline, not a kernel of the library");
   check_launch(library().run_backward(index, &args), std::string("the ") + role + " kernel '" + kernel + "'");
+}
+
+// Whether input_backward's kernel `kernel` takes d_proj from x_hat (BackwardArgs::x_hat: proj recomputed in the
+// pass, no proj GEMM before it) at these sizes.
+bool d_proj_from_x_hat(const std::string& kernel, int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
+                       const at::Tensor& like, int64_t precision) {
+  trimul::BackwardArgs args = backward_sizes(batch, n, c, h, incoming, like, precision);
+  args.pass = trimul::BackwardPass::d_proj;  // (proj null)
+  int index = -1;
+  char message[512] = "";
+  return library().plan_backward(trimul::Role::input_backward, &args, kernel.c_str(), &index, message,
+                                 sizeof(message)) == trimul::PlanStatus::ok && index >= 0;
 }
 
 // ---- the training backward's host path ----------------------------------------------------------
@@ -881,6 +899,9 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   const auto [w_in_f, b_in_f] = folded(w_in, b_in, ln_in_w, ln_in_b);
   const at::Tensor x_hat = rows_of(c, dtype);
   inputs.run(P::input_rows, eps_in, {{"pair", pair_rows}, {"rows", x_hat}});
+  // proj_in_pass: d_proj recomputes proj from x_hat itself (the kernel's choice), so proj lives only until
+  // gated_planes, where the recompute needs it.
+  const bool proj_in_pass = d_proj_from_x_hat(inputs.kernel, batch, n, c, h, incoming, like, precision);
   at::Tensor proj, a_planes, b_planes;
   if (saved_ab.has_value()) {
     TORCH_CHECK_VALUE(saved_z.has_value() && saved_ab->dim() == 4 && saved_ab->size(0) == 2 &&
@@ -891,13 +912,13 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     a_planes = saved_ab->select(0, 0).narrow(2, 0, n);
     b_planes = saved_ab->select(0, 1).narrow(2, 0, n);
     saved_ab.reset();  // (the two views hold it: freed with the later of them)
-    if (!lean) proj = linear(x_hat, w_in_f, b_in_f);  // (for d_proj; lean makes it there)
+    if (!lean && !proj_in_pass) proj = linear(x_hat, w_in_f, b_in_f);  // (for d_proj; lean makes it there)
   } else {
     proj = linear(x_hat, w_in_f, b_in_f);
     a_planes = planes();
     b_planes = planes();
     inputs.run(P::gated_planes, 0.0, {{"proj", proj}, {"mask", mask_rows}, {"a_planes", a_planes}, {"b_planes", b_planes}});
-    if (lean) proj.reset();
+    if (lean || proj_in_pass) proj.reset();
   }
   at::Tensor z_planes;
   if (saved_z.has_value()) {
@@ -951,11 +972,19 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   dz.reset();
 
   // input_backward
-  if (lean) proj = linear(x_hat, w_in_f, b_in_f);
-  at::Tensor d_proj = lean ? proj : at::empty_like(proj);  // (lean: in place, d_proj reads a row before it writes it)
+  if (lean && !proj_in_pass) proj = linear(x_hat, w_in_f, b_in_f);
+  // (lean: in place, d_proj reads a row before it writes it)
+  at::Tensor d_proj = proj_in_pass ? rows_of(4 * h, dtype) : lean ? proj : at::empty_like(proj);
   const at::Tensor in_sums = at::zeros({trimul::kBackwardSumRows, 4 * h}, like.options().dtype(acc));
-  std::unordered_map<std::string, at::Tensor> tensors{{"proj", proj}, {"a_planes", da}, {"b_planes", db},
-                                                      {"mask", mask_rows}, {"rows", d_proj}, {"sums", in_sums}};
+  std::unordered_map<std::string, at::Tensor> tensors{{"a_planes", da}, {"b_planes", db}, {"mask", mask_rows},
+                                                      {"rows", d_proj}, {"sums", in_sums}};
+  if (proj_in_pass) {
+    tensors["x_hat"] = x_hat;
+    tensors["w_in_f"] = w_in_f.contiguous();
+    tensors["b_in_f"] = b_in_f.contiguous();
+  } else {
+    tensors["proj"] = proj;
+  }
   at::Tensor d_mask;
   if (mask_grad) tensors["d_mask"] = d_mask = at::empty({positions}, like.options().dtype(acc));
   inputs.run(P::d_proj, 0.0, tensors);
@@ -1122,6 +1151,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("contract_backward_products", &contract_backward_products,
         "contract_backward on a library kernel: [z = a b^T] without dz, else [da = dz b, db = dz^T a]",
         py::arg("kernel"), py::arg("a"), py::arg("b"), py::arg("dz"), py::arg("planes_per_call") = py::none());
+  m.def("d_proj_from_x_hat", &d_proj_from_x_hat, "whether an input_backward kernel takes d_proj from x_hat");
   m.def("training_backward", &training_backward,
         "the whole backward on the library's backward kernels and cuBLAS ([] where a role is a torch baseline)");
   py::class_<PlannedForward>(m, "PlannedForward", "a checked eager call's decisions (ModelNew._fast)")

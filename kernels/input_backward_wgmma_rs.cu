@@ -1,0 +1,353 @@
+// wgmma_rs — input_backward: d proj with proj recomputed from x_hat on the tensor cores, never written;
+// Hopper (sm_90a), bf16 operands, pair_dim 128, hidden a multiple of 32 up to 128; other passes as rows'.
+// The d_proj pass of input_backward_rows.cuh reads proj, [P, 4H], which a cuBLAS GEMM wrote just before (and
+// the step holds at its peak). Here each warpgroup takes 64-position tiles of the da/db planes: the tile's x_hat
+// rows are wgmma's A operand from registers (as the forward's input pass holds its LayerNorm-ed rows), W_in_f
+// stays resident (laid out by each block from the fp32 parameter: no host-side preparation, whose ATen calls
+// cost more than the kernel at small steps), and proj comes out in parts of 64 weight rows (32 h of proj and
+// their gates), two accumulator sets in turn. Each part's da (or db) box, 32 h x 64 positions, arrives by TMA (kBoxStages in flight) and
+// ldmatrix.trans puts it in the accumulators' layout (the mirror of the forward's transposing stores), so d pa
+// = da s m and d ga = d pa pa (1 - s) are computed in registers and leave as whole 16-byte chunks of d proj
+// rows through a per-warp staging tile. The sums over positions (the bias gradients) reduce-scatter over a
+// warp's rows into two columns per lane and part, kept in registers across the block's tiles: kBackwardSumRows
+// blocks with fixed tiles, the warps' rows added in order, so the bits do not depend on the GPU.
+#include "input_backward_rows.cuh"
+#include "wgmma_rs.cuh"
+
+namespace trimul {
+namespace backward {
+namespace proj_rs {
+
+using namespace ::trimul::tma;
+namespace ws = ::trimul::tma::ws;
+using Op = __nv_bfloat16;
+
+constexpr int kGroups = 2;  // MMA warpgroups per block, each on its own tiles
+constexpr int kBlockThreads = 128 * kGroups;
+constexpr int kPositions = 64;                             // per tile: wgmma's M
+constexpr int kC = 128;                                    // the pair_dim it takes
+constexpr int kSteps = kC / 16;                            // k16 steps of a row
+constexpr int kKTiles = kC * 2 / ws::kKBytes;              // 128-byte k-tiles per 128-row weight chunk
+constexpr int kBoxStages = 4;                              // da/db boxes in flight per warpgroup
+constexpr int kBoxBytes = 32 * kPositions * 2;             // a part's box: 32 h x 64 positions, bf16
+constexpr int kStagingRowBytes = 128;                      // a position's 32 d pa, then 32 d ga (bf16)
+constexpr int kStagingBytes = 16 * kStagingRowBytes;       // per warp: its 16 positions
+constexpr int kGroupBytes = kBoxStages * kBoxBytes + 4 * kStagingBytes;
+
+// Parts of 64 weight rows: 2H / 32 (a's h in 32s, then b's).
+inline int parts_for(int64_t h) { return static_cast<int>(h / 16); }
+
+// Dynamic shared memory: the resident weights (1024-byte aligned), per warpgroup its boxes and staging tiles,
+// the biases, the boxes' barriers.
+inline int64_t smem_bytes(int64_t h) {
+  const int64_t w_tiles = parts_for(h) / 2 * kKTiles;
+  return 1023 + w_tiles * ws::kStageBytes + kGroups * kGroupBytes + 4 * h * int64_t(sizeof(float)) +
+         kGroups * kBoxStages * 8;
+}
+
+// W_in_f's row (rows pa | ga | pb | gb) at grouped row `row`: a's 2H rows, then b's, 16g + e / 16g + 8 + e the
+// proj / gate of h = 8g + e (so that a part's accumulators hold each h's proj and gate in one thread).
+__device__ __forceinline__ int grouped_source(int row, int hidden) {
+  const int side = row / (2 * hidden), w = row - side * 2 * hidden;
+  return (2 * side + (w & 15) / 8) * hidden + (w / 16) * 8 + (w & 7);
+}
+
+// The resident weights as wgmma reads them (the layout a TMA box load with 128-byte swizzle gives): grouped rows
+// in 128-row chunks of kKTiles 128-byte k-tiles, bf16, k permuted within each 16-channel block (k = 16s + 8hh +
+// 2t + e holds channel 16s + 4t + 2hh + e: a thread's A fragment for k-step s is channels 16s + 4t .. + 3 of its
+// row), each 16-byte chunk XOR-swizzled by its row; the biases in grouped order. All threads of the block.
+__device__ __forceinline__ void lay_out_weights(const BackwardArgs& args, uint8_t* weights, float* bias) {
+  const int hidden = static_cast<int>(args.h), rows = 4 * hidden;
+  for (int index = threadIdx.x; index < rows * kSteps; index += kBlockThreads) {
+    const int row = index / kSteps, s = index - row * kSteps;
+    const float4* in = reinterpret_cast<const float4*>(args.w_in_f + int64_t(grouped_source(row, hidden)) * kC + 16 * s);
+    float4 c[4];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) c[t] = in[t];  // channels 16 s + 4 t .. + 3
+    const uint4 even = make_uint4(pack_pair<Op>(c[0].x, c[0].y), pack_pair<Op>(c[1].x, c[1].y),
+                                  pack_pair<Op>(c[2].x, c[2].y), pack_pair<Op>(c[3].x, c[3].y));  // hh = 0
+    const uint4 odd = make_uint4(pack_pair<Op>(c[0].z, c[0].w), pack_pair<Op>(c[1].z, c[1].w),
+                                 pack_pair<Op>(c[2].z, c[2].w), pack_pair<Op>(c[3].z, c[3].w));   // hh = 1
+    const int r = row % ws::kChunkRows, chunk = 2 * (s % 4);
+    uint8_t* line = weights + ((row / ws::kChunkRows) * kKTiles + s / 4) * ws::kStageBytes + r * ws::kKBytes;
+    *reinterpret_cast<uint4*>(line + ((chunk ^ (r & 7)) << 4)) = even;
+    *reinterpret_cast<uint4*>(line + (((chunk + 1) ^ (r & 7)) << 4)) = odd;
+  }
+  for (int row = threadIdx.x; row < rows; row += kBlockThreads) bias[row] = args.b_in_f[grouped_source(row, hidden)];
+  fence_proxy_async();  // (wgmma reads the weights through the async proxy)
+}
+
+// The position (row of x_hat, d proj and the mask) of element p of a batch's N x N plane.
+__device__ __forceinline__ int64_t position_of(const BackwardArgs& args, int64_t batch, uint32_t p) {
+  const uint32_t n = static_cast<uint32_t>(args.n), f = p / n, k = p - f * n;
+  return args.incoming ? (batch * args.n + k) * args.n + f : (batch * args.n + f) * args.n + k;
+}
+
+template <int kParts>
+__global__ void __launch_bounds__(kBlockThreads, 1)
+    kernel(const BackwardArgs args, const __grid_constant__ CUtensorMap map_da,
+           const __grid_constant__ CUtensorMap map_db, int64_t tiles_per_batch) {
+  constexpr int kWTiles = kParts / 2 * kKTiles, kPartsPerSide = kParts / 2;
+  const int64_t hidden = args.h, width = 4 * hidden;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* weights = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  uint8_t* groups = weights + kWTiles * ws::kStageBytes;
+  float* bias = reinterpret_cast<float*>(groups + kGroups * kGroupBytes);
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(bias + width);
+
+  const int warp = warp_index(), lane = threadIdx.x & 31;
+  const int group = warp >> 2, warp4 = warp & 3, t = lane & 3, tid = threadIdx.x & 127;
+  uint8_t* boxes = groups + group * kGroupBytes;
+  uint8_t* staging = boxes + kBoxStages * kBoxBytes + warp4 * kStagingBytes;
+  uint64_t* box_full = barriers + group * kBoxStages;
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kGroups * kBoxStages; ++i) mbar_init(&barriers[i], 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int64_t plane = args.n * args.n, tiles = args.batch * tiles_per_batch;
+  const int64_t stride = int64_t(gridDim.x) * kGroups, first = int64_t(blockIdx.x) * kGroups + group;
+  // The warpgroup's it-th box: part it % kParts of its (it / kParts)-th tile, into stage it % kBoxStages.
+  const auto issue = [&](int it) {
+    const int64_t tile = first + int64_t(it / kParts) * stride;
+    if (tile >= tiles) return;
+    const int part = it % kParts, stage = it % kBoxStages;
+    const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
+    mbar_expect_tx(&box_full[stage], kBoxBytes);
+    tma_load(boxes + stage * kBoxBytes, part < kPartsPerSide ? &map_da : &map_db, static_cast<int>(p0),
+             (part % kPartsPerSide) * 32, static_cast<int>(batch), &box_full[stage]);
+  };
+  if (tid == 0)
+    for (int it = 0; it < kBoxStages; ++it) issue(it);
+
+  // This thread's rows of a tile (its rows of the wgmma's A fragment): positions 16 warp4 + lane / 4 and 8
+  // further; of each, channels 16 s + 4 t .. + 3 for k-step s (the weights' k permutation), and the mask's bits.
+  const int row0 = 16 * warp4 + (lane >> 2);
+  const Op* x_hat = static_cast<const Op*>(args.x_hat);
+  const auto load_rows = [&](int64_t tile, uint2 (&rows)[2][kSteps], uint32_t (&mask_bits)[2], int64_t (&pos)[2]) {
+    const int64_t batch = tile < tiles ? tile / tiles_per_batch : 0;
+    const int64_t p0 = (tile - batch * tiles_per_batch) * kPositions;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int64_t p = p0 + row0 + 8 * hf;
+      pos[hf] = tile < tiles && p < plane ? position_of(args, batch, static_cast<uint32_t>(p)) : -1;
+      mask_bits[hf] = pos[hf] >= 0 ? load_mask_bits(args.mask, args.mask_kind, pos[hf]) : 0u;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s)
+        rows[hf][s] = pos[hf] >= 0 ? *reinterpret_cast<const uint2*>(x_hat + pos[hf] * kC + 16 * s + 4 * t)
+                                   : make_uint2(0u, 0u);
+    }
+  };
+
+  int64_t tile = first;
+  uint2 raw[2][kSteps];
+  uint32_t next_mask[2];
+  int64_t next_pos[2];
+  load_rows(tile, raw, next_mask, next_pos);
+  lay_out_weights(args, weights, bias);  // (the first boxes and rows load meanwhile)
+  __syncthreads();
+  Op* d_proj = static_cast<Op*>(args.rows);
+  float sums[kParts][2] = {};
+  int it = 0;  // the next box to take
+  for (; tile < tiles; tile += stride) {
+    const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
+    uint32_t frag[kSteps][4];
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        frag[s][hf] = raw[hf][s].x;
+        frag[s][2 + hf] = raw[hf][s].y;
+      }
+    const float mask[2] = {mask_value(next_mask[0], args.mask_kind), mask_value(next_mask[1], args.mask_kind)};
+    const int64_t row_pos[2] = {next_pos[0], next_pos[1]};
+    // The staging tile's rows this lane stores: 4 r + lane / 8 of the warp's 16.
+    int64_t out_pos[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int64_t p = p0 + 16 * warp4 + 4 * r + (lane >> 3);
+      out_pos[r] = p < plane ? position_of(args, batch, static_cast<uint32_t>(p)) : -1;
+    }
+    load_rows(tile + stride, raw, next_mask, next_pos);  // in flight while this tile multiplies and stores
+    float d_mask[2] = {0.f, 0.f};
+
+    const auto multiply = [&](int part, float(&acc)[32]) {
+      const uint8_t* w = weights + (part >> 1) * kKTiles * ws::kStageBytes + (part & 1) * ws::kGroupRowBytes;
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s)
+        wgmma_rs_64x64<Op>(acc, frag[s], desc_add(smem_descriptor(w + (s / 4) * ws::kStageBytes), 2 * (s % 4)), s > 0);
+      wgmma_commit();
+    };
+    const auto store = [&](int part, const float(&acc)[32]) {
+      // da (or db) of this part's 32 h at this thread's positions: da[qq][k] holds h = 8 q + 2 t, + 1 of block
+      // q = 2 qq + k / 2 at position row0 + 8 (k % 2), the accumulators' pairing.
+      const int stage = it % kBoxStages;
+      mbar_wait(&box_full[stage], (it / kBoxStages) & 1);
+      const uint32_t box = smem_u32(boxes + stage * kBoxBytes);
+      uint32_t da[2][4];
+      {
+        const int k = lane >> 3, i = lane & 7;
+#pragma unroll
+        for (int qq = 0; qq < 2; ++qq) {
+          const int q = 2 * qq + (k >> 1), hf = k & 1;
+          ldmatrix_x4_trans(da[qq], box + (8 * q + i) * (2 * kPositions) + (((2 * warp4 + hf) ^ i) << 4));
+        }
+      }
+      named_barrier(1 + group, 128);  // (every thread has read the stage: it takes the box kBoxStages on)
+      if (tid == 0) issue(it + kBoxStages);
+      ++it;
+      // acc[4 j + 2 hf + e]: position row0 + 8 hf, weight row 8 j + 2 t + e of the part (j = 2 q: proj of
+      // h = 8 q + 2 t + e, j = 2 q + 1: its gate).
+      const float* b = bias + part * 64;
+      uint32_t out[2][2][4];  // [gate][qq][k]: d pa / d ga pairs as da's
+      float column[16] = {};  // [2 j + e]: the part's column 8 j + 2 t + e summed over this thread's positions
+#pragma unroll
+      for (int qq = 0; qq < 2; ++qq)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int q = 2 * qq + (k >> 1), hf = k & 1;
+          const float2 d = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&da[qq][k]));
+          const float2 bp = *reinterpret_cast<const float2*>(b + 16 * q + 2 * t);
+          const float2 bg = *reinterpret_cast<const float2*>(b + 16 * q + 8 + 2 * t);
+          float d_pa[2], d_ga[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pa = acc[8 * q + 2 * hf + e] + (e ? bp.y : bp.x);
+            const float s = sigmoid(acc[8 * q + 4 + 2 * hf + e] + (e ? bg.y : bg.x));
+            const float das = (e ? d.y : d.x) * s;
+            d_pa[e] = das * mask[hf];
+            d_ga[e] = d_pa[e] * pa * (1.f - s);
+            d_mask[hf] = fmaf(das, pa, d_mask[hf]);
+            column[4 * q + e] += d_pa[e];
+            column[4 * q + 2 + e] += d_ga[e];
+          }
+          out[0][qq][k] = pack_pair<Op>(d_pa[0], d_pa[1]);
+          out[1][qq][k] = pack_pair<Op>(d_ga[0], d_ga[1]);
+        }
+      // d proj out: each 8 x 8 block (position rows, 8 h) into the warp's staging tile (row 8 hf + i of the
+      // warp's 16 positions; 16-byte chunk 4 gate + q, XOR-swizzled by the row), then a lane per 16-byte chunk
+      // of a row: a position's 32 d pa and 32 d ga as two whole 64-byte runs of its d proj row.
+      {
+        const int k = lane >> 3, i = lane & 7;
+#pragma unroll
+        for (int gate = 0; gate < 2; ++gate)
+#pragma unroll
+          for (int qq = 0; qq < 2; ++qq) {
+            const int q = 2 * qq + (k >> 1), hf = k & 1;
+            stmatrix_x4(smem_u32(staging) + (8 * hf + i) * kStagingRowBytes + (((4 * gate + q) ^ i) << 4),
+                        out[gate][qq][0], out[gate][qq][1], out[gate][qq][2], out[gate][qq][3]);
+          }
+      }
+      __syncwarp();
+      const int side = part / kPartsPerSide, h0 = (part % kPartsPerSide) * 32;
+      {
+        const int chunk = lane & 7;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int row = 4 * r + (lane >> 3);
+          const uint4 v = *reinterpret_cast<const uint4*>(staging + row * kStagingRowBytes + ((chunk ^ (row & 7)) << 4));
+          if (out_pos[r] >= 0)
+            *reinterpret_cast<uint4*>(d_proj + out_pos[r] * width + (2 * side + (chunk >> 2)) * hidden + h0 +
+                                      8 * (chunk & 3)) = v;
+        }
+      }
+      __syncwarp();  // (the next part's blocks overwrite the staging tile)
+      // The columns' sums over the warp's 16 positions, reduce-scattered over lane bits 4, 3, 2: lane 4 g + t
+      // ends with the part's columns 8 g + 2 t + {0, 1}.
+      float half[8], quarter[4];
+      const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        half[i] = (b4 ? column[8 + i] : column[i]) + __shfl_xor_sync(0xffffffffu, b4 ? column[i] : column[8 + i], 16);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        quarter[i] = (b3 ? half[4 + i] : half[i]) + __shfl_xor_sync(0xffffffffu, b3 ? half[i] : half[4 + i], 8);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        sums[part][i] += (b2 ? quarter[2 + i] : quarter[i]) + __shfl_xor_sync(0xffffffffu, b2 ? quarter[i] : quarter[2 + i], 4);
+    };
+    input_pass::wgmma_rs::multiply_and_store_parts<kParts>(multiply, store);
+
+    if (args.d_mask != nullptr) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        float v = d_mask[hf];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        if (t == 0 && row_pos[hf] >= 0) args.d_mask[row_pos[hf]] = v;
+      }
+    }
+  }
+
+  // The block's sums: each warp's columns into its row (over the weights, read by now), the rows added in order.
+  __syncthreads();
+  float* rows = reinterpret_cast<float*>(weights);
+  const int g = lane >> 2;
+#pragma unroll
+  for (int part = 0; part < kParts; ++part)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int side = part / kPartsPerSide, h = (part % kPartsPerSide) * 32 + 8 * (g >> 1) + 2 * t + i;
+      rows[warp * width + (2 * side + (g & 1)) * hidden + h] = sums[part][i];
+    }
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < width; c += kBlockThreads) {
+    float total = 0.f;
+    for (int w = 0; w < 4 * kGroups; ++w) total += rows[w * width + c];
+    args.sums[blockIdx.x * width + c] = total;
+  }
+}
+
+// Whether it takes d_proj's sizes: bf16 operands, rows of 128 channels, H a multiple of 32 up to 128 (whole
+// 32-h boxes and parts), plane pitches TMA can address (N^2 a multiple of 8: 16-byte rows of the box map),
+// and the shared memory.
+bool takes(const BackwardArgs& args) {
+  const int64_t plane = args.n * args.n;
+  return args.operand == Dtype::bf16 && args.c == kC && args.h % 32 == 0 && args.h <= 128 &&
+         tensor_map_encoder() != nullptr && plane % 8 == 0 && plane < (int64_t(1) << 31) &&
+         args.batch < (int64_t(1) << 31) && smem_bytes(args.h) <= max_smem_optin();
+}
+
+bool applies(const BackwardArgs& args) { return takes(args) && d_proj_bytes(args) <= max_smem_optin(); }
+
+template <int kParts>
+cudaError_t launch_parts(const BackwardArgs& args) {
+  const int64_t plane = args.n * args.n, tiles_per_batch = ceil_div(plane, kPositions);
+  const int64_t blocks = std::min<int64_t>(kBackwardSumRows, ceil_div(args.batch * tiles_per_batch, kGroups));
+  CUtensorMap map_da, map_db;
+  if (!encode_kmajor_map<Op>(&map_da, args.a_planes, args.batch, args.h, plane, 32) ||
+      !encode_kmajor_map<Op>(&map_db, args.b_planes, args.batch, args.h, plane, 32))
+    return cudaErrorNotSupported;
+  const int64_t bytes = smem_bytes(args.h);
+  const cudaError_t status = fused::allow_smem<kernel<kParts>>(bytes);
+  if (status != cudaSuccess) return status;
+  kernel<kParts><<<static_cast<unsigned>(blocks), kBlockThreads, bytes, args.stream>>>(args, map_da, map_db,
+                                                                                   tiles_per_batch);
+  return cudaGetLastError();
+}
+
+cudaError_t launch(const BackwardArgs& args) {
+  if (args.pass != BackwardPass::d_proj || args.proj != nullptr) return ::trimul::backward::launch(args);
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (!takes(args) || args.x_hat == nullptr || args.w_in_f == nullptr || args.b_in_f == nullptr ||
+      args.sums == nullptr || !aligned(args.x_hat) || !aligned(args.rows) || !aligned(args.w_in_f) ||
+      !aligned(args.a_planes) || !aligned(args.b_planes))
+    return cudaErrorInvalidValue;
+  switch (parts_for(args.h)) {
+    case 2: return launch_parts<2>(args);
+    case 4: return launch_parts<4>(args);
+    case 6: return launch_parts<6>(args);
+    case 8: return launch_parts<8>(args);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace proj_rs
+}  // namespace backward
+}  // namespace trimul
+
+TRIMUL_REGISTER_BACKWARD(input_backward, wgmma_rs, ::trimul::backward::proj_rs::applies,
+                         ::trimul::backward::proj_rs::launch);
