@@ -2000,19 +2000,24 @@ def test_training_gradients_match_fp64(precision, direction, gate_input, batch, 
 
 
 @cuda
-@pytest.mark.parametrize("precision, direction, n", [("highest", "outgoing", 97), ("medium", "incoming", 70),
-                                                      ("medium", "outgoing", 72), ("high", "incoming", 65)])
-def test_training_with_saved_z(precision, direction, n, monkeypatch):
+@pytest.mark.parametrize("precision, direction, n, pair_dim", [("highest", "outgoing", 97, 64),
+                                                                ("medium", "incoming", 70, 64),
+                                                                ("medium", "outgoing", 72, 64),
+                                                                ("high", "incoming", 65, 64),
+                                                                ("medium", "incoming", 72, 128)])
+def test_training_with_saved_z(precision, direction, n, pair_dim, monkeypatch):
     """backward_saves="z": the forward's z planes (rows padded where N is not a multiple of the z row's
     alignment; N > 64, where the forward has a z buffer) stand in for the recomputed ones, at medium its a/b
     planes too (rows padded to the forward's ld), and the backward runs lean; gradients within the tolerances
-    (the bf16 steps at this size: TF32_BACKWARD_POSITIONS off)."""
+    (the bf16 steps at this size: TF32_BACKWARD_POSITIONS off). At pair_dim 128 in bf16 on Hopper, d_proj from
+    x_hat (input_backward wgmma_rs): lean with no proj at all."""
     monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)
     calls = []
     original = ti.training_backward
     monkeypatch.setattr(ti, "training_backward",
                         lambda *a, **k: calls.append(tuple(k["saved"])) or original(*a, **k))  # ([z, a/b])
-    _check_training(precision, direction, "normalized", 2, n, 64, 48, backward_saves="z")
+    _check_training(precision, direction, "normalized", 2, n, pair_dim, 48 if pair_dim == 64 else 64,
+                    backward_saves="z")
     assert calls and all(z is not None for z, _ in calls)
     assert all((ab is not None) == (precision == "medium") for _, ab in calls)
 
@@ -2058,14 +2063,18 @@ def test_training_keeps_z_past_the_graphed_sizes(precision, monkeypatch):
 
 
 @cuda
-@pytest.mark.parametrize("precision, gate_input", [("medium", "normalized"), ("highest", "raw")])
-def test_backward_host_path_with_saved_z_equals_the_python_steps(precision, gate_input, monkeypatch):
+@pytest.mark.parametrize("precision, gate_input, pair_dim, n", [("medium", "normalized", 24, 70),
+                                                                ("highest", "raw", 24, 70),
+                                                                ("medium", "raw", 128, 72)])
+def test_backward_host_path_with_saved_z_equals_the_python_steps(precision, gate_input, pair_dim, n, monkeypatch):
     """With the forward's z (and at medium its a/b planes) and the lean steps, the one-call backward and the Python
-    steps agree bit for bit, and with the plain backward within the precision's reach."""
+    steps agree bit for bit, and with the plain backward within the precision's reach (at pair_dim 128 in bf16 on
+    Hopper with d_proj from x_hat on both paths)."""
     monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)
     g = torch.Generator().manual_seed(fresh_seed())
-    model = random_layers(ti.ModelNew(24, 40, gate_input=gate_input, precision=precision), g).cuda()
-    pair, mask = random_inputs(1, 70, 24, g, dtype=torch.float32, device="cuda")  # (N > 64: a z buffer)
+    hidden = 40 if pair_dim != 128 else 64
+    model = random_layers(ti.ModelNew(pair_dim, hidden, gate_input=gate_input, precision=precision), g).cuda()
+    pair, mask = random_inputs(1, n, pair_dim, g, dtype=torch.float32, device="cuda")  # (N > 64: a z buffer)
     steps = model.forward_steps(pair, mask)
     ab, z = steps.new_ab(), steps.new_z()
     steps.input_pass(ab)
@@ -2077,7 +2086,7 @@ def test_backward_host_path_with_saved_z_equals_the_python_steps(precision, gate
     plain = ti.training_backward(*args, host="call")
     # (the forward's a/b planes stand in too where they are whole values in the operand dtype: medium's bf16)
     saved_ab = ab if precision == "medium" else None
-    assert precision != "medium" or ab.dtype == torch.bfloat16 and ab.shape[1] == 40
+    assert precision != "medium" or ab.dtype == torch.bfloat16 and ab.shape[1] == hidden
     for kept in ({}, {"saved_ab": saved_ab}) if saved_ab is not None else ({},):
         fast = ti.training_backward(*args, host="call", saved_z=z, lean=True, **kept)
         slow = ti.training_backward(*args, host="python", saved_z=z, lean=True, **kept)
