@@ -2242,12 +2242,14 @@ def test_d_proj_from_x_hat_applies_where_its_rules_say():
 
 
 @cuda
-@pytest.mark.parametrize("direction, gate_input, mask_dtype", [("outgoing", "normalized", torch.float32),
-                                                               ("incoming", "raw", torch.bool)])
-def test_training_bf16_d_proj_from_x_hat_matches_fp64(direction, gate_input, mask_dtype):
+@pytest.mark.parametrize("direction, gate_input, mask_dtype, kernels",
+                         [("outgoing", "normalized", torch.float32, None), ("incoming", "raw", torch.bool, None),
+                          ("outgoing", "raw", torch.float32, "output_backward=torch")])
+def test_training_bf16_d_proj_from_x_hat_matches_fp64(direction, gate_input, mask_dtype, kernels):
     """The bf16 training step with input_backward's default at pair_dim 128 (wgmma_rs on Hopper: d_proj from
-    x_hat) against fp64, both directions, a float mask's gradient, H < C and a partial last tile (N = 132)."""
-    _check_training("medium", direction, gate_input, 1, 132, 128, 64, mask_dtype=mask_dtype)
+    x_hat) against fp64, both directions, a float mask's gradient, H < C and a partial last tile (N = 132); and
+    beside output_backward's torch baseline (the Python path's steps on our input_backward kernel)."""
+    _check_training("medium", direction, gate_input, 1, 132, 128, 64, mask_dtype=mask_dtype, kernels=kernels)
 
 
 def _f16x3_planes(g, planes, n, scales, row_pad=0):

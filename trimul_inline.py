@@ -1219,7 +1219,7 @@ class _KernelBackwardPasses:
         tensors = dict(pair=pair_rows, d_rows=d_x_hat, d_pair=out)
         if add is not None:
             tensors["d_rows_add"] = add
-        self._run("d_pair", d_x_hat, eps, **tensors)
+        self._run("d_pair", self._like, eps, **tensors)  # (the operand dtype, as every pass: the kernel's rule)
         return out
 
 
