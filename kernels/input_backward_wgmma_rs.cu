@@ -5,12 +5,13 @@
 // rows are wgmma's A operand from registers (as the forward's input pass holds its LayerNorm-ed rows), W_in_f
 // stays resident (laid out by each block from the fp32 parameter: no host-side preparation, whose ATen calls
 // cost more than the kernel at small steps), and proj comes out in parts of 64 weight rows (32 h of proj and
-// their gates), two accumulator sets in turn. Each part's da (or db) box, 32 h x 64 positions, arrives by TMA (kBoxStages in flight) and
-// ldmatrix.trans puts it in the accumulators' layout (the mirror of the forward's transposing stores), so d pa
-// = da s m and d ga = d pa pa (1 - s) are computed in registers and leave as whole 16-byte chunks of d proj
-// rows through a per-warp staging tile. The sums over positions (the bias gradients) reduce-scatter over a
-// warp's rows into two columns per lane and part, kept in registers across the block's tiles: kBackwardSumRows
-// blocks with fixed tiles, the warps' rows added in order, so the bits do not depend on the GPU.
+// their gates), two accumulator sets in turn. Each part's da (or db) box, 32 h x 64 positions, arrives by TMA
+// (kBoxStages in flight) and ldmatrix.trans puts it in the accumulators' layout (the mirror of the forward's
+// transposing stores), so d pa = da s m and d ga = d pa pa (1 - s) are computed in registers and leave as
+// whole 16-byte chunks of d proj rows through a per-warp staging tile. The sums over positions (the bias
+// gradients) reduce-scatter over a warp's rows into two columns per lane and part, kept in registers across the
+// block's tiles: kBackwardSumRows blocks with fixed tiles, the warps' rows added in order, so the bits do not
+// depend on the GPU.
 #include "input_backward_rows.cuh"
 #include "wgmma_rs.cuh"
 
@@ -60,7 +61,8 @@ __device__ __forceinline__ void lay_out_weights(const BackwardArgs& args, uint8_
   const int hidden = static_cast<int>(args.h), rows = 4 * hidden;
   for (int index = threadIdx.x; index < rows * kSteps; index += kBlockThreads) {
     const int row = index / kSteps, s = index - row * kSteps;
-    const float4* in = reinterpret_cast<const float4*>(args.w_in_f + int64_t(grouped_source(row, hidden)) * kC + 16 * s);
+    const float* source = args.w_in_f + int64_t(grouped_source(row, hidden)) * kC + 16 * s;
+    const float4* in = reinterpret_cast<const float4*>(source);
     float4 c[4];
 #pragma unroll
     for (int t = 0; t < 4; ++t) c[t] = in[t];  // channels 16 s + 4 t .. + 3
@@ -248,7 +250,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int row = 4 * r + (lane >> 3);
-          const uint4 v = *reinterpret_cast<const uint4*>(staging + row * kStagingRowBytes + ((chunk ^ (row & 7)) << 4));
+          const uint8_t* line = staging + row * kStagingRowBytes;
+          const uint4 v = *reinterpret_cast<const uint4*>(line + ((chunk ^ (row & 7)) << 4));
           if (out_pos[r] >= 0)
             *reinterpret_cast<uint4*>(d_proj + out_pos[r] * width + (2 * side + (chunk >> 2)) * hidden + h0 +
                                       8 * (chunk & 3)) = v;
@@ -267,7 +270,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         quarter[i] = (b3 ? half[4 + i] : half[i]) + __shfl_xor_sync(0xffffffffu, b3 ? half[i] : half[4 + i], 8);
 #pragma unroll
       for (int i = 0; i < 2; ++i)
-        sums[part][i] += (b2 ? quarter[2 + i] : quarter[i]) + __shfl_xor_sync(0xffffffffu, b2 ? quarter[i] : quarter[2 + i], 4);
+        sums[part][i] +=
+            (b2 ? quarter[2 + i] : quarter[i]) + __shfl_xor_sync(0xffffffffu, b2 ? quarter[i] : quarter[2 + i], 4);
     };
     input_pass::wgmma_rs::multiply_and_store_parts<kParts>(multiply, store);
 
