@@ -1154,48 +1154,54 @@ class _KernelBackwardPasses:
         self._positions, self._hidden = batch * n * n, hidden
         self._like = like  # (an empty tensor of the operand dtype on the device)
 
-    def _run(self, name, like, eps=0.0, **tensors):
-        _extension().backward_pass(*self._call, _BACKWARD_PASS[name], *self._sizes, eps, like, tensors)
+    def _run(self, name, eps=0.0, **tensors):
+        """Pass `name` on the tensors; its operand dtype and device are the backward's (self._like) for every
+        pass, as the C++ backward names them (a kernel's rules read the operand dtype)."""
+        _extension().backward_pass(*self._call, _BACKWARD_PASS[name], *self._sizes, eps, self._like, tensors)
 
-    def _planes(self, like, count=1):
+    def _planes(self, count=1):
         shape = (count, self._sizes[0] * self._hidden, self._sizes[1], self._sizes[1])  # (B*H, N, N)
-        return like.new_empty(shape).unbind(0) if count > 1 else like.new_empty(shape[1:])
+        return self._like.new_empty(shape).unbind(0) if count > 1 else self._like.new_empty(shape[1:])
 
     def input_rows(self, pair_rows, eps, dtype):
         rows = pair_rows.new_empty(pair_rows.shape, dtype=dtype)
-        self._run("input_rows", rows, eps, pair=pair_rows, rows=rows)
+        self._run("input_rows", eps, pair=pair_rows, rows=rows)
         return rows
 
     def gated_planes(self, proj, mask_rows, batch, n, incoming):
-        a_planes, b_planes = self._planes(proj, 2)
-        self._run("gated_planes", proj, proj=proj, mask=mask_rows, a_planes=a_planes, b_planes=b_planes)
+        a_planes, b_planes = self._planes(2)
+        self._run("gated_planes", proj=proj, mask=mask_rows, a_planes=a_planes, b_planes=b_planes)
         return a_planes, b_planes
 
     def z_rows(self, z_planes, batch, n, eps, dtype):
         rows = z_planes.new_empty((self._positions, self._hidden))
         rstd = z_planes.new_empty((self._positions, 1), dtype=torch.float32)
-        self._run("z_rows", rows, eps, a_planes=z_planes, rows=rows, rstd=rstd)
+        self._run("z_rows", eps, a_planes=z_planes, rows=rows, rstd=rstd)
         return rows, rstd
 
     def gate_grad(self, d_out, o, gate_pre):
         sums = o.new_zeros((_BACKWARD_SUM_ROWS, 2 * o.shape[1]), dtype=torch.float32)
-        self._run("gate_grad", o, d_out=d_out, o=o, gate_pre=gate_pre, sums=sums)
+        self._run("gate_grad", d_out=d_out, o=o, gate_pre=gate_pre, sums=sums)
         return (o, gate_pre) + sums.sum(0).chunk(2)
 
     def dz_planes(self, d_z_hat, z_hat, rstd, batch, n, dtype):
-        dz = self._planes(z_hat)
-        self._run("dz_planes", z_hat, d_rows=d_z_hat, rows=z_hat, rstd=rstd, a_planes=dz)
+        dz = self._planes()
+        self._run("dz_planes", d_rows=d_z_hat, rows=z_hat, rstd=rstd, a_planes=dz)
         return dz
 
-    def d_proj(self, proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad, in_place=False):
-        rows = proj if in_place else torch.empty_like(proj)
-        sums = proj.new_zeros((_BACKWARD_SUM_ROWS, proj.shape[1]), dtype=torch.float32)
-        tensors = dict(proj=proj, a_planes=da_planes, b_planes=db_planes, mask=mask_rows, rows=rows, sums=sums)
-        d_mask = proj.new_empty((self._positions,), dtype=torch.float32) if mask_grad else None
+    def _d_proj_pass(self, rows, mask_grad, **inputs):
+        """The d_proj pass into `rows` (d proj [P, 4H]) from `inputs` (proj, or x_hat and the folded weights;
+        the da/db planes and the mask): (d proj, d mask or None, d proj's sums over positions)."""
+        sums = rows.new_zeros((_BACKWARD_SUM_ROWS, 4 * self._hidden), dtype=torch.float32)
+        d_mask = rows.new_empty((self._positions,), dtype=torch.float32) if mask_grad else None
         if d_mask is not None:
-            tensors["d_mask"] = d_mask
-        self._run("d_proj", proj, **tensors)
+            inputs["d_mask"] = d_mask
+        self._run("d_proj", rows=rows, sums=sums, **inputs)
         return rows, d_mask, sums.sum(0)
+
+    def d_proj(self, proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad, in_place=False):
+        return self._d_proj_pass(proj if in_place else torch.empty_like(proj), mask_grad, proj=proj,
+                                 a_planes=da_planes, b_planes=db_planes, mask=mask_rows)
 
     def d_proj_from_x_hat(self):
         """Whether this kernel's d_proj recomputes proj from x_hat (d_proj_recomputed) at these sizes."""
@@ -1204,22 +1210,16 @@ class _KernelBackwardPasses:
 
     def d_proj_recomputed(self, x_hat, w_in_f, b_in_f, da_planes, db_planes, mask_rows, mask_grad):
         """d_proj with proj = x_hat w_in_f^T + b_in_f recomputed in the pass (never written): as d_proj."""
-        rows = x_hat.new_empty((self._positions, 4 * self._hidden))
-        sums = x_hat.new_zeros((_BACKWARD_SUM_ROWS, 4 * self._hidden), dtype=torch.float32)
-        tensors = dict(x_hat=x_hat, w_in_f=w_in_f.float().contiguous(), b_in_f=b_in_f.float().contiguous(),
-                       a_planes=da_planes, b_planes=db_planes, mask=mask_rows, rows=rows, sums=sums)
-        d_mask = x_hat.new_empty((self._positions,), dtype=torch.float32) if mask_grad else None
-        if d_mask is not None:
-            tensors["d_mask"] = d_mask
-        self._run("d_proj", x_hat, **tensors)
-        return rows, d_mask, sums.sum(0)
+        return self._d_proj_pass(x_hat.new_empty((self._positions, 4 * self._hidden)), mask_grad, x_hat=x_hat,
+                                 w_in_f=w_in_f.float().contiguous(), b_in_f=b_in_f.float().contiguous(),
+                                 a_planes=da_planes, b_planes=db_planes, mask=mask_rows)
 
     def d_pair(self, pair_rows, eps, d_x_hat, add=None):
         out = torch.empty_like(pair_rows)  # (pair's dtype: the pass rounds a 16-bit gradient once)
         tensors = dict(pair=pair_rows, d_rows=d_x_hat, d_pair=out)
         if add is not None:
             tensors["d_rows_add"] = add
-        self._run("d_pair", self._like, eps, **tensors)  # (the operand dtype, as every pass: the kernel's rule)
+        self._run("d_pair", eps, **tensors)
         return out
 
 
