@@ -2241,6 +2241,82 @@ def test_d_proj_from_x_hat_applies_where_its_rules_say():
     assert not any("d_proj_kernel" in k for k in ran)
 
 
+@HOPPER
+@pytest.mark.parametrize("n, hidden, gate_input, pair_dtype", [(37, 128, "normalized", torch.float32),
+                                                               (20, 64, "raw", torch.bfloat16),
+                                                               (9, 96, "normalized", torch.float16),
+                                                               (33, 32, "raw", torch.float32)])
+def test_d_pair_from_d_proj_matches_fp64(n, hidden, gate_input, pair_dtype):
+    """input_backward wgmma_rs's d_pair with d x_hat = d proj W_in_f (+ d gate W_gate_f) multiplied in the pass
+    (never written), then LayerNorm_in's backward: against fp64 from the same bf16 operands (the weights as the pass
+    takes them: bf16), within the rounding of pair's dtype and no worse than the rows kernel's d_pair after the
+    GEMMs on the same draw; batch 2 (positions not a multiple of the 64-position tile), rows of far apart means
+    and scales, the raw gate's share as d_rows_add, each pair dtype; the output poisoned first."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    batch, pair_dim, eps = 2, 128, 1e-5
+    positions = batch * n * n
+    scale = torch.exp(2 * torch.randn(positions, 1, generator=g))
+    pair_rows = (scale * (torch.randn(positions, pair_dim, generator=g) + 3 * torch.randn(positions, 1, generator=g)))
+    pair_rows = pair_rows.to(pair_dtype).cuda()
+    d_proj = torch.randn(positions, 4 * hidden, generator=g).bfloat16().cuda()
+    w_in_f = (torch.randn(4 * hidden, pair_dim, generator=g) / pair_dim ** 0.5).cuda()
+    d_gate = w_gate_f = add = None
+    if gate_input == "normalized":
+        d_gate = torch.randn(positions, pair_dim, generator=g).bfloat16().cuda()
+        w_gate_f = (torch.randn(pair_dim, pair_dim, generator=g) / pair_dim ** 0.5).cuda()
+    else:
+        add = torch.randn(positions, pair_dim, generator=g).cuda()
+    like = torch.empty(0, device="cuda", dtype=torch.bfloat16)
+    fused = ti._KernelBackwardPasses("input_backward", "wgmma_rs", batch, n, pair_dim, hidden, False, 2, like)
+    rows = ti._KernelBackwardPasses("input_backward", "rows", batch, n, pair_dim, hidden, False, 2, like)
+    assert fused.d_pair_from_d_proj() and not rows.d_pair_from_d_proj()
+    poison_allocator()
+    got = fused.d_pair_multiplied(pair_rows, eps, d_proj, w_in_f, d_gate, w_gate_f, add)
+    d_x_hat = ti._Products.mm(d_proj, w_in_f.bfloat16(), torch.float32)
+    if d_gate is not None:
+        ti._Products.add_mm_(d_x_hat, d_gate, w_gate_f.bfloat16())
+    poison_allocator()
+    base = rows.d_pair(pair_rows, eps, d_x_hat, add)
+    # fp64 from the same operands.
+    x = pair_rows.double()
+    mean, var = x.mean(1, keepdim=True), x.var(1, unbiased=False, keepdim=True)
+    rstd = (var + eps).rsqrt()
+    x_hat = (x - mean) * rstd
+    d = d_proj.double() @ w_in_f.bfloat16().double()
+    if d_gate is not None:
+        d = d + d_gate.double() @ w_gate_f.bfloat16().double()
+    expected = rstd * (d - d.mean(1, keepdim=True) - x_hat * (d * x_hat).mean(1, keepdim=True))
+    if add is not None:
+        expected = expected + add.double()
+    err, base_err = _grad_error(got.cpu(), expected.cpu()), _grad_error(base.cpu(), expected.cpu())
+    assert got.dtype == pair_dtype and got.shape == expected.shape and torch.isfinite(got).all()
+    assert err < (1e-5 if pair_dtype == torch.float32 else 5e-3) and err <= 1.5 * base_err + 1e-6, \
+        f"d pair: error {err} against the rows kernel's {base_err} (seed {seed})"
+
+
+@HOPPER
+def test_d_pair_from_d_proj_applies_where_its_rules_say():
+    """wgmma_rs (input_backward) multiplies d x_hat in its d_pair pass for bf16 operands at pair_dim 128 (the rows
+    kernel never: it reads d x_hat), at any N (the pass has no plane layout); a training step at pair_dim 128 in
+    bf16 runs that kernel and not the rows kernel's d_pair, for either gate input."""
+    extension = ti._extension()
+    like16, like32 = torch.empty(0, device="cuda", dtype=torch.bfloat16), torch.empty(0, device="cuda")
+    assert extension.d_pair_from_d_proj("wgmma_rs", 1, 64, 128, 128, False, like16, 2)
+    assert extension.d_pair_from_d_proj("", 2, 40, 128, 64, True, like16, 2)
+    assert extension.d_pair_from_d_proj("wgmma_rs", 1, 37, 128, 48, False, like16, 2)
+    assert not extension.d_pair_from_d_proj("rows", 1, 64, 128, 128, False, like16, 2)
+    for sizes, like in (((1, 64, 64, 128), like16), ((1, 64, 128, 40), like16), ((1, 64, 128, 128), like32)):
+        assert not extension.d_pair_from_d_proj("", *sizes, False, like, 2), sizes
+    g = torch.Generator().manual_seed(fresh_seed())
+    for gate_input in ti.GATE_INPUTS:
+        model = random_layers(ti.ModelNew(128, 64, precision="medium", gate_input=gate_input), g).cuda()
+        pair, mask = random_inputs(1, 136, 128, g, dtype=torch.float32, device="cuda")
+        ran = _cuda_kernels_launched(lambda: model(pair.requires_grad_(), mask).square().sum().backward())
+        assert any("d_pair_mma::kernel" in k for k in ran), [k for k in ran if "trimul::" in k]
+        assert not any("d_pair_kernel" in k for k in ran)
+
+
 @cuda
 @pytest.mark.parametrize("direction, gate_input, mask_dtype, kernels",
                          [("outgoing", "normalized", torch.float32, None), ("incoming", "raw", torch.bool, None),

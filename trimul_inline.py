@@ -1128,6 +1128,11 @@ class _TorchBackwardPasses:
         return d_proj.to(proj.dtype), d_mask, d_proj.sum(0)
 
     @staticmethod
+    def d_pair_from_d_proj():
+        """Whether d_pair multiplies d x_hat itself (_KernelBackwardPasses.d_pair_multiplied): never here."""
+        return False
+
+    @staticmethod
     def d_pair(pair_rows, eps, d_x_hat, add=None):
         """d pair_repr rows from LayerNorm_in's backward (statistics recomputed from pair_repr), plus `add`."""
         x_hat, rstd = _normalized_rows(pair_rows, eps)
@@ -1214,13 +1219,29 @@ class _KernelBackwardPasses:
                                  w_in_f=w_in_f.float().contiguous(), b_in_f=b_in_f.float().contiguous(),
                                  a_planes=da_planes, b_planes=db_planes, mask=mask_rows)
 
-    def d_pair(self, pair_rows, eps, d_x_hat, add=None):
+    def _d_pair_pass(self, pair_rows, eps, add, **inputs):
+        """The d_pair pass from `inputs` (d x_hat, or d proj and d gate with the folded weights), plus `add`."""
         out = torch.empty_like(pair_rows)  # (pair's dtype: the pass rounds a 16-bit gradient once)
-        tensors = dict(pair=pair_rows, d_rows=d_x_hat, d_pair=out)
         if add is not None:
-            tensors["d_rows_add"] = add
-        self._run("d_pair", eps, **tensors)
+            inputs["d_rows_add"] = add
+        self._run("d_pair", eps, pair=pair_rows, d_pair=out, **inputs)
         return out
+
+    def d_pair(self, pair_rows, eps, d_x_hat, add=None):
+        return self._d_pair_pass(pair_rows, eps, add, d_rows=d_x_hat)
+
+    def d_pair_from_d_proj(self):
+        """Whether this kernel's d_pair multiplies d x_hat itself (d_pair_multiplied) at these sizes."""
+        return self._call[0] == "input_backward" and _extension().d_pair_from_d_proj(self._call[1], *self._sizes[:5],
+                                                                                   self._like, self._sizes[5])
+
+    def d_pair_multiplied(self, pair_rows, eps, d_proj, w_in_f, d_gate=None, w_gate_f=None, add=None):
+        """d_pair with d x_hat = d_proj w_in_f (+ d_gate w_gate_f) multiplied in the pass (never written): as d_pair
+        on that d x_hat."""
+        inputs = dict(rows=d_proj, w_in_f=w_in_f.float().contiguous())
+        if d_gate is not None:
+            inputs.update(d_gate=d_gate, w_gate_f=w_gate_f.float().contiguous())
+        return self._d_pair_pass(pair_rows, eps, add, **inputs)
 
 
 def _precision_code(mode: str) -> int:
@@ -1595,13 +1616,20 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
                                              in_place=lean)
     del proj, da_planes, db_planes
     g_in = products.mm(d_proj.t(), x_hat, acc)
-    d_x_hat = products.mm(d_proj, w_in_f.to(dtype), acc)
-    del d_proj
-    if gate_normalized:
-        products.add_mm_(d_x_hat, d_gate, w_gate.to(dtype))
-    raw_gate_share = None if gate_normalized else products.mm(d_gate, gate_w.to(dtype), acc)
-    d_pair = inputs.d_pair(pair_rows, eps_in, d_x_hat, raw_gate_share)
-    del d_x_hat, d_gate
+    if inputs.d_pair_from_d_proj():  # (d x_hat multiplied in the pass, never written)
+        raw_gate_share = None if gate_normalized else products.mm(d_gate, gate_w.to(dtype), acc)
+        gate_share = (d_gate, w_gate) if gate_normalized else (None, None)
+        d_pair = inputs.d_pair_multiplied(pair_rows, eps_in, d_proj, w_in_f, *gate_share, raw_gate_share)
+        del d_proj
+    else:
+        d_x_hat = products.mm(d_proj, w_in_f.to(dtype), acc)
+        del d_proj
+        if gate_normalized:
+            products.add_mm_(d_x_hat, d_gate, w_gate.to(dtype))
+        raw_gate_share = None if gate_normalized else products.mm(d_gate, gate_w.to(dtype), acc)
+        d_pair = inputs.d_pair(pair_rows, eps_in, d_x_hat, raw_gate_share)
+        del d_x_hat
+    del d_gate
 
     # Parameter gradients from the folded GEMMs' (H x C and C x C matrices: no position loop).
     d_w_in, d_b_in, d_ln_in_w, d_ln_in_b = _unfolded_grads(g_in, s_in, w_in, ln_in_w, ln_in_b)

@@ -182,6 +182,7 @@ enum class BackwardPass : int {
   dz_planes,       // d_rows (d z_hat, fp32 [P, H]), rows (z_hat), rstd -> a_planes (dz)        output_backward
   d_proj,          // proj, a_planes (da), b_planes (db), mask -> rows: d proj [P, 4H], d_mask, sums input_backward
   d_pair,          // pair, d_rows (d x_hat, fp32 [P, C]) + d_rows_add -> d_pair (pair's dtype) input_backward
+                   // (or, d_rows null: d x_hat from rows = d proj and d_gate, below)
   split_f16x3,     // a_planes (fp32, strided) -> parts and/or parts_t, scaled fp16; unscale     contract_backward
 };
 
@@ -210,6 +211,12 @@ struct BackwardArgs {
   float* rstd;              // [P]
   const float* d_rows;      // fp32 rows (d z_hat or d x_hat)
   const float* d_rows_add;  // d_pair: fp32 [P, C] added to the result, or nullptr
+  // d_pair without d_rows (input_backward wgmma_rs): d x_hat = d proj W_in_f + d gate W_gate_f multiplied in the
+  // pass, never written: rows = d proj [P, 4H] operand, w_in_f as d_proj's; d_gate [P, C] operand and w_gate_f
+  // [C, C] fp32 (out_gate's weight with LayerNorm_in's folded in), both or neither (the gate on the raw input:
+  // its share comes in d_rows_add).
+  const void* d_gate;
+  const float* w_gate_f;
   float* d_mask;            // d_proj: [P], or nullptr (no mask gradient)
   const void* d_out;        // gate_grad: [P, C] in d_out_dtype
   Dtype d_out_dtype;
@@ -301,7 +308,7 @@ cudaError_t launch_mask_scales(const void* mask, MaskKind kind, int64_t count, c
 
 // Changes whenever a struct above changes, so a library and an extension built from different
 // versions of this file refuse each other.
-constexpr uint32_t kKernelAbi = 8;
+constexpr uint32_t kKernelAbi = 9;
 
 }  // namespace trimul
 

@@ -595,7 +595,16 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
     case P::d_pair:
       args.pair = pass_tensor(tensors, "pair", positions * c, any_float, like);
       args.pair_dtype = dtype_code(get("pair"), "pair");
-      args.d_rows = static_cast<const float*>(pass_tensor(tensors, "d_rows", positions * c, f32, like));
+      if (has("rows")) {  // (d x_hat multiplied in the pass: d_pair_from_d_proj)
+        args.rows = pass_tensor(tensors, "rows", positions * 4 * h, op, like);
+        args.w_in_f = static_cast<const float*>(pass_tensor(tensors, "w_in_f", 4 * h * c, f32, like));
+        if (has("d_gate")) {
+          args.d_gate = pass_tensor(tensors, "d_gate", positions * c, op, like);
+          args.w_gate_f = static_cast<const float*>(pass_tensor(tensors, "w_gate_f", c * c, f32, like));
+        }
+      } else {
+        args.d_rows = static_cast<const float*>(pass_tensor(tensors, "d_rows", positions * c, f32, like));
+      }
       if (has("d_rows_add"))
         args.d_rows_add = static_cast<const float*>(pass_tensor(tensors, "d_rows_add", positions * c, f32, like));
       args.d_pair = pass_tensor(tensors, "d_pair", positions * c, {get("pair").scalar_type()}, like);
@@ -607,16 +616,30 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
   check_launch(library().run_backward(index, &args), std::string("the ") + role + " kernel '" + kernel + "'");
 }
 
-// Whether input_backward's kernel `kernel` takes d_proj from x_hat (BackwardArgs::x_hat: proj recomputed in the
-// pass, no proj GEMM before it) at these sizes.
-bool d_proj_from_x_hat(const std::string& kernel, int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
-                       const at::Tensor& like, int64_t precision) {
+// Whether input_backward's kernel `kernel` takes `pass` with its inputs left to the pass (the sizes' args: every
+// buffer null) at these sizes.
+bool input_backward_takes(const std::string& kernel, trimul::BackwardPass pass, int64_t batch, int64_t n, int64_t c,
+                          int64_t h, bool incoming, const at::Tensor& like, int64_t precision) {
   trimul::BackwardArgs args = backward_sizes(batch, n, c, h, incoming, like, precision);
-  args.pass = trimul::BackwardPass::d_proj;  // (proj null)
+  args.pass = pass;
   int index = -1;
   char message[512] = "";
   return library().plan_backward(trimul::Role::input_backward, &args, kernel.c_str(), &index, message,
                                  sizeof(message)) == trimul::PlanStatus::ok && index >= 0;
+}
+
+// Whether input_backward's kernel `kernel` takes d_proj from x_hat (BackwardArgs::x_hat: proj recomputed in the
+// pass, no proj GEMM before it) at these sizes.
+bool d_proj_from_x_hat(const std::string& kernel, int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
+                       const at::Tensor& like, int64_t precision) {
+  return input_backward_takes(kernel, trimul::BackwardPass::d_proj, batch, n, c, h, incoming, like, precision);
+}
+
+// Whether input_backward's kernel `kernel` takes d_pair from d proj (d x_hat = d proj W_in_f + d gate W_gate_f
+// multiplied in the pass, BackwardArgs::d_gate: no d x_hat GEMMs before it) at these sizes.
+bool d_pair_from_d_proj(const std::string& kernel, int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
+                        const at::Tensor& like, int64_t precision) {
+  return input_backward_takes(kernel, trimul::BackwardPass::d_pair, batch, n, c, h, incoming, like, precision);
 }
 
 // ---- the training backward's host path ----------------------------------------------------------
@@ -902,6 +925,8 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   // proj_in_pass: d_proj recomputes proj from x_hat itself (the kernel's choice), so proj lives only until
   // gated_planes, where the recompute needs it.
   const bool proj_in_pass = d_proj_from_x_hat(inputs.kernel, batch, n, c, h, incoming, like, precision);
+  // d_x_hat_in_pass: d_pair multiplies d proj (and d gate) by the weights itself, so d x_hat is never written.
+  const bool d_x_hat_in_pass = d_pair_from_d_proj(inputs.kernel, batch, n, c, h, incoming, like, precision);
   at::Tensor proj, a_planes, b_planes;
   if (saved_ab.has_value()) {
     TORCH_CHECK_VALUE(saved_z.has_value() && saved_ab->dim() == 4 && saved_ab->size(0) == 2 &&
@@ -993,16 +1018,26 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   da.reset();
   db.reset();
   const at::Tensor g_in = mm_to(d_proj.t(), x_hat, acc);
-  at::Tensor d_x_hat = mm_to(d_proj, in_type(w_in_f, dtype), acc);
-  d_proj.reset();
-  if (gate_normalized) add_mm_(d_x_hat, d_gate, in_type(w_gate, dtype));
-  std::unordered_map<std::string, at::Tensor> pair_tensors{{"pair", pair_rows}, {"d_rows", d_x_hat}};
+  std::unordered_map<std::string, at::Tensor> pair_tensors{{"pair", pair_rows}};
+  if (d_x_hat_in_pass) {
+    pair_tensors["rows"] = d_proj;
+    pair_tensors["w_in_f"] = w_in_f.contiguous();
+    if (gate_normalized) {
+      pair_tensors["d_gate"] = d_gate;
+      pair_tensors["w_gate_f"] = w_gate.contiguous();
+    }
+  } else {
+    at::Tensor d_x_hat = mm_to(d_proj, in_type(w_in_f, dtype), acc);
+    d_proj.reset();
+    if (gate_normalized) add_mm_(d_x_hat, d_gate, in_type(w_gate, dtype));
+    pair_tensors["d_rows"] = d_x_hat;
+  }
   if (!gate_normalized) pair_tensors["d_rows_add"] = mm_to(d_gate, in_type(gate_w, dtype), acc);
   at::Tensor d_pair = at::empty_like(pair_rows);  // (pair's dtype: the pass rounds a 16-bit gradient once)
   pair_tensors["d_pair"] = d_pair;
   inputs.run(P::d_pair, eps_in, pair_tensors);
   pair_tensors.clear();
-  d_x_hat.reset();
+  d_proj.reset();
   d_gate.reset();
 
   // Parameter gradients from the folded GEMMs' (H x C and C x C matrices: no position loop).
@@ -1152,6 +1187,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "contract_backward on a library kernel: [z = a b^T] without dz, else [da = dz b, db = dz^T a]",
         py::arg("kernel"), py::arg("a"), py::arg("b"), py::arg("dz"), py::arg("planes_per_call") = py::none());
   m.def("d_proj_from_x_hat", &d_proj_from_x_hat, "whether an input_backward kernel takes d_proj from x_hat");
+  m.def("d_pair_from_d_proj", &d_pair_from_d_proj, "whether an input_backward kernel takes d_pair from d proj");
   m.def("training_backward", &training_backward,
         "the whole backward on the library's backward kernels and cuBLAS ([] where a role is a torch baseline)");
   py::class_<PlannedForward>(m, "PlannedForward", "a checked eager call's decisions (ModelNew._fast)")

@@ -1,5 +1,6 @@
 // wgmma_rs — input_backward: d proj with proj recomputed from x_hat on the tensor cores, never written;
-// Hopper (sm_90a), bf16 operands, pair_dim 128, hidden a multiple of 32 up to 128; other passes as rows'.
+// Hopper (sm_90a), bf16 operands, pair_dim 128, hidden a multiple of 32 up to 128; d pair with d x_hat
+// multiplied in the pass (input_backward_d_pair.cuh); other passes as rows'.
 // The d_proj pass of input_backward_rows.cuh reads proj, [P, 4H], which a cuBLAS GEMM wrote just before (and
 // the step holds at its peak). Here each warpgroup takes 64-position tiles of the da/db planes: the tile's x_hat
 // rows are wgmma's A operand from registers (as the forward's input pass holds its LayerNorm-ed rows), W_in_f
@@ -12,6 +13,7 @@
 // gradients) reduce-scatter over a warp's rows into two columns per lane and part, kept in registers across the
 // block's tiles: kBackwardSumRows blocks with fixed tiles, the warps' rows added in order, so the bits do not
 // depend on the GPU.
+#include "input_backward_d_pair.cuh"
 #include "input_backward_rows.cuh"
 #include "wgmma_rs.cuh"
 
@@ -315,7 +317,11 @@ bool takes(const BackwardArgs& args) {
          args.batch < (int64_t(1) << 31) && smem_bytes(args.h) <= max_smem_optin();
 }
 
-bool applies(const BackwardArgs& args) { return takes(args) && d_proj_bytes(args) <= max_smem_optin(); }
+// (d_pair without d_rows: d x_hat multiplied in the pass, input_backward_d_pair.cuh, whose rules are its own)
+bool applies(const BackwardArgs& args) {
+  if (args.pass == BackwardPass::d_pair && args.d_rows == nullptr) return d_pair_mma::takes(args);
+  return takes(args) && d_proj_bytes(args) <= max_smem_optin();
+}
 
 template <int kParts>
 cudaError_t launch_parts(const BackwardArgs& args) {
@@ -334,6 +340,7 @@ cudaError_t launch_parts(const BackwardArgs& args) {
 }
 
 cudaError_t launch(const BackwardArgs& args) {
+  if (args.pass == BackwardPass::d_pair && args.d_rows == nullptr) return d_pair_mma::launch(args);
   if (args.pass != BackwardPass::d_proj || args.proj != nullptr) return ::trimul::backward::launch(args);
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (!takes(args) || args.x_hat == nullptr || args.w_in_f == nullptr || args.b_in_f == nullptr ||
