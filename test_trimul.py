@@ -2317,6 +2317,73 @@ def test_d_pair_from_d_proj_applies_where_its_rules_say():
         assert not any("d_pair_kernel" in k for k in ran)
 
 
+@HOPPER
+@pytest.mark.parametrize("n, pair_dim", [(36, 128), (20, 384), (44, 64)])
+def test_dz_planes_from_d_o_matches_fp64(n, pair_dim):
+    """output_backward wgmma's dz_planes with d z_hat = d o W_out_f multiplied in the pass (never written), then
+    LayerNorm_out's backward, stored as planes by TMA boxes: against fp64 from the same bf16 operands (the weight
+    as the pass takes it: bf16), within bf16's rounding and no worse than the rows kernel's GEMM + dz_planes on the
+    same draw; batch 2, planes that are not whole 64-position tiles, pair_dim 64, 128 and 384 (1, 2 and 6
+    k-tiles); the planes poisoned first."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    batch, hidden = 2, 128
+    positions = batch * n * n
+    d_o = torch.randn(positions, pair_dim, generator=g).bfloat16().cuda()
+    w_out_f = (torch.randn(pair_dim, hidden, generator=g) / pair_dim ** 0.5).cuda()
+    z_hat = torch.randn(positions, hidden, generator=g).bfloat16().cuda()
+    rstd = torch.exp(torch.randn(positions, 1, generator=g)).cuda()
+    like = torch.empty(0, device="cuda", dtype=torch.bfloat16)
+    fused = ti._KernelBackwardPasses("output_backward", "wgmma", batch, n, pair_dim, hidden, False, 2, like)
+    rows = ti._KernelBackwardPasses("output_backward", "rows", batch, n, pair_dim, hidden, False, 2, like)
+    assert fused.dz_planes_from_d_o() and not rows.dz_planes_from_d_o()
+    poison_allocator()
+    got = fused.dz_planes_multiplied(d_o, w_out_f, z_hat, rstd)
+    poison_allocator()
+    base = rows.dz_planes(ti._Products.mm(d_o, w_out_f.bfloat16(), torch.float32), z_hat, rstd, batch, n,
+                          torch.bfloat16)
+    d, z = d_o.double() @ w_out_f.bfloat16().double(), z_hat.double()
+    dz = rstd.double() * (d - d.mean(1, keepdim=True) - z * (d * z).mean(1, keepdim=True))
+    expected = ti._planes(dz, batch, n, False)
+    err, base_err = _grad_error(got.cpu(), expected.cpu()), _grad_error(base.cpu(), expected.cpu())
+    assert got.shape == expected.shape and torch.isfinite(got).all()
+    assert err < 5e-3 and err <= 1.5 * base_err + 1e-6, f"dz: error {err} against the rows kernel's {base_err} (seed {seed})"
+
+
+@HOPPER
+def test_dz_planes_from_d_o_applies_where_its_rules_say():
+    """wgmma (output_backward) takes bf16 operands, hidden 128, pair_dim a multiple of 64, N^2 a multiple of 8, and
+    multiplies d z_hat in its dz_planes pass (the rows kernel never: it reads d z_hat); elsewhere the default is
+    rows, and naming wgmma is a ValueError that says when it applies; a training step at hidden 128 in bf16 runs
+    its kernel and not the rows kernel's dz_planes."""
+    extension = ti._extension()
+    like16, like32 = torch.empty(0, device="cuda", dtype=torch.bfloat16), torch.empty(0, device="cuda")
+    assert extension.backward_kernel("output_backward", "", 1, 64, 128, 128, False, like16, 2) == "wgmma"
+    assert extension.dz_planes_from_d_o("wgmma", 1, 64, 384, 128, True, like16, 2)
+    assert not extension.dz_planes_from_d_o("rows", 1, 64, 128, 128, False, like16, 2)
+    for sizes, like in (((1, 37, 128, 128), like16), ((1, 64, 96, 128), like16), ((1, 64, 128, 64), like16),
+                        ((1, 64, 128, 128), like32)):
+        assert extension.backward_kernel("output_backward", "", *sizes, False, like, 2) == "rows", sizes
+        assert not extension.dz_planes_from_d_o("", *sizes, False, like, 2), sizes
+        with pytest.raises(ValueError, match="does not take this call.*applies when"):
+            extension.backward_kernel("output_backward", "wgmma", *sizes, False, like, 2)
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(128, 128, precision="medium", gate_input="normalized"), g).cuda()
+    pair, mask = random_inputs(1, 136, 128, g, dtype=torch.float32, device="cuda")
+    ran = _cuda_kernels_launched(lambda: model(pair.requires_grad_(), mask).square().sum().backward())
+    assert any("dz_mma::kernel" in k for k in ran), [k for k in ran if "trimul::" in k]
+    assert not any("dz_planes_kernel" in k for k in ran)
+
+
+@cuda
+@pytest.mark.parametrize("direction, gate_input, pair_dim", [("outgoing", "normalized", 128),
+                                                              ("incoming", "raw", 384)])
+def test_training_bf16_dz_planes_from_d_o_matches_fp64(direction, gate_input, pair_dim):
+    """The bf16 training step at hidden 128 (output_backward's default on Hopper: wgmma, dz planes from d o) against
+    fp64, both directions and gate inputs, pair_dim 128 and 384, a partial last tile (N = 132)."""
+    _check_training("medium", direction, gate_input, 1, 132, pair_dim, 128, mask_dtype=torch.float32)
+
+
 @cuda
 @pytest.mark.parametrize("direction, gate_input, mask_dtype, kernels",
                          [("outgoing", "normalized", torch.float32, None), ("incoming", "raw", torch.bool, None),

@@ -1110,6 +1110,11 @@ class _TorchBackwardPasses:
         return _planes(dz.to(dtype), batch, n, False)
 
     @staticmethod
+    def dz_planes_from_d_o():
+        """Whether dz_planes multiplies d z_hat itself (_KernelBackwardPasses.dz_planes_multiplied): never here."""
+        return False
+
+    @staticmethod
     def d_proj_from_x_hat():
         """Whether d_proj recomputes proj from x_hat itself (_KernelBackwardPasses.d_proj_recomputed): never here."""
         return False
@@ -1192,6 +1197,17 @@ class _KernelBackwardPasses:
     def dz_planes(self, d_z_hat, z_hat, rstd, batch, n, dtype):
         dz = self._planes()
         self._run("dz_planes", d_rows=d_z_hat, rows=z_hat, rstd=rstd, a_planes=dz)
+        return dz
+
+    def dz_planes_from_d_o(self):
+        """Whether this kernel's dz_planes multiplies d z_hat itself (dz_planes_multiplied) at these sizes."""
+        return self._call[0] == "output_backward" and _extension().dz_planes_from_d_o(self._call[1], *self._sizes[:5],
+                                                                                    self._like, self._sizes[5])
+
+    def dz_planes_multiplied(self, d_o, w_out_f, z_hat, rstd):
+        """dz_planes with d z_hat = d_o w_out_f multiplied in the pass (never written): as dz_planes."""
+        dz = self._planes()
+        self._run("dz_planes", d_o=d_o, w_out_f=w_out_f.float().contiguous(), rows=z_hat, rstd=rstd, a_planes=dz)
         return dz
 
     def _d_proj_pass(self, rows, mask_grad, **inputs):
@@ -1596,10 +1612,16 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     d_o, d_gate, s_out, s_gate = outputs.gate_grad(grad_out.reshape(positions, pair_dim).contiguous(), o, gate_pre)
     del o, gate_pre
     g_out, g_gate = products.mm(d_o.t(), z_hat, acc), products.mm(d_gate.t(), gate_rows, acc)
-    d_z_hat = products.mm(d_o, w_out_f.to(dtype), acc)
-    del d_o, gate_rows
-    dz_planes = outputs.dz_planes(d_z_hat, z_hat, rstd_out, batch, n, dtype)
-    del d_z_hat, z_hat
+    del gate_rows
+    if outputs.dz_planes_from_d_o():  # (d z_hat multiplied in the pass, never written)
+        dz_planes = outputs.dz_planes_multiplied(d_o, w_out_f, z_hat, rstd_out)
+        del d_o
+    else:
+        d_z_hat = products.mm(d_o, w_out_f.to(dtype), acc)
+        del d_o
+        dz_planes = outputs.dz_planes(d_z_hat, z_hat, rstd_out, batch, n, dtype)
+        del d_z_hat
+    del z_hat
 
     # contract_backward
     da_planes, db_planes = contractions.grads(a_planes, b_planes, dz_planes)

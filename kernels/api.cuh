@@ -180,6 +180,7 @@ enum class BackwardPass : int {
   z_rows,          // a_planes (z) -> rows: z_hat [P, H] operand, rstd [P]                      output_backward
   gate_grad,       // d_out, o, gate_pre [P, C] -> o := d o, gate_pre := d gate_pre (in place), sums output_backward
   dz_planes,       // d_rows (d z_hat, fp32 [P, H]), rows (z_hat), rstd -> a_planes (dz)        output_backward
+                   // (or, d_rows null: d z_hat from d_o, below)
   d_proj,          // proj, a_planes (da), b_planes (db), mask -> rows: d proj [P, 4H], d_mask, sums input_backward
   d_pair,          // pair, d_rows (d x_hat, fp32 [P, C]) + d_rows_add -> d_pair (pair's dtype) input_backward
                    // (or, d_rows null: d x_hat from rows = d proj and d_gate, below)
@@ -217,6 +218,10 @@ struct BackwardArgs {
   // its share comes in d_rows_add).
   const void* d_gate;
   const float* w_gate_f;
+  // dz_planes without d_rows (output_backward wgmma): d z_hat = d o W_out_f multiplied in the pass, never written:
+  // d_o [P, C] operand (gate_grad's d o), w_out_f [C, H] fp32 (out_proj's weight with LayerNorm_out's folded in).
+  const void* d_o;
+  const float* w_out_f;
   float* d_mask;            // d_proj: [P], or nullptr (no mask gradient)
   const void* d_out;        // gate_grad: [P, C] in d_out_dtype
   Dtype d_out_dtype;
@@ -308,7 +313,7 @@ cudaError_t launch_mask_scales(const void* mask, MaskKind kind, int64_t count, c
 
 // Changes whenever a struct above changes, so a library and an extension built from different
 // versions of this file refuse each other.
-constexpr uint32_t kKernelAbi = 9;
+constexpr uint32_t kKernelAbi = 10;
 
 }  // namespace trimul
 

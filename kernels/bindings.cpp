@@ -582,8 +582,12 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
       args.a_planes = pass_tensor(tensors, "a_planes", positions * h, op, like);
       args.rows = pass_tensor(tensors, "rows", positions * h, op, like);
       args.rstd = static_cast<float*>(pass_tensor(tensors, "rstd", positions, f32, like));
-      if (args.pass == P::dz_planes)
+      if (args.pass == P::dz_planes && has("d_o")) {  // (d z_hat multiplied in the pass: dz_planes_from_d_o)
+        args.d_o = pass_tensor(tensors, "d_o", positions * c, op, like);
+        args.w_out_f = static_cast<const float*>(pass_tensor(tensors, "w_out_f", c * h, f32, like));
+      } else if (args.pass == P::dz_planes) {
         args.d_rows = static_cast<const float*>(pass_tensor(tensors, "d_rows", positions * h, f32, like));
+      }
       break;
     case P::gate_grad:
       args.d_out = pass_tensor(tensors, "d_out", positions * c, any_float, like);
@@ -616,30 +620,40 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
   check_launch(library().run_backward(index, &args), std::string("the ") + role + " kernel '" + kernel + "'");
 }
 
-// Whether input_backward's kernel `kernel` takes `pass` with its inputs left to the pass (the sizes' args: every
-// buffer null) at these sizes.
-bool input_backward_takes(const std::string& kernel, trimul::BackwardPass pass, int64_t batch, int64_t n, int64_t c,
-                          int64_t h, bool incoming, const at::Tensor& like, int64_t precision) {
+// Whether the backward role `role`'s kernel `kernel` takes `pass` with its inputs left to the pass (the sizes'
+// args: every buffer null) at these sizes.
+bool backward_takes(trimul::Role role, const std::string& kernel, trimul::BackwardPass pass, int64_t batch, int64_t n,
+                    int64_t c, int64_t h, bool incoming, const at::Tensor& like, int64_t precision) {
   trimul::BackwardArgs args = backward_sizes(batch, n, c, h, incoming, like, precision);
   args.pass = pass;
   int index = -1;
   char message[512] = "";
-  return library().plan_backward(trimul::Role::input_backward, &args, kernel.c_str(), &index, message,
-                                 sizeof(message)) == trimul::PlanStatus::ok && index >= 0;
+  return library().plan_backward(role, &args, kernel.c_str(), &index, message, sizeof(message)) ==
+             trimul::PlanStatus::ok && index >= 0;
 }
 
 // Whether input_backward's kernel `kernel` takes d_proj from x_hat (BackwardArgs::x_hat: proj recomputed in the
 // pass, no proj GEMM before it) at these sizes.
 bool d_proj_from_x_hat(const std::string& kernel, int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
                        const at::Tensor& like, int64_t precision) {
-  return input_backward_takes(kernel, trimul::BackwardPass::d_proj, batch, n, c, h, incoming, like, precision);
+  return backward_takes(trimul::Role::input_backward, kernel, trimul::BackwardPass::d_proj, batch, n, c, h, incoming,
+                        like, precision);
 }
 
 // Whether input_backward's kernel `kernel` takes d_pair from d proj (d x_hat = d proj W_in_f + d gate W_gate_f
 // multiplied in the pass, BackwardArgs::d_gate: no d x_hat GEMMs before it) at these sizes.
 bool d_pair_from_d_proj(const std::string& kernel, int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
                         const at::Tensor& like, int64_t precision) {
-  return input_backward_takes(kernel, trimul::BackwardPass::d_pair, batch, n, c, h, incoming, like, precision);
+  return backward_takes(trimul::Role::input_backward, kernel, trimul::BackwardPass::d_pair, batch, n, c, h, incoming,
+                        like, precision);
+}
+
+// Whether output_backward's kernel `kernel` takes dz_planes from d o (d z_hat = d o W_out_f multiplied in the pass,
+// BackwardArgs::d_o: no d z_hat GEMM before it) at these sizes.
+bool dz_planes_from_d_o(const std::string& kernel, int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
+                        const at::Tensor& like, int64_t precision) {
+  return backward_takes(trimul::Role::output_backward, kernel, trimul::BackwardPass::dz_planes, batch, n, c, h,
+                        incoming, like, precision);
 }
 
 // ---- the training backward's host path ----------------------------------------------------------
@@ -974,12 +988,18 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
                                   {"gate_pre", d_gate}, {"sums", out_sums}});  // (o and gate_pre become d o, d gate)
   const std::vector<at::Tensor> out_sum = out_sums.sum(0).chunk(2);
   const at::Tensor g_out = mm_to(d_o.t(), z_hat, acc), g_gate = mm_to(d_gate.t(), gate_rows, acc);
-  at::Tensor d_z_hat = mm_to(d_o, in_type(w_out_f, dtype), acc);
-  d_o.reset();
   gate_rows.reset();
-  at::Tensor dz = planes();
-  outputs.run(P::dz_planes, 0.0, {{"d_rows", d_z_hat}, {"rows", z_hat}, {"rstd", rstd_out}, {"a_planes", dz}});
-  d_z_hat.reset();
+  std::unordered_map<std::string, at::Tensor> dz_tensors{{"rows", z_hat}, {"rstd", rstd_out}};
+  if (dz_planes_from_d_o(outputs.kernel, batch, n, c, h, incoming, like, precision)) {
+    dz_tensors["d_o"] = d_o;  // (d z_hat multiplied in the pass, never written)
+    dz_tensors["w_out_f"] = w_out_f.contiguous();
+  } else {
+    dz_tensors["d_rows"] = mm_to(d_o, in_type(w_out_f, dtype), acc);
+  }
+  d_o.reset();
+  at::Tensor dz = dz_tensors["a_planes"] = planes();
+  outputs.run(P::dz_planes, 0.0, dz_tensors);
+  dz_tensors.clear();
   z_hat.reset();
 
   // contract_backward
@@ -1188,6 +1208,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kernel"), py::arg("a"), py::arg("b"), py::arg("dz"), py::arg("planes_per_call") = py::none());
   m.def("d_proj_from_x_hat", &d_proj_from_x_hat, "whether an input_backward kernel takes d_proj from x_hat");
   m.def("d_pair_from_d_proj", &d_pair_from_d_proj, "whether an input_backward kernel takes d_pair from d proj");
+  m.def("dz_planes_from_d_o", &dz_planes_from_d_o, "whether an output_backward kernel takes dz_planes from d o");
   m.def("training_backward", &training_backward,
         "the whole backward on the library's backward kernels and cuBLAS ([] where a role is a torch baseline)");
   py::class_<PlannedForward>(m, "PlannedForward", "a checked eager call's decisions (ModelNew._fast)")

@@ -21,13 +21,9 @@ namespace trimul {
 namespace backward {
 namespace proj_rs {
 
-using namespace ::trimul::tma;
-namespace ws = ::trimul::tma::ws;
-using Op = __nv_bfloat16;
+// (the backward's wgmma row kernels' block shape: two warpgroups per block on their own 64-position tiles)
+using namespace ::trimul::backward::wgmma_rows;
 
-constexpr int kGroups = 2;  // MMA warpgroups per block, each on its own tiles
-constexpr int kBlockThreads = 128 * kGroups;
-constexpr int kPositions = 64;                             // per tile: wgmma's M
 constexpr int kC = 128;                                    // the pair_dim it takes
 constexpr int kSteps = kC / 16;                            // k16 steps of a row
 constexpr int kKTiles = kC * 2 / ws::kKBytes;              // 128-byte k-tiles per 128-row weight chunk
