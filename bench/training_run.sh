@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-.build}
 git log --oneline -1 > "$out/commit.txt" 2>/dev/null
 python3 trimul_inline.py build > "$out/build.log" 2>&1
-timeout 200 python3 -m pytest -q test_trimul.py -k "training or backward or d_proj or d_pair or grad_enabled or opcheck or sharded or \
+timeout 200 python3 -m pytest -q test_trimul.py -k "training or backward or d_proj or d_pair or dz_planes or grad_enabled or opcheck or sharded or \
 host_layers or from_module or replace or alphafold or bias_false or chunked or host_path or eager_training or in_place or graph" > "$out/tests.log" 2>&1
 for precision in medium highest; do
   timeout 40 python3 dev/backward_profile.py --shape 1,1024,128,128 --precision $precision >> "$out/profile.log" 2>&1
