@@ -2352,13 +2352,13 @@ def test_dz_planes_from_d_o_matches_fp64(n, pair_dim):
 
 @HOPPER
 def test_dz_planes_from_d_o_applies_where_its_rules_say():
-    """wgmma (output_backward) takes bf16 operands, hidden 128, pair_dim a multiple of 64, N^2 a multiple of 8, and
-    multiplies d z_hat in its dz_planes pass (the rows kernel never: it reads d z_hat); elsewhere the default is
-    rows, and naming wgmma is a ValueError that says when it applies; a training step at hidden 128 in bf16 runs
-    its kernel and not the rows kernel's dz_planes."""
+    """wgmma (output_backward; rank 0 until measured on a GPU: chosen by name) takes bf16 operands, hidden 128,
+    pair_dim a multiple of 64, N^2 a multiple of 8, and multiplies d z_hat in its dz_planes pass (the rows kernel
+    never: it reads d z_hat); elsewhere naming wgmma is a ValueError that says when it applies; a training step at
+    hidden 128 in bf16 that names it runs its kernel and not the rows kernel's dz_planes."""
     extension = ti._extension()
     like16, like32 = torch.empty(0, device="cuda", dtype=torch.bfloat16), torch.empty(0, device="cuda")
-    assert extension.backward_kernel("output_backward", "", 1, 64, 128, 128, False, like16, 2) == "wgmma"
+    assert extension.backward_kernel("output_backward", "wgmma", 1, 64, 128, 128, False, like16, 2) == "wgmma"
     assert extension.dz_planes_from_d_o("wgmma", 1, 64, 384, 128, True, like16, 2)
     assert not extension.dz_planes_from_d_o("rows", 1, 64, 128, 128, False, like16, 2)
     for sizes, like in (((1, 37, 128, 128), like16), ((1, 64, 96, 128), like16), ((1, 64, 128, 64), like16),
@@ -2368,7 +2368,8 @@ def test_dz_planes_from_d_o_applies_where_its_rules_say():
         with pytest.raises(ValueError, match="does not take this call.*applies when"):
             extension.backward_kernel("output_backward", "wgmma", *sizes, False, like, 2)
     g = torch.Generator().manual_seed(fresh_seed())
-    model = random_layers(ti.ModelNew(128, 128, precision="medium", gate_input="normalized"), g).cuda()
+    model = random_layers(ti.ModelNew(128, 128, precision="medium", gate_input="normalized",
+                                      kernels="output_backward=wgmma"), g).cuda()
     pair, mask = random_inputs(1, 136, 128, g, dtype=torch.float32, device="cuda")
     ran = _cuda_kernels_launched(lambda: model(pair.requires_grad_(), mask).square().sum().backward())
     assert any("dz_mma::kernel" in k for k in ran), [k for k in ran if "trimul::" in k]
@@ -2379,9 +2380,10 @@ def test_dz_planes_from_d_o_applies_where_its_rules_say():
 @pytest.mark.parametrize("direction, gate_input, pair_dim", [("outgoing", "normalized", 128),
                                                               ("incoming", "raw", 384)])
 def test_training_bf16_dz_planes_from_d_o_matches_fp64(direction, gate_input, pair_dim):
-    """The bf16 training step at hidden 128 (output_backward's default on Hopper: wgmma, dz planes from d o) against
-    fp64, both directions and gate inputs, pair_dim 128 and 384, a partial last tile (N = 132)."""
-    _check_training("medium", direction, gate_input, 1, 132, pair_dim, 128, mask_dtype=torch.float32)
+    """The bf16 training step at hidden 128 on output_backward's wgmma (dz planes from d o) against fp64, both
+    directions and gate inputs, pair_dim 128 and 384, a partial last tile (N = 132)."""
+    _check_training("medium", direction, gate_input, 1, 132, pair_dim, 128, mask_dtype=torch.float32,
+                    kernels="output_backward=wgmma")
 
 
 @cuda
