@@ -2362,7 +2362,7 @@ def test_dz_planes_from_d_o_applies_where_its_rules_say():
     assert extension.dz_planes_from_d_o("wgmma", 1, 64, 384, 128, True, like16, 2)
     assert not extension.dz_planes_from_d_o("rows", 1, 64, 128, 128, False, like16, 2)
     for sizes, like in (((1, 37, 128, 128), like16), ((1, 64, 96, 128), like16), ((1, 64, 128, 64), like16),
-                        ((1, 64, 128, 128), like32)):
+                        ((1, 64, 576, 128), like16), ((1, 64, 128, 128), like32)):
         assert extension.backward_kernel("output_backward", "", *sizes, False, like, 2) == "rows", sizes
         assert not extension.dz_planes_from_d_o("", *sizes, False, like, 2), sizes
         with pytest.raises(ValueError, match="does not take this call.*applies when"):

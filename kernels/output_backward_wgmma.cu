@@ -96,11 +96,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 }
 
 // Whether it takes dz_planes' sizes: bf16 operands, hidden 128 (a row per accumulator row), pair_dim in whole
-// k-tiles with its weights and the rings in shared memory, plane rows TMA can address (N^2 a multiple of 8:
-// 16-byte rows of the box map) and positions it can count.
+// k-tiles up to 512 (its weights and the rings in shared memory, with room to spare), plane rows TMA can address
+// (N^2 a multiple of 8: 16-byte rows of the box map) and positions it can count.
 bool takes(const BackwardArgs& args) {
   const int64_t plane = args.n * args.n;
-  return args.operand == Dtype::bf16 && args.h == kH && args.c % kKCols == 0 && args.c > 0 &&
+  return args.operand == Dtype::bf16 && args.h == kH && args.c % kKCols == 0 && args.c > 0 && args.c <= 512 &&
          tensor_map_encoder() != nullptr && plane % 8 == 0 && args.batch * plane < (int64_t(1) << 31) &&
          smem_bytes(static_cast<int>(args.c / kKCols), kExtraBytes) <= max_smem_optin();
 }
