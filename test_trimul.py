@@ -2256,7 +2256,7 @@ def test_d_pair_from_d_proj_matches_fp64(n, hidden, gate_input, pair_dtype):
     g = torch.Generator().manual_seed(seed)
     batch, pair_dim, eps = 2, 128, 1e-5
     positions = batch * n * n
-    scale = torch.exp(2 * torch.randn(positions, 1, generator=g))
+    scale = torch.exp(torch.randn(positions, 1, generator=g))  # (fp16 pairs: d pair ~ rstd stays in range)
     pair_rows = (scale * (torch.randn(positions, pair_dim, generator=g) + 3 * torch.randn(positions, 1, generator=g)))
     pair_rows = pair_rows.to(pair_dtype).cuda()
     d_proj = torch.randn(positions, 4 * hidden, generator=g).bfloat16().cuda()
@@ -2347,7 +2347,8 @@ def test_dz_planes_from_d_o_matches_fp64(n, pair_dim):
     expected = ti._planes(dz, batch, n, False)
     err, base_err = _grad_error(got.cpu(), expected.cpu()), _grad_error(base.cpu(), expected.cpu())
     assert got.shape == expected.shape and torch.isfinite(got).all()
-    assert err < 5e-3 and err <= 1.5 * base_err + 1e-6, f"dz: error {err} against the rows kernel's {base_err} (seed {seed})"
+    assert err < 5e-3 and err <= 1.5 * base_err + 1e-6, \
+        f"dz: error {err} against the rows kernel's {base_err} (seed {seed})"
 
 
 @HOPPER
