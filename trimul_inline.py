@@ -1199,10 +1199,15 @@ class _KernelBackwardPasses:
         self._run("dz_planes", d_rows=d_z_hat, rows=z_hat, rstd=rstd, a_planes=dz)
         return dz
 
+    def _takes(self, role, probe):
+        """Whether this is `role`'s kernel and the extension's `probe` (its C++ function of that name) says it
+        takes the pass with its inputs left to the pass, at these sizes."""
+        return self._call[0] == role and getattr(_extension(), probe)(self._call[1], *self._sizes[:5], self._like,
+                                                                      self._sizes[5])
+
     def dz_planes_from_d_o(self):
         """Whether this kernel's dz_planes multiplies d z_hat itself (dz_planes_multiplied) at these sizes."""
-        return self._call[0] == "output_backward" and _extension().dz_planes_from_d_o(self._call[1], *self._sizes[:5],
-                                                                                    self._like, self._sizes[5])
+        return self._takes("output_backward", "dz_planes_from_d_o")
 
     def dz_planes_multiplied(self, d_o, w_out_f, z_hat, rstd):
         """dz_planes with d z_hat = d_o w_out_f multiplied in the pass (never written): as dz_planes."""
@@ -1226,8 +1231,7 @@ class _KernelBackwardPasses:
 
     def d_proj_from_x_hat(self):
         """Whether this kernel's d_proj recomputes proj from x_hat (d_proj_recomputed) at these sizes."""
-        return self._call[0] == "input_backward" and _extension().d_proj_from_x_hat(self._call[1], *self._sizes[:5],
-                                                                                  self._like, self._sizes[5])
+        return self._takes("input_backward", "d_proj_from_x_hat")
 
     def d_proj_recomputed(self, x_hat, w_in_f, b_in_f, da_planes, db_planes, mask_rows, mask_grad):
         """d_proj with proj = x_hat w_in_f^T + b_in_f recomputed in the pass (never written): as d_proj."""
@@ -1248,8 +1252,7 @@ class _KernelBackwardPasses:
 
     def d_pair_from_d_proj(self):
         """Whether this kernel's d_pair multiplies d x_hat itself (d_pair_multiplied) at these sizes."""
-        return self._call[0] == "input_backward" and _extension().d_pair_from_d_proj(self._call[1], *self._sizes[:5],
-                                                                                   self._like, self._sizes[5])
+        return self._takes("input_backward", "d_pair_from_d_proj")
 
     def d_pair_multiplied(self, pair_rows, eps, d_proj, w_in_f, d_gate=None, w_gate_f=None, add=None):
         """d_pair with d x_hat = d_proj w_in_f (+ d_gate w_gate_f) multiplied in the pass (never written): as d_pair
@@ -1648,6 +1651,7 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
         del d_proj
         if gate_normalized:
             products.add_mm_(d_x_hat, d_gate, w_gate.to(dtype))
+        # (after d proj is freed: the two [P, C] fp32 buffers, not three, at this point's peak)
         raw_gate_share = None if gate_normalized else products.mm(d_gate, gate_w.to(dtype), acc)
         d_pair = inputs.d_pair(pair_rows, eps_in, d_x_hat, raw_gate_share)
         del d_x_hat

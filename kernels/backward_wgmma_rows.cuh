@@ -58,10 +58,29 @@ __device__ __forceinline__ void lay_out_weights(const Sources& w, uint8_t* weigh
   fence_proxy_async();  // (wgmma reads the weights through the async proxy)
 }
 
-// The sum of v over the four lanes of a quad (one accumulator row: a thread holds columns 8 j + 2 t + {0, 1}).
-__device__ __forceinline__ float quad_sum(float v) {
-  v += __shfl_xor_sync(0xffffffffu, v, 1);
-  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+using ::trimul::fused::quad_sum;  // (an accumulator row: a thread holds its columns 8 j + 2 t + {0, 1})
+
+// The two means LayerNorm's backward needs over accumulator row hf (its kN columns, spread over a quad): of d
+// and of d x_hat, where x_hat = (x - shift) scale, or x itself where it is already normalized (kNormalized);
+// x[2 j + e] is the row's value at this thread's column 8 j + 2 t + e.
+template <bool kNormalized>
+__device__ __forceinline__ void row_grad_means(const float (&acc)[64], int hf, const float (&x)[32], float shift,
+                                               float scale, float* mean_d, float* mean_dot) {
+  float sum = 0.f, dot = 0.f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float d = acc[4 * j + 2 * hf + e];
+      sum += d;
+      if constexpr (kNormalized) {
+        dot += d * x[2 * j + e];
+      } else {
+        dot += d * (x[2 * j + e] - shift) * scale;
+      }
+    }
+  *mean_d = quad_sum(sum) * (1.f / kN);
+  *mean_dot = quad_sum(dot) * (1.f / kN);
 }
 
 // The tiles: `batches` runs of `plane` positions (rows batch * plane + p), ceil(plane / 64) tiles each (a tile

@@ -1,7 +1,7 @@
 // input_backward_d_pair.cuh — wgmma_rs's d_pair from d proj: d x_hat = d proj W_in_f (+ d gate W_gate_f, the gate
 // on the normalized input) on the tensor cores, LayerNorm_in's backward on the accumulators; d x_hat is never
 // written. The rows kernel's d_pair reads d x_hat [P, C] in fp32, which a cuBLAS GEMM wrote and a second one
-// (the gate's share, in place) read and wrote again: 2 of the ~2.3 GiB those three moved at N = 1024. Here each
+// (the gate's share, in place) read and wrote again: most of those three steps' bytes. Here each
 // warpgroup takes 64-position tiles: the d proj row tile (then d gate's) arrives by TMA in 64-column boxes,
 // kStages in flight, and meets the resident weights as wgmma's A and B from shared memory (both K-major, 128-byte
 // swizzle); the weights, [W_in_f; W_gate_f] transposed into C rows of 4H (+ C) bf16, are laid out by each block
@@ -67,16 +67,8 @@ struct PairEpilogue {
 #pragma unroll
       for (int i = 0; i < 32; ++i) squares += (x[i] - mean) * (x[i] - mean);
       const float rstd = rsqrtf(quad_sum(squares) * inv_c + args.eps);
-      float sum_d = 0.f, dot = 0.f;
-#pragma unroll
-      for (int j = 0; j < 16; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float d = acc[4 * j + 2 * hf + e];
-          sum_d += d;
-          dot += d * (x[2 * j + e] - mean) * rstd;
-        }
-      const float mean_d = quad_sum(sum_d) * inv_c, mean_dot = quad_sum(dot) * inv_c;
+      float mean_d, mean_dot;
+      row_grad_means<false>(acc, hf, x, mean, rstd, &mean_d, &mean_dot);
       if (!valid) continue;
       const float* add = args.d_rows_add != nullptr ? args.d_rows_add + row[hf] * kC : nullptr;
 #pragma unroll

@@ -1,7 +1,7 @@
 // wgmma — output_backward: dz planes with d z_hat = d o W_out_f multiplied in the pass, never written; Hopper
 // (sm_90a), bf16 operands, hidden 128, pair_dim a multiple of 64 up to 512; other passes as rows'.
-// The rows kernel's dz_planes reads d z_hat [P, H] in fp32, which a cuBLAS GEMM wrote just before: 1 of the ~1.5
-// GiB the two moved at N = 1024. Here backward_wgmma_rows.cuh's tile loop multiplies d o's row tiles (TMA boxes)
+// The rows kernel's dz_planes reads d z_hat [P, H] in fp32, which a cuBLAS GEMM wrote just before (the largest of
+// the two steps' streams). Here backward_wgmma_rows.cuh's tile loop multiplies d o's row tiles (TMA boxes)
 // by the resident W_out_f (laid out by each block from the fp32 parameter), and the epilogue runs LayerNorm_out's
 // backward on the accumulators: dz = rstd (d z_hat - mean(d z_hat) - z_hat mean(d z_hat z_hat)), z_hat's row
 // and rstd loaded while the tile multiplies, the means by quad shuffles (a row's 128 h live in four lanes). dz
@@ -45,7 +45,6 @@ struct DzEpilogue {
   }
 
   __device__ __forceinline__ void end(int64_t batch, int64_t p0, const float (&acc)[64]) {
-    constexpr float inv_h = 1.f / kH;
     uint32_t packed[2][16];  // [hf][j]: dz of columns 8 j + 2 t, + 1 as a bf16 pair
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
@@ -56,16 +55,8 @@ struct DzEpilogue {
         z[2 * j] = v.x;
         z[2 * j + 1] = v.y;
       }
-      float sum = 0.f, dot = 0.f;
-#pragma unroll
-      for (int j = 0; j < 16; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float d = acc[4 * j + 2 * hf + e];
-          sum += d;
-          dot += d * z[2 * j + e];
-        }
-      const float mean = quad_sum(sum) * inv_h, mean_dot = quad_sum(dot) * inv_h;
+      float mean, mean_dot;
+      row_grad_means<true>(acc, hf, z, 0.f, 1.f, &mean, &mean_dot);
 #pragma unroll
       for (int j = 0; j < 16; ++j)
         packed[hf][j] = pack_pair<Op>(rstd[hf] * (acc[4 * j + 2 * hf] - mean - z[2 * j] * mean_dot),
