@@ -674,16 +674,26 @@ def backward_contenders(args):
     if "cueq-fp32" in args.contenders and cuequivariance() is not None:
         found.append(TrainingContender("cueq-fp32", lambda ref: trainable_cueq(ref, torch.float32), "high",
                                        mask_dtype=torch.float32, informational=True))
+    for choice in args.kernels or [ti.Kernels()]:
+        found += new_training_contenders(args, choice)
+    return found
+
+
+def new_training_contenders(args, kernels):
+    """The ModelNew rows of --backward for one --kernels choice (its name in the label unless auto)."""
+    bf16 = torch.bfloat16
+    tag = "" if kernels == ti.Kernels() else f"[{kernels}]"
+    found = []
     if "new" in args.contenders:
         for precision in args.precision:
-            found.append(TrainingContender(f"new-{precision}", lambda ref, p=precision: trainable_module(
-                make_model_new(ref, precision=p)), precision))
+            found.append(TrainingContender(f"new-{precision}{tag}", lambda ref, p=precision: trainable_module(
+                make_model_new(ref, kernels, precision=p)), precision))
     if "new-bf16" in args.contenders:
-        found.append(TrainingContender("new-bf16", lambda ref: trainable_module(make_model_new(ref).to(bf16)),
-                                       "bfloat16", dtype=bf16))
+        found.append(TrainingContender(f"new-bf16{tag}", lambda ref: trainable_module(
+            make_model_new(ref, kernels).to(bf16)), "bfloat16", dtype=bf16))
     if "new-autocast" in args.contenders:
-        found.append(TrainingContender("new-autocast", lambda ref: trainable_module(make_model_new(ref),
-                                                                                    autocast=True), "bfloat16"))
+        found.append(TrainingContender(f"new-autocast{tag}", lambda ref: trainable_module(
+            make_model_new(ref, kernels), autocast=True), "bfloat16"))
     return found
 
 
@@ -962,7 +972,8 @@ def main(argv=None) -> int:
                              "role=name[+role=name...] (`python trimul_inline.py kernels` lists them; default: auto "
                              "and every contraction kernel); a named choice at the first --precision whose call "
                              "it takes; with --profile or --repeat-only the choices to profile (default auto), "
-                             "several: an A/B in one process")
+                             "several: an A/B in one process; with --backward the choices whose training step the new* rows time "
+                             "(default auto)")
     parser.add_argument("--contenders",
                         help="which of ref-eager, ref-compile, ref-autocast, cueq (when "
                              "cuequivariance_torch imports), new-bf16 (ModelNew with bf16 in/out, as cueq "
@@ -1003,9 +1014,8 @@ def main(argv=None) -> int:
         args.contenders = BACKWARD_CONTENDERS if args.backward else DEFAULT_CONTENDERS
     args.contenders = set(args.contenders.split(","))
     if args.backward:
-        if args.kernels or args.profile or args.repeat_only or args.float_mask:
-            parser.error("--kernels, --profile, --repeat-only and --float-mask apply to the forward mode, not "
-                         "--backward")
+        if args.profile or args.repeat_only or args.float_mask:
+            parser.error("--profile, --repeat-only and --float-mask apply to the forward mode, not --backward")
         unknown = args.contenders - set(BACKWARD_CONTENDERS.split(","))
         if unknown:
             parser.error(f"--backward: unknown contenders {sorted(unknown)}; known: {BACKWARD_CONTENDERS}")
