@@ -2352,14 +2352,83 @@ def test_dz_planes_from_d_o_matches_fp64(n, pair_dim):
 
 
 @HOPPER
+@pytest.mark.parametrize("batch, n, d_out_dtype", [(2, 36, torch.float32), (1, 20, torch.bfloat16),
+                                                   (1, 68, torch.float16)])
+def test_z_gate_grad_matches_fp64(batch, n, d_out_dtype):
+    """output_backward wgmma's z_gate_grad: z planes -> z_hat rows and rstd, o = z_hat W_out_f^T + b_out_f and
+    gate_pre = gate_rows W_g^T + b_g on wgmma, d o = d out s and d gate = d out o s (1 - s) with s = sigmoid(gate_pre),
+    and their sums over positions, in one pass: each output against fp64 from the same bf16 operands, within bf16's
+    rounding and no worse than the rows kernel's z_rows + GEMMs + gate_grad on the same draw; planes that are not
+    whole 64-position tiles, batch 1 and 2, d out in fp32, bf16 and fp16, z with a mean far from zero; the outputs
+    poisoned first."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    pair_dim = hidden = 128
+    positions = batch * n * n
+    z_rows = (torch.randn(positions, hidden, generator=g) * 3 + torch.randn(positions, 1, generator=g) * 4)
+    z_planes = ti._planes(z_rows, batch, n, False).bfloat16().cuda()
+    gate_rows = torch.randn(positions, pair_dim, generator=g).bfloat16().cuda()
+    w_out_f = (torch.randn(pair_dim, hidden, generator=g) / hidden ** 0.5).cuda()
+    b_out_f = torch.randn(pair_dim, generator=g).cuda()
+    w_gate = (torch.randn(pair_dim, pair_dim, generator=g) * 2 / pair_dim ** 0.5).cuda()
+    b_gate = torch.randn(pair_dim, generator=g).cuda()
+    d_out = torch.randn(positions, pair_dim, generator=g).to(d_out_dtype).cuda()
+    eps = 1e-5
+    like = torch.empty(0, device="cuda", dtype=torch.bfloat16)
+    fused = ti._KernelBackwardPasses("output_backward", "wgmma", batch, n, pair_dim, hidden, False, 2, like)
+    rows = ti._KernelBackwardPasses("output_backward", "rows", batch, n, pair_dim, hidden, False, 2, like)
+    assert fused.gate_grad_from_z() and not rows.gate_grad_from_z()
+    poison_allocator()
+    got = fused.z_gate_grad(z_planes, eps, gate_rows, w_out_f, b_out_f, w_gate, b_gate, d_out)
+    poison_allocator()
+    z_hat, rstd = rows.z_rows(z_planes, batch, n, eps, torch.bfloat16)
+    o = ti._Products.linear(z_hat, w_out_f, b_out_f)
+    gate_pre = ti._Products.linear(gate_rows, w_gate, b_gate)
+    base = (z_hat, rstd) + rows.gate_grad(d_out, o, gate_pre)
+    z = ti._rows(z_planes.double(), batch, n, False)
+    mean, var = z.mean(1, keepdim=True), z.var(1, unbiased=False, keepdim=True)
+    z_hat64, rstd64 = (z - mean) / (var + eps).sqrt(), (var + eps).rsqrt()
+    o64 = z_hat64 @ w_out_f.bfloat16().double().t() + b_out_f.double()
+    s64 = torch.sigmoid(gate_rows.double() @ w_gate.bfloat16().double().t() + b_gate.double())
+    d64 = d_out.double()
+    d_o64, d_gate64 = d64 * s64, d64 * o64 * s64 * (1 - s64)
+    expected = (z_hat64, rstd64, d_o64, d_gate64, d_o64.sum(0), d_gate64.sum(0))
+    names = ("z_hat", "rstd", "d o", "d gate", "d o's sum", "d gate's sum")
+    for name, value, reference, expect in zip(names, got, base, expected):
+        assert value.shape == expect.shape and torch.isfinite(value).all(), name
+        err, base_err = _grad_error(value.cpu(), expect.cpu()), _grad_error(reference.cpu(), expect.cpu())
+        assert err < 1e-2 and err <= 1.5 * base_err + 1e-6, \
+            f"{name}: error {err} against the rows kernel's {base_err} (seed {seed})"
+
+
+@HOPPER
+def test_z_gate_grad_applies_where_its_rules_say():
+    """output_backward wgmma takes z_gate_grad at bf16 operands, pair_dim and hidden 128, N^2 a multiple of 8 (the
+    rows kernel never); a bf16 training step at C = H = 128 runs it by default (no z_rows or gate_grad kernel) and
+    the rows kernel's passes when rows is named."""
+    extension = ti._extension()
+    like16, like32 = torch.empty(0, device="cuda", dtype=torch.bfloat16), torch.empty(0, device="cuda")
+    assert extension.gate_grad_from_z("wgmma", 1, 64, 128, 128, False, like16, 2)
+    assert extension.gate_grad_from_z("", 2, 20, 128, 128, True, like16, 2)
+    assert not extension.gate_grad_from_z("rows", 1, 64, 128, 128, False, like16, 2)
+    for sizes, like in (((1, 37, 128, 128), like16), ((1, 64, 384, 128), like16), ((1, 64, 128, 64), like16),
+                        ((1, 64, 128, 128), like32)):
+        assert not extension.gate_grad_from_z("", *sizes, False, like, 2), sizes
+    _assert_step_kernels([(None, "gate_mma::kernel", "z_rows_kernel"), (None, "gate_mma::kernel", "gate_grad_kernel"),
+                          ("output_backward=rows", "gate_grad_kernel", "gate_mma::kernel")])
+
+
+@HOPPER
 def test_dz_planes_from_d_o_applies_where_its_rules_say():
-    """wgmma (output_backward; rank 0 until measured on a GPU: chosen by name) takes bf16 operands, hidden 128,
-    pair_dim a multiple of 64, N^2 a multiple of 8, and multiplies d z_hat in its dz_planes pass (the rows kernel
-    never: it reads d z_hat); elsewhere naming wgmma is a ValueError that says when it applies; a training step at
-    hidden 128 in bf16 that names it runs its kernel and not the rows kernel's dz_planes."""
+    """wgmma (output_backward, rank 1) takes bf16 operands, hidden 128, pair_dim a multiple of 64 up to 512,
+    N^2 a multiple of 8, and multiplies d z_hat in its dz_planes pass (the rows kernel never: it reads d z_hat);
+    the default order takes it there and rows elsewhere, where naming wgmma is a ValueError that says when it
+    applies; a bf16 training step at hidden 128 runs its kernel by default and not the rows kernel's dz_planes,
+    and the rows kernel's when named."""
     extension = ti._extension()
     like16, like32 = torch.empty(0, device="cuda", dtype=torch.bfloat16), torch.empty(0, device="cuda")
     assert extension.backward_kernel("output_backward", "wgmma", 1, 64, 128, 128, False, like16, 2) == "wgmma"
+    assert extension.backward_kernel("output_backward", "", 1, 64, 384, 128, True, like16, 2) == "wgmma"
     assert extension.dz_planes_from_d_o("wgmma", 1, 64, 384, 128, True, like16, 2)
     assert not extension.dz_planes_from_d_o("rows", 1, 64, 128, 128, False, like16, 2)
     for sizes, like in (((1, 37, 128, 128), like16), ((1, 64, 96, 128), like16), ((1, 64, 128, 64), like16),
@@ -2368,13 +2437,21 @@ def test_dz_planes_from_d_o_applies_where_its_rules_say():
         assert not extension.dz_planes_from_d_o("", *sizes, False, like, 2), sizes
         with pytest.raises(ValueError, match="does not take this call.*applies when"):
             extension.backward_kernel("output_backward", "wgmma", *sizes, False, like, 2)
+    _assert_step_kernels([(None, "dz_mma::kernel", "dz_planes_kernel"),
+                          ("output_backward=rows", "dz_planes_kernel", "dz_mma::kernel")])
+
+
+def _assert_step_kernels(cases):
+    """For each (kernels, expected, absent): a medium training step of ModelNew(128, 128, kernels=kernels) at
+    N = 136 (bf16 products) launches a kernel whose name contains `expected` and none containing `absent`."""
     g = torch.Generator().manual_seed(fresh_seed())
-    model = random_layers(ti.ModelNew(128, 128, precision="medium", gate_input="normalized",
-                                      kernels="output_backward=wgmma"), g).cuda()
     pair, mask = random_inputs(1, 136, 128, g, dtype=torch.float32, device="cuda")
-    ran = _cuda_kernels_launched(lambda: model(pair.requires_grad_(), mask).square().sum().backward())
-    assert any("dz_mma::kernel" in k for k in ran), [k for k in ran if "trimul::" in k]
-    assert not any("dz_planes_kernel" in k for k in ran)
+    for kernels, expected, absent in cases:
+        model = random_layers(ti.ModelNew(128, 128, precision="medium", gate_input="normalized", kernels=kernels),
+                              g).cuda()
+        ran = _cuda_kernels_launched(lambda: model(pair.requires_grad_(), mask).square().sum().backward())
+        assert any(expected in k for k in ran), (kernels, [k for k in ran if "trimul::" in k])
+        assert not any(absent in k for k in ran), (kernels, absent)
 
 
 @cuda

@@ -1115,6 +1115,12 @@ class _TorchBackwardPasses:
         return False
 
     @staticmethod
+    def gate_grad_from_z():
+        """Whether one pass runs z_rows, the o / gate_pre products and gate_grad (_KernelBackwardPasses.z_gate_grad):
+        never here."""
+        return False
+
+    @staticmethod
     def d_proj_from_x_hat():
         """Whether d_proj recomputes proj from x_hat itself (_KernelBackwardPasses.d_proj_recomputed): never here."""
         return False
@@ -1151,7 +1157,8 @@ def _accumulate(t: torch.Tensor) -> torch.dtype:
 
 _BACKWARD_SUM_ROWS = 512  # blocks of the passes that sum over positions (trimul::kBackwardSumRows)
 _BACKWARD_PASS = {name: code for code, name in enumerate(
-    ("input_rows", "gated_planes", "z_rows", "gate_grad", "dz_planes", "d_proj", "d_pair"))}  # trimul::BackwardPass
+    ("input_rows", "gated_planes", "z_rows", "gate_grad", "dz_planes", "d_proj", "d_pair", "split_f16x3",
+     "z_gate_grad"))}  # trimul::BackwardPass
 
 
 class _KernelBackwardPasses:
@@ -1208,6 +1215,23 @@ class _KernelBackwardPasses:
     def dz_planes_from_d_o(self):
         """Whether this kernel's dz_planes multiplies d z_hat itself (dz_planes_multiplied) at these sizes."""
         return self._takes("output_backward", "dz_planes_from_d_o")
+
+    def gate_grad_from_z(self):
+        """Whether this kernel runs z_rows, the o / gate_pre products and gate_grad as one pass (z_gate_grad)."""
+        return self._takes("output_backward", "gate_grad_from_z")
+
+    def z_gate_grad(self, z_planes, eps, gate_rows, w_out_f, b_out_f, w_gate, b_gate, d_out):
+        """z_rows, o = z_hat w_out_f^T + b_out_f, gate_pre = gate_rows w_gate^T + b_gate and gate_grad in one pass (o
+        and gate_pre never written): (z_hat, rstd, d o, d gate_pre, their sums over positions)."""
+        z_hat = z_planes.new_empty((self._positions, self._hidden))
+        rstd = z_planes.new_empty((self._positions, 1), dtype=torch.float32)
+        d_o, d_gate = gate_rows.new_empty(d_out.shape), gate_rows.new_empty(d_out.shape)
+        sums = d_out.new_zeros((_BACKWARD_SUM_ROWS, 2 * d_out.shape[1]), dtype=torch.float32)
+        weights = {name: t.float().contiguous() for name, t in
+                   (("w_out_f", w_out_f), ("b_out_f", b_out_f), ("w_gate_f", w_gate), ("b_gate_f", b_gate))}
+        self._run("z_gate_grad", eps, a_planes=z_planes, x_hat=gate_rows, d_out=d_out, o=d_o, gate_pre=d_gate,
+                  rows=z_hat, rstd=rstd, sums=sums, **weights)
+        return (z_hat, rstd, d_o, d_gate) + sums.sum(0).chunk(2)
 
     def dz_planes_multiplied(self, d_o, w_out_f, z_hat, rstd):
         """dz_planes with d z_hat = d_o w_out_f multiplied in the pass (never written): as dz_planes."""
@@ -1602,18 +1626,25 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     del saved_z
 
     # output_backward: out = sigmoid(gate_rows W_g^T + b_g) * (z_hat W_out_f^T + b_out_f).
-    z_hat, rstd_out = outputs.z_rows(z_planes, batch, n, eps_out, dtype)
-    del z_planes
     w_out_f, b_out_f = _folded(out_w, out_b, ln_out_w, ln_out_b)
     if gate_normalized:
         w_gate, b_gate = _folded(gate_w, gate_b, ln_in_w, ln_in_b)
         gate_rows = x_hat
     else:
         w_gate, b_gate, gate_rows = gate_w, gate_b, pair_rows.to(dtype)
-    o = products.linear(z_hat, w_out_f, b_out_f)
-    gate_pre = products.linear(gate_rows, w_gate, b_gate)
-    d_o, d_gate, s_out, s_gate = outputs.gate_grad(grad_out.reshape(positions, pair_dim).contiguous(), o, gate_pre)
-    del o, gate_pre
+    d_out = grad_out.reshape(positions, pair_dim).contiguous()
+    if outputs.gate_grad_from_z():  # (one pass: o and gate_pre never written)
+        z_hat, rstd_out, d_o, d_gate, s_out, s_gate = outputs.z_gate_grad(z_planes, eps_out, gate_rows, w_out_f,
+                                                                           b_out_f, w_gate, b_gate, d_out)
+        del z_planes
+    else:
+        z_hat, rstd_out = outputs.z_rows(z_planes, batch, n, eps_out, dtype)
+        del z_planes
+        o = products.linear(z_hat, w_out_f, b_out_f)
+        gate_pre = products.linear(gate_rows, w_gate, b_gate)
+        d_o, d_gate, s_out, s_gate = outputs.gate_grad(d_out, o, gate_pre)
+        del o, gate_pre
+    del d_out
     g_out, g_gate = products.mm(d_o.t(), z_hat, acc), products.mm(d_gate.t(), gate_rows, acc)
     del gate_rows
     if outputs.dz_planes_from_d_o():  # (d z_hat multiplied in the pass, never written)

@@ -185,6 +185,8 @@ enum class BackwardPass : int {
   d_pair,          // pair, d_rows (d x_hat, fp32 [P, C]) + d_rows_add -> d_pair (pair's dtype) input_backward
                    // (or, d_rows null: d x_hat from rows = d proj and d_gate, below)
   split_f16x3,     // a_planes (fp32, strided) -> parts and/or parts_t, scaled fp16; unscale     contract_backward
+  z_gate_grad,     // a_planes (z), x_hat (the gate rows), d_out -> rows (z_hat), rstd, o := d o,  output_backward
+                   // gate_pre := d gate_pre, sums: z_rows, the o / gate_pre GEMMs and gate_grad in one (below)
 };
 
 // One backward pass's arguments: sizes, then the buffers each pass reads and writes (BackwardPass says
@@ -222,6 +224,11 @@ struct BackwardArgs {
   // d_o [P, C] operand (gate_grad's d o), w_out_f [C, H] fp32 (out_proj's weight with LayerNorm_out's folded in).
   const void* d_o;
   const float* w_out_f;
+  // z_gate_grad (output_backward wgmma): o = z_hat w_out_f^T + b_out_f and gate_pre = x_hat w_gate_f^T + b_gate_f
+  // multiplied in the pass, never written (x_hat: the gate's rows, LayerNorm_in's or the raw pair's in the operand
+  // dtype, with w_gate_f / b_gate_f the gate's weight and bias as they multiply those rows; both fp32).
+  const float* b_out_f;
+  const float* b_gate_f;
   float* d_mask;            // d_proj: [P], or nullptr (no mask gradient)
   const void* d_out;        // gate_grad: [P, C] in d_out_dtype
   Dtype d_out_dtype;
@@ -313,7 +320,7 @@ cudaError_t launch_mask_scales(const void* mask, MaskKind kind, int64_t count, c
 
 // Changes whenever a struct above changes, so a library and an extension built from different
 // versions of this file refuse each other.
-constexpr uint32_t kKernelAbi = 10;
+constexpr uint32_t kKernelAbi = 11;
 
 }  // namespace trimul
 

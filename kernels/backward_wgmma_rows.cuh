@@ -60,6 +60,23 @@ __device__ __forceinline__ void lay_out_weights(const Sources& w, uint8_t* weigh
 
 using ::trimul::fused::quad_sum;  // (an accumulator row: a thread holds its columns 8 j + 2 t + {0, 1})
 
+// A part's 64 columns summed over a warp's 16 accumulator rows: column[2 j + e] is this thread's column 8 j + 2 t
+// + e over its two rows; reduce-scattered over lane bits 4, 3, 2, lane 4 g + t returns columns 8 g + 2 t + {0, 1}.
+__device__ __forceinline__ float2 warp_column_sums(const float (&column)[16], int lane) {
+  const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
+  float half[8], quarter[4], pair[2];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    half[i] = (b4 ? column[8 + i] : column[i]) + __shfl_xor_sync(0xffffffffu, b4 ? column[i] : column[8 + i], 16);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    quarter[i] = (b3 ? half[4 + i] : half[i]) + __shfl_xor_sync(0xffffffffu, b3 ? half[i] : half[4 + i], 8);
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+    pair[i] = (b2 ? quarter[2 + i] : quarter[i]) + __shfl_xor_sync(0xffffffffu, b2 ? quarter[i] : quarter[2 + i], 4);
+  return make_float2(pair[0], pair[1]);
+}
+
 // The two means LayerNorm's backward needs over accumulator row hf (its kN columns, spread over a quad): of d
 // and of d x_hat, where x_hat = (x - shift) scale, or x itself where it is already normalized (kNormalized);
 // x[2 j + e] is the row's value at this thread's column 8 j + 2 t + e.

@@ -537,7 +537,8 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
                    int64_t c, int64_t h, bool incoming, int64_t precision, double eps, const at::Tensor& like,
                    const std::unordered_map<std::string, at::Tensor>& tensors) {
   TORCH_CHECK_VALUE(like.is_cuda(), "trimul_inline: the backward's kernels take CUDA tensors");
-  TORCH_CHECK_VALUE(pass >= 0 && pass <= static_cast<int64_t>(trimul::BackwardPass::d_pair),
+  TORCH_CHECK_VALUE((pass >= 0 && pass <= static_cast<int64_t>(trimul::BackwardPass::d_pair)) ||
+                        pass == static_cast<int64_t>(trimul::BackwardPass::z_gate_grad),
                     "trimul_inline: backward pass code ", text(pass));
   const c10::cuda::CUDAGuard guard(like.device());
   trimul::BackwardArgs args = backward_sizes(batch, n, c, h, incoming, like, precision);
@@ -596,6 +597,24 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
       args.gate_pre = pass_tensor(tensors, "gate_pre", positions * c, op, like);
       args.sums = static_cast<float*>(pass_tensor(tensors, "sums", trimul::kBackwardSumRows * 2 * c, f32, like));
       break;
+    case P::z_gate_grad:
+      args.a_planes = pass_tensor(tensors, "a_planes", positions * h, op, like);
+      args.x_hat = pass_tensor(tensors, "x_hat", positions * c, op, like);
+      args.w_out_f = static_cast<const float*>(pass_tensor(tensors, "w_out_f", c * h, f32, like));
+      args.b_out_f = static_cast<const float*>(pass_tensor(tensors, "b_out_f", c, f32, like));
+      args.w_gate_f = static_cast<const float*>(pass_tensor(tensors, "w_gate_f", c * c, f32, like));
+      args.b_gate_f = static_cast<const float*>(pass_tensor(tensors, "b_gate_f", c, f32, like));
+      args.d_out = pass_tensor(tensors, "d_out", positions * c, any_float, like);
+      args.d_out_dtype = dtype_code(get("d_out"), "d_out");
+      args.o = pass_tensor(tensors, "o", positions * c, op, like);
+      args.gate_pre = pass_tensor(tensors, "gate_pre", positions * c, op, like);
+      args.rows = pass_tensor(tensors, "rows", positions * h, op, like);
+      args.rstd = static_cast<float*>(pass_tensor(tensors, "rstd", positions, f32, like));
+      args.sums = static_cast<float*>(pass_tensor(tensors, "sums", trimul::kBackwardSumRows * 2 * c, f32, like));
+      break;
+    case P::split_f16x3:
+      TORCH_CHECK_VALUE(false, "trimul_inline: split_f16x3 is contract_backward's own pass");
+      break;
     case P::d_pair:
       args.pair = pass_tensor(tensors, "pair", positions * c, any_float, like);
       args.pair_dtype = dtype_code(get("pair"), "pair");
@@ -653,6 +672,14 @@ bool d_pair_from_d_proj(const std::string& kernel, int64_t batch, int64_t n, int
 bool dz_planes_from_d_o(const std::string& kernel, int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
                         const at::Tensor& like, int64_t precision) {
   return backward_takes(trimul::Role::output_backward, kernel, trimul::BackwardPass::dz_planes, batch, n, c, h,
+                        incoming, like, precision);
+}
+
+// Whether output_backward's kernel `kernel` takes z_gate_grad (z_rows, the o and gate_pre GEMMs and gate_grad as
+// one pass: o and gate_pre never written) at these sizes.
+bool gate_grad_from_z(const std::string& kernel, int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
+                      const at::Tensor& like, int64_t precision) {
+  return backward_takes(trimul::Role::output_backward, kernel, trimul::BackwardPass::z_gate_grad, batch, n, c, h,
                         incoming, like, precision);
 }
 
@@ -973,8 +1000,6 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
 
   // output_backward: out = sigmoid(gate_rows W_g^T + b_g) * (z_hat W_out_f^T + b_out_f).
   at::Tensor z_hat = rows_of(h, dtype), rstd_out = rows_of(1, acc);
-  outputs.run(P::z_rows, eps_out, {{"a_planes", z_planes}, {"rows", z_hat}, {"rstd", rstd_out}});
-  z_planes.reset();
   const auto [w_out_f, b_out_f] = folded(out_w, out_b, ln_out_w, ln_out_b);
   at::Tensor w_gate = gate_w, b_gate = gate_b, gate_rows = x_hat;
   if (gate_normalized) {
@@ -982,10 +1007,27 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   } else {
     gate_rows = in_type(pair_rows, dtype);
   }
-  at::Tensor d_o = linear(z_hat, w_out_f, b_out_f), d_gate = linear(gate_rows, w_gate, b_gate);
   at::Tensor out_sums = at::zeros({trimul::kBackwardSumRows, 2 * c}, like.options().dtype(acc));
-  outputs.run(P::gate_grad, 0.0, {{"d_out", grad_out.reshape({positions, c}).contiguous()}, {"o", d_o},
-                                  {"gate_pre", d_gate}, {"sums", out_sums}});  // (o and gate_pre become d o, d gate)
+  const at::Tensor d_out_rows = grad_out.reshape({positions, c}).contiguous();
+  at::Tensor d_o, d_gate;
+  if (gate_grad_from_z(outputs.kernel, batch, n, c, h, incoming, like, precision)) {
+    // (z_rows, both products and gate_grad in one pass: o and gate_pre never written)
+    d_o = rows_of(c, dtype);
+    d_gate = rows_of(c, dtype);
+    outputs.run(P::z_gate_grad, eps_out, {{"a_planes", z_planes}, {"x_hat", gate_rows}, {"w_out_f", w_out_f.contiguous()},
+                                          {"b_out_f", b_out_f.contiguous()}, {"w_gate_f", w_gate.contiguous()},
+                                          {"b_gate_f", b_gate.contiguous()}, {"d_out", d_out_rows}, {"o", d_o},
+                                          {"gate_pre", d_gate}, {"rows", z_hat}, {"rstd", rstd_out},
+                                          {"sums", out_sums}});
+    z_planes.reset();
+  } else {
+    outputs.run(P::z_rows, eps_out, {{"a_planes", z_planes}, {"rows", z_hat}, {"rstd", rstd_out}});
+    z_planes.reset();
+    d_o = linear(z_hat, w_out_f, b_out_f);
+    d_gate = linear(gate_rows, w_gate, b_gate);
+    outputs.run(P::gate_grad, 0.0, {{"d_out", d_out_rows}, {"o", d_o}, {"gate_pre", d_gate},
+                                    {"sums", out_sums}});  // (o and gate_pre become d o, d gate)
+  }
   const std::vector<at::Tensor> out_sum = out_sums.sum(0).chunk(2);
   const at::Tensor g_out = mm_to(d_o.t(), z_hat, acc), g_gate = mm_to(d_gate.t(), gate_rows, acc);
   gate_rows.reset();
@@ -1209,6 +1251,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("d_proj_from_x_hat", &d_proj_from_x_hat, "whether an input_backward kernel takes d_proj from x_hat");
   m.def("d_pair_from_d_proj", &d_pair_from_d_proj, "whether an input_backward kernel takes d_pair from d proj");
   m.def("dz_planes_from_d_o", &dz_planes_from_d_o, "whether an output_backward kernel takes dz_planes from d o");
+  m.def("gate_grad_from_z", &gate_grad_from_z, "whether an output_backward kernel takes z_gate_grad (gate_grad from z)");
   m.def("training_backward", &training_backward,
         "the whole backward on the library's backward kernels and cuBLAS ([] where a role is a torch baseline)");
   py::class_<PlannedForward>(m, "PlannedForward", "a checked eager call's decisions (ModelNew._fast)")

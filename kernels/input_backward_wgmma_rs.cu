@@ -256,20 +256,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         }
       }
       __syncwarp();  // (the next part's blocks overwrite the staging tile)
-      // The columns' sums over the warp's 16 positions, reduce-scattered over lane bits 4, 3, 2: lane 4 g + t
-      // ends with the part's columns 8 g + 2 t + {0, 1}.
-      float half[8], quarter[4];
-      const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        half[i] = (b4 ? column[8 + i] : column[i]) + __shfl_xor_sync(0xffffffffu, b4 ? column[i] : column[8 + i], 16);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        quarter[i] = (b3 ? half[4 + i] : half[i]) + __shfl_xor_sync(0xffffffffu, b3 ? half[i] : half[4 + i], 8);
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-        sums[part][i] +=
-            (b2 ? quarter[2 + i] : quarter[i]) + __shfl_xor_sync(0xffffffffu, b2 ? quarter[i] : quarter[2 + i], 4);
+      // The columns' sums over the warp's 16 positions: lane 4 g + t keeps the part's columns 8 g + 2 t + {0, 1}.
+      const float2 column_sum = warp_column_sums(column, lane);
+      sums[part][0] += column_sum.x;
+      sums[part][1] += column_sum.y;
     };
     input_pass::wgmma_rs::multiply_and_store_parts<kParts>(multiply, store);
 

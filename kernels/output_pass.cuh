@@ -39,8 +39,9 @@ __device__ __forceinline__ void z_fragments(uint32_t (&zf)[kSteps][4], const uin
 }
 
 // LayerNorm_out of the fragments' two positions over their 16 kSteps h (a quad holds a row's): the mean taken
-// out of the fragments (bf16 z - mean), 1/std returned per row for the epilogue.
-template <int kSteps>
+// out of the fragments (bf16 z - mean), 1/std returned per row for the epilogue; kScaled: the fragments hold
+// z_hat = (z - mean) / std itself, rounded once from fp32.
+template <bool kScaled = false, int kSteps>
 __device__ __forceinline__ void center_z_fragments(uint32_t (&zf)[kSteps][4], float (&z_rstd)[2], float eps) {
   constexpr float kInvH = 1.f / (16 * kSteps);
 #pragma unroll
@@ -62,9 +63,14 @@ __device__ __forceinline__ void center_z_fragments(uint32_t (&zf)[kSteps][4], fl
         v[s][u].x -= mean;
         v[s][u].y -= mean;
         sum_sq = fmaf(v[s][u].x, v[s][u].x, fmaf(v[s][u].y, v[s][u].y, sum_sq));
-        zf[s][u == 0 ? hf : 2 + hf] = ::trimul::tma::pack_pair<__nv_bfloat16>(v[s][u].x, v[s][u].y);
       }
     z_rstd[hf] = rsqrtf(quad_sum(sum_sq) * kInvH + eps);
+    const float scale = kScaled ? z_rstd[hf] : 1.f;
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+      for (int u = 0; u < 2; ++u)
+        zf[s][u == 0 ? hf : 2 + hf] = ::trimul::tma::pack_pair<__nv_bfloat16>(v[s][u].x * scale, v[s][u].y * scale);
   }
 }
 
@@ -72,9 +78,9 @@ __device__ __forceinline__ void center_z_fragments(uint32_t (&zf)[kSteps][4], fl
 // k16 steps) and proj = zf . out_proj's rows (kZSteps), each part's weights as [k-tile][64 rows x 128 bytes]
 // (smem_descriptor's layout) from wg / wo. Two commit groups: the gate's sigmoids (bias from gate_bias, the
 // part's 64) are taken while out_proj's product is still in flight. On return gate[4 j + 2 hf + e] holds
-// sigmoid(gate + b) and proj[4 j + 2 hf + e] the product, of position row g + 8 hf and the part's channel
-// 8 j + 2 t + e.
-template <int kGateSteps, int kZSteps>
+// sigmoid(gate + b) (gate_sigmoid<kSigmoid>: the 16-bit modes' tanh.approx unless another mode is named) and
+// proj[4 j + 2 hf + e] the product, of position row g + 8 hf and the part's channel 8 j + 2 t + e.
+template <Mode kSigmoid = Mode::bf16, int kGateSteps, int kZSteps>
 __device__ __forceinline__ void gated_part_products(float (&gate)[32], float (&proj)[32],
                                                     const uint32_t (&xf)[kGateSteps][4],
                                                     const uint32_t (&zf)[kZSteps][4], const uint8_t* wg,
@@ -99,8 +105,8 @@ __device__ __forceinline__ void gated_part_products(float (&gate)[32], float (&p
     const float2 bg = *reinterpret_cast<const float2*>(gate_bias + 8 * j + 2 * t);
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      gate[4 * j + 2 * hf] = gate_sigmoid<Mode::bf16>(gate[4 * j + 2 * hf] + bg.x);
-      gate[4 * j + 2 * hf + 1] = gate_sigmoid<Mode::bf16>(gate[4 * j + 2 * hf + 1] + bg.y);
+      gate[4 * j + 2 * hf] = gate_sigmoid<kSigmoid>(gate[4 * j + 2 * hf] + bg.x);
+      gate[4 * j + 2 * hf + 1] = gate_sigmoid<kSigmoid>(gate[4 * j + 2 * hf + 1] + bg.y);
     }
   }
   wgmma_wait<0>();
