@@ -612,9 +612,6 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
       args.rstd = static_cast<float*>(pass_tensor(tensors, "rstd", positions, f32, like));
       args.sums = static_cast<float*>(pass_tensor(tensors, "sums", trimul::kBackwardSumRows * 2 * c, f32, like));
       break;
-    case P::split_f16x3:
-      TORCH_CHECK_VALUE(false, "trimul_inline: split_f16x3 is contract_backward's own pass");
-      break;
     case P::d_pair:
       args.pair = pass_tensor(tensors, "pair", positions * c, any_float, like);
       args.pair_dtype = dtype_code(get("pair"), "pair");

@@ -46,17 +46,17 @@ __device__ __forceinline__ int gate_channel(int k) {
   return 16 * s + 4 * t + 2 * hh + e;
 }
 
-// Weight matrix w (fp32 [128 out][128 k], row-major) into shared memory as wgmma's B operand: [part][k-tile]
+// Weight matrix w (fp32 [128 out][ld >= 128 k], row-major) into shared memory as wgmma's B operand: [part][k-tile]
 // tiles of 64 rows x 128 bytes of k, 16-byte chunks XOR-swizzled by row % 8 (smem_descriptor's layout); logical
 // k of a row holds column col(k). All threads of the block.
 template <class Column>
-__device__ __forceinline__ void lay_out(uint8_t* dst, const float* __restrict__ w, Column&& col) {
+__device__ __forceinline__ void lay_out(uint8_t* dst, const float* __restrict__ w, int ld, Column&& col) {
   for (int index = threadIdx.x; index < kC * kC / 8; index += kBlockThreads) {
     const int row = index / (kC / 8), chunk = index % (kC / 8), part = row >> 6, n = row & 63;
     const int kt = chunk / 8, c = chunk % 8;
     float v[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = w[row * kC + col(8 * chunk + e)];
+    for (int e = 0; e < 8; ++e) v[e] = w[row * ld + col(8 * chunk + e)];
     *reinterpret_cast<uint4*>(dst + (part * kKTiles + kt) * kTileBytes + n * ws::kKBytes + ((c ^ (n & 7)) << 4)) =
         make_uint4(pack_pair<Op>(v[0], v[1]), pack_pair<Op>(v[2], v[3]), pack_pair<Op>(v[4], v[5]),
                    pack_pair<Op>(v[6], v[7]));
@@ -102,8 +102,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     ::trimul::output_pass::load_z_tile(z_tile, &map_z, &z_full[group], at, tiles_per_batch);
   };
   if (tid == 0 && tile < tiles) load_z(tile);
-  lay_out(w_gate, args.w_gate_f, [](int k) { return gate_channel(k); });
-  lay_out(w_out, args.w_out_f, [](int k) { return k; });
+  lay_out(w_gate, args.w_gate_f, kC, [](int k) { return gate_channel(k); });
+  lay_out(w_out, args.w_out_f, kH, [](int k) { return k; });
   for (int c = threadIdx.x; c < kC; c += kBlockThreads) {
     gate_bias[c] = args.b_gate_f[c];
     out_bias[c] = args.b_out_f[c];
@@ -269,12 +269,14 @@ bool takes(const BackwardArgs& args) {
 }
 
 cudaError_t launch(const BackwardArgs& args) {
-  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  // (alignment: TMA's 16 bytes for z, the 16-byte row stores, the gate rows' 8-byte and d out's pair loads)
+  const auto aligned = [](const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
   if (!takes(args) || args.a_planes == nullptr || args.x_hat == nullptr || args.w_out_f == nullptr ||
       args.b_out_f == nullptr || args.w_gate_f == nullptr || args.b_gate_f == nullptr || args.d_out == nullptr ||
       args.o == nullptr || args.gate_pre == nullptr || args.rows == nullptr || args.rstd == nullptr ||
-      args.sums == nullptr || !aligned(args.a_planes) || !aligned(args.x_hat) || !aligned(args.d_out) ||
-      !aligned(args.o) || !aligned(args.gate_pre) || !aligned(args.rows))
+      args.sums == nullptr || !aligned(args.a_planes, 16) || !aligned(args.x_hat, 8) ||
+      !aligned(args.d_out, args.d_out_dtype == Dtype::f32 ? 8 : 4) || !aligned(args.o, 16) ||
+      !aligned(args.gate_pre, 16) || !aligned(args.rows, 16))
     return cudaErrorInvalidValue;
   const int64_t plane = args.n * args.n;
   if (args.batch * plane == 0) return cudaSuccess;
