@@ -252,6 +252,13 @@ def test_one_parser_takes_every_form_of_kernel_choice():
         assert ti.parse_kernels(nothing) == ti.Kernels()
     assert str(want) == "input=streamed,contract=mma" and str(ti.Kernels()) == "auto"
     assert ti.ModelNew(8, 4, kernels="output=streamed").kernels == ti.Kernels(output="streamed")
+    # (a training step parses its op's choice string in the forward and the backward: once checked, a string's
+    # choice is remembered, not checked against the registry again; a bad one is never remembered)
+    named = "output_backward=rows,input_backward=rows"
+    assert ti.parse_kernels(named) is ti.parse_kernels(named)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="no output_backward kernel 'nope'"):
+            ti.parse_kernels("output_backward=nope")
 
 
 def test_kernels_override_fills_in_and_replaces_the_modules_choice(monkeypatch):

@@ -124,7 +124,7 @@ _REGISTRIES = {}  # registry.def text -> its entries
 
 def kernel_registry(sources: Optional[dict] = None) -> tuple:
     """Every kernel of every role, in registry.def's order (KernelEntry)."""
-    text = (sources if sources is not None else kernel_sources()).get("registry.def")
+    text = (sources if sources is not None else _registry_source()).get("registry.def")
     if text is None:
         raise RuntimeError("trimul_inline: kernels/ has no registry.def")
     if text not in _REGISTRIES:
@@ -167,6 +167,9 @@ def parse_kernels(value, source: str = "kernels") -> Kernels:
     it). A bad role or name raises ValueError listing the valid ones."""
     if value is None or (isinstance(value, str) and value.strip() in ("", "auto")):
         return Kernels()
+    if isinstance(value, str) and value in _PARSED_KERNELS:  # (a training step parses its op's string twice)
+        return _PARSED_KERNELS[value]
+    text = value if isinstance(value, str) else None
     if isinstance(value, str):
         chosen = {}
         for item in value.split(","):
@@ -192,7 +195,13 @@ def parse_kernels(value, source: str = "kernels") -> Kernels:
         if name not in names:
             raise ValueError(f"trimul_inline: {source}: no {role} kernel {name!r}; the {role} kernels are "
                              f"{', '.join(names)} (None: the default order)")
-    return Kernels(**{role: (None if name == "auto" else name) for role, name in value.items()})
+    kernels = Kernels(**{role: (None if name == "auto" else name) for role, name in value.items()})
+    if text is not None:
+        _PARSED_KERNELS[text] = kernels
+    return kernels
+
+
+_PARSED_KERNELS = {}  # "role=name,..." -> its Kernels, once checked against the registry
 
 
 def _kernels_override() -> tuple:
@@ -264,6 +273,17 @@ def kernel_sources(kernel_dir: Optional[str] = None) -> dict:
         if required not in sources:
             raise RuntimeError(f"trimul_inline: {kernel_dir} has no {required}")
     return sources
+
+
+def _registry_source() -> dict:
+    """{"registry.def": its text} alone (kernel_sources reads every kernel file: ~1 ms a call)."""
+    if _EMBEDDED_KERNELS is not None:
+        return {"registry.def": _EMBEDDED_KERNELS.get("registry.def")}
+    path = os.path.join(_default_kernel_dir(), "registry.def")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return {"registry.def": f.read()}
 
 
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
