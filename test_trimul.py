@@ -2240,12 +2240,7 @@ def test_d_proj_from_x_hat_applies_where_its_rules_say():
         assert extension.backward_kernel("input_backward", "", *sizes, False, like, 2) == "rows", sizes
         with pytest.raises(ValueError, match="does not take this call.*applies when"):
             extension.backward_kernel("input_backward", "wgmma_rs", *sizes, False, like, 2)
-    g = torch.Generator().manual_seed(fresh_seed())
-    model = random_layers(ti.ModelNew(128, 64, precision="medium", gate_input="normalized"), g).cuda()
-    pair, mask = random_inputs(1, 136, 128, g, dtype=torch.float32, device="cuda")
-    ran = _cuda_kernels_launched(lambda: model(pair.requires_grad_(), mask).square().sum().backward())
-    assert any("proj_rs::kernel" in k for k in ran), [k for k in ran if "trimul::" in k]
-    assert not any("d_proj_kernel" in k for k in ran)
+    _assert_step_kernels([(None, "proj_rs::kernel", "d_proj_kernel")], hidden=64)
 
 
 @HOPPER
@@ -2449,13 +2444,13 @@ def test_dz_planes_from_d_o_applies_where_its_rules_say():
                           ("output_backward=rows", "dz_planes_kernel", "dz_mma::kernel")])
 
 
-def _assert_step_kernels(cases):
-    """For each (kernels, expected, absent): a medium training step of ModelNew(128, 128, kernels=kernels) at
+def _assert_step_kernels(cases, hidden=128):
+    """For each (kernels, expected, absent): a medium training step of ModelNew(128, hidden, kernels=kernels) at
     N = 136 (bf16 products) launches a kernel whose name contains `expected` and none containing `absent`."""
     g = torch.Generator().manual_seed(fresh_seed())
     pair, mask = random_inputs(1, 136, 128, g, dtype=torch.float32, device="cuda")
     for kernels, expected, absent in cases:
-        model = random_layers(ti.ModelNew(128, 128, precision="medium", gate_input="normalized", kernels=kernels),
+        model = random_layers(ti.ModelNew(128, hidden, precision="medium", gate_input="normalized", kernels=kernels),
                               g).cuda()
         ran = _cuda_kernels_launched(lambda: model(pair.requires_grad_(), mask).square().sum().backward())
         assert any(expected in k for k in ran), (kernels, [k for k in ran if "trimul::" in k])

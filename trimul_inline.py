@@ -276,14 +276,24 @@ def kernel_sources(kernel_dir: Optional[str] = None) -> dict:
 
 
 def _registry_source() -> dict:
-    """{"registry.def": its text} alone (kernel_sources reads every kernel file: ~1 ms a call)."""
+    """{"registry.def": its text} alone, read again only when the file changes: kernel_registry runs on per-call
+    paths (a named kernel's checks), where kernel_sources would read every kernel file."""
     if _EMBEDDED_KERNELS is not None:
         return {"registry.def": _EMBEDDED_KERNELS.get("registry.def")}
     path = os.path.join(_default_kernel_dir(), "registry.def")
-    if not os.path.isfile(path):
+    try:
+        stat = os.stat(path)
+    except OSError:
         return {}
-    with open(path, encoding="utf-8") as f:
-        return {"registry.def": f.read()}
+    version = (stat.st_mtime_ns, stat.st_size)
+    cached = _REGISTRY_FILES.get(path)
+    if cached is None or cached[0] != version:
+        with open(path, encoding="utf-8") as f:
+            cached = _REGISTRY_FILES[path] = (version, {"registry.def": f.read()})
+    return cached[1]
+
+
+_REGISTRY_FILES = {}  # registry.def's path -> ((mtime, size), {"registry.def": text})
 
 
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)

@@ -63,18 +63,6 @@ __device__ __forceinline__ void lay_out(uint8_t* dst, const float* __restrict__ 
   }
 }
 
-// d out's pair at (row, channel c, c + 1), as floats.
-template <typename TOut>
-__device__ __forceinline__ float2 load_pair(const TOut* p) {
-  if constexpr (std::is_same<TOut, float>::value) {
-    return *reinterpret_cast<const float2*>(p);
-  } else if constexpr (std::is_same<TOut, __nv_bfloat16>::value) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
-  } else {
-    return __half22float2(*reinterpret_cast<const __half2*>(p));
-  }
-}
-
 template <typename TOut>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     kernel(const BackwardArgs args, const __grid_constant__ CUtensorMap map_z, int64_t tiles_per_batch) {
@@ -198,13 +186,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 
 #pragma unroll
     for (int part = 0; part < kParts; ++part) {
-      float2 d[2][8];  // d out at row g + 8 hf, the part's channels 8 j + 2 t, + 1
+      float d[2][16] = {};  // d out at row g + 8 hf, the part's channel 8 j + 2 t + e at [2 j + e]
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
         for (int j = 0; j < 8; ++j)
-          d[hf][j] = row_pos[hf] >= 0 ? load_pair(d_out + row_pos[hf] * kC + 64 * part + 8 * j + 2 * t)
-                                      : make_float2(0.f, 0.f);
+          if (row_pos[hf] >= 0) load_pack<2>(d_out + row_pos[hf] * kC + 64 * part + 8 * j + 2 * t, &d[hf][2 * j]);
       float gate[32], proj[32];
       ::trimul::output_pass::gated_part_products<Mode::highest>(gate, proj, xf, zf, w_gate + part * kKTiles * kTileBytes,
                                                  w_out + part * kKTiles * kTileBytes, gate_bias + 64 * part, t);
@@ -218,7 +205,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float s = gate[4 * j + 2 * hf + e], o = proj[4 * j + 2 * hf + e] + (e ? bo.y : bo.x);
-            const float dv = e ? d[hf][j].y : d[hf][j].x;
+            const float dv = d[hf][2 * j + e];
             grad_o[e] = dv * s;
             grad_gate[e] = grad_o[e] * o * (1.f - s);
             column[0][2 * j + e] += grad_o[e];
