@@ -4,6 +4,7 @@
 """
 import contextlib
 import copy
+import functools
 import gc
 import os
 import random
@@ -2109,9 +2110,22 @@ def test_backward_host_path_with_saved_z_equals_the_python_steps(precision, gate
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_training_bf16_backward_at_small_shapes(batch, n, pair_dim, hidden, dtype, monkeypatch):
     """The bf16 backward itself at the odd small shapes, where a 16-bit mode's backward otherwise multiplies in
-    TF32 (TF32_BACKWARD_POSITIONS set to 0 here)."""
+    TF32 (TF32_BACKWARD_POSITIONS set to 0 here). Under 64 positions the error against PyTorch's on one draw has a
+    heavy tail (dev/small_grad_tails.py at N = 1: past the 32x reach on 1 draw of 60, 40x; 86x seen once), so
+    there the check runs on three fresh draws and two must pass: a wrong formula fails every draw."""
     monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)
-    _check_training("medium", "incoming", "normalized", batch, n, pair_dim, hidden, dtype=dtype)
+    check = functools.partial(_check_training, "medium", "incoming", "normalized", batch, n, pair_dim, hidden,
+                              dtype=dtype)
+    if batch * n * n >= 64:
+        check()
+        return
+    failures = []
+    for _ in range(3):
+        try:
+            check()
+        except AssertionError as e:
+            failures.append(str(e))
+    assert len(failures) <= 1, failures
 
 
 @cuda

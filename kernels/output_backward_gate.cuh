@@ -141,8 +141,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     __syncwarp();  // (the staging tile is written again next)
   };
 
-  uint2 rows[2][kSteps];
-  load_rows(tile, rows);
   float sums[kParts][2][2] = {};  // [part][d o, d gate][e]: the part's columns 8 g + 2 t + e, reduce-scattered
   int z_parity = 0;
   for (; tile < tiles; tile += stride) {
@@ -173,6 +171,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     }
     rows_out(span, [&](int64_t p, int c) { return z_hat + p * kH + 8 * c; });
 
+    // The gate rows are loaded here, not a tile ahead: a prefetch's 32 registers spill (the kernel sits at 255),
+    // and the spills cost more than the load's latency, which the other warpgroup's tile covers.
+    uint2 rows[2][kSteps];
+    load_rows(tile, rows);
     uint32_t xf[kSteps][4];
 #pragma unroll
     for (int s = 0; s < kSteps; ++s)
@@ -182,7 +184,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         xf[s][2 + hf] = rows[hf][s].y;
       }
     const int64_t row_pos[2] = {position(span, 16 * warp4 + g), position(span, 16 * warp4 + g + 8)};
-    load_rows(tile + stride, rows);  // in flight while this tile multiplies and stores
 
 #pragma unroll
     for (int part = 0; part < kParts; ++part) {
