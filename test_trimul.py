@@ -293,13 +293,15 @@ def test_registry_lists_each_role_in_rank_order_with_a_kernel_file():
         assert ti.default_order(role, sources) == [e.name for e in sorted(entries, key=lambda e: e.rank) if e.rank]
         assert all(e.applies and e.summary for e in entries)
     registered = {}
-    patterns = (r"^TRIMUL_REGISTER_PASS\((input|output), (\w+),", r"^TRIMUL_REGISTER_CONTRACTION\(()(\w+),",
-                r"^TRIMUL_REGISTER_CONTRACTION_IN_OUTPUT_PASS\(()(\w+),",
-                r"^TRIMUL_REGISTER_BACKWARD\((output_backward|contract_backward|input_backward), (\w+),")
+    patterns = ((r"^TRIMUL_REGISTER_PASS\((input|output), (\w+),", None),
+                (r"^TRIMUL_REGISTER_INPUT_PASS_WRITING_X_HAT\(()(\w+),", "input"),
+                (r"^TRIMUL_REGISTER_CONTRACTION\(()(\w+),", "contract"),
+                (r"^TRIMUL_REGISTER_CONTRACTION_IN_OUTPUT_PASS\(()(\w+),", "contract"),
+                (r"^TRIMUL_REGISTER_BACKWARD\((output_backward|contract_backward|input_backward), (\w+),", None))
     for name, text in sources.items():
-        for pattern in patterns:
+        for pattern, fixed_role in patterns:
             for role, kernel in re.findall(pattern, text, re.M):
-                registered[(role or "contract", kernel)] = name
+                registered[(role or fixed_role, kernel)] = name
     ours = {(e.role, e.name) for e in registry if not e.torch}
     assert set(registered) == ours, (set(registered) ^ ours)
     for (role, kernel), name in registered.items():
@@ -815,6 +817,11 @@ FP32_CONTRACTIONS = [k for k in CONTRACTIONS if torch.float32 in CONTRACTION_DTY
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                             reason="needs a Hopper GPU (sm_90a kernels)")
+
+
+def _on_hopper() -> bool:
+    """Whether this GPU runs the sm_90a kernels (a Hopper GPU and an sm_90a build)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and ti.target_arch() == "90a"
 
 
 def poison_allocator():
@@ -2055,19 +2062,57 @@ def test_checkpointed_training_keeps_nothing_in_its_first_forward(monkeypatch):
 
 
 @cuda
-@pytest.mark.parametrize("precision", ["medium", "high", "highest"])
-def test_training_keeps_z_past_the_graphed_sizes(precision, monkeypatch):
-    """backward_saves=None past GRAPHED_BACKWARD_POSITIONS: the forward's z (and at medium its bf16 a/b planes)
-    reach the backward, which does not run lean (below LEAN_BACKWARD_POSITIONS); gradients within the precision's
-    tolerances."""
+@pytest.mark.parametrize("precision, direction, pair_dim, hidden", [
+    ("medium", "outgoing", 32, 24), ("high", "outgoing", 32, 24), ("highest", "outgoing", 32, 24),
+    ("medium", "incoming", 128, 64), ("highest", "outgoing", 128, 64)])
+def test_training_keeps_z_past_the_graphed_sizes(precision, direction, pair_dim, hidden, monkeypatch):
+    """backward_saves=None past GRAPHED_BACKWARD_POSITIONS: the forward's z (and at medium its bf16 a/b planes and,
+    where the input kernel writes them, its LayerNorm_in rows) reach the backward, which does not run lean (below
+    LEAN_BACKWARD_POSITIONS); gradients within the precision's tolerances."""
     calls = []
     original = ti.training_backward
     monkeypatch.setattr(ti, "training_backward",
                         lambda *a, **k: calls.append((*k["saved"], k.get("lean"))) or original(*a, **k))
-    _check_training(precision, "outgoing", "normalized", 2, 257, 32, 24)  # (132098 positions)
+    _check_training(precision, direction, "normalized", 2, 257, pair_dim, hidden)  # (132098 positions)
     assert 2 * 257 * 257 > ti.GRAPHED_BACKWARD_POSITIONS
-    assert calls and all(z is not None and (ab is not None) == (precision == "medium") and lean is False
-                         for z, ab, lean in calls)
+    medium = precision == "medium"
+    x_hat_kept = medium and pair_dim == 128 and _on_hopper()
+    assert calls and all(z is not None and (ab is not None) == medium and (x_hat is not None) == x_hat_kept and
+                         lean is False for z, ab, x_hat, lean in calls)
+
+
+@HOPPER
+@pytest.mark.parametrize("direction, n, hidden, dtype", [("outgoing", 33, 128, torch.float32),
+                                                         ("incoming", 40, 64, torch.bfloat16),
+                                                         ("incoming", 7, 128, torch.float32)])
+def test_input_pass_writes_x_hat(direction, n, hidden, dtype):
+    """The bf16 mode's wgmma_rs input pass also writes LayerNorm_in's rows (no affine) into a buffer it is given
+    (ForwardSteps.new_x_hat; the training forward keeps them for the backward): every position within bf16
+    rounding of fp64, in pair_repr's order (incoming: the plane's positions transposed), poison overwritten, and
+    a/b the same bits as without it. Where the input kernel cannot write them ("highest"), no buffer is planned
+    and one passed raises."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(128, hidden, direction=direction, precision="medium"), g).to("cuda", dtype)
+    pair, mask = random_inputs(2, n, 128, g, dtype=dtype, device="cuda")
+    steps = model.forward_steps(pair, mask)
+    assert steps.plan["input"] == "wgmma_rs"
+    x_hat = steps.new_x_hat()
+    assert x_hat is not None and x_hat.shape == (2 * n * n, 128) and x_hat.dtype == torch.bfloat16
+    x_hat.fill_(float("nan"))
+    ab, ab_plain = steps.new_ab(), steps.new_ab()
+    steps.input_pass(ab, x_hat)
+    steps.input_pass(ab_plain)
+    assert torch.equal(ab[..., :n], ab_plain[..., :n])
+    rows = pair.double().reshape(-1, 128)
+    expected = (rows - rows.mean(1, keepdim=True)) / torch.sqrt(rows.var(1, unbiased=False, keepdim=True) + 1e-5)
+    err = (x_hat.double() - expected).abs()
+    assert not x_hat.isnan().any() and bool((err <= expected.abs() * 2.0 ** -8 + 1e-4).all()), err.max().item()
+    highest = random_layers(ti.ModelNew(128, hidden, direction=direction, precision="highest"), g).cuda()
+    fp32_pair = pair.float()
+    fp32_steps = highest.forward_steps(fp32_pair, mask)
+    assert fp32_steps.new_x_hat() is None
+    with pytest.raises(ValueError, match="x_hat"):
+        fp32_steps.input_pass(fp32_steps.new_ab(), x_hat)
 
 
 @cuda
@@ -2084,8 +2129,8 @@ def test_backward_host_path_with_saved_z_equals_the_python_steps(precision, gate
     model = random_layers(ti.ModelNew(pair_dim, hidden, gate_input=gate_input, precision=precision), g).cuda()
     pair, mask = random_inputs(1, n, pair_dim, g, dtype=torch.float32, device="cuda")  # (N > 64: a z buffer)
     steps = model.forward_steps(pair, mask)
-    ab, z = steps.new_ab(), steps.new_z()
-    steps.input_pass(ab)
+    ab, z, x_hat = steps.new_ab(), steps.new_z(), steps.new_x_hat()
+    steps.input_pass(ab, x_hat)
     steps.contraction(ab, z)
     params = [p.detach() for p in ti._param_list(model)]
     grad_out = torch.randn(pair.shape, generator=g).cuda()
@@ -2095,7 +2140,11 @@ def test_backward_host_path_with_saved_z_equals_the_python_steps(precision, gate
     # (the forward's a/b planes stand in too where they are whole values in the operand dtype: medium's bf16)
     saved_ab = ab if precision == "medium" else None
     assert precision != "medium" or ab.dtype == torch.bfloat16 and ab.shape[1] == hidden
-    for kept in ({}, {"saved_ab": saved_ab}) if saved_ab is not None else ({},):
+    assert (x_hat is not None) == (precision == "medium" and pair_dim == 128 and _on_hopper())
+    kept_sets = ({}, {"saved_ab": saved_ab}) if saved_ab is not None else ({},)
+    if x_hat is not None:
+        kept_sets += ({"saved_ab": saved_ab, "saved_x_hat": x_hat},)
+    for kept in kept_sets:
         fast = ti.training_backward(*args, host="call", saved_z=z, lean=True, **kept)
         slow = ti.training_backward(*args, host="python", saved_z=z, lean=True, **kept)
         for a, b, c in zip(fast, slow, plain):
@@ -2903,9 +2952,9 @@ def test_training_op_on_cpu_matches_autograd_and_passes_opcheck(direction, mask_
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 def test_backward_with_saved_z_and_lean_equals_the_plain_steps_on_cpu(direction):
     """The backward given the forward's z planes (padded rows, as the fused forward's ldz), with or without its a/b
-    planes (padded rows, as the forward's ld), lean (proj recomputed before d_proj) or not, the buffers handed over
-    in a list the call empties, gives the plain backward's gradients (float64 steps on the CPU); a saved z or a/b
-    of the wrong shape or dtype, or a/b without z, raises."""
+    planes (padded rows, as the forward's ld) and its LayerNorm_in rows, lean (proj recomputed before d_proj) or
+    not, the buffers handed over in a list the call empties, gives the plain backward's gradients (float64 steps on
+    the CPU); a saved z, a/b or x_hat of the wrong shape or dtype, or a/b without z, raises."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     model = random_layers(ti.Model(12, 20, direction, "normalized").double(), g)
@@ -2923,12 +2972,15 @@ def test_backward_with_saved_z_and_lean_equals_the_plain_steps_on_cpu(direction)
     for side, values in enumerate((a, b)):
         planes = values.permute(0, 3, 2, 1) if direction == "incoming" else values.permute(0, 3, 1, 2)
         ab[side, :, :, :7] = planes.reshape(2 * 20, 7, 7)
-    kept = [padded.clone(), ab.clone()]
+    rows = pair.reshape(-1, 12)
+    x_hat = (rows - rows.mean(1, keepdim=True)) / torch.sqrt(rows.var(1, unbiased=False, keepdim=True) + 1e-5)
+    kept = [padded.clone(), ab.clone(), x_hat.clone()]
     handed = ti.training_backward(*args, lean=True, saved=kept)  # (the call takes the buffers: the list emptied)
     assert kept == []
     with_ab = ti.training_backward(*args, saved_z=padded, lean=True, saved_ab=ab)
     not_lean = ti.training_backward(*args, saved_z=padded, saved_ab=ab)
-    for grads in (lean, with_ab, handed, not_lean):
+    x_hat_alone = ti.training_backward(*args, saved_x_hat=x_hat)
+    for grads in (lean, with_ab, handed, not_lean, x_hat_alone):
         for got, expected in zip(grads, plain):
             assert (got is None) == (expected is None)
             if got is not None:
@@ -2941,6 +2993,10 @@ def test_backward_with_saved_z_and_lean_equals_the_plain_steps_on_cpu(direction)
         ti.training_backward(*args, saved_z=padded[:, :, :6])
     with pytest.raises(ValueError, match="saved z"):
         ti.training_backward(*args, saved_z=padded.float())
+    with pytest.raises(ValueError, match="saved x_hat"):
+        ti.training_backward(*args, saved_x_hat=x_hat[:, :6])
+    with pytest.raises(ValueError, match="saved x_hat"):
+        ti.training_backward(*args, saved_x_hat=x_hat.float())
 
 
 def test_backward_saves_rule():

@@ -1005,8 +1005,14 @@ class ForwardSteps:
     def new_out(self) -> torch.Tensor:
         return torch.empty_like(self._call[0], memory_format=torch.contiguous_format)
 
-    def input_pass(self, ab: torch.Tensor) -> None:
-        self._extension.input_pass(*self._call, ab)
+    def new_x_hat(self) -> Optional[torch.Tensor]:
+        """A buffer for LayerNorm_in's rows (no affine, bf16 [B*N*N, C]) where the plan's input kernel can write
+        them beside ab (plan "x_hat_shape"; else None): a training forward keeps them for the backward."""
+        shape = self.plan["x_hat_shape"]
+        return None if shape is None else self._new(shape, "bfloat16")
+
+    def input_pass(self, ab: torch.Tensor, x_hat: Optional[torch.Tensor] = None) -> None:
+        self._extension.input_pass(*self._call, ab, x_hat)
 
     def contraction(self, ab: torch.Tensor, z: Optional[torch.Tensor]) -> None:
         with _bmm_precision(self.kernels, self._mode):
@@ -1378,7 +1384,8 @@ def _unfolded_grads(g_folded, s_folded, weight, ln_weight, ln_bias):
 def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: str, incoming: bool,
                       gate_normalized: bool, eps_in: float, eps_out: float, mask_grad: bool, host: str = "auto",
                       saved_z: Optional[torch.Tensor] = None, lean: bool = False,
-                      saved_ab: Optional[torch.Tensor] = None, saved: Optional[list] = None):
+                      saved_ab: Optional[torch.Tensor] = None, saved: Optional[list] = None,
+                      saved_x_hat: Optional[torch.Tensor] = None):
     """The gradients of sum(grad_out * forward(pair, mask)): [d pair, d mask (None unless mask_grad), then the 16
     parameters' (_PARAM_PATHS order)], each in its tensor's dtype. Any device; CUDA in the op. host: "auto" runs
     a CUDA call whose backward roles are library kernels in one extension call (the same steps in C++: the
@@ -1389,12 +1396,13 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
     [B*H, N, >= N] in the backward's operand dtype, used instead of recomputing z; lean: proj recomputed before
     d_proj instead of kept across the output side (a [P, 4H] buffer off the peak, one GEMM more; DESIGN.md
     "Training"); saved_ab (with saved_z): the forward's a/b planes [2, B*H, N, >= N] in the operand dtype, read
-    in place instead of gated_planes (and, lean, the first proj GEMM). saved: the two as a list
-    [saved_z, saved_ab] instead, which the call empties so that each is freed once used (the caller keeps no
-    reference: _TrimulFunction's way)."""
+    in place instead of gated_planes (and, lean, the first proj GEMM). saved_x_hat: the forward's LayerNorm_in
+    rows [B*N*N, C] in the operand dtype (ForwardSteps.new_x_hat), used instead of the input_rows pass. saved: the
+    three as a list [saved_z, saved_ab, saved_x_hat] instead, which the call empties so that each is freed once
+    used (the caller keeps no reference: _TrimulFunction's way)."""
     if saved is None:
-        saved = [saved_z, saved_ab]
-    del saved_z, saved_ab
+        saved = [saved_z, saved_ab, saved_x_hat]
+    del saved_z, saved_ab, saved_x_hat
     mode = _backward_mode(mode, pair)
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
         if pair.is_cuda and pair.dtype != torch.float64 and host != "python":
@@ -1600,6 +1608,13 @@ def _saved_z_planes(saved_z, batch, n, hidden, dtype):
     return saved_z[:, :, :n].contiguous()
 
 
+def _saved_x_hat_rows(saved_x_hat, positions, pair_dim, dtype):
+    if saved_x_hat.shape != (positions, pair_dim) or not saved_x_hat.is_contiguous() or saved_x_hat.dtype != dtype:
+        raise ValueError(f"trimul_inline: the saved x_hat must be contiguous [B*N*N, C] = [{positions}, {pair_dim}] "
+                         f"in {dtype}, got {tuple(saved_x_hat.shape)} {saved_x_hat.dtype}")
+    return saved_x_hat
+
+
 def _distinct(tensors: list) -> list:
     """The tensors with any that shares memory with an earlier one copied: an op's outputs may not alias each
     other (several bias gradients are slices of one sum)."""
@@ -1615,7 +1630,7 @@ def _distinct(tensors: list) -> list:
 
 def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
                        mask_grad, saved, lean=False):
-    saved_z, saved_ab = saved
+    saved_z, saved_ab, saved_x_hat = saved
     saved.clear()  # (the caller's list held the only other references: each is freed once used)
     (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
      out_w, out_b, gate_w, gate_b) = [p.to(_accumulate(pair)) for p in params]
@@ -1638,7 +1653,9 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     # The forward again, up to z: x_hat, proj = [pa | ga | pb | gb], a and b planes.
     w_in, b_in = torch.cat([pa_w, ga_w, pb_w, gb_w]), torch.cat([pa_b, ga_b, pb_b, gb_b])
     w_in_f, b_in_f = _folded(w_in, b_in, ln_in_w, ln_in_b)
-    x_hat = inputs.input_rows(pair_rows, eps_in, dtype)
+    x_hat = inputs.input_rows(pair_rows, eps_in, dtype) if saved_x_hat is None else \
+        _saved_x_hat_rows(saved_x_hat, positions, pair_dim, dtype)
+    del saved_x_hat
     # (proj_in_pass: d_proj recomputes proj from x_hat itself, so proj lives only until gated_planes)
     proj_in_pass, proj = inputs.d_proj_from_x_hat(), None
     if saved_ab is not None:
@@ -1744,28 +1761,30 @@ def trimul(pair: torch.Tensor, mask: torch.Tensor, params: list[torch.Tensor], w
 def _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
                     keep_z=None):
     """trimul's forward, for the op and for _TrimulFunction. keep_z (True / False; None for the op): return
-    (out, z, ab), z the forward's planes [B*H, N, ldz] where they can stand in for the backward's recomputed ones
-    (the fused steps write z in the backward's operand dtype; else None), ab its a/b planes [2, B*H, N, ld] where
-    they can (whole values in the operand dtype: the 16-bit modes; else None)."""
+    (out, z, ab, x_hat), z the forward's planes [B*H, N, ldz] where they can stand in for the backward's
+    recomputed ones (the fused steps write z in the backward's operand dtype; else None), ab its a/b planes
+    [2, B*H, N, ld] where they can (whole values in the operand dtype: the 16-bit modes; else None), x_hat
+    LayerNorm_in's rows [B*N*N, C] where the input kernel wrote them in the operand dtype (bf16; else None)."""
     if not pair.is_cuda:  # (the op runs anywhere: off CUDA it is the reference computation)
         out = _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in, eps_out)
-        return out if keep_z is None else (out, None, None)
+        return out if keep_z is None else (out, None, None, None)
     chosen = parse_kernels(kernels)
     hidden = params[2].shape[0]
     if not keep_z:
         out = _run_fused_forward(pair, mask, weights, chosen[:len(FORWARD_ROLES)], mode, incoming, gate_normalized,
                                  eps_in, eps_out, hidden)
-        return out if keep_z is None else (out, None, None)
+        return out if keep_z is None else (out, None, None, None)
     options = _forward_options(chosen[:len(FORWARD_ROLES)], mode, incoming, gate_normalized, eps_in, eps_out, hidden)
     steps = ForwardSteps(pair, mask, weights, options, mode)
+    operand = _backward_dtype(mode, pair)
     ab, z, out = steps.new_ab(), steps.new_z(), steps.new_out()
-    steps.input_pass(ab)
+    x_hat = steps.new_x_hat() if operand == torch.bfloat16 else None
+    steps.input_pass(ab, x_hat)
     steps.contraction(ab, z)
     steps.output_pass(out, z=z, ab=ab)
-    operand = _backward_dtype(mode, pair)
     whole_ab = ab.dtype == operand and ab.shape[1] == pair.shape[0] * hidden  # (not split parts, not scaled fp16)
     kept_z = z if z is not None and z.dtype == operand else None
-    return out, kept_z, ab if whole_ab and operand != torch.float32 else None
+    return out, kept_z, ab if whole_ab and operand != torch.float32 else None, x_hat
 
 
 class _TrimulFunction(torch.autograd.Function):
@@ -1782,8 +1801,8 @@ class _TrimulFunction(torch.autograd.Function):
         ctx.save_for_backward(pair, mask, *params)
         ctx.options = (kernels, mode, incoming, gate_normalized, eps_in, eps_out)
         ctx.lean = lean
-        out, ctx.z, ab = _trimul_forward(pair, mask, list(params), weights, kernels, mode, incoming, gate_normalized,
-                                         eps_in, eps_out, keep_z=keep_z)
+        out, ctx.z, ab, ctx.x_hat = _trimul_forward(pair, mask, list(params), weights, kernels, mode, incoming,
+                                                    gate_normalized, eps_in, eps_out, keep_z=keep_z)
         ctx.ab = ab if ctx.z is not None else None
         return out
 
@@ -1793,8 +1812,8 @@ class _TrimulFunction(torch.autograd.Function):
         kernels, *options = ctx.options
         wanted = ctx.needs_input_grad
         # (intermediates, not inputs or outputs: kept on ctx, handed over so that each is freed once used)
-        saved, lean = [ctx.z, ctx.ab], ctx.z is not None and ctx.lean
-        ctx.z = ctx.ab = None
+        saved, lean = [ctx.z, ctx.ab, ctx.x_hat], ctx.z is not None and ctx.lean
+        ctx.z = ctx.ab = ctx.x_hat = None
         d_pair, d_mask, *d_params = training_backward(grad_out.contiguous(), pair, mask, params,
                                                       parse_kernels(kernels), *options, bool(wanted[1]),
                                                       saved=saved, lean=lean)

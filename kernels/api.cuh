@@ -148,6 +148,11 @@ struct ForwardArgs {
   int64_t contract_stage_bytes;
   bool gate_rows_first;  // (set by the output pass's launch: the in-pass contraction's z has its own region)
   void* out;              // [B, N, N, C] contiguous, pair_dtype
+  // Training: LayerNorm_in(pair) without its affine, [B*N*N, C] bf16 in pair_repr's position order, written by
+  // the input pass where ForwardPlan::x_hat_rows says its kernel can (the backward's operand, kept instead of
+  // recomputed); nullptr: not written. An input kernel not registered as writing it does not take a call
+  // with it set.
+  void* x_hat;
   cudaStream_t stream;
   // The output pass is launched right after the input pass on `stream` (the one-call forward): where
   // it contracts itself it may then be launched as the input pass's programmatic dependent, and read
@@ -168,6 +173,7 @@ struct ForwardPlan {
   Dtype ab_dtype;          // a_t / b_t element type
   bool split;              // a_t / b_t hold parts and remainders (ForwardArgs::small_offset)
   int64_t ab_planes;       // [N, ld] planes per side: B*H, twice that for split operands
+  bool x_hat_rows;         // the input kernel also writes ForwardArgs::x_hat when given one
 };
 
 // The backward's memory passes (training). Between them the extension runs cuBLAS GEMMs over positions.
@@ -320,7 +326,7 @@ cudaError_t launch_mask_scales(const void* mask, MaskKind kind, int64_t count, c
 
 // Changes whenever a struct above changes, so a library and an extension built from different
 // versions of this file refuse each other.
-constexpr uint32_t kKernelAbi = 11;
+constexpr uint32_t kKernelAbi = 12;
 
 }  // namespace trimul
 

@@ -421,6 +421,9 @@ py::dict forward_plan(const at::Tensor& pair, const at::Tensor& mask, const std:
     d["z_shape"] = py::none();
     d["z_dtype"] = py::none();
   }
+  // (training: the input kernel can also write LayerNorm_in's rows for the backward, bf16 [B*N*N, C])
+  d["x_hat_shape"] = p.plan.x_hat_rows ? py::cast(std::array<int64_t, 2>{p.args.batch * p.args.n * p.args.n, p.args.c})
+                                       : py::none();
   return d;
 }
 
@@ -431,10 +434,20 @@ Planned plan_step(const at::Tensor& pair, const at::Tensor& mask, const std::vec
   return p;
 }
 
+// x_hat: also LayerNorm_in's rows without the affine, where the plan's input kernel writes them (forward_plan's
+// "x_hat_shape"): the training forward keeps them for the backward.
 void input_pass(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
-                const ForwardOptions& options, const at::Tensor& ab) {
+                const ForwardOptions& options, const at::Tensor& ab, const c10::optional<at::Tensor>& x_hat) {
   const c10::cuda::CUDAGuard guard(pair.device());
   Planned p = plan_step(pair, mask, weights, options, ab);
+  if (x_hat.has_value()) {
+    TORCH_CHECK_VALUE(p.plan.x_hat_rows, "trimul_inline: the input kernel '",
+                      kernel_name(p.plan.kernels[static_cast<int>(trimul::Role::input)]),
+                      "' does not write x_hat for this call (forward_plan's x_hat_shape is None)");
+    check_buffer(*x_hat, std::array<int64_t, 2>{p.args.batch * p.args.n * p.args.n, p.args.c}, at::kBFloat16, pair,
+                 "x_hat");
+    p.args.x_hat = x_hat->data_ptr();
+  }
   if (p.args.batch > 0 && p.args.n > 0) run_input(p, ab);
 }
 
@@ -913,9 +926,11 @@ std::vector<at::Tensor> contract_backward_products(const std::string& kernel, co
 // (recomputed, the same GEMM, before d_proj, whose d proj overwrites it): the step's peak loses the [P, 4H] proj
 // buffer, one GEMM more. saved_ab: the forward's
 // a/b planes [2, B*H, N, >= N] in the operand dtype (with saved_z): gated_planes (and, lean, the first proj GEMM)
-// of the recompute are skipped, the products read the planes in place (rows strided). `saved` is None or the list
-// [saved_z or None, saved_ab or None], which this call empties (once it knows it runs the backward), so that
-// each buffer is freed as soon as its last use is done rather than when the caller returns.
+// of the recompute are skipped, the products read the planes in place (rows strided). saved_x_hat: the forward's
+// LayerNorm_in rows [P, C] in the operand dtype (ForwardArgs::x_hat): no input_rows pass. `saved` is None or the
+// list [saved_z or None, saved_ab or None, saved_x_hat or None], which this call empties (once it knows it runs
+// the backward), so that each buffer is freed as soon as its last use is done rather than when the caller
+// returns.
 std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::Tensor& pair, const at::Tensor& mask,
                                           const std::vector<at::Tensor>& params, const std::string& output_kernel,
                                           const std::string& input_kernel, const std::string& contract_kernel,
@@ -942,12 +957,14 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   outputs.kernel = role_kernel("output_backward", output_kernel, outputs);
   if (inputs.kernel.empty() || outputs.kernel.empty()) return {};
   const std::string contracts = role_kernel("contract_backward", contract_kernel, inputs);  // ("": cuBLAS's bmm)
-  c10::optional<at::Tensor> saved_z, saved_ab;
+  c10::optional<at::Tensor> saved_z, saved_ab, saved_x_hat;
   if (!saved.is_none()) {
     const py::list kept = saved.cast<py::list>();
-    TORCH_CHECK_VALUE(kept.size() == 2, "trimul_inline: training_backward's saved list is [z or None, a/b or None]");
+    TORCH_CHECK_VALUE(kept.size() == 3,
+                      "trimul_inline: training_backward's saved list is [z or None, a/b or None, x_hat or None]");
     if (!kept[0].is_none()) saved_z = kept[0].cast<at::Tensor>();
     if (!kept[1].is_none()) saved_ab = kept[1].cast<at::Tensor>();
+    if (!kept[2].is_none()) saved_x_hat = kept[2].cast<at::Tensor>();
     kept.attr("clear")();
   }
   const auto rows_of = [&](int64_t width, at::ScalarType type) { return at::empty({positions, width}, like.options().dtype(type)); };
@@ -958,8 +975,17 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   // The forward again, up to z: x_hat, proj = [pa | ga | pb | gb], a and b planes.
   const at::Tensor w_in = at::cat({p[2], p[4], p[6], p[8]}), b_in = at::cat({p[3], p[5], p[7], p[9]});
   const auto [w_in_f, b_in_f] = folded(w_in, b_in, ln_in_w, ln_in_b);
-  const at::Tensor x_hat = rows_of(c, dtype);
-  inputs.run(P::input_rows, eps_in, {{"pair", pair_rows}, {"rows", x_hat}});
+  at::Tensor x_hat;
+  if (saved_x_hat.has_value()) {  // (the forward's input pass wrote them: the same rows, no pass here)
+    TORCH_CHECK_VALUE(saved_x_hat->dim() == 2 && saved_x_hat->size(0) == positions && saved_x_hat->size(1) == c &&
+                          saved_x_hat->is_contiguous() && saved_x_hat->scalar_type() == dtype,
+                      "trimul_inline: training_backward's saved x_hat must be contiguous [B*N*N, C] in the operand dtype");
+    x_hat = *saved_x_hat;
+    saved_x_hat.reset();
+  } else {
+    x_hat = rows_of(c, dtype);
+    inputs.run(P::input_rows, eps_in, {{"pair", pair_rows}, {"rows", x_hat}});
+  }
   // proj_in_pass: d_proj recomputes proj from x_hat itself (the kernel's choice), so proj lives only until
   // gated_planes, where the recompute needs it.
   const bool proj_in_pass = d_proj_from_x_hat(inputs.kernel, batch, n, c, h, incoming, like, precision);
@@ -1236,7 +1262,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("eps_out"), py::arg("hidden"));
   m.def("forward", &forward, "the fused forward: input pass, contraction, output pass");
   m.def("forward_plan", &forward_plan, "each role's kernel and the buffers of the steps, for a call");
-  m.def("input_pass", &input_pass, "the input pass into ab");
+  m.def("input_pass", &input_pass, "the input pass into ab (and x_hat, where given)", py::arg("pair"), py::arg("mask"),
+        py::arg("weights"), py::arg("options"), py::arg("ab"), py::arg("x_hat") = py::none());
   m.def("contraction", &contraction, "the contraction of ab into z (nothing where the output pass contracts)");
   m.def("output_pass", &output_pass, "the output pass from z (or ab) into out");
   m.def("fused_takes", &fused_takes, "whether the fused passes take these sizes in this mode");

@@ -180,6 +180,16 @@ int pass_kernel(Role role, int chosen, const ForwardArgs& args) {
 // A placeholder for the z buffer while the forward is planned (applies() tests presence only).
 void* const kPlannedBuffer = reinterpret_cast<void*>(uintptr_t(1) << 12);
 
+// Whether input kernel `index` also writes ForwardArgs::x_hat for this call (its applies() with one set: only a
+// kernel registered as writing it can say yes).
+bool input_writes_x_hat(int index, const ForwardArgs& args) {
+  const Implementation* impl = library().implementation[index];
+  if (impl == nullptr) return false;
+  ForwardArgs with = args;
+  with.x_hat = kPlannedBuffer;
+  return impl->pass_applies(with);
+}
+
 PlanStatus plan_forward(ForwardArgs* args, const char* const* chosen, ForwardPlan* plan, char* message, int size) {
   int pick[kForwardRoles];
   for (int r = 0; r < kForwardRoles; ++r) {
@@ -246,6 +256,7 @@ PlanStatus plan_forward(ForwardArgs* args, const char* const* chosen, ForwardPla
       plan->ab_dtype = format.ab;
       plan->split = format.split;
       plan->ab_planes = (format.split ? 2 : 1) * args->batch * args->h;
+      plan->x_hat_rows = input_writes_x_hat(input, *args);
       return PlanStatus::ok;
     }
   }

@@ -669,11 +669,17 @@ cudaError_t launch_contraction(const ContractArgs& args, int threads, int64_t sm
 // Registers pass kernel NAME of ROLE (input or output), built for the modes MODES (a ModeSet), whose
 // namespace NS defines, for each of those modes M and pair type TIn, applicable<M, TIn>(const
 // ForwardArgs&) -> bool and launch<M, TIn>(const ForwardArgs&) -> cudaError_t (registry.cuh:
-// Implementation). It takes no call in another mode.
-#define TRIMUL_REGISTER_PASS(ROLE, NAME, NS, MODES)                                                        \
+// Implementation). It takes no call in another mode, and as an input kernel none with ForwardArgs::x_hat
+// set (TRIMUL_REGISTER_INPUT_PASS_WRITING_X_HAT: its applicable() decides).
+#define TRIMUL_REGISTER_PASS(ROLE, NAME, NS, MODES) TRIMUL_REGISTER_PASS_WITH(ROLE, NAME, NS, MODES, false)
+#define TRIMUL_REGISTER_INPUT_PASS_WRITING_X_HAT(NAME, NS, MODES) \
+  TRIMUL_REGISTER_PASS_WITH(input, NAME, NS, MODES, true)
+#define TRIMUL_REGISTER_PASS_WITH(ROLE, NAME, NS, MODES, WRITES_X_HAT)                                    \
   static const bool trimul_registered_##ROLE##_##NAME = ::trimul::register_implementation(               \
       {::trimul::Role::ROLE, #NAME,                                                                        \
        [](const ::trimul::ForwardArgs& args) {                                                             \
+         if (!(WRITES_X_HAT) && ::trimul::Role::ROLE == ::trimul::Role::input && args.x_hat != nullptr)    \
+           return false;                                                                                   \
          return ::trimul::fused::dispatch_pass<MODES>(args, false, [&](auto mode, auto pair) {             \
            return NS::applicable<decltype(mode)::value, typename decltype(pair)::type>(args);              \
          });                                                                                               \

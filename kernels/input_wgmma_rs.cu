@@ -6,13 +6,32 @@ namespace trimul {
 namespace input_pass {
 namespace wgmma_rs {
 
+// The tile's x_hat rows (ForwardArgs::x_hat) from the A fragments: this thread's rows row and row + 8 of the
+// plane (position p = f ld + k), channels 16 s + 4 t .. + 3 of each k-step as one 8-byte store; a quad's four
+// stores are one 32-byte sector, so no staging is needed.
+__device__ __forceinline__ void store_x_hat(const ForwardArgs& args, int64_t batch, int64_t row, int64_t plane,
+                                            const uint32_t (&frag)[kSteps][4], int t) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int64_t p = row + 8 * hf;
+    const uint32_t f = static_cast<uint32_t>(p) / static_cast<uint32_t>(args.ld);
+    const uint32_t k = static_cast<uint32_t>(p) - f * static_cast<uint32_t>(args.ld);
+    if (p >= plane || k >= args.n) continue;
+    const int64_t i = args.incoming ? k : f, j = args.incoming ? f : k;  // (pair_repr's row and column)
+    uint2* dst = reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(args.x_hat) + ((batch * args.n + i) * args.n + j) * kC + 4 * t);
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) dst[4 * s] = make_uint2(frag[s][hf], frag[s][2 + hf]);
+  }
+}
+
 // MMA warpgroups per block: three for 16-bit rows (latency-bound with two: ~0.5 eligible warps per
 // scheduler; three fit 168 registers), two for fp32 rows (their prefetched rows need ~200 registers).
 template <typename TIn>
 constexpr int groups_for() { return sizeof(TIn) == 2 ? 3 : 2; }
 
-// kChunks: 128-row weight chunks, 2 * rows_ab / 128 (2 or 4: H <= 64, 128). TIn: the pair rows' type.
-template <Mode M, int kChunks, typename TIn, int kG = groups_for<TIn>()>
+// kChunks: 128-row weight chunks, 2 * rows_ab / 128 (2 or 4: H <= 64, 128). TIn: the pair rows' type. kXHat:
+// the rows also go to ForwardArgs::x_hat (its own instance: the inference forward's registers stay as they are).
+template <Mode M, int kChunks, typename TIn, bool kXHat, int kG = groups_for<TIn>()>
 __global__ void __launch_bounds__(128 * kG, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, const __grid_constant__ CUtensorMap map_a,
            const __grid_constant__ CUtensorMap map_b, int64_t tiles_per_batch) {
@@ -90,6 +109,7 @@ __global__ void __launch_bounds__(128 * kG, 1)
         frag[s][2 + hf] = pack_pair<Op>(fmaf(v.z, rstd, centre), fmaf(v.w, rstd, centre));
       }
     }
+    if constexpr (kXHat) store_x_hat(args, batch, p0 + row0, plane, frag, t);
     // mask / 2 (gated_16bit_half)
     const float half_scale[2] = {0.5f * mask_value(next_mask[0], args.mask_kind),
                                  0.5f * mask_value(next_mask[1], args.mask_kind)};
@@ -134,27 +154,36 @@ __global__ void __launch_bounds__(128 * kG, 1)
 }
 
 // Whether it takes these sizes (a 16-bit mode: its registration): takes_rows at pair_dim 128 with all the
-// weights resident.
+// weights resident; x_hat in the bf16 mode only (the backward's operand is bf16 there).
 template <Mode M, typename TIn>
 bool applicable(const ForwardArgs& args) {
-  return takes_rows<TIn>(args, kC, smem_bytes(args.rows_ab, groups_for<TIn>()));
+  return takes_rows<TIn>(args, kC, smem_bytes(args.rows_ab, groups_for<TIn>())) &&
+         (args.x_hat == nullptr || M == Mode::bf16);
 }
 
-template <Mode M, typename TIn>
-cudaError_t launch(const ForwardArgs& args) {
+template <Mode M, typename TIn, bool kXHat>
+cudaError_t launch_instance(const ForwardArgs& args) {
   const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
   constexpr int groups = groups_for<TIn>();
   const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, groups));
   const int64_t bytes = smem_bytes(args.rows_ab, groups);
   switch (2 * args.rows_ab / kChunkRows) {  // (the weights' 128-row chunks, a's and b's)
-    case 2: return launch_kernel<kernel<M, 2, TIn>, op_t<M>>(args, blocks, bytes, tiles_per_batch, 128 * groups);
-    case 4: return launch_kernel<kernel<M, 4, TIn>, op_t<M>>(args, blocks, bytes, tiles_per_batch, 128 * groups);
+    case 2: return launch_kernel<kernel<M, 2, TIn, kXHat>, op_t<M>>(args, blocks, bytes, tiles_per_batch, 128 * groups);
+    case 4: return launch_kernel<kernel<M, 4, TIn, kXHat>, op_t<M>>(args, blocks, bytes, tiles_per_batch, 128 * groups);
     default: return cudaErrorNotSupported;
   }
+}
+
+template <Mode M, typename TIn>
+cudaError_t launch(const ForwardArgs& args) {
+  if constexpr (M == Mode::bf16) {
+    if (args.x_hat != nullptr) return launch_instance<M, TIn, true>(args);
+  }
+  return launch_instance<M, TIn, false>(args);
 }
 
 }  // namespace wgmma_rs
 }  // namespace input_pass
 }  // namespace trimul
 
-TRIMUL_REGISTER_PASS(input, wgmma_rs, trimul::input_pass::wgmma_rs, trimul::fused::k16BitModes);
+TRIMUL_REGISTER_INPUT_PASS_WRITING_X_HAT(wgmma_rs, trimul::input_pass::wgmma_rs, trimul::fused::k16BitModes);
