@@ -2025,16 +2025,18 @@ def test_training_with_saved_z(precision, direction, n, pair_dim, monkeypatch):
     alignment; N > 64, where the forward has a z buffer) stand in for the recomputed ones, at medium its a/b
     planes too (rows padded to the forward's ld), and the backward runs lean; gradients within the tolerances
     (the bf16 steps at this size: TF32_BACKWARD_POSITIONS off). At pair_dim 128 in bf16 on Hopper, d_proj from
-    x_hat (input_backward wgmma_rs): lean with no proj at all."""
+    x_hat (input_backward wgmma_rs): lean with no proj at all, and x_hat kept from the forward's input pass."""
     monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)
     calls = []
     original = ti.training_backward
     monkeypatch.setattr(ti, "training_backward",
-                        lambda *a, **k: calls.append(tuple(k["saved"])) or original(*a, **k))  # ([z, a/b])
+                        lambda *a, **k: calls.append(tuple(k["saved"])) or original(*a, **k))  # ([z, a/b, x_hat])
     _check_training(precision, direction, "normalized", 2, n, pair_dim, 48 if pair_dim == 64 else 64,
                     backward_saves="z")
-    assert calls and all(z is not None for z, _ in calls)
-    assert all((ab is not None) == (precision == "medium") for _, ab in calls)
+    assert calls and all(z is not None for z, _, _ in calls)
+    assert all((ab is not None) == (precision == "medium") for _, ab, _ in calls)
+    x_hat_kept = precision == "medium" and pair_dim == 128 and _on_hopper()
+    assert all((x_hat is not None) == x_hat_kept for _, _, x_hat in calls)
 
 
 @cuda
