@@ -60,6 +60,19 @@ __device__ __forceinline__ void lay_out_weights(const Sources& w, uint8_t* weigh
 
 using ::trimul::fused::quad_sum;  // (an accumulator row: a thread holds its columns 8 j + 2 t + {0, 1})
 
+// A thread's two rows (positions g and g + 8 of its warp's 16), loaded as 4 adjacent channels per k-step (the
+// weights' k permutation: rows[hf][s] holds channels 16 s + 4 t .. + 3 of row hf), as wgmma's A fragments.
+template <int kSteps>
+__device__ __forceinline__ void row_fragments(const uint2 (&rows)[2][kSteps], uint32_t (&frag)[kSteps][4]) {
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      frag[s][hf] = rows[hf][s].x;
+      frag[s][2 + hf] = rows[hf][s].y;
+    }
+}
+
 // A part's 64 columns summed over a warp's 16 accumulator rows: column[2 j + e] is this thread's column 8 j + 2 t
 // + e over its two rows; reduce-scattered over lane bits 4, 3, 2, lane 4 g + t returns columns 8 g + 2 t + {0, 1}.
 __device__ __forceinline__ float2 warp_column_sums(const float (&column)[16], int lane) {

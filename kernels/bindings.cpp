@@ -325,6 +325,7 @@ Planned plan_call(const at::Tensor& pair, const at::Tensor& mask, const std::vec
 // (arrays, not vectors: no heap allocation for a shape on every forward)
 std::array<int64_t, 4> ab_shape(const Planned& p) { return {2, p.plan.ab_planes, p.args.n, p.args.ld}; }
 std::array<int64_t, 3> z_shape(const Planned& p) { return {p.args.batch * p.args.h, p.args.n, p.args.ldz}; }
+std::array<int64_t, 2> x_hat_shape(const Planned& p) { return {p.args.batch * p.args.n * p.args.n, p.args.c}; }
 
 // A caller's buffer for a step: the plan's shape and dtype, contiguous, on pair's device, 16-byte aligned
 // (the kernels' vector accesses and tensor maps).
@@ -422,8 +423,7 @@ py::dict forward_plan(const at::Tensor& pair, const at::Tensor& mask, const std:
     d["z_dtype"] = py::none();
   }
   // (training: the input kernel can also write LayerNorm_in's rows for the backward, bf16 [B*N*N, C])
-  d["x_hat_shape"] = p.plan.x_hat_rows ? py::cast(std::array<int64_t, 2>{p.args.batch * p.args.n * p.args.n, p.args.c})
-                                       : py::none();
+  d["x_hat_shape"] = p.plan.x_hat_rows ? py::cast(x_hat_shape(p)) : py::none();
   return d;
 }
 
@@ -444,8 +444,7 @@ void input_pass(const at::Tensor& pair, const at::Tensor& mask, const std::vecto
     TORCH_CHECK_VALUE(p.plan.x_hat_rows, "trimul_inline: the input kernel '",
                       kernel_name(p.plan.kernels[static_cast<int>(trimul::Role::input)]),
                       "' does not write x_hat for this call (forward_plan's x_hat_shape is None)");
-    check_buffer(*x_hat, std::array<int64_t, 2>{p.args.batch * p.args.n * p.args.n, p.args.c}, at::kBFloat16, pair,
-                 "x_hat");
+    check_buffer(*x_hat, x_hat_shape(p), at::kBFloat16, pair, "x_hat");
     p.args.x_hat = x_hat->data_ptr();
   }
   if (p.args.batch > 0 && p.args.n > 0) run_input(p, ab);

@@ -154,13 +154,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   for (; tile < tiles; tile += stride) {
     const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
     uint32_t frag[kSteps][4];
-#pragma unroll
-    for (int s = 0; s < kSteps; ++s)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        frag[s][hf] = raw[hf][s].x;
-        frag[s][2 + hf] = raw[hf][s].y;
-      }
+    row_fragments(raw, frag);
     const float mask[2] = {mask_value(next_mask[0], args.mask_kind), mask_value(next_mask[1], args.mask_kind)};
     const int64_t row_pos[2] = {next_pos[0], next_pos[1]};
     // The staging tile's rows this lane stores: 4 r + lane / 8 of the warp's 16.

@@ -176,13 +176,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     uint2 rows[2][kSteps];
     load_rows(tile, rows);
     uint32_t xf[kSteps][4];
-#pragma unroll
-    for (int s = 0; s < kSteps; ++s)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        xf[s][hf] = rows[hf][s].x;
-        xf[s][2 + hf] = rows[hf][s].y;
-      }
+    row_fragments(rows, xf);
     const int64_t row_pos[2] = {position(span, 16 * warp4 + g), position(span, 16 * warp4 + g + 8)};
 
 #pragma unroll
