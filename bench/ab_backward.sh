@@ -3,19 +3,29 @@
 # profile of a training step at (1,1024,128,128), medium (or --precision), with the kernels as committed, then
 # with each patch applied alone (only the files it touches rebuild), after that precision's training tests and
 # the f16x3 tests on it; logs under OUT.
-# A+B (patches joined by '+') applies them together. --precision P (after OUT): profile and test at P instead.
+# A+B (patches joined by '+') applies them together. --precision P (after OUT): profile and test at P instead;
+# --shapes "S;S" (after OUT, after --precision if both): profile each shape in turn instead of (1,1024,128,128).
 #   bench/ab_backward.sh $OUT dev/backward_tile64.diff dev/d_proj_register_sums.diff
 #   bench/ab_backward.sh $OUT dev/a.diff dev/b.diff dev/a.diff+dev/b.diff
 #   bench/ab_backward.sh $OUT --precision highest dev/c.diff
+#   bench/ab_backward.sh $OUT --shapes "1,768,128,128;1,1024,128,128" dev/a.diff
 set -uo pipefail
 out=${1:?usage: bench/ab_backward.sh OUT [--precision P] DIFF...}
 shift
 precision=medium
 if [ "${1:-}" = --precision ]; then precision=$2; shift 2; fi
+shapes=1,1024,128,128
+if [ "${1:-}" = --shapes ]; then shapes=$2; shift 2; fi
 cd "$(dirname "$0")/.."
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-.build}
-profile() { timeout 60 python3 dev/backward_profile.py --shape 1,1024,128,128 --precision $precision --rows 14 2>&1 |
-  grep -v -i warn; }
+profile() {
+  IFS=';' read -r -a shape_list <<< "$shapes"
+  for shape in "${shape_list[@]}"; do
+    echo "-- $shape"
+    timeout 60 python3 dev/backward_profile.py --shape "$shape" --precision $precision --rows 14 2>&1 |
+      grep -v -i warn
+  done
+}
 python3 trimul_inline.py build > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
 profile > "$out/committed.log"
 apply() { git apply "$1" 2>/dev/null || patch -p1 < "$1" > /dev/null; }
@@ -43,5 +53,5 @@ for spec in "$@"; do
 done
 for log in "$out"/*.log; do
   case $log in *-tests.log|*/build.log) continue ;; esac
-  echo "== $(basename "$log" .log)"; head -n 8 "$log"
+  echo "== $(basename "$log" .log)"; grep -A 8 -e "^-- " "$log"
 done

@@ -45,6 +45,7 @@ inline int64_t smem_bytes(int k_tiles, int64_t extra) { return 1023 + extra_offs
 // 16-byte chunk XOR-swizzled by its row; element (n, k) is the source's [k][n]. All threads of the block.
 __device__ __forceinline__ void lay_out_weights(const Sources& w, uint8_t* weights) {
   const int first_cols = w.first_tiles * kKCols;
+#pragma unroll 4  // (four rounds of loads in flight: the layout is a chain of L2 round trips)
   for (int index = threadIdx.x; index < w.k_tiles * 8 * kN; index += kBlockThreads) {
     const int n = index % kN, chunk = (index / kN) % 8, kt = index / (8 * kN), k0 = kt * kKCols + 8 * chunk;
     const float* source = k0 < first_cols ? w.first + int64_t(k0) * kN + n : w.second + int64_t(k0 - first_cols) * kN + n;

@@ -1,18 +1,19 @@
 // wgmma_rs — input_backward: d proj with proj recomputed from x_hat on the tensor cores, never written;
 // Hopper (sm_90a), bf16 operands, pair_dim 128, hidden a multiple of 32 up to 128; d pair with d x_hat
 // multiplied in the pass (input_backward_d_pair.cuh); other passes as rows'.
-// The d_proj pass of input_backward_rows.cuh reads proj, [P, 4H], which a cuBLAS GEMM wrote just before (and
-// the step holds at its peak). Here each warpgroup takes 64-position tiles of the da/db planes: the tile's x_hat
-// rows are wgmma's A operand from registers (as the forward's input pass holds its LayerNorm-ed rows), W_in_f
-// stays resident (laid out by each block from the fp32 parameter: no host-side preparation, whose ATen calls
-// cost more than the kernel at small steps), and proj comes out in parts of 64 weight rows (32 h of proj and
-// their gates), two accumulator sets in turn. Each part's da (or db) box, 32 h x 64 positions, arrives by TMA
-// (kBoxStages in flight) and ldmatrix.trans puts it in the accumulators' layout (the mirror of the forward's
-// transposing stores), so d pa = da s m and d ga = d pa pa (1 - s) are computed in registers and leave as
-// whole 16-byte chunks of d proj rows through a per-warp staging tile. The sums over positions (the bias
-// gradients) reduce-scatter over a warp's rows into two columns per lane and part, kept in registers across the
-// block's tiles: kBackwardSumRows blocks with fixed tiles, the warps' rows added in order, so the bits do not
-// depend on the GPU.
+// The d_proj pass of input_backward_rows.cuh reads proj, [P, 4H], which a cuBLAS GEMM wrote just before (and the
+// step holds at its peak). Here each warpgroup takes 64-position tiles of the da/db planes: the tile's x_hat rows
+// are wgmma's A operand from registers (as the forward's input pass holds its LayerNorm-ed rows), W_in_f stays
+// resident (laid out by each block from the fp32 parameter: no host-side preparation, whose ATen calls cost more
+// than the kernel at small steps); three warpgroups per block, since at two (255 registers, one block per SM) the
+// pass is issue-bound; the rows load at their tile, not a tile ahead, which fits 168 registers; proj comes out in
+// parts of 64 weight rows (32 h of proj and their gates), two accumulator sets in turn. Each part's da (or db) box,
+// 32 h x 64 positions, arrives by TMA (kBoxStages in flight) and ldmatrix.trans puts it in the accumulators' layout
+// (the mirror of the forward's transposing stores), so d pa = da s m and d ga = d pa pa (1 - s) are computed in
+// registers and leave as whole 16-byte chunks of d proj rows through a per-warp staging tile. The sums over
+// positions (the bias gradients) reduce-scatter over a warp's rows into two columns per lane and part, added into
+// the warp's row of shared memory across the block's tiles (registers would spill): kBackwardSumRows blocks with
+// fixed tiles, the warps' rows added in order, so the bits do not depend on the GPU.
 #include "input_backward_d_pair.cuh"
 #include "input_backward_rows.cuh"
 #include "wgmma_rs.cuh"
@@ -21,13 +22,15 @@ namespace trimul {
 namespace backward {
 namespace proj_rs {
 
-// (the backward's wgmma row kernels' block shape: two warpgroups per block on their own 64-position tiles)
+// (the backward's wgmma row kernels' tile and staging shapes; the block here has its own warpgroup count)
 using namespace ::trimul::backward::wgmma_rows;
+constexpr int kGroups = 3;  // warpgroups per block, each on its own 64-position tiles
+constexpr int kBlockThreads = 128 * kGroups;
 
 constexpr int kC = 128;                                    // the pair_dim it takes
 constexpr int kSteps = kC / 16;                            // k16 steps of a row
 constexpr int kKTiles = kC * 2 / ws::kKBytes;              // 128-byte k-tiles per 128-row weight chunk
-constexpr int kBoxStages = 4;                              // da/db boxes in flight per warpgroup
+constexpr int kBoxStages = 3;                              // da/db boxes in flight per warpgroup
 constexpr int kBoxBytes = 32 * kPositions * 2;             // a part's box: 32 h x 64 positions, bf16
 constexpr int kStagingRowBytes = 128;                      // a position's 32 d pa, then 32 d ga (bf16)
 constexpr int kStagingBytes = 16 * kStagingRowBytes;       // per warp: its 16 positions
@@ -41,6 +44,7 @@ inline int parts_for(int64_t h) { return static_cast<int>(h / 16); }
 inline int64_t smem_bytes(int64_t h) {
   const int64_t w_tiles = parts_for(h) / 2 * kKTiles;
   return 1023 + w_tiles * ws::kStageBytes + kGroups * kGroupBytes + 4 * h * int64_t(sizeof(float)) +
+         4 * kGroups * 4 * h * int64_t(sizeof(float)) +
          kGroups * kBoxStages * 8;
 }
 
@@ -57,6 +61,7 @@ __device__ __forceinline__ int grouped_source(int row, int hidden) {
 // row), each 16-byte chunk XOR-swizzled by its row; the biases in grouped order. All threads of the block.
 __device__ __forceinline__ void lay_out_weights(const BackwardArgs& args, uint8_t* weights, float* bias) {
   const int hidden = static_cast<int>(args.h), rows = 4 * hidden;
+#pragma unroll 4  // (four rounds of loads in flight: the layout is a chain of L2 round trips)
   for (int index = threadIdx.x; index < rows * kSteps; index += kBlockThreads) {
     const int row = index / kSteps, s = index - row * kSteps;
     const float* source = args.w_in_f + int64_t(grouped_source(row, hidden)) * kC + 16 * s;
@@ -83,6 +88,13 @@ __device__ __forceinline__ int64_t position_of(const BackwardArgs& args, int64_t
   return args.incoming ? (batch * args.n + k) * args.n + f : (batch * args.n + f) * args.n + k;
 }
 
+// The d proj column (of 4H: pa | ga | pb | gb) whose sum lane 4 g + t keeps as its i-th of a part's.
+__device__ __forceinline__ int sum_column(int part, int g, int t, int i, int64_t hidden) {
+  const int parts_per_side = static_cast<int>(hidden / 32);
+  const int side = part / parts_per_side, h = (part % parts_per_side) * 32 + 8 * (g >> 1) + 2 * t + i;
+  return (2 * side + (g & 1)) * static_cast<int>(hidden) + h;
+}
+
 template <int kParts>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     kernel(const BackwardArgs args, const __grid_constant__ CUtensorMap map_da,
@@ -93,7 +105,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   uint8_t* weights = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   uint8_t* groups = weights + kWTiles * ws::kStageBytes;
   float* bias = reinterpret_cast<float*>(groups + kGroups * kGroupBytes);
-  uint64_t* barriers = reinterpret_cast<uint64_t*>(bias + width);
+  float* warp_sums = bias + width;  // [warp][width]: each lane's columns, summed over the block's tiles in order
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(warp_sums + 4 * kGroups * width);
 
   const int warp = warp_index(), lane = threadIdx.x & 31;
   const int group = warp >> 2, warp4 = warp & 3, t = lane & 3, tid = threadIdx.x & 127;
@@ -142,21 +155,26 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   };
 
   int64_t tile = first;
-  uint2 raw[2][kSteps];
-  uint32_t next_mask[2];
-  int64_t next_pos[2];
-  load_rows(tile, raw, next_mask, next_pos);
-  lay_out_weights(args, weights, bias);  // (the first boxes and rows load meanwhile)
+  lay_out_weights(args, weights, bias);  // (the first boxes load meanwhile)
   __syncthreads();
   Op* d_proj = static_cast<Op*>(args.rows);
-  float sums[kParts][2] = {};
+  {
+    const int g = lane >> 2;
+#pragma unroll
+    for (int part = 0; part < kParts; ++part)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) warp_sums[warp * width + sum_column(part, g, t, i, hidden)] = 0.f;
+  }
   int it = 0;  // the next box to take
   for (; tile < tiles; tile += stride) {
     const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
+    uint2 raw[2][kSteps];
+    uint32_t mask_bits[2];
+    int64_t row_pos[2];
+    load_rows(tile, raw, mask_bits, row_pos);  // (loaded here, not a tile ahead: 32 registers fewer)
     uint32_t frag[kSteps][4];
     row_fragments(raw, frag);
-    const float mask[2] = {mask_value(next_mask[0], args.mask_kind), mask_value(next_mask[1], args.mask_kind)};
-    const int64_t row_pos[2] = {next_pos[0], next_pos[1]};
+    const float mask[2] = {mask_value(mask_bits[0], args.mask_kind), mask_value(mask_bits[1], args.mask_kind)};
     // The staging tile's rows this lane stores: 4 r + lane / 8 of the warp's 16.
     int64_t out_pos[4];
 #pragma unroll
@@ -164,7 +182,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       const int64_t p = p0 + 16 * warp4 + 4 * r + (lane >> 3);
       out_pos[r] = p < plane ? position_of(args, batch, static_cast<uint32_t>(p)) : -1;
     }
-    load_rows(tile + stride, raw, next_mask, next_pos);  // in flight while this tile multiplies and stores
     float d_mask[2] = {0.f, 0.f};
 
     const auto multiply = [&](int part, float(&acc)[32]) {
@@ -252,8 +269,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       __syncwarp();  // (the next part's blocks overwrite the staging tile)
       // The columns' sums over the warp's 16 positions: lane 4 g + t keeps the part's columns 8 g + 2 t + {0, 1}.
       const float2 column_sum = warp_column_sums(column, lane);
-      sums[part][0] += column_sum.x;
-      sums[part][1] += column_sum.y;
+      {
+        const int g = lane >> 2;
+        warp_sums[warp * width + sum_column(part, g, t, 0, hidden)] += column_sum.x;
+        warp_sums[warp * width + sum_column(part, g, t, 1, hidden)] += column_sum.y;
+      }
     };
     input_pass::wgmma_rs::multiply_and_store_parts<kParts>(multiply, store);
 
@@ -268,21 +288,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     }
   }
 
-  // The block's sums: each warp's columns into its row (over the weights, read by now), the rows added in order.
-  __syncthreads();
-  float* rows = reinterpret_cast<float*>(weights);
-  const int g = lane >> 2;
-#pragma unroll
-  for (int part = 0; part < kParts; ++part)
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int side = part / kPartsPerSide, h = (part % kPartsPerSide) * 32 + 8 * (g >> 1) + 2 * t + i;
-      rows[warp * width + (2 * side + (g & 1)) * hidden + h] = sums[part][i];
-    }
+  // The block's sums: the warps' rows added in order.
   __syncthreads();
   for (int64_t c = threadIdx.x; c < width; c += kBlockThreads) {
     float total = 0.f;
-    for (int w = 0; w < 4 * kGroups; ++w) total += rows[w * width + c];
+    for (int w = 0; w < 4 * kGroups; ++w) total += warp_sums[w * width + c];
     args.sums[blockIdx.x * width + c] = total;
   }
 }

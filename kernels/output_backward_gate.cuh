@@ -51,6 +51,7 @@ __device__ __forceinline__ int gate_channel(int k) {
 // k of a row holds column col(k). All threads of the block.
 template <class Column>
 __device__ __forceinline__ void lay_out(uint8_t* dst, const float* __restrict__ w, int ld, Column&& col) {
+#pragma unroll 4  // (four rounds of loads in flight: the layout is a chain of L2 round trips)
   for (int index = threadIdx.x; index < kC * kC / 8; index += kBlockThreads) {
     const int row = index / (kC / 8), chunk = index % (kC / 8), part = row >> 6, n = row & 63;
     const int kt = chunk / 8, c = chunk % 8;
