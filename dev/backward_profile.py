@@ -1,7 +1,9 @@
 """Per-kernel CUDA time of one ModelNew training step (forward, loss, backward), by torch.profiler.
 
     python dev/backward_profile.py --shape 1,1024,128,128 --precision medium [--gate-input normalized]
-        [--copies] [--host]
+        [--copies] [--host] [--bf16]
+
+--bf16: bf16 parameters and inputs (bench.py's new-bf16 row) instead of fp32 at --precision.
 
 --copies: the PyTorch ops that launched device copies and elementwise kernels (with their input shapes and
 Python stacks); --host: the step's wall time against its CUDA time (a small step is host-bound).
@@ -26,11 +28,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--copies", action="store_true")
     parser.add_argument("--host", action="store_true")
+    parser.add_argument("--bf16", action="store_true")
     args = parser.parse_args()
     batch, n, pair_dim, hidden = (int(x) for x in args.shape.split(","))
     model = ti.ModelNew(pair_dim, hidden, gate_input=args.gate_input, precision=args.precision,
                         kernels=args.kernels).cuda()
-    pair = torch.randn(batch, n, n, pair_dim, device="cuda", requires_grad=True)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    model = model.to(dtype)
+    pair = torch.randn(batch, n, n, pair_dim, device="cuda", dtype=dtype, requires_grad=True)
     mask = torch.rand(batch, n, n, device="cuda") > 0.1
 
     def step():
@@ -46,7 +51,8 @@ def main() -> None:
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.device_time_total for e in events)
-    print(f"{args.shape} {args.precision} {args.gate_input}: {total:.0f} us of CUDA time in {len(events)} kernels")
+    mode = "bf16" if args.bf16 else args.precision
+    print(f"{args.shape} {mode} {args.gate_input}: {total:.0f} us of CUDA time in {len(events)} kernels")
     for e in sorted(events, key=lambda e: -e.device_time_total)[:args.rows]:
         print(f"{e.device_time_total:9.1f} us  {e.count:3d}x  {e.key[:110]}")
     if args.copies:
