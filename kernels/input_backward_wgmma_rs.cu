@@ -82,16 +82,19 @@ __device__ __forceinline__ void lay_out_weights(const BackwardArgs& args, uint8_
   fence_proxy_async();  // (wgmma reads the weights through the async proxy)
 }
 
-// The position (row of x_hat, d proj and the mask) of element p of a batch's N x N plane.
+// The position (row of x_hat, d proj and the mask) of element p of a batch's N x N plane: the plane's order
+// outgoing, transposed incoming (the one integer division per row is incoming's: this pass is issue-bound).
 __device__ __forceinline__ int64_t position_of(const BackwardArgs& args, int64_t batch, uint32_t p) {
+  if (!args.incoming) return batch * args.n * args.n + p;
   const uint32_t n = static_cast<uint32_t>(args.n), f = p / n, k = p - f * n;
-  return args.incoming ? (batch * args.n + k) * args.n + f : (batch * args.n + f) * args.n + k;
+  return (batch * args.n + k) * args.n + f;
 }
 
-// The d proj column (of 4H: pa | ga | pb | gb) whose sum lane 4 g + t keeps as its i-th of a part's.
+// The d proj column (of 4H: pa | ga | pb | gb) whose sum lane 4 g + t keeps as its i-th of a part's; the parts
+// per side a constant, so that an unrolled part's column costs no division.
+template <int kPartsPerSide>
 __device__ __forceinline__ int sum_column(int part, int g, int t, int i, int64_t hidden) {
-  const int parts_per_side = static_cast<int>(hidden / 32);
-  const int side = part / parts_per_side, h = (part % parts_per_side) * 32 + 8 * (g >> 1) + 2 * t + i;
+  const int side = part / kPartsPerSide, h = (part % kPartsPerSide) * 32 + 8 * (g >> 1) + 2 * t + i;
   return (2 * side + (g & 1)) * static_cast<int>(hidden) + h;
 }
 
@@ -163,7 +166,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 #pragma unroll
     for (int part = 0; part < kParts; ++part)
 #pragma unroll
-      for (int i = 0; i < 2; ++i) warp_sums[warp * width + sum_column(part, g, t, i, hidden)] = 0.f;
+      for (int i = 0; i < 2; ++i) warp_sums[warp * width + sum_column<kPartsPerSide>(part, g, t, i, hidden)] = 0.f;
   }
   int it = 0;  // the next box to take
   for (; tile < tiles; tile += stride) {
@@ -227,7 +230,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float pa = acc[8 * q + 2 * hf + e] + (e ? bp.y : bp.x);
-            const float s = sigmoid(acc[8 * q + 4 + 2 * hf + e] + (e ? bg.y : bg.x));
+            const float s = ::trimul::mma::sigmoid(acc[8 * q + 4 + 2 * hf + e] + (e ? bg.y : bg.x));
             const float das = (e ? d.y : d.x) * s;
             d_pa[e] = das * mask[hf];
             d_ga[e] = d_pa[e] * pa * (1.f - s);
@@ -271,8 +274,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       const float2 column_sum = warp_column_sums(column, lane);
       {
         const int g = lane >> 2;
-        warp_sums[warp * width + sum_column(part, g, t, 0, hidden)] += column_sum.x;
-        warp_sums[warp * width + sum_column(part, g, t, 1, hidden)] += column_sum.y;
+        warp_sums[warp * width + sum_column<kPartsPerSide>(part, g, t, 0, hidden)] += column_sum.x;
+        warp_sums[warp * width + sum_column<kPartsPerSide>(part, g, t, 1, hidden)] += column_sum.y;
       }
     };
     input_pass::wgmma_rs::multiply_and_store_parts<kParts>(multiply, store);
