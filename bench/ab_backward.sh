@@ -5,10 +5,14 @@
 # the f16x3 tests on it; logs under OUT.
 # A+B (patches joined by '+') applies them together. --precision P (after OUT): profile and test at P instead;
 # --shapes "S;S" (after OUT, after --precision if both): profile each shape in turn instead of (1,1024,128,128).
+# --forward (last of the options): also the inference forward's geomean at that precision (bench.py, ModelNew
+# only) per tree, and the register-row input kernel's and the fused forward's tests, for a patch that touches
+# the forward's kernels too.
 #   bench/ab_backward.sh $OUT dev/backward_tile64.diff dev/d_proj_register_sums.diff
 #   bench/ab_backward.sh $OUT dev/a.diff dev/b.diff dev/a.diff+dev/b.diff
 #   bench/ab_backward.sh $OUT --precision highest dev/c.diff
 #   bench/ab_backward.sh $OUT --shapes "1,768,128,128;1,1024,128,128" dev/a.diff
+#   bench/ab_backward.sh $OUT --shapes "1,768,128,128" --forward dev/input.diff
 set -uo pipefail
 out=${1:?usage: bench/ab_backward.sh OUT [--precision P] DIFF...}
 shift
@@ -16,6 +20,8 @@ precision=medium
 if [ "${1:-}" = --precision ]; then precision=$2; shift 2; fi
 shapes=1,1024,128,128
 if [ "${1:-}" = --shapes ]; then shapes=$2; shift 2; fi
+forward=0
+if [ "${1:-}" = --forward ]; then forward=1; shift; fi
 cd "$(dirname "$0")/.."
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-.build}
 profile() {
@@ -25,6 +31,10 @@ profile() {
     timeout 60 python3 dev/backward_profile.py --shape "$shape" --precision $precision --rows 14 2>&1 |
       grep -v -i warn
   done
+  if [ $forward = 1 ]; then
+    echo "-- forward"
+    timeout 120 python3 bench.py --precision $precision --contenders new --budget 0.2 2>&1 | grep "^geomean"
+  fi
 }
 python3 trimul_inline.py build > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
 profile > "$out/committed.log"
@@ -42,8 +52,9 @@ for spec in "$@"; do
     continue
   fi
   if python3 trimul_inline.py build >> "$out/build.log" 2>&1; then
-    timeout 120 python3 -m pytest -q test_trimul.py -k "(training and ($precision or bitwise)) or f16x3" \
-      > "$out/$name-tests.log" 2>&1
+    tests="(training and ($precision or bitwise)) or f16x3"
+    [ $forward = 1 ] && tests="$tests or register_row_input or fused_matches or fused_reduced"
+    timeout 240 python3 -m pytest -q test_trimul.py -k "$tests" > "$out/$name-tests.log" 2>&1
     echo "$name: $(tail -n 1 "$out/$name-tests.log")"
     profile > "$out/$name.log"
   else
