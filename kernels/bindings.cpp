@@ -976,9 +976,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   const auto [w_in_f, b_in_f] = folded(w_in, b_in, ln_in_w, ln_in_b);
   at::Tensor x_hat;
   if (saved_x_hat.has_value()) {  // (the forward's input pass wrote them: the same rows, no pass here)
-    TORCH_CHECK_VALUE(saved_x_hat->dim() == 2 && saved_x_hat->size(0) == positions && saved_x_hat->size(1) == c &&
-                          saved_x_hat->is_contiguous() && saved_x_hat->scalar_type() == dtype,
-                      "trimul_inline: training_backward's saved x_hat must be contiguous [B*N*N, C] in the operand dtype");
+    check_buffer(*saved_x_hat, {positions, c}, dtype, pair, "training_backward's saved x_hat");
     x_hat = *saved_x_hat;
     saved_x_hat.reset();
   } else {
