@@ -1263,6 +1263,7 @@ class _KernelBackwardPasses:
         rstd = z_planes.new_empty((self._positions, 1), dtype=torch.float32)
         d_o, d_gate = gate_rows.new_empty(d_out.shape), gate_rows.new_empty(d_out.shape)
         sums = d_out.new_zeros((_BACKWARD_SUM_ROWS, 2 * d_out.shape[1]), dtype=torch.float32)
+        d_out = d_out if d_out.data_ptr() % 16 == 0 else d_out.clone()  # (the pass reads it by TMA)
         weights = {name: t.float().contiguous() for name, t in
                    (("w_out_f", w_out_f), ("b_out_f", b_out_f), ("w_gate_f", w_gate), ("b_gate_f", b_gate))}
         self._run("z_gate_grad", eps, a_planes=z_planes, x_hat=gate_rows, d_out=d_out, o=d_o, gate_pre=d_gate,

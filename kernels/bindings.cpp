@@ -1028,9 +1028,11 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     gate_rows = in_type(pair_rows, dtype);
   }
   at::Tensor out_sums = at::zeros({trimul::kBackwardSumRows, 2 * c}, like.options().dtype(acc));
-  const at::Tensor d_out_rows = grad_out.reshape({positions, c}).contiguous();
+  at::Tensor d_out_rows = grad_out.reshape({positions, c}).contiguous();
   at::Tensor d_o, d_gate;
   if (gate_grad_from_z(outputs.kernel, batch, n, c, h, incoming, like, precision)) {
+    // (z_gate_grad reads d out by TMA: 16-byte aligned rows)
+    if (reinterpret_cast<uintptr_t>(d_out_rows.data_ptr()) % 16 != 0) d_out_rows = d_out_rows.clone();
     // (z_rows, both products and gate_grad in one pass: o and gate_pre never written)
     d_o = rows_of(c, dtype);
     d_gate = rows_of(c, dtype);

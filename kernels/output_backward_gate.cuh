@@ -32,10 +32,20 @@ constexpr int kWarps = kBlockThreads / 32;
 static_assert(kH == ::trimul::output_pass::kZBoxH && kPositions == ::trimul::output_pass::kZBoxPositions,
               "a tile is one z box");
 
-// Dynamic shared memory: both weights (1024-byte aligned), each warpgroup's z box, each warp's staging tile, the
-// two biases, the boxes' barriers. The block's sums reuse the weights' bytes once the tiles are done.
-inline int64_t smem_bytes() {
-  return 1023 + 2 * kWeightBytes + kGroups * kZBoxBytes + kWarps * kStageBytes + 2 * kC * 4 + kGroups * 8;
+// A warpgroup's d out tile: 64 positions x 128 channels of TOut, as TMA boxes of 128 bytes of channels x 64
+// positions with the 128-byte swizzle ([part][box of the part]: one box per part in 16 bits, two in fp32).
+template <typename TOut>
+constexpr int kDOutBoxCols = 128 / static_cast<int>(sizeof(TOut));
+constexpr int kDOutBoxBytes = 128 * kPositions;
+template <typename TOut>
+constexpr int kDOutBytes = kC / kDOutBoxCols<TOut> * kDOutBoxBytes;
+
+// Dynamic shared memory: both weights (1024-byte aligned), each warpgroup's d out tile and z box (TMA's swizzled
+// boxes: 1024-byte multiples after the weights), each warp's staging tile, the two biases, the boxes' barriers
+// (z's, then d out's). The block's sums reuse the weights' bytes once the tiles are done.
+inline int64_t smem_bytes(int64_t d_out_bytes) {
+  return 1023 + 2 * kWeightBytes + kGroups * (d_out_bytes + kZBoxBytes) + kWarps * kStageBytes + 2 * kC * 4 +
+         2 * kGroups * 8;
 }
 static_assert(kWarps * 2 * kC * 4 <= 2 * kWeightBytes, "the warps' sums fit in the weights' bytes");
 
@@ -64,33 +74,61 @@ __device__ __forceinline__ void lay_out(uint8_t* dst, const float* __restrict__ 
   }
 }
 
+// This thread's d out pairs of a part from the warpgroup's tile: row r of the tile, the part's channels
+// 8 j + 2 t + {0, 1} at d[2 j + {0, 1}] (the accumulators' columns).
+template <typename TOut>
+__device__ __forceinline__ void d_out_pairs(const uint8_t* tile, int part, int r, int t, float (&d)[16]) {
+  constexpr int kCols = kDOutBoxCols<TOut>, kChunkCols = 16 / static_cast<int>(sizeof(TOut));
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int k = 64 * part + 8 * j + 2 * t, col = k % kCols, chunk = col / kChunkCols;
+    const uint8_t* box = tile + (k / kCols) * kDOutBoxBytes + r * 128;
+    load_pack<2>(reinterpret_cast<const TOut*>(box + ((chunk ^ (r & 7)) << 4)) + col % kChunkCols, &d[2 * j]);
+  }
+}
+
 template <typename TOut>
 __global__ void __launch_bounds__(kBlockThreads, 1)
-    kernel(const BackwardArgs args, const __grid_constant__ CUtensorMap map_z, int64_t tiles_per_batch) {
+    kernel(const BackwardArgs args, const __grid_constant__ CUtensorMap map_z,
+           const __grid_constant__ CUtensorMap map_d_out, int64_t tiles_per_batch) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* w_gate = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // k in gate_channel's order
   uint8_t* w_out = w_gate + kWeightBytes;
-  uint8_t* z_all = w_out + kWeightBytes;
+  uint8_t* d_out_all = w_out + kWeightBytes;
+  uint8_t* z_all = d_out_all + kGroups * kDOutBytes<TOut>;
   uint8_t* stage_all = z_all + kGroups * kZBoxBytes;
   float* gate_bias = reinterpret_cast<float*>(stage_all + kWarps * kStageBytes);
   float* out_bias = gate_bias + kC;
   uint64_t* z_full = reinterpret_cast<uint64_t*>(out_bias + kC);
+  uint64_t* d_out_full = z_full + kGroups;
   const int warp = warp_index(), lane = threadIdx.x & 31;
   const int group = warp >> 2, warp4 = warp & 3, t = lane & 3, g = lane >> 2, tid = threadIdx.x & 127;
   uint8_t* z_tile = z_all + group * kZBoxBytes;
+  uint8_t* d_out_tile = d_out_all + group * kDOutBytes<TOut>;
   uint8_t* stage = stage_all + warp * kStageBytes;
   const int64_t plane = args.n * args.n, tiles = args.batch * tiles_per_batch;
   const int64_t stride = int64_t(gridDim.x) * kGroups;
   int64_t tile = int64_t(blockIdx.x) * kGroups + group;
   if (threadIdx.x == 0) {
-    for (int i = 0; i < kGroups; ++i) mbar_init(&z_full[i], 1);
+    for (int i = 0; i < 2 * kGroups; ++i) mbar_init(&z_full[i], 1);
     mbar_init_fence();
   }
   __syncthreads();
   const auto load_z = [&](int64_t at) {
     ::trimul::output_pass::load_z_tile(z_tile, &map_z, &z_full[group], at, tiles_per_batch);
   };
-  if (tid == 0 && tile < tiles) load_z(tile);
+  // A tile's d out rows (positions batch * plane + q0 on, the rows' order in both directions) as its boxes.
+  const auto load_d_out = [&](int64_t at) {
+    const int64_t batch = at / tiles_per_batch, row = batch * plane + (at - batch * tiles_per_batch) * kPositions;
+    mbar_expect_tx(&d_out_full[group], kDOutBytes<TOut>);
+    for (int box = 0; box < kDOutBytes<TOut> / kDOutBoxBytes; ++box)
+      tma_load_2d(d_out_tile + box * kDOutBoxBytes, &map_d_out, box * kDOutBoxCols<TOut>, static_cast<int>(row),
+                  &d_out_full[group]);
+  };
+  if (tid == 0 && tile < tiles) {
+    load_z(tile);
+    load_d_out(tile);
+  }
   lay_out(w_gate, args.w_gate_f, kC, [](int k) { return gate_channel(k); });
   lay_out(w_out, args.w_out_f, kH, [](int k) { return k; });
   for (int c = threadIdx.x; c < kC; c += kBlockThreads) {
@@ -101,7 +139,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   __syncthreads();
 
   const Op* gate_rows = static_cast<const Op*>(args.x_hat);
-  const TOut* d_out = static_cast<const TOut*>(args.d_out);
   Op* z_hat = static_cast<Op*>(args.rows);
   Op* d_o = static_cast<Op*>(args.o);
   Op* d_gate = static_cast<Op*>(args.gate_pre);
@@ -143,7 +180,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   };
 
   float sums[kParts][2][2] = {};  // [part][d o, d gate][e]: the part's columns 8 g + 2 t + e, reduce-scattered
-  int z_parity = 0;
+  int z_parity = 0, d_out_parity = 0;
   for (; tile < tiles; tile += stride) {
     mbar_wait(&z_full[group], z_parity);
     z_parity ^= 1;
@@ -180,14 +217,20 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     row_fragments(rows, xf);
     const int64_t row_pos[2] = {position(span, 16 * warp4 + g), position(span, 16 * warp4 + g + 8)};
 
+    mbar_wait(&d_out_full[group], d_out_parity);
+    d_out_parity ^= 1;
 #pragma unroll
     for (int part = 0; part < kParts; ++part) {
-      float d[2][16] = {};  // d out at row g + 8 hf, the part's channel 8 j + 2 t + e at [2 j + e]
+      // d out at row g + 8 hf, the part's channel 8 j + 2 t + e at [2 j + e]; zero past the plane, where the box
+      // holds the next batch's rows (or TMA's zeros), so that they add nothing to the sums.
+      float d[2][16] = {};
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          if (row_pos[hf] >= 0) load_pack<2>(d_out + row_pos[hf] * kC + 64 * part + 8 * j + 2 * t, &d[hf][2 * j]);
+        if (row_pos[hf] >= 0) d_out_pairs<TOut>(d_out_tile, part, 16 * warp4 + g + 8 * hf, t, d[hf]);
+      if (part == kParts - 1) {
+        named_barrier(1 + group, 128);  // every thread has its d out: the next tile's may land
+        if (tid == 0 && tile + stride < tiles) load_d_out(tile + stride);
+      }
       float gate[32], proj[32];
       ::trimul::output_pass::gated_part_products<Mode::highest>(gate, proj, xf, zf, w_gate + part * kKTiles * kTileBytes,
                                                  w_out + part * kKTiles * kTileBytes, gate_bias + 64 * part, t);
@@ -246,19 +289,20 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 // products), planes TMA can read (N^2 a multiple of 8: 16-byte rows of the box map) and positions it can count.
 bool takes(const BackwardArgs& args) {
   const int64_t plane = args.n * args.n;
+  const int64_t d_out_bytes = args.d_out_dtype == Dtype::f32 ? kDOutBytes<float> : kDOutBytes<__nv_bfloat16>;
   return args.operand == Dtype::bf16 && args.c == kC && args.h == kH && tensor_map_encoder() != nullptr &&
          plane % 8 == 0 && args.batch * plane < (int64_t(1) << 31) && args.batch * kH < (int64_t(1) << 31) &&
-         smem_bytes() <= max_smem_optin();
+         smem_bytes(d_out_bytes) <= max_smem_optin();
 }
 
 cudaError_t launch(const BackwardArgs& args) {
-  // (alignment: TMA's 16 bytes for z, the 16-byte row stores, the gate rows' 8-byte and d out's pair loads)
+  // (alignment: TMA's 16 bytes for z and d out, the 16-byte row stores, the gate rows' 8-byte loads)
   const auto aligned = [](const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
   if (!takes(args) || args.a_planes == nullptr || args.x_hat == nullptr || args.w_out_f == nullptr ||
       args.b_out_f == nullptr || args.w_gate_f == nullptr || args.b_gate_f == nullptr || args.d_out == nullptr ||
       args.o == nullptr || args.gate_pre == nullptr || args.rows == nullptr || args.rstd == nullptr ||
       args.sums == nullptr || !aligned(args.a_planes, 16) || !aligned(args.x_hat, 8) ||
-      !aligned(args.d_out, args.d_out_dtype == Dtype::f32 ? 8 : 4) || !aligned(args.o, 16) ||
+      !aligned(args.d_out, 16) || !aligned(args.o, 16) ||
       !aligned(args.gate_pre, 16) || !aligned(args.rows, 16))
     return cudaErrorInvalidValue;
   const int64_t plane = args.n * args.n;
@@ -267,12 +311,16 @@ cudaError_t launch(const BackwardArgs& args) {
   if (!encode_kmajor_map<Op>(&map_z, args.a_planes, 0, args.batch * kH, plane, kH)) return cudaErrorNotSupported;
   const int64_t tiles_per_batch = ceil_div(plane, kPositions);
   const int64_t blocks = std::min<int64_t>(kBackwardSumRows, ceil_div(args.batch * tiles_per_batch, kGroups));
-  const int64_t bytes = smem_bytes();
   return dispatch_out(args.d_out_dtype, [&](auto out) {
     using TOut = typename decltype(out)::type;
+    CUtensorMap map_d_out;
+    if (!encode_kmajor_map<TOut>(&map_d_out, args.d_out, 0, args.batch * plane, kC, kPositions))
+      return cudaErrorNotSupported;
+    const int64_t bytes = smem_bytes(kDOutBytes<TOut>);
     const cudaError_t status = fused::allow_smem<kernel<TOut>>(bytes);
     if (status != cudaSuccess) return status;
-    kernel<TOut><<<static_cast<unsigned>(blocks), kBlockThreads, bytes, args.stream>>>(args, map_z, tiles_per_batch);
+    kernel<TOut><<<static_cast<unsigned>(blocks), kBlockThreads, bytes, args.stream>>>(args, map_z, map_d_out,
+                                                                                      tiles_per_batch);
     return cudaGetLastError();
   });
 }
