@@ -98,7 +98,8 @@ __device__ __forceinline__ int sum_column(int part, int g, int t, int i, int64_t
   return (2 * side + (g & 1)) * static_cast<int>(hidden) + h;
 }
 
-template <int kParts>
+// kMaskGrad: whether it writes d mask (a mask that needs its gradient; otherwise its products are not computed).
+template <int kParts, bool kMaskGrad>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     kernel(const BackwardArgs args, const __grid_constant__ CUtensorMap map_da,
            const __grid_constant__ CUtensorMap map_db, int64_t tiles_per_batch) {
@@ -233,8 +234,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
             const float s = ::trimul::mma::sigmoid(acc[8 * q + 4 + 2 * hf + e] + (e ? bg.y : bg.x));
             const float das = (e ? d.y : d.x) * s;
             d_pa[e] = das * mask[hf];
-            d_ga[e] = d_pa[e] * pa * (1.f - s);
-            d_mask[hf] = fmaf(das, pa, d_mask[hf]);
+            d_ga[e] = d_pa[e] * fmaf(-pa, s, pa);  // d pa pa (1 - s)
+            if constexpr (kMaskGrad) d_mask[hf] = fmaf(das, pa, d_mask[hf]);
             column[4 * q + e] += d_pa[e];
             column[4 * q + 2 + e] += d_ga[e];
           }
@@ -280,7 +281,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     };
     input_pass::wgmma_rs::multiply_and_store_parts<kParts>(multiply, store);
 
-    if (args.d_mask != nullptr) {
+    if constexpr (kMaskGrad) {
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         float v = d_mask[hf];
@@ -316,7 +317,7 @@ bool applies(const BackwardArgs& args) {
   return takes(args) && d_proj_bytes(args) <= max_smem_optin();
 }
 
-template <int kParts>
+template <int kParts, bool kMaskGrad>
 cudaError_t launch_parts(const BackwardArgs& args) {
   const int64_t plane = args.n * args.n, tiles_per_batch = ceil_div(plane, kPositions);
   const int64_t blocks = std::min<int64_t>(kBackwardSumRows, ceil_div(args.batch * tiles_per_batch, kGroups));
@@ -325,10 +326,10 @@ cudaError_t launch_parts(const BackwardArgs& args) {
       !encode_kmajor_map<Op>(&map_db, args.b_planes, args.batch, args.h, plane, 32))
     return cudaErrorNotSupported;
   const int64_t bytes = smem_bytes(args.h);
-  const cudaError_t status = fused::allow_smem<kernel<kParts>>(bytes);
+  const cudaError_t status = fused::allow_smem<kernel<kParts, kMaskGrad>>(bytes);
   if (status != cudaSuccess) return status;
-  kernel<kParts><<<static_cast<unsigned>(blocks), kBlockThreads, bytes, args.stream>>>(args, map_da, map_db,
-                                                                                   tiles_per_batch);
+  kernel<kParts, kMaskGrad><<<static_cast<unsigned>(blocks), kBlockThreads, bytes, args.stream>>>(
+      args, map_da, map_db, tiles_per_batch);
   return cudaGetLastError();
 }
 
@@ -340,11 +341,12 @@ cudaError_t launch(const BackwardArgs& args) {
       args.sums == nullptr || !aligned(args.x_hat) || !aligned(args.rows) || !aligned(args.w_in_f) ||
       !aligned(args.a_planes) || !aligned(args.b_planes))
     return cudaErrorInvalidValue;
+  const bool mask_grad = args.d_mask != nullptr;
   switch (parts_for(args.h)) {
-    case 2: return launch_parts<2>(args);
-    case 4: return launch_parts<4>(args);
-    case 6: return launch_parts<6>(args);
-    case 8: return launch_parts<8>(args);
+    case 2: return mask_grad ? launch_parts<2, true>(args) : launch_parts<2, false>(args);
+    case 4: return mask_grad ? launch_parts<4, true>(args) : launch_parts<4, false>(args);
+    case 6: return mask_grad ? launch_parts<6, true>(args) : launch_parts<6, false>(args);
+    case 8: return mask_grad ? launch_parts<8, true>(args) : launch_parts<8, false>(args);
     default: return cudaErrorInvalidValue;
   }
 }
