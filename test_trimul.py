@@ -2291,6 +2291,66 @@ def test_d_proj_from_x_hat_matches_fp64(n, hidden, direction, mask_dtype):
     assert not got[0].view(batch, n, n, -1)[:, 3].any()  # (masked positions: d proj exactly zero)
 
 
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("pair_dim, hidden", [(24, 40), (384, 128)])
+def test_rows_passes_write_d_proj_and_d_gate_into_one_buffer(dtype, pair_dim, hidden):
+    """The rows kernels' d_proj and gate_grad write into their parts of one [P, 4H + C] buffer ([d proj | d gate],
+    rows 4H + C apart: d x_hat's one GEMM) the same bits as into their own rows, nothing outside their part
+    (poisoned first), gate_pre left as it was; a part that is not rows of adjacent channels raises ValueError,
+    and proj_rs (d proj from x_hat) refuses such rows."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    batch, n, incoming = 2, 7, False
+    positions = batch * n * n
+    like = torch.empty(0, device="cuda", dtype=dtype)
+    inputs = ti._KernelBackwardPasses("input_backward", "rows", batch, n, pair_dim, hidden, incoming, 2, like)
+    outputs = ti._KernelBackwardPasses("output_backward", "rows", batch, n, pair_dim, hidden, incoming, 2, like)
+    draw = lambda *shape: torch.randn(*shape, generator=g).to(dtype).cuda()  # noqa: E731
+    proj, da, db = draw(positions, 4 * hidden), draw(batch * hidden, n, n), draw(batch * hidden, n, n)
+    mask_rows = (torch.rand(positions, generator=g) > 0.2).cuda()
+    d_out, o, gate_pre = draw(positions, pair_dim), draw(positions, pair_dim), draw(positions, pair_dim)
+    joined = torch.full((positions, 4 * hidden + pair_dim), float("nan"), dtype=dtype, device="cuda")
+    own = inputs.d_proj(proj, da, db, mask_rows, batch, n, incoming, True)
+    part = inputs.d_proj(proj, da, db, mask_rows, batch, n, incoming, True, out=joined[:, :4 * hidden])
+    assert part[0].data_ptr() == joined.data_ptr()
+    for a, b in zip(own, part):
+        assert torch.equal(a, b)
+    assert joined[:, 4 * hidden:].isnan().all()
+    gate_before = gate_pre.clone()
+    part = outputs.gate_grad(d_out, o.clone(), gate_pre, joined[:, 4 * hidden:])
+    assert torch.equal(gate_pre, gate_before)
+    own = outputs.gate_grad(d_out, o.clone(), gate_pre.clone())
+    for a, b in zip(own, part):
+        assert torch.equal(a, b)
+    assert part[1].data_ptr() == joined[:, 4 * hidden:].data_ptr() and not joined.isnan().any()
+    channel_strided = torch.empty(pair_dim, positions, dtype=dtype, device="cuda").t()
+    with pytest.raises(ValueError, match="gate_out"):
+        outputs.gate_grad(d_out, o.clone(), gate_pre, channel_strided)
+    with pytest.raises(ValueError, match="rows"):
+        inputs.d_proj(proj, da, db, mask_rows, batch, n, incoming, False, out=joined[:, :4 * hidden - 1])
+
+
+@cuda
+def test_proj_rs_refuses_rows_inside_a_wider_buffer():
+    """d_proj from x_hat (input_backward wgmma_rs's proj_rs) writes whole [P, 4H] rows: rows 4H + C apart are
+    refused with a ValueError, not written."""
+    batch, n, pair_dim, hidden = 1, 8, 128, 64
+    positions = batch * n * n
+    like = torch.empty(0, device="cuda", dtype=torch.bfloat16)
+    fused = ti._KernelBackwardPasses("input_backward", "wgmma_rs", batch, n, pair_dim, hidden, False, 2, like)
+    if not fused.d_proj_from_x_hat():
+        pytest.skip("input_backward wgmma_rs needs Hopper (sm_90a)")
+    x_hat = torch.randn(positions, pair_dim, device="cuda").bfloat16()
+    w_in_f, b_in_f = torch.randn(4 * hidden, pair_dim, device="cuda"), torch.randn(4 * hidden, device="cuda")
+    da, db = (torch.randn(batch * hidden, n, n, device="cuda").bfloat16() for _ in range(2))
+    mask_rows = torch.ones(positions, dtype=torch.bool, device="cuda")
+    joined = torch.zeros(positions, 4 * hidden + pair_dim, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError):
+        fused._d_proj_pass(joined[:, :4 * hidden], False, x_hat=x_hat, w_in_f=w_in_f, b_in_f=b_in_f, a_planes=da,
+                           b_planes=db, mask=mask_rows)
+    assert not joined.any()
+
+
 @HOPPER
 def test_d_proj_from_x_hat_applies_where_its_rules_say():
     """wgmma_rs (input_backward) takes bf16 operands, pair_dim 128, H a multiple of 32 up to 128, N^2 a multiple of

@@ -1132,12 +1132,14 @@ class _TorchBackwardPasses:
         return z_hat.to(dtype), rstd
 
     @staticmethod
-    def gate_grad(d_out, o, gate_pre):
-        """out = sigmoid(gate_pre) * o: (d o, d gate_pre) in o's dtype, and their sums over positions."""
+    def gate_grad(d_out, o, gate_pre, gate_out=None):
+        """out = sigmoid(gate_pre) * o: (d o, d gate_pre) in o's dtype, and their sums over positions. gate_out:
+        rows (of a wider buffer) that receive d gate_pre, returned as it."""
         dtype, acc = o.dtype, _accumulate(o)
         d_out, o, g = d_out.to(acc), o.to(acc), torch.sigmoid(gate_pre.to(acc))
         d_o, d_gate = d_out * g, d_out * o * g * (1 - g)
-        return d_o.to(dtype), d_gate.to(dtype), d_o.sum(0), d_gate.sum(0)
+        d_gate_rows = d_gate.to(dtype) if gate_out is None else gate_out.copy_(d_gate)
+        return d_o.to(dtype), d_gate_rows, d_o.sum(0), d_gate.sum(0)
 
     @staticmethod
     def dz_planes(d_z_hat, z_hat, rstd, batch, n, dtype):
@@ -1162,9 +1164,10 @@ class _TorchBackwardPasses:
         return False
 
     @staticmethod
-    def d_proj(proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad, in_place=False):
+    def d_proj(proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad, in_place=False, out=None):
         """d proj [P, 4H] (pa | ga | pb | gb) from da and db planes; d mask [P] where mask_grad; d proj's sums
-        over positions. (in_place: allowed, not done: the baseline's d proj is a new tensor.)"""
+        over positions. (in_place: allowed, not done: the baseline's d proj is a new tensor.) out: rows (of a
+        wider buffer) that receive d proj, returned as it."""
         acc = _accumulate(proj)
         pa, ga, pb, gb = proj.to(acc).chunk(4, 1)
         m = mask_rows.to(acc)[:, None]
@@ -1172,7 +1175,7 @@ class _TorchBackwardPasses:
         sa, sb = torch.sigmoid(ga), torch.sigmoid(gb)
         d_proj = torch.cat([da * sa * m, da * pa * m * sa * (1 - sa), db * sb * m, db * pb * m * sb * (1 - sb)], 1)
         d_mask = (da * pa * sa + db * pb * sb).sum(1) if mask_grad else None
-        return d_proj.to(proj.dtype), d_mask, d_proj.sum(0)
+        return d_proj.to(proj.dtype) if out is None else out.copy_(d_proj), d_mask, d_proj.sum(0)
 
     @staticmethod
     def d_pair_from_d_proj():
@@ -1232,10 +1235,11 @@ class _KernelBackwardPasses:
         self._run("z_rows", eps, a_planes=z_planes, rows=rows, rstd=rstd)
         return rows, rstd
 
-    def gate_grad(self, d_out, o, gate_pre):
+    def gate_grad(self, d_out, o, gate_pre, gate_out=None):
         sums = o.new_zeros((_BACKWARD_SUM_ROWS, 2 * o.shape[1]), dtype=torch.float32)
-        self._run("gate_grad", d_out=d_out, o=o, gate_pre=gate_pre, sums=sums)
-        return (o, gate_pre) + sums.sum(0).chunk(2)
+        outputs = {} if gate_out is None else {"gate_out": gate_out}
+        self._run("gate_grad", d_out=d_out, o=o, gate_pre=gate_pre, sums=sums, **outputs)
+        return (o, gate_pre if gate_out is None else gate_out) + sums.sum(0).chunk(2)
 
     def dz_planes(self, d_z_hat, z_hat, rstd, batch, n, dtype):
         dz = self._planes()
@@ -1286,9 +1290,9 @@ class _KernelBackwardPasses:
         self._run("d_proj", rows=rows, sums=sums, **inputs)
         return rows, d_mask, sums.sum(0)
 
-    def d_proj(self, proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad, in_place=False):
-        return self._d_proj_pass(proj if in_place else torch.empty_like(proj), mask_grad, proj=proj,
-                                 a_planes=da_planes, b_planes=db_planes, mask=mask_rows)
+    def d_proj(self, proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad, in_place=False, out=None):
+        rows = out if out is not None else proj if in_place else torch.empty_like(proj)
+        return self._d_proj_pass(rows, mask_grad, proj=proj, a_planes=da_planes, b_planes=db_planes, mask=mask_rows)
 
     def d_proj_from_x_hat(self):
         """Whether this kernel's d_proj recomputes proj from x_hat (d_proj_recomputed) at these sizes."""
@@ -1681,7 +1685,13 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     else:
         w_gate, b_gate, gate_rows = gate_w, gate_b, pair_rows.to(dtype)
     d_out = grad_out.reshape(positions, pair_dim).contiguous()
-    if outputs.gate_grad_from_z():  # (one pass: o and gate_pre never written)
+    gate_from_z = outputs.gate_grad_from_z()
+    # joined: d proj and d gate as the two parts of one [P, 4H + C] buffer, so that d x_hat is one GEMM against
+    # [W_in_f; W_gate_f] (training_backward in bindings.cpp says why)
+    joined = gate_normalized and not inputs.d_pair_from_d_proj() and not proj_in_pass and not lean and \
+        not gate_from_z
+    d_rows = x_hat.new_empty((positions, 4 * hidden + pair_dim)) if joined else None
+    if gate_from_z:  # (one pass: o and gate_pre never written)
         z_hat, rstd_out, d_o, d_gate, s_out, s_gate = outputs.z_gate_grad(z_planes, eps_out, gate_rows, w_out_f,
                                                                            b_out_f, w_gate, b_gate, d_out)
         del z_planes
@@ -1690,7 +1700,8 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
         del z_planes
         o = products.linear(z_hat, w_out_f, b_out_f)
         gate_pre = products.linear(gate_rows, w_gate, b_gate)
-        d_o, d_gate, s_out, s_gate = outputs.gate_grad(d_out, o, gate_pre)
+        d_o, d_gate, s_out, s_gate = outputs.gate_grad(d_out, o, gate_pre,
+                                                       None if d_rows is None else d_rows[:, 4 * hidden:])
         del o, gate_pre
     del d_out
     g_out, g_gate = products.mm(d_o.t(), z_hat, acc), products.mm(d_gate.t(), gate_rows, acc)
@@ -1717,7 +1728,7 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
         if lean:  # (the same GEMM as above, the same bits; d proj then overwrites it where the passes allow)
             proj = products.linear(x_hat, w_in_f, b_in_f)
         d_proj, d_mask, s_in = inputs.d_proj(proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad,
-                                             in_place=lean)
+                                             in_place=lean, out=None if d_rows is None else d_rows[:, :4 * hidden])
     del proj, da_planes, db_planes
     g_in = products.mm(d_proj.t(), x_hat, acc)
     if inputs.d_pair_from_d_proj():  # (d x_hat multiplied in the pass, never written)
@@ -1725,6 +1736,11 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
         gate_share = (d_gate, w_gate) if gate_normalized else (None, None)
         d_pair = inputs.d_pair_multiplied(pair_rows, eps_in, d_proj, w_in_f, *gate_share, raw_gate_share)
         del d_proj
+    elif joined:
+        d_x_hat = products.mm(d_rows, torch.cat([w_in_f, w_gate]).to(dtype), acc)
+        del d_proj, d_rows
+        d_pair = inputs.d_pair(pair_rows, eps_in, d_x_hat)
+        del d_x_hat
     else:
         d_x_hat = products.mm(d_proj, w_in_f.to(dtype), acc)
         del d_proj

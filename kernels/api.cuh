@@ -236,6 +236,11 @@ struct BackwardArgs {
   const float* b_out_f;
   const float* b_gate_f;
   float* d_mask;            // d_proj: [P], or nullptr (no mask gradient)
+  // [d proj | d gate] as one [P, 4H + C] buffer, so that d x_hat is one GEMM against [W_in_f; W_gate_f] (the gate
+  // on LayerNorm_in's rows): d_proj writes its rows ld_rows elements apart, and gate_grad writes d gate to
+  // gate_out, ld_rows apart, instead of over gate_pre. 0 and nullptr: each pass's own contiguous rows.
+  int64_t ld_rows;
+  void* gate_out;
   const void* d_out;        // gate_grad: [P, C] in d_out_dtype
   Dtype d_out_dtype;
   void* o;         // gate_grad: [P, C] operand

@@ -543,6 +543,24 @@ void* pass_tensor(const std::unordered_map<std::string, at::Tensor>& tensors, co
   return t.data_ptr();
 }
 
+// Rows a pass writes inside a wider buffer (BackwardArgs::ld_rows): [rows, width] of one of `dtypes` on `like`'s
+// device, channels adjacent, rows *ld elements apart (0 where they are contiguous).
+void* pass_rows(const std::unordered_map<std::string, at::Tensor>& tensors, const char* name, int64_t rows,
+                int64_t width, std::initializer_list<at::ScalarType> dtypes, const at::Tensor& like, int64_t* ld) {
+  const auto found = tensors.find(name);
+  TORCH_CHECK_VALUE(found != tensors.end(), "trimul_inline: this backward pass needs tensor '", name, "'");
+  const at::Tensor& t = found->second;
+  TORCH_CHECK_VALUE(t.device() == like.device() && t.dim() == 2 && t.size(0) == rows && t.size(1) == width &&
+                        t.stride(1) == 1 && (rows <= 1 || t.stride(0) >= width),
+                    "trimul_inline: backward tensor '", name, "' must be [", text(rows), ", ", text(width),
+                    "] rows with adjacent channels on ", like.device().str(), ", got ", text(t.sizes()), " strides ",
+                    text(t.strides()));
+  TORCH_CHECK_TYPE(std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) != dtypes.end(),
+                   "trimul_inline: backward tensor '", name, "' has dtype ", t.scalar_type());
+  *ld = rows <= 1 || t.stride(0) == width ? 0 : t.stride(0);
+  return t.data_ptr();
+}
+
 // Runs backward pass `pass` (trimul::BackwardPass) of the named backward kernel (backward_kernel's) on the
 // tensors named as BackwardArgs' fields; `like` fixes the device and the operand dtype.
 void backward_pass(const std::string& role, const std::string& kernel, int64_t pass, int64_t batch, int64_t n,
@@ -585,7 +603,9 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
       args.a_planes = pass_tensor(tensors, "a_planes", positions * h, op, like);
       args.b_planes = pass_tensor(tensors, "b_planes", positions * h, op, like);
       if (args.pass == P::d_proj) {
-        args.rows = pass_tensor(tensors, "rows", positions * 4 * h, op, like);
+        args.rows = pass_rows(tensors, "rows", positions, 4 * h, op, like, &args.ld_rows);
+        TORCH_CHECK_VALUE(args.ld_rows == 0 || args.rows != args.proj,
+                          "trimul_inline: d_proj writes over proj only as whole [P, 4H] rows");
         args.sums = static_cast<float*>(pass_tensor(tensors, "sums", trimul::kBackwardSumRows * 4 * h, f32, like));
         if (has("d_mask")) args.d_mask = static_cast<float*>(pass_tensor(tensors, "d_mask", positions, f32, like));
       }
@@ -608,6 +628,10 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
       args.o = pass_tensor(tensors, "o", positions * c, op, like);
       args.gate_pre = pass_tensor(tensors, "gate_pre", positions * c, op, like);
       args.sums = static_cast<float*>(pass_tensor(tensors, "sums", trimul::kBackwardSumRows * 2 * c, f32, like));
+      if (has("gate_out")) {  // (d gate into one part of a wider buffer: ld_rows)
+        args.gate_out = pass_rows(tensors, "gate_out", positions, c, op, like, &args.ld_rows);
+        if (args.ld_rows == 0) args.ld_rows = c;
+      }
       break;
     case P::z_gate_grad:
       args.a_planes = pass_tensor(tensors, "a_planes", positions * h, op, like);
@@ -1030,7 +1054,14 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   at::Tensor out_sums = at::zeros({trimul::kBackwardSumRows, 2 * c}, like.options().dtype(acc));
   at::Tensor d_out_rows = grad_out.reshape({positions, c}).contiguous();
   at::Tensor d_o, d_gate;
-  if (gate_grad_from_z(outputs.kernel, batch, n, c, h, incoming, like, precision)) {
+  const bool gate_from_z = gate_grad_from_z(outputs.kernel, batch, n, c, h, incoming, like, precision);
+  // joined: d proj and d gate as the two parts of one [P, 4H + C] buffer (gate_grad and d_proj write their rows
+  // ld_rows apart), so that d x_hat is one GEMM against [W_in_f; W_gate_f], not a second GEMM adding d gate
+  // W_gate_f into the first's fp32 result (a read and a write of [P, C] fp32 more). Where d x_hat is a GEMM here
+  // and the gate reads x_hat.
+  const bool joined = gate_normalized && !d_x_hat_in_pass && !proj_in_pass && !lean && !gate_from_z;
+  at::Tensor d_rows;  // (joined: [d proj | d gate])
+  if (gate_from_z) {
     // (z_gate_grad reads d out by TMA: 16-byte aligned rows)
     if (reinterpret_cast<uintptr_t>(d_out_rows.data_ptr()) % 16 != 0) d_out_rows = d_out_rows.clone();
     // (z_rows, both products and gate_grad in one pass: o and gate_pre never written)
@@ -1047,8 +1078,16 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     z_planes.reset();
     d_o = linear(z_hat, w_out_f, b_out_f);
     d_gate = linear(gate_rows, w_gate, b_gate);
-    outputs.run(P::gate_grad, 0.0, {{"d_out", d_out_rows}, {"o", d_o}, {"gate_pre", d_gate},
-                                    {"sums", out_sums}});  // (o and gate_pre become d o, d gate)
+    // (o and gate_pre become d o and d gate; joined, d gate goes to its part of d_rows)
+    std::unordered_map<std::string, at::Tensor> gate_tensors{{"d_out", d_out_rows}, {"o", d_o}, {"gate_pre", d_gate},
+                                                             {"sums", out_sums}};
+    if (joined) {
+      d_rows = rows_of(4 * h + c, dtype);
+      gate_tensors["gate_out"] = d_rows.narrow(1, 4 * h, c);
+    }
+    outputs.run(P::gate_grad, 0.0, gate_tensors);
+    gate_tensors.clear();
+    if (joined) d_gate = d_rows.narrow(1, 4 * h, c);
   }
   const std::vector<at::Tensor> out_sum = out_sums.sum(0).chunk(2);
   const at::Tensor g_out = mm_to(d_o.t(), z_hat, acc), g_gate = mm_to(d_gate.t(), gate_rows, acc);
@@ -1083,7 +1122,10 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   // input_backward
   if (lean && !proj_in_pass) proj = linear(x_hat, w_in_f, b_in_f);
   // (lean: in place, d_proj reads a row before it writes it)
-  at::Tensor d_proj = proj_in_pass ? rows_of(4 * h, dtype) : lean ? proj : at::empty_like(proj);
+  at::Tensor d_proj = proj_in_pass ? rows_of(4 * h, dtype)
+                     : lean       ? proj
+                     : joined     ? d_rows.narrow(1, 0, 4 * h)
+                                  : at::empty_like(proj);
   const at::Tensor in_sums = at::zeros({trimul::kBackwardSumRows, 4 * h}, like.options().dtype(acc));
   std::unordered_map<std::string, at::Tensor> tensors{{"a_planes", da}, {"b_planes", db}, {"mask", mask_rows},
                                                       {"rows", d_proj}, {"sums", in_sums}};
@@ -1110,6 +1152,11 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
       pair_tensors["d_gate"] = d_gate;
       pair_tensors["w_gate_f"] = w_gate.contiguous();
     }
+  } else if (joined) {
+    pair_tensors["d_rows"] = mm_to(d_rows, in_type(at::cat({w_in_f, w_gate}), dtype), acc);
+    d_rows.reset();
+    d_proj.reset();
+    d_gate.reset();
   } else {
     at::Tensor d_x_hat = mm_to(d_proj, in_type(w_in_f, dtype), acc);
     d_proj.reset();

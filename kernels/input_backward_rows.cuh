@@ -91,14 +91,14 @@ __global__ void __launch_bounds__(kThreads) gated_planes_kernel(const BackwardAr
   tile_to_planes(tile_b, static_cast<T*>(args.b_planes), t, args.n, hidden);
 }
 
-// da, db planes -> d proj rows (rows may be proj: in place): d pa = da s m, d ga = da pa m s (1 - s)
-// (s = sigmoid(ga)), the same for b;
+// da, db planes -> d proj rows, ld_rows apart where set (rows may be proj: in place): d pa = da s m,
+// d ga = da pa m s (1 - s) (s = sigmoid(ga)), the same for b;
 // d mask = sum over h of da pa s + db pb s_b where asked; the block's sums of d proj over its positions into
 // sums (the projections' bias gradients). Blocks loop over the tiles.
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads) d_proj_kernel(const BackwardArgs args) {
   extern __shared__ float shared[];
-  const int64_t hidden = args.h, tiles = tile_count(args);
+  const int64_t hidden = args.h, tiles = tile_count(args), ld = args.ld_rows != 0 ? args.ld_rows : 4 * hidden;
   float* tile_a = shared;
   float* tile_b = shared + hidden * kTileStride;
   float* warp_sums = shared + 2 * hidden * kTileStride;  // [kWarps][4H]
@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(kThreads) d_proj_kernel(const BackwardArgs arg
       // (not __restrict__: rows may be proj itself, d proj written in place; a lane reads its channels of a
       // row before it writes them, and no other lane touches them)
       const T* proj = static_cast<const T*>(args.proj) + p * 4 * hidden;
-      T* d_proj = static_cast<T*>(args.rows) + p * 4 * hidden;
+      T* d_proj = static_cast<T*>(args.rows) + p * ld;
       float d_mask = 0.f;
       for (int64_t h = lane * V; h < hidden; h += 32 * V) {
         float pa[V], ga[V], pb[V], gb[V];
@@ -224,8 +224,8 @@ cudaError_t launch(const BackwardArgs& args) {
         });
       });
     }
-    return dispatch_vector(row_vector(args.h, {args.proj, args.rows}),
-                           [&](auto vector) { return launch_typed<T, decltype(vector)::value>(args); });
+    const int lanes = args.ld_rows % 4 == 0 ? row_vector(args.h, {args.proj, args.rows}) : 1;
+    return dispatch_vector(lanes, [&](auto vector) { return launch_typed<T, decltype(vector)::value>(args); });
   });
 }
 

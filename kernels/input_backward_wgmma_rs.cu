@@ -312,8 +312,10 @@ bool takes(const BackwardArgs& args) {
 }
 
 // (d_pair without d_rows: d x_hat multiplied in the pass, input_backward_d_pair.cuh, whose rules are its own)
+// (proj_rs writes d proj as whole [P, 4H] rows: no ld_rows)
 bool applies(const BackwardArgs& args) {
   if (args.pass == BackwardPass::d_pair && args.d_rows == nullptr) return d_pair_mma::takes(args);
+  if (args.pass == BackwardPass::d_proj && args.proj == nullptr && args.ld_rows != 0) return false;
   return takes(args) && d_proj_bytes(args) <= max_smem_optin();
 }
 
@@ -338,7 +340,7 @@ cudaError_t launch(const BackwardArgs& args) {
   if (args.pass != BackwardPass::d_proj || args.proj != nullptr) return ::trimul::backward::launch(args);
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (!takes(args) || args.x_hat == nullptr || args.w_in_f == nullptr || args.b_in_f == nullptr ||
-      args.sums == nullptr || !aligned(args.x_hat) || !aligned(args.rows) || !aligned(args.w_in_f) ||
+      args.sums == nullptr || args.ld_rows != 0 || !aligned(args.x_hat) || !aligned(args.rows) || !aligned(args.w_in_f) ||
       !aligned(args.a_planes) || !aligned(args.b_planes))
     return cudaErrorInvalidValue;
   const bool mask_grad = args.d_mask != nullptr;

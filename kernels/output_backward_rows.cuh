@@ -44,8 +44,9 @@ __global__ void __launch_bounds__(kThreads) z_rows_kernel(const BackwardArgs arg
   }
 }
 
-// out = sigmoid(gate_pre) * o: o := d o = d_out s, gate_pre := d gate_pre = d_out o s (1 - s); the block's sums
-// of d o and d gate_pre over its positions into sums (the biases' gradients).
+// out = sigmoid(gate_pre) * o: o := d o = d_out s, gate_pre := d gate_pre = d_out o s (1 - s) (or d gate_pre
+// into gate_out's rows, ld_rows apart, where set); the block's sums of d o and d gate_pre over its positions
+// into sums (the biases' gradients).
 template <typename T, typename TOut, int V>
 __global__ void __launch_bounds__(kThreads) gate_grad_kernel(const BackwardArgs args) {
   extern __shared__ float warp_sums[];  // [kWarps][2C]
@@ -57,7 +58,9 @@ __global__ void __launch_bounds__(kThreads) gate_grad_kernel(const BackwardArgs 
   for (int64_t p = blockIdx.x * int64_t(kWarps) + warp; p < positions; p += int64_t(gridDim.x) * kWarps) {
     const TOut* __restrict__ d_out = static_cast<const TOut*>(args.d_out) + p * width;
     T* __restrict__ o = static_cast<T*>(args.o) + p * width;
-    T* __restrict__ gate = static_cast<T*>(args.gate_pre) + p * width;
+    const T* gate = static_cast<const T*>(args.gate_pre) + p * width;
+    T* d_gate = args.gate_out != nullptr ? static_cast<T*>(args.gate_out) + p * args.ld_rows
+                                         : static_cast<T*>(args.gate_pre) + p * width;
     for (int64_t c = lane * V; c < width; c += 32 * V) {
       float d[V], value[V], g[V];
       load_pack<V>(d_out + c, d);
@@ -72,7 +75,7 @@ __global__ void __launch_bounds__(kThreads) gate_grad_kernel(const BackwardArgs 
         own[width + c + i] += g[i];
       }
       store_pack<V>(o + c, value);
-      store_pack<V>(gate + c, g);
+      store_pack<V>(d_gate + c, g);
     }
   }
   __syncthreads();
@@ -128,8 +131,10 @@ cudaError_t launch(const BackwardArgs& args) {
     using T = typename decltype(operand)::type;
     if (args.pass == BackwardPass::gate_grad) {
       if (args.sums == nullptr) return cudaErrorInvalidValue;
+      const int lanes =
+          args.ld_rows % 4 == 0 ? row_vector(args.c, {args.d_out, args.o, args.gate_pre, args.gate_out}) : 1;
       return dispatch_out(args.d_out_dtype, [&](auto out) {
-        return dispatch_vector(row_vector(args.c, {args.d_out, args.o, args.gate_pre}), [&](auto vector) {
+        return dispatch_vector(lanes, [&](auto vector) {
           return launch_rows(gate_grad_kernel<T, typename decltype(out)::type, decltype(vector)::value>, args,
                              gate_grad_bytes(args), true);
         });
