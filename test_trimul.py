@@ -2083,32 +2083,55 @@ def test_training_keeps_z_past_the_graphed_sizes(precision, direction, pair_dim,
                          lean is False for z, ab, x_hat, lean in calls)
 
 
+@cuda
+@pytest.mark.parametrize("direction, dtype, gate_input", [("outgoing", torch.float32, "normalized"),
+                                                          ("incoming", torch.bfloat16, "normalized"),
+                                                          ("outgoing", torch.float32, "raw")])
+def test_training_at_pair_dim_384(direction, dtype, gate_input, monkeypatch):
+    """pair_dim 384 at medium (the bench's C = 384 shapes: the rows kernels' backward passes), past the graphed
+    sizes: the forward's z and, on Hopper, its LayerNorm_in rows (wgmma_rs_384 writes them) reach the backward,
+    which (gate on those rows) multiplies d x_hat as one GEMM over [d proj | d gate]; gradients within the
+    tolerances (the bf16 steps at this size: TF32_BACKWARD_POSITIONS off)."""
+    monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)
+    calls = []
+    original = ti.training_backward
+    monkeypatch.setattr(ti, "training_backward",
+                        lambda *a, **k: calls.append(tuple(k["saved"])) or original(*a, **k))  # ([z, a/b, x_hat])
+    _check_training("medium", direction, gate_input, 1, 257, 384, 128, dtype=dtype)
+    assert calls and all(z is not None and (x_hat is not None) == _on_hopper() for z, _, x_hat in calls)
+
+
 @HOPPER
-@pytest.mark.parametrize("direction, n, hidden, dtype", [("outgoing", 33, 128, torch.float32),
-                                                         ("incoming", 40, 64, torch.bfloat16),
-                                                         ("incoming", 7, 128, torch.float32)])
-def test_input_pass_writes_x_hat(direction, n, hidden, dtype):
-    """The bf16 mode's wgmma_rs input pass also writes LayerNorm_in's rows (no affine) into a buffer it is given
-    (ForwardSteps.new_x_hat; the training forward keeps them for the backward): every position within bf16
-    rounding of fp64, in pair_repr's order (incoming: the plane's positions transposed), poison overwritten, and
-    a/b the same bits as without it. Where the input kernel cannot write them ("highest"), no buffer is planned
-    and one passed raises."""
+@pytest.mark.parametrize("direction, n, hidden, dtype, pair_dim", [("outgoing", 33, 128, torch.float32, 128),
+                                                                   ("incoming", 40, 64, torch.bfloat16, 128),
+                                                                   ("incoming", 7, 128, torch.float32, 128),
+                                                                   ("outgoing", 33, 128, torch.float32, 384),
+                                                                   ("incoming", 7, 64, torch.bfloat16, 384)])
+def test_input_pass_writes_x_hat(direction, n, hidden, dtype, pair_dim):
+    """The bf16 mode's wgmma_rs and wgmma_rs_384 input passes also write LayerNorm_in's rows (no affine) into a
+    buffer they are given (ForwardSteps.new_x_hat; the training forward keeps them for the backward): every
+    position within bf16 rounding of fp64 (twice at pair_dim 384: its fragments hold x - mean, rounded before
+    rstd scales them), in pair_repr's order (incoming: the plane's positions transposed), poison overwritten,
+    and a/b the same bits as without it. Where the input kernel cannot write them ("highest"), no buffer is
+    planned and one passed raises."""
     g = torch.Generator().manual_seed(fresh_seed())
-    model = random_layers(ti.ModelNew(128, hidden, direction=direction, precision="medium"), g).to("cuda", dtype)
-    pair, mask = random_inputs(2, n, 128, g, dtype=dtype, device="cuda")
+    model = random_layers(ti.ModelNew(pair_dim, hidden, direction=direction, precision="medium"), g).to("cuda", dtype)
+    pair, mask = random_inputs(2, n, pair_dim, g, dtype=dtype, device="cuda")
     steps = model.forward_steps(pair, mask)
-    assert steps.plan["input"] == "wgmma_rs"
+    assert steps.plan["input"] == ("wgmma_rs" if pair_dim == 128 else "wgmma_rs_384")
     x_hat = steps.new_x_hat()
-    assert x_hat is not None and x_hat.shape == (2 * n * n, 128) and x_hat.dtype == torch.bfloat16
+    assert x_hat is not None and x_hat.shape == (2 * n * n, pair_dim) and x_hat.dtype == torch.bfloat16
     x_hat.fill_(float("nan"))
     ab, ab_plain = steps.new_ab(), steps.new_ab()
     steps.input_pass(ab, x_hat)
     steps.input_pass(ab_plain)
     assert torch.equal(ab[..., :n], ab_plain[..., :n])
-    expected = torch.nn.functional.layer_norm(pair.double().reshape(-1, 128), (128,), eps=1e-5)
+    expected = torch.nn.functional.layer_norm(pair.double().reshape(-1, pair_dim), (pair_dim,), eps=1e-5)
     err = (x_hat.double() - expected).abs()
-    assert not x_hat.isnan().any() and bool((err <= expected.abs() * 2.0 ** -8 + 1e-4).all()), err.max().item()
-    highest = random_layers(ti.ModelNew(128, hidden, direction=direction, precision="highest"), g).cuda()
+    roundings = 1 if pair_dim == 128 else 2
+    assert not x_hat.isnan().any() and bool((err <= expected.abs() * roundings * 2.0 ** -8 + 1e-4).all()), \
+        err.max().item()
+    highest = random_layers(ti.ModelNew(pair_dim, hidden, direction=direction, precision="highest"), g).cuda()
     fp32_pair = pair.float()
     fp32_steps = highest.forward_steps(fp32_pair, mask)
     assert fp32_steps.new_x_hat() is None

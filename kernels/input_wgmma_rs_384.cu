@@ -33,8 +33,26 @@ inline int64_t smem_bytes(int64_t rows_ab) {
   return 1023 + tiles * (kStageBytes + 8) + kGroups * kScratchBytes + rows_ab * 4;
 }
 
+// The x_hat row of one position (ForwardArgs::x_hat, at the pair row's offset) from its centred fragments:
+// (x - mean) as the fragments hold it, times rstd, rounded again (the forward multiplies those fragments and
+// scales by rstd after: the backward's operand is as close to what the forward used as a recompute's). A quad's
+// four 8-byte stores per k-step fill one 32-byte sector.
+template <typename Op>
+__device__ __forceinline__ void store_x_hat_row(const ForwardArgs& args, int64_t off, const uint32_t (&frag)[kSteps][4],
+                                                int hf, float rstd, int t) {
+  uint2* dst = reinterpret_cast<uint2*>(static_cast<Op*>(args.x_hat) + off + 4 * t);
+  const auto scaled = [&](uint32_t pair) {
+    const float2 v = unpack_pair<Op>(pair);
+    return pack_pair<Op>(v.x * rstd, v.y * rstd);
+  };
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) dst[4 * s] = make_uint2(scaled(frag[s][hf]), scaled(frag[s][2 + hf]));
+}
+
 // kChunks: 128-row weight chunks per side, rows_ab / 128 (1 or 2: H <= 64, 128). TIn: the pair rows' type.
-template <Mode M, int kChunks, typename TIn>
+// kXHat: the rows also go to ForwardArgs::x_hat (its own instance), each partner block writing one of a
+// thread's two rows.
+template <Mode M, int kChunks, typename TIn, bool kXHat>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_w, const __grid_constant__ CUtensorMap map_a,
            const __grid_constant__ CUtensorMap map_b, int64_t tiles_per_batch) {
@@ -107,6 +125,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         asm volatile("" : "+r"(frag[s][hf]), "+r"(frag[s][2 + hf]));
       }
       rstd[hf] = rsqrtf(quad_sum(sum_sq) * (1.f / kC) + args.eps_in);
+      if constexpr (kXHat) {
+        if (hf == side && off >= 0) store_x_hat_row<Op>(args, off, frag, hf, rstd[hf], t);
+      }
     }
 
     // The side's weight rows in parts of 64 (N = 64: 32 h), two accumulator sets in turn (as wgmma_rs).
@@ -145,22 +166,33 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // Whether it takes these sizes: a 16-bit mode and takes_rows at pair_dim 384 with one side's weights
-// resident, and an even grid.
+// resident, and an even grid; x_hat in the bf16 mode only (the backward's operand is bf16 there).
 template <Mode M, typename TIn>
 bool applicable(const ForwardArgs& args) {
-  return wgmma_rs::takes_rows<TIn>(args, kC, smem_bytes(args.rows_ab)) && sm_count() >= 2;
+  return wgmma_rs::takes_rows<TIn>(args, kC, smem_bytes(args.rows_ab)) && sm_count() >= 2 &&
+         (args.x_hat == nullptr || M == Mode::bf16);
 }
 
-template <Mode M, typename TIn>
-cudaError_t launch(const ForwardArgs& args) {
+template <Mode M, typename TIn, bool kXHat>
+cudaError_t launch_instance(const ForwardArgs& args) {
   const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
   const int64_t pairs = std::min<int64_t>(sm_count() / 2, ceil_div(args.batch * tiles_per_batch, kGroups));
   const int64_t bytes = smem_bytes(args.rows_ab);
   switch (args.rows_ab / kChunkRows) {  // (one side's 128-row chunks)
-    case 1: return wgmma_rs::launch_kernel<kernel<M, 1, TIn>, op_t<M>>(args, 2 * pairs, bytes, tiles_per_batch);
-    case 2: return wgmma_rs::launch_kernel<kernel<M, 2, TIn>, op_t<M>>(args, 2 * pairs, bytes, tiles_per_batch);
+    case 1:
+      return wgmma_rs::launch_kernel<kernel<M, 1, TIn, kXHat>, op_t<M>>(args, 2 * pairs, bytes, tiles_per_batch);
+    case 2:
+      return wgmma_rs::launch_kernel<kernel<M, 2, TIn, kXHat>, op_t<M>>(args, 2 * pairs, bytes, tiles_per_batch);
     default: return cudaErrorNotSupported;
   }
+}
+
+template <Mode M, typename TIn>
+cudaError_t launch(const ForwardArgs& args) {
+  if constexpr (M == Mode::bf16) {
+    if (args.x_hat != nullptr) return launch_instance<M, TIn, true>(args);
+  }
+  return launch_instance<M, TIn, false>(args);
 }
 
 }  // namespace wgmma_rs_384
@@ -168,4 +200,4 @@ cudaError_t launch(const ForwardArgs& args) {
 }  // namespace input_pass
 }  // namespace trimul
 
-TRIMUL_REGISTER_PASS(input, wgmma_rs_384, trimul::input_pass::wgmma_rs_384, trimul::fused::k16BitModes);
+TRIMUL_REGISTER_INPUT_PASS_WRITING_X_HAT(wgmma_rs_384, trimul::input_pass::wgmma_rs_384, trimul::fused::k16BitModes);

@@ -336,6 +336,16 @@ __device__ __forceinline__ uint32_t pack_pair(float v0, float v1) {
   }
 }
 
+// pack_pair's inverse: the two 16-bit values of a pair as fp32, the low half first.
+template <typename T>
+__device__ __forceinline__ float2 unpack_pair(uint32_t pair) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&pair));
+  }
+}
+
 // A warp's 8 rows x P 16-bit values, held as wgmma/mma accumulator pairs (lane: row lane / 4, values
 // 8j + 2 (lane % 4) and + 1 of each 8-value block j, packed as pack_pair), go out through this warp's
 // `scratch` (8 x 2P bytes, 16-byte aligned) in two steps: stage_row_pairs_x4 for blocks 4q .. 4q + 3
