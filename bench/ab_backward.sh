@@ -6,8 +6,8 @@
 # A+B (patches joined by '+') applies them together. --precision P (after OUT): profile and test at P instead;
 # --shapes "S;S" (after OUT, after --precision if both): profile each shape in turn instead of (1,1024,128,128).
 # --forward (last of the options): also the inference forward's geomean at that precision (bench.py, ModelNew
-# only) per tree, and the register-row input kernel's and the fused forward's tests, for a patch that touches
-# the forward's kernels too.
+# only) per tree, and the register-row kernels', the default output kernels' and the fused forward's tests, for
+# a patch that touches the forward's kernels too.
 #   bench/ab_backward.sh $OUT dev/backward_tile64.diff dev/d_proj_register_sums.diff
 #   bench/ab_backward.sh $OUT dev/a.diff dev/b.diff dev/a.diff+dev/b.diff
 #   bench/ab_backward.sh $OUT --precision highest dev/c.diff
@@ -53,7 +53,7 @@ for spec in "$@"; do
   fi
   if python3 trimul_inline.py build >> "$out/build.log" 2>&1; then
     tests="(training and ($precision or bitwise)) or f16x3"
-    [ $forward = 1 ] && tests="$tests or register_row_input or fused_matches or fused_reduced"
+    [ $forward = 1 ] && tests="$tests or register_row or default_output or fused_matches or fused_reduced"
     timeout 240 python3 -m pytest -q test_trimul.py -k "$tests" > "$out/$name-tests.log" 2>&1
     echo "$name: $(tail -n 1 "$out/$name-tests.log")"
     profile > "$out/$name.log"
