@@ -1267,7 +1267,6 @@ class _KernelBackwardPasses:
         rstd = z_planes.new_empty((self._positions, 1), dtype=torch.float32)
         d_o, d_gate = gate_rows.new_empty(d_out.shape), gate_rows.new_empty(d_out.shape)
         sums = d_out.new_zeros((_BACKWARD_SUM_ROWS, 2 * d_out.shape[1]), dtype=torch.float32)
-        d_out = d_out if d_out.data_ptr() % 16 == 0 else d_out.clone()  # (the pass reads it by TMA)
         weights = {name: t.float().contiguous() for name, t in
                    (("w_out_f", w_out_f), ("b_out_f", b_out_f), ("w_gate_f", w_gate), ("b_gate_f", b_gate))}
         self._run("z_gate_grad", eps, a_planes=z_planes, x_hat=gate_rows, d_out=d_out, o=d_o, gate_pre=d_gate,
@@ -1688,8 +1687,8 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     gate_from_z = outputs.gate_grad_from_z()
     # joined: d proj and d gate as the two parts of one [P, 4H + C] buffer, so that d x_hat is one GEMM against
     # [W_in_f; W_gate_f] (training_backward in bindings.cpp says why)
-    joined = gate_normalized and not inputs.d_pair_from_d_proj() and not proj_in_pass and not lean and \
-        not gate_from_z
+    d_x_hat_in_pass = inputs.d_pair_from_d_proj()  # (d_pair multiplies d x_hat itself: never written)
+    joined = gate_normalized and not d_x_hat_in_pass and not proj_in_pass and not lean and not gate_from_z
     d_rows = x_hat.new_empty((positions, 4 * hidden + pair_dim)) if joined else None
     if gate_from_z:  # (one pass: o and gate_pre never written)
         z_hat, rstd_out, d_o, d_gate, s_out, s_gate = outputs.z_gate_grad(z_planes, eps_out, gate_rows, w_out_f,
@@ -1731,7 +1730,7 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
                                              in_place=lean, out=None if d_rows is None else d_rows[:, :4 * hidden])
     del proj, da_planes, db_planes
     g_in = products.mm(d_proj.t(), x_hat, acc)
-    if inputs.d_pair_from_d_proj():  # (d x_hat multiplied in the pass, never written)
+    if d_x_hat_in_pass:
         raw_gate_share = None if gate_normalized else products.mm(d_gate, gate_w.to(dtype), acc)
         gate_share = (d_gate, w_gate) if gate_normalized else (None, None)
         d_pair = inputs.d_pair_multiplied(pair_rows, eps_in, d_proj, w_in_f, *gate_share, raw_gate_share)

@@ -48,12 +48,13 @@ __device__ __forceinline__ void store_pack(T* p, const float* in) {
   *reinterpret_cast<Pack<V, T>*>(p) = pack;
 }
 
-// The vector width of a pass's row accesses: 4 where the row width is a multiple of 4 and every row buffer
-// starts 16-byte aligned (so each row does), else 1.
-inline int row_vector(int64_t width, std::initializer_list<const void*> rows) {
+// The vector width of a pass's row accesses: 4 where the row width and the stride of rows inside a wider buffer
+// (ld, BackwardArgs::ld_rows; 0: none) are multiples of 4 and every row buffer starts 16-byte aligned (so each
+// row does), else 1.
+inline int row_vector(int64_t width, std::initializer_list<const void*> rows, int64_t ld = 0) {
   for (const void* p : rows)
     if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return 1;
-  return width % 4 == 0 ? 4 : 1;
+  return width % 4 == 0 && ld % 4 == 0 ? 4 : 1;
 }
 
 template <typename F>

@@ -574,6 +574,7 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
   trimul::BackwardArgs args = backward_sizes(batch, n, c, h, incoming, like, precision);
   args.pass = static_cast<trimul::BackwardPass>(pass);
   args.eps = static_cast<float>(eps);
+  at::Tensor aligned_d_out;  // (z_gate_grad: d out copied where its rows are not 16-byte aligned; lives to the launch)
   const int64_t positions = batch * n * n;
   const at::ScalarType operand = scalar_type(args.operand);
   const auto any_float = {at::kFloat, at::kBFloat16, at::kHalf};
@@ -628,10 +629,8 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
       args.o = pass_tensor(tensors, "o", positions * c, op, like);
       args.gate_pre = pass_tensor(tensors, "gate_pre", positions * c, op, like);
       args.sums = static_cast<float*>(pass_tensor(tensors, "sums", trimul::kBackwardSumRows * 2 * c, f32, like));
-      if (has("gate_out")) {  // (d gate into one part of a wider buffer: ld_rows)
+      if (has("gate_out"))  // (d gate into one part of a wider buffer: ld_rows)
         args.gate_out = pass_rows(tensors, "gate_out", positions, c, op, like, &args.ld_rows);
-        if (args.ld_rows == 0) args.ld_rows = c;
-      }
       break;
     case P::z_gate_grad:
       args.a_planes = pass_tensor(tensors, "a_planes", positions * h, op, like);
@@ -642,6 +641,10 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
       args.b_gate_f = static_cast<const float*>(pass_tensor(tensors, "b_gate_f", c, f32, like));
       args.d_out = pass_tensor(tensors, "d_out", positions * c, any_float, like);
       args.d_out_dtype = dtype_code(get("d_out"), "d_out");
+      if (reinterpret_cast<uintptr_t>(args.d_out) % 16 != 0) {  // (the pass reads d out by TMA)
+        aligned_d_out = get("d_out").clone();
+        args.d_out = aligned_d_out.data_ptr();
+      }
       args.o = pass_tensor(tensors, "o", positions * c, op, like);
       args.gate_pre = pass_tensor(tensors, "gate_pre", positions * c, op, like);
       args.rows = pass_tensor(tensors, "rows", positions * h, op, like);
@@ -1052,7 +1055,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     gate_rows = in_type(pair_rows, dtype);
   }
   at::Tensor out_sums = at::zeros({trimul::kBackwardSumRows, 2 * c}, like.options().dtype(acc));
-  at::Tensor d_out_rows = grad_out.reshape({positions, c}).contiguous();
+  const at::Tensor d_out_rows = grad_out.reshape({positions, c}).contiguous();
   at::Tensor d_o, d_gate;
   const bool gate_from_z = gate_grad_from_z(outputs.kernel, batch, n, c, h, incoming, like, precision);
   // joined: d proj and d gate as the two parts of one [P, 4H + C] buffer (gate_grad and d_proj write their rows
@@ -1062,8 +1065,6 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   const bool joined = gate_normalized && !d_x_hat_in_pass && !proj_in_pass && !lean && !gate_from_z;
   at::Tensor d_rows;  // (joined: [d proj | d gate])
   if (gate_from_z) {
-    // (z_gate_grad reads d out by TMA: 16-byte aligned rows)
-    if (reinterpret_cast<uintptr_t>(d_out_rows.data_ptr()) % 16 != 0) d_out_rows = d_out_rows.clone();
     // (z_rows, both products and gate_grad in one pass: o and gate_pre never written)
     d_o = rows_of(c, dtype);
     d_gate = rows_of(c, dtype);

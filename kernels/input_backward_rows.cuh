@@ -224,8 +224,8 @@ cudaError_t launch(const BackwardArgs& args) {
         });
       });
     }
-    const int lanes = args.ld_rows % 4 == 0 ? row_vector(args.h, {args.proj, args.rows}) : 1;
-    return dispatch_vector(lanes, [&](auto vector) { return launch_typed<T, decltype(vector)::value>(args); });
+    return dispatch_vector(row_vector(args.h, {args.proj, args.rows}, args.ld_rows),
+                           [&](auto vector) { return launch_typed<T, decltype(vector)::value>(args); });
   });
 }
 

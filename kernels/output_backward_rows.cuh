@@ -51,6 +51,7 @@ template <typename T, typename TOut, int V>
 __global__ void __launch_bounds__(kThreads) gate_grad_kernel(const BackwardArgs args) {
   extern __shared__ float warp_sums[];  // [kWarps][2C]
   const int64_t positions = args.batch * args.n * args.n, width = args.c;
+  const int64_t gate_ld = args.ld_rows != 0 ? args.ld_rows : width;  // (gate_out's rows)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   sum_rows_clear(warp_sums, 2 * width);
   __syncthreads();
@@ -59,7 +60,7 @@ __global__ void __launch_bounds__(kThreads) gate_grad_kernel(const BackwardArgs 
     const TOut* __restrict__ d_out = static_cast<const TOut*>(args.d_out) + p * width;
     T* __restrict__ o = static_cast<T*>(args.o) + p * width;
     const T* gate = static_cast<const T*>(args.gate_pre) + p * width;
-    T* d_gate = args.gate_out != nullptr ? static_cast<T*>(args.gate_out) + p * args.ld_rows
+    T* d_gate = args.gate_out != nullptr ? static_cast<T*>(args.gate_out) + p * gate_ld
                                          : static_cast<T*>(args.gate_pre) + p * width;
     for (int64_t c = lane * V; c < width; c += 32 * V) {
       float d[V], value[V], g[V];
@@ -131,8 +132,7 @@ cudaError_t launch(const BackwardArgs& args) {
     using T = typename decltype(operand)::type;
     if (args.pass == BackwardPass::gate_grad) {
       if (args.sums == nullptr) return cudaErrorInvalidValue;
-      const int lanes =
-          args.ld_rows % 4 == 0 ? row_vector(args.c, {args.d_out, args.o, args.gate_pre, args.gate_out}) : 1;
+      const int lanes = row_vector(args.c, {args.d_out, args.o, args.gate_pre, args.gate_out}, args.ld_rows);
       return dispatch_out(args.d_out_dtype, [&](auto out) {
         return dispatch_vector(lanes, [&](auto vector) {
           return launch_rows(gate_grad_kernel<T, typename decltype(out)::type, decltype(vector)::value>, args,
