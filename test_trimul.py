@@ -2030,13 +2030,13 @@ def test_training_with_saved_z(precision, direction, n, pair_dim, monkeypatch):
     calls = []
     original = ti.training_backward
     monkeypatch.setattr(ti, "training_backward",
-                        lambda *a, **k: calls.append(tuple(k["saved"])) or original(*a, **k))  # ([z, a/b, x_hat])
+                        lambda *a, **k: calls.append(tuple(k["saved"])) or original(*a, **k))  # ([z, a/b, x_hat, rstd])
     _check_training(precision, direction, "normalized", 2, n, pair_dim, 48 if pair_dim == 64 else 64,
                     backward_saves="z")
-    assert calls and all(z is not None for z, _, _ in calls)
-    assert all((ab is not None) == (precision == "medium") for _, ab, _ in calls)
+    assert calls and all(z is not None for z, _, _, _ in calls)
+    assert all((ab is not None) == (precision == "medium") for _, ab, _, _ in calls)
     x_hat_kept = precision == "medium" and pair_dim == 128 and _on_hopper()
-    assert all((x_hat is not None) == x_hat_kept for _, _, x_hat in calls)
+    assert all((x_hat is not None) == (rstd is not None) == x_hat_kept for _, _, x_hat, rstd in calls)
 
 
 @cuda
@@ -2080,7 +2080,7 @@ def test_training_keeps_z_past_the_graphed_sizes(precision, direction, pair_dim,
     medium = precision == "medium"
     x_hat_kept = medium and pair_dim == 128 and _on_hopper()
     assert calls and all(z is not None and (ab is not None) == medium and (x_hat is not None) == x_hat_kept and
-                         lean is False for z, ab, x_hat, lean in calls)
+                         (rstd is not None) == x_hat_kept and lean is False for z, ab, x_hat, rstd, lean in calls)
 
 
 @cuda
@@ -2096,9 +2096,10 @@ def test_training_at_pair_dim_384(direction, dtype, gate_input, monkeypatch):
     calls = []
     original = ti.training_backward
     monkeypatch.setattr(ti, "training_backward",
-                        lambda *a, **k: calls.append(tuple(k["saved"])) or original(*a, **k))  # ([z, a/b, x_hat])
+                        lambda *a, **k: calls.append(tuple(k["saved"])) or original(*a, **k))  # ([z, a/b, x_hat, rstd])
     _check_training("medium", direction, gate_input, 1, 257, 384, 128, dtype=dtype)
-    assert calls and all(z is not None and (x_hat is not None) == _on_hopper() for z, _, x_hat in calls)
+    assert calls and all(z is not None and (x_hat is not None) == (rstd is not None) == _on_hopper()
+                         for z, _, x_hat, rstd in calls)
 
 
 @HOPPER
@@ -2112,8 +2113,9 @@ def test_input_pass_writes_x_hat(direction, n, hidden, dtype, pair_dim):
     buffer they are given (ForwardSteps.new_x_hat; the training forward keeps them for the backward): every
     position within bf16 rounding of fp64 (twice at pair_dim 384: its fragments hold x - mean, rounded before
     rstd scales them), in pair_repr's order (incoming: the plane's positions transposed), poison overwritten,
-    and a/b the same bits as without it. Where the input kernel cannot write them ("highest"), no buffer is
-    planned and one passed raises."""
+    and a/b the same bits as without it; with them each position's rstd (ForwardSteps.new_x_hat_rstd) within fp32
+    rounding of fp64. Where the input kernel cannot write them ("highest"), no buffer is planned and one passed
+    raises."""
     g = torch.Generator().manual_seed(fresh_seed())
     model = random_layers(ti.ModelNew(pair_dim, hidden, direction=direction, precision="medium"), g).to("cuda", dtype)
     pair, mask = random_inputs(2, n, pair_dim, g, dtype=dtype, device="cuda")
@@ -2122,10 +2124,18 @@ def test_input_pass_writes_x_hat(direction, n, hidden, dtype, pair_dim):
     x_hat = steps.new_x_hat()
     assert x_hat is not None and x_hat.shape == (2 * n * n, pair_dim) and x_hat.dtype == torch.bfloat16
     x_hat.fill_(float("nan"))
+    rstd = steps.new_x_hat_rstd()
+    assert rstd.shape == (2 * n * n,) and rstd.dtype == torch.float32
+    rstd.fill_(float("nan"))
     ab, ab_plain = steps.new_ab(), steps.new_ab()
-    steps.input_pass(ab, x_hat)
+    steps.input_pass(ab, x_hat, rstd)
     steps.input_pass(ab_plain)
     assert torch.equal(ab[..., :n], ab_plain[..., :n])
+    rows = pair.double().reshape(-1, pair_dim)
+    expected_rstd = (rows.var(1, unbiased=False) + 1e-5).rsqrt()
+    assert not rstd.isnan().any() and ((rstd.double() - expected_rstd).abs() <= 1e-5 * expected_rstd).all()
+    with pytest.raises(ValueError, match="x_hat_rstd"):
+        steps.input_pass(ab, None, rstd)
     expected = torch.nn.functional.layer_norm(pair.double().reshape(-1, pair_dim), (pair_dim,), eps=1e-5)
     err = (x_hat.double() - expected).abs()
     roundings = 1 if pair_dim == 128 else 2
@@ -2142,19 +2152,21 @@ def test_input_pass_writes_x_hat(direction, n, hidden, dtype, pair_dim):
 @cuda
 @pytest.mark.parametrize("precision, gate_input, pair_dim, n", [("medium", "normalized", 24, 70),
                                                                 ("highest", "raw", 24, 70),
-                                                                ("medium", "raw", 128, 72)])
+                                                                ("medium", "raw", 128, 72),
+                                                                ("medium", "normalized", 128, 72)])
 def test_backward_host_path_with_saved_z_equals_the_python_steps(precision, gate_input, pair_dim, n, monkeypatch):
     """With the forward's z (and at medium its a/b planes) and the lean steps, the one-call backward and the Python
     steps agree bit for bit, and with the plain backward within the precision's reach (at pair_dim 128 in bf16 on
-    Hopper with d_proj from x_hat on both paths)."""
+    Hopper with d_proj from x_hat on both paths, and with the gate on LayerNorm_in's rows and x_hat's rstd kept, d
+    pair from d_proj's pass too)."""
     monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)
     g = torch.Generator().manual_seed(fresh_seed())
     hidden = 40 if pair_dim != 128 else 64
     model = random_layers(ti.ModelNew(pair_dim, hidden, gate_input=gate_input, precision=precision), g).cuda()
     pair, mask = random_inputs(1, n, pair_dim, g, dtype=torch.float32, device="cuda")  # (N > 64: a z buffer)
     steps = model.forward_steps(pair, mask)
-    ab, z, x_hat = steps.new_ab(), steps.new_z(), steps.new_x_hat()
-    steps.input_pass(ab, x_hat)
+    ab, z, x_hat, rstd = steps.new_ab(), steps.new_z(), steps.new_x_hat(), steps.new_x_hat_rstd()
+    steps.input_pass(ab, x_hat, rstd)
     steps.contraction(ab, z)
     params = [p.detach() for p in ti._param_list(model)]
     grad_out = torch.randn(pair.shape, generator=g).cuda()
@@ -2167,7 +2179,8 @@ def test_backward_host_path_with_saved_z_equals_the_python_steps(precision, gate
     assert (x_hat is not None) == (precision == "medium" and pair_dim == 128 and _on_hopper())
     kept_sets = ({}, {"saved_ab": saved_ab}) if saved_ab is not None else ({},)
     if x_hat is not None:
-        kept_sets += ({"saved_ab": saved_ab, "saved_x_hat": x_hat},)
+        kept_sets += ({"saved_ab": saved_ab, "saved_x_hat": x_hat},
+                      {"saved_ab": saved_ab, "saved_x_hat": x_hat, "saved_x_hat_rstd": rstd})
     for kept in kept_sets:
         fast = ti.training_backward(*args, host="call", saved_z=z, lean=True, **kept)
         slow = ti.training_backward(*args, host="python", saved_z=z, lean=True, **kept)
@@ -2312,6 +2325,52 @@ def test_d_proj_from_x_hat_matches_fp64(n, hidden, direction, mask_dtype):
         assert a.shape == ref.shape and err < 5e-3 and err <= 1.5 * base_err + 1e-6, \
             f"{name}: error {err} against the rows kernel's {base_err} (seed {seed})"
     assert not got[0].view(batch, n, n, -1)[:, 3].any()  # (masked positions: d proj exactly zero)
+
+
+@HOPPER
+@pytest.mark.parametrize("n, hidden, direction, pair_dtype", [
+    shape + (dtype,) for shape, dtype in zip([(36, 128, "outgoing"), (20, 32, "incoming"), (44, 96, "outgoing"),
+                                              (28, 64, "incoming")], (torch.float32, torch.bfloat16, torch.float16,
+                                                                      torch.float32))])
+def test_d_proj_d_pair_matches_fp64(n, hidden, direction, pair_dtype):
+    """input_backward wgmma_rs's d_proj_d_pair (the gate on LayerNorm_in's rows, x_hat's rstd kept): d proj and
+    d mask the same bits as d_proj from x_hat alone (its sums within fp32 reordering: two warpgroups a block, not
+    three), and d pair against fp64 LayerNorm_in's backward of d x_hat = d proj W_in_f + d gate W_gate_f (the pass's
+    own d proj, the weights bf16) on the same x_hat and rstd, within the rounding of pair's dtype; batch 2, N^2 not
+    a multiple of the tile, both directions, every h count it takes; outputs poisoned first."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    batch, pair_dim, incoming, eps = 2, 128, direction == "incoming", 1e-5
+    positions = batch * n * n
+    x_hat = torch.randn(positions, pair_dim, generator=g).bfloat16().cuda()
+    rstd = torch.exp(torch.randn(positions, generator=g)).cuda()
+    w_in_f = (torch.randn(4 * hidden, pair_dim, generator=g) / pair_dim ** 0.5).cuda()
+    b_in_f = (0.3 * torch.randn(4 * hidden, generator=g)).cuda()
+    da, db = (torch.randn(batch * hidden, n, n, generator=g).bfloat16().cuda() for _ in range(2))
+    d_gate = torch.randn(positions, pair_dim, generator=g).bfloat16().cuda()
+    w_gate_f = (torch.randn(pair_dim, pair_dim, generator=g) / pair_dim ** 0.5).cuda()
+    mask = (torch.rand(batch, n, n, generator=g) > 0.2).float() * torch.rand(batch, n, n, generator=g)
+    mask[:, 3] = 0  # (all-zero rows)
+    mask_rows = mask.reshape(positions).cuda()
+    pair_rows = torch.randn(positions, pair_dim, generator=g).to(pair_dtype).cuda()  # (only its dtype is read)
+    like = torch.empty(0, device="cuda", dtype=torch.bfloat16)
+    fused = ti._KernelBackwardPasses("input_backward", "wgmma_rs", batch, n, pair_dim, hidden, incoming, 2, like)
+    rows = ti._KernelBackwardPasses("input_backward", "rows", batch, n, pair_dim, hidden, incoming, 2, like)
+    assert fused.d_pair_in_d_proj() and not rows.d_pair_in_d_proj()
+    poison_allocator()
+    d_proj, d_mask, sums, d_pair = fused.d_proj_d_pair(x_hat, rstd, eps, w_in_f, b_in_f, da, db, mask_rows, True,
+                                                       d_gate, w_gate_f, pair_rows)
+    poison_allocator()
+    alone = fused.d_proj_recomputed(x_hat, w_in_f, b_in_f, da, db, mask_rows, True)
+    assert torch.equal(d_proj, alone[0]) and torch.equal(d_mask, alone[1]), seed
+    assert _grad_error(sums.cpu().double(), alone[2].cpu().double()) < 1e-6, seed
+    x = x_hat.double()
+    d = d_proj.double() @ w_in_f.bfloat16().double() + d_gate.double() @ w_gate_f.bfloat16().double()
+    expected = rstd.double()[:, None] * (d - d.mean(1, keepdim=True) - x * (d * x).mean(1, keepdim=True))
+    err = _grad_error(d_pair.cpu(), expected.cpu())
+    bound = {torch.float32: 1e-4, torch.bfloat16: 8e-3, torch.float16: 1e-3}[pair_dtype]
+    assert d_pair.dtype == pair_dtype and d_pair.shape == (positions, pair_dim) and err < bound, \
+        f"d pair error {err} (seed {seed})"
 
 
 @cuda
@@ -3038,7 +3097,8 @@ def test_backward_with_saved_z_and_lean_equals_the_plain_steps_on_cpu(direction)
     """The backward given the forward's z planes (padded rows, as the fused forward's ldz), with or without its a/b
     planes (padded rows, as the forward's ld) and its LayerNorm_in rows, lean (proj recomputed before d_proj) or
     not, the buffers handed over in a list the call empties, gives the plain backward's gradients (float64 steps on
-    the CPU); a saved z, a/b or x_hat of the wrong shape or dtype, or a/b without z, raises."""
+    the CPU); a saved z, a/b, x_hat or its rstd of the wrong shape or dtype, a/b without z, rstd without x_hat, or
+    a saved list of three, raises."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     model = random_layers(ti.Model(12, 20, direction, "normalized").double(), g)
@@ -3057,9 +3117,12 @@ def test_backward_with_saved_z_and_lean_equals_the_plain_steps_on_cpu(direction)
         planes = values.permute(0, 3, 2, 1) if direction == "incoming" else values.permute(0, 3, 1, 2)
         ab[side, :, :, :7] = planes.reshape(2 * 20, 7, 7)
     x_hat = torch.nn.functional.layer_norm(pair.reshape(-1, 12), (12,), eps=1e-5)
-    kept = [padded.clone(), ab.clone(), x_hat.clone()]
+    rstd = (pair.reshape(-1, 12).var(-1, unbiased=False) + 1e-5).rsqrt().float()
+    kept = [padded.clone(), ab.clone(), x_hat.clone(), rstd.clone()]
     handed = ti.training_backward(*args, lean=True, saved=kept)  # (the call takes the buffers: the list emptied)
     assert kept == []
+    with pytest.raises(ValueError, match="saved list"):
+        ti.training_backward(*args, lean=True, saved=[padded.clone(), ab.clone(), x_hat.clone()])
     with_ab = ti.training_backward(*args, saved_z=padded, lean=True, saved_ab=ab)
     not_lean = ti.training_backward(*args, saved_z=padded, saved_ab=ab)
     x_hat_alone = ti.training_backward(*args, saved_x_hat=x_hat)
@@ -3080,6 +3143,10 @@ def test_backward_with_saved_z_and_lean_equals_the_plain_steps_on_cpu(direction)
         ti.training_backward(*args, saved_x_hat=x_hat[:, :6])
     with pytest.raises(ValueError, match="saved x_hat"):
         ti.training_backward(*args, saved_x_hat=x_hat.float())
+    with pytest.raises(ValueError, match="saved x_hat rstd"):
+        ti.training_backward(*args, saved_x_hat_rstd=rstd)  # (rstd without x_hat)
+    with pytest.raises(ValueError, match="saved x_hat rstd"):
+        ti.training_backward(*args, saved_x_hat=x_hat, saved_x_hat_rstd=rstd.double())
 
 
 def test_backward_saves_rule():

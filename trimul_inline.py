@@ -1011,8 +1011,14 @@ class ForwardSteps:
         shape = self.plan["x_hat_shape"]
         return None if shape is None else self._new(shape, "bfloat16")
 
-    def input_pass(self, ab: torch.Tensor, x_hat: Optional[torch.Tensor] = None) -> None:
-        self._extension.input_pass(*self._call, ab, x_hat)
+    def new_x_hat_rstd(self) -> Optional[torch.Tensor]:
+        """A buffer for LayerNorm_in's rstd per position (fp32 [B*N*N]) beside new_x_hat's rows."""
+        shape = self.plan["x_hat_shape"]
+        return None if shape is None else self._new(shape[:1], "float32")
+
+    def input_pass(self, ab: torch.Tensor, x_hat: Optional[torch.Tensor] = None,
+                   x_hat_rstd: Optional[torch.Tensor] = None) -> None:
+        self._extension.input_pass(*self._call, ab, x_hat, x_hat_rstd)
 
     def contraction(self, ab: torch.Tensor, z: Optional[torch.Tensor]) -> None:
         with _bmm_precision(self.kernels, self._mode):
@@ -1183,6 +1189,11 @@ class _TorchBackwardPasses:
         return False
 
     @staticmethod
+    def d_pair_in_d_proj():
+        """Whether d_proj writes d pair too (_KernelBackwardPasses.d_proj_d_pair): never here."""
+        return False
+
+    @staticmethod
     def d_pair(pair_rows, eps, d_x_hat, add=None):
         """d pair_repr rows from LayerNorm_in's backward (statistics recomputed from pair_repr), plus `add`."""
         x_hat, rstd = _normalized_rows(pair_rows, eps)
@@ -1197,7 +1208,7 @@ def _accumulate(t: torch.Tensor) -> torch.dtype:
 _BACKWARD_SUM_ROWS = 512  # blocks of the passes that sum over positions (trimul::kBackwardSumRows)
 _BACKWARD_PASS = {name: code for code, name in enumerate(
     ("input_rows", "gated_planes", "z_rows", "gate_grad", "dz_planes", "d_proj", "d_pair", "split_f16x3",
-     "z_gate_grad"))}  # trimul::BackwardPass
+     "z_gate_grad", "d_proj_d_pair"))}  # trimul::BackwardPass
 
 
 class _KernelBackwardPasses:
@@ -1279,14 +1290,14 @@ class _KernelBackwardPasses:
         self._run("dz_planes", d_o=d_o, w_out_f=w_out_f.float().contiguous(), rows=z_hat, rstd=rstd, a_planes=dz)
         return dz
 
-    def _d_proj_pass(self, rows, mask_grad, **inputs):
-        """The d_proj pass into `rows` (d proj [P, 4H]) from `inputs` (proj, or x_hat and the folded weights;
-        the da/db planes and the mask): (d proj, d mask or None, d proj's sums over positions)."""
+    def _d_proj_pass(self, rows, mask_grad, name="d_proj", eps=0.0, **inputs):
+        """The d_proj pass (or `name`) into `rows` (d proj [P, 4H]) from `inputs` (proj, or x_hat and the folded
+        weights; the da/db planes and the mask): (d proj, d mask or None, d proj's sums over positions)."""
         sums = rows.new_zeros((_BACKWARD_SUM_ROWS, 4 * self._hidden), dtype=torch.float32)
         d_mask = rows.new_empty((self._positions,), dtype=torch.float32) if mask_grad else None
         if d_mask is not None:
             inputs["d_mask"] = d_mask
-        self._run("d_proj", rows=rows, sums=sums, **inputs)
+        self._run(name, eps, rows=rows, sums=sums, **inputs)
         return rows, d_mask, sums.sum(0)
 
     def d_proj(self, proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad, in_place=False, out=None):
@@ -1302,6 +1313,22 @@ class _KernelBackwardPasses:
         return self._d_proj_pass(x_hat.new_empty((self._positions, 4 * self._hidden)), mask_grad, x_hat=x_hat,
                                  w_in_f=w_in_f.float().contiguous(), b_in_f=b_in_f.float().contiguous(),
                                  a_planes=da_planes, b_planes=db_planes, mask=mask_rows)
+
+    def d_pair_in_d_proj(self):
+        """Whether this kernel's d_proj writes d pair too (d_proj_d_pair) at these sizes."""
+        return self._takes("input_backward", "d_pair_in_d_proj")
+
+    def d_proj_d_pair(self, x_hat, rstd, eps, w_in_f, b_in_f, da_planes, db_planes, mask_rows, mask_grad, d_gate,
+                      w_gate_f, pair_rows):
+        """d_proj_recomputed that also writes d pair: d x_hat = d proj w_in_f + d_gate w_gate_f and LayerNorm_in's
+        backward on x_hat with its rstd (the forward's), in the pass; pair's rows are not read (only their dtype):
+        (d proj, d mask or None, d proj's sums, d pair rows)."""
+        d_pair = torch.empty_like(pair_rows)
+        return self._d_proj_pass(x_hat.new_empty((self._positions, 4 * self._hidden)), mask_grad, "d_proj_d_pair",
+                                 eps, x_hat=x_hat, rstd=rstd, w_in_f=w_in_f.float().contiguous(),
+                                 b_in_f=b_in_f.float().contiguous(), a_planes=da_planes, b_planes=db_planes,
+                                 mask=mask_rows, d_gate=d_gate, w_gate_f=w_gate_f.float().contiguous(),
+                                 d_pair=d_pair) + (d_pair,)
 
     def _d_pair_pass(self, pair_rows, eps, add, **inputs):
         """The d_pair pass from `inputs` (d x_hat, or d proj and d gate with the folded weights), plus `add`."""
@@ -1389,7 +1416,7 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
                       gate_normalized: bool, eps_in: float, eps_out: float, mask_grad: bool, host: str = "auto",
                       saved_z: Optional[torch.Tensor] = None, lean: bool = False,
                       saved_ab: Optional[torch.Tensor] = None, saved: Optional[list] = None,
-                      saved_x_hat: Optional[torch.Tensor] = None):
+                      saved_x_hat: Optional[torch.Tensor] = None, saved_x_hat_rstd: Optional[torch.Tensor] = None):
     """The gradients of sum(grad_out * forward(pair, mask)): [d pair, d mask (None unless mask_grad), then the 16
     parameters' (_PARAM_PATHS order)], each in its tensor's dtype. Any device; CUDA in the op. host: "auto" runs
     a CUDA call whose backward roles are library kernels in one extension call (the same steps in C++: the
@@ -1401,12 +1428,17 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
     d_proj instead of kept across the output side (a [P, 4H] buffer off the peak, one GEMM more; DESIGN.md
     "Training"); saved_ab (with saved_z): the forward's a/b planes [2, B*H, N, >= N] in the operand dtype, read
     in place instead of gated_planes (and, lean, the first proj GEMM). saved_x_hat: the forward's LayerNorm_in
-    rows [B*N*N, C] in the operand dtype (ForwardSteps.new_x_hat), used instead of the input_rows pass. saved: the
-    three as a list [saved_z, saved_ab, saved_x_hat] instead, which the call empties so that each is freed once
-    used (the caller keeps no reference: _TrimulFunction's way)."""
+    rows [B*N*N, C] in the operand dtype (ForwardSteps.new_x_hat), used instead of the input_rows pass;
+    saved_x_hat_rstd (with it): their rstd, fp32 [B*N*N] (ForwardSteps.new_x_hat_rstd), with which d_proj can
+    write d pair too (d_proj_d_pair). saved: the four as a list [saved_z, saved_ab, saved_x_hat, saved_x_hat_rstd]
+    instead, which the call empties so that each is freed once used (the caller keeps no reference:
+    _TrimulFunction's way)."""
     if saved is None:
-        saved = [saved_z, saved_ab, saved_x_hat]
-    del saved_z, saved_ab, saved_x_hat
+        saved = [saved_z, saved_ab, saved_x_hat, saved_x_hat_rstd]
+    if len(saved) != 4:
+        raise ValueError("trimul_inline: training_backward's saved list is [z or None, a/b or None, x_hat or None, "
+                         "x_hat's rstd or None]")
+    del saved_z, saved_ab, saved_x_hat, saved_x_hat_rstd
     mode = _backward_mode(mode, pair)
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
         if pair.is_cuda and pair.dtype != torch.float64 and host != "python":
@@ -1612,6 +1644,14 @@ def _saved_z_planes(saved_z, batch, n, hidden, dtype):
     return saved_z[:, :, :n].contiguous()
 
 
+def _saved_x_hat_rstd(saved_rstd, saved_x_hat, positions):
+    if saved_x_hat is None or saved_rstd.shape != (positions,) or not saved_rstd.is_contiguous() or \
+            saved_rstd.dtype != torch.float32:
+        raise ValueError(f"trimul_inline: the saved x_hat rstd must be contiguous fp32 [B*N*N] = [{positions}], with "
+                         f"a saved x_hat, got {tuple(saved_rstd.shape)} {saved_rstd.dtype}")
+    return saved_rstd
+
+
 def _saved_x_hat_rows(saved_x_hat, positions, pair_dim, dtype):
     if saved_x_hat.shape != (positions, pair_dim) or not saved_x_hat.is_contiguous() or saved_x_hat.dtype != dtype:
         raise ValueError(f"trimul_inline: the saved x_hat must be contiguous [B*N*N, C] = [{positions}, {pair_dim}] "
@@ -1634,7 +1674,7 @@ def _distinct(tensors: list) -> list:
 
 def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
                        mask_grad, saved, lean=False):
-    saved_z, saved_ab, saved_x_hat = saved
+    saved_z, saved_ab, saved_x_hat, saved_rstd = saved
     saved.clear()  # (the caller's list held the only other references: each is freed once used)
     (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
      out_w, out_b, gate_w, gate_b) = [p.to(_accumulate(pair)) for p in params]
@@ -1657,11 +1697,14 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     # The forward again, up to z: x_hat, proj = [pa | ga | pb | gb], a and b planes.
     w_in, b_in = torch.cat([pa_w, ga_w, pb_w, gb_w]), torch.cat([pa_b, ga_b, pb_b, gb_b])
     w_in_f, b_in_f = _folded(w_in, b_in, ln_in_w, ln_in_b)
+    rstd_in = None if saved_rstd is None else _saved_x_hat_rstd(saved_rstd, saved_x_hat, positions)
     x_hat = inputs.input_rows(pair_rows, eps_in, dtype) if saved_x_hat is None else \
         _saved_x_hat_rows(saved_x_hat, positions, pair_dim, dtype)
-    del saved_x_hat
+    del saved_x_hat, saved_rstd
     # (proj_in_pass: d_proj recomputes proj from x_hat itself, so proj lives only until gated_planes)
     proj_in_pass, proj = inputs.d_proj_from_x_hat(), None
+    # d_pair_in_proj: d_proj writes d pair too, from the kept x_hat and rstd (training_backward in bindings.cpp)
+    d_pair_in_proj = rstd_in is not None and gate_normalized and proj_in_pass and inputs.d_pair_in_d_proj()
     if saved_ab is not None:
         a_planes, b_planes = _saved_ab_planes(saved_ab, saved_z, batch, n, hidden, dtype)
         del saved_ab
@@ -1687,7 +1730,8 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     gate_from_z = outputs.gate_grad_from_z()
     # joined: d proj and d gate as the two parts of one [P, 4H + C] buffer, so that d x_hat is one GEMM against
     # [W_in_f; W_gate_f] (training_backward in bindings.cpp says why)
-    d_x_hat_in_pass = inputs.d_pair_from_d_proj()  # (d_pair multiplies d x_hat itself: never written)
+    # (d_pair multiplies d x_hat itself: never written)
+    d_x_hat_in_pass = not d_pair_in_proj and inputs.d_pair_from_d_proj()
     joined = gate_normalized and not d_x_hat_in_pass and not proj_in_pass and not lean and not gate_from_z
     d_rows = x_hat.new_empty((positions, 4 * hidden + pair_dim)) if joined else None
     if gate_from_z:  # (one pass: o and gate_pre never written)
@@ -1720,7 +1764,12 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     del a_planes, b_planes, dz_planes
 
     # input_backward
-    if proj_in_pass:
+    if d_pair_in_proj:
+        d_proj, d_mask, s_in, d_pair = inputs.d_proj_d_pair(x_hat, rstd_in, eps_in, w_in_f, b_in_f, da_planes,
+                                                            db_planes, mask_rows, mask_grad, d_gate, w_gate,
+                                                            pair_rows)
+        del rstd_in
+    elif proj_in_pass:
         d_proj, d_mask, s_in = inputs.d_proj_recomputed(x_hat, w_in_f, b_in_f, da_planes, db_planes, mask_rows,
                                                         mask_grad)
     else:
@@ -1730,7 +1779,9 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
                                              in_place=lean, out=None if d_rows is None else d_rows[:, :4 * hidden])
     del proj, da_planes, db_planes
     g_in = products.mm(d_proj.t(), x_hat, acc)
-    if d_x_hat_in_pass:
+    if d_pair_in_proj:
+        del d_proj
+    elif d_x_hat_in_pass:
         raw_gate_share = None if gate_normalized else products.mm(d_gate, gate_w.to(dtype), acc)
         gate_share = (d_gate, w_gate) if gate_normalized else (None, None)
         d_pair = inputs.d_pair_multiplied(pair_rows, eps_in, d_proj, w_in_f, *gate_share, raw_gate_share)
@@ -1777,30 +1828,32 @@ def trimul(pair: torch.Tensor, mask: torch.Tensor, params: list[torch.Tensor], w
 def _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
                     keep_z=None):
     """trimul's forward, for the op and for _TrimulFunction. keep_z (True / False; None for the op): return
-    (out, z, ab, x_hat), z the forward's planes [B*H, N, ldz] where they can stand in for the backward's
+    (out, z, ab, x_hat, x_hat_rstd), z the forward's planes [B*H, N, ldz] where they can stand in for the backward's
     recomputed ones (the fused steps write z in the backward's operand dtype; else None), ab its a/b planes
     [2, B*H, N, ld] where they can (whole values in the operand dtype: the 16-bit modes; else None), x_hat
-    LayerNorm_in's rows [B*N*N, C] where the input kernel wrote them in the operand dtype (bf16; else None)."""
+    LayerNorm_in's rows [B*N*N, C] where the input kernel wrote them in the operand dtype (bf16; else None),
+    x_hat_rstd their rstd [B*N*N] fp32 (with x_hat)."""
     if not pair.is_cuda:  # (the op runs anywhere: off CUDA it is the reference computation)
         out = _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in, eps_out)
-        return out if keep_z is None else (out, None, None, None)
+        return out if keep_z is None else (out, None, None, None, None)
     chosen = parse_kernels(kernels)
     hidden = params[2].shape[0]
     if not keep_z:
         out = _run_fused_forward(pair, mask, weights, chosen[:len(FORWARD_ROLES)], mode, incoming, gate_normalized,
                                  eps_in, eps_out, hidden)
-        return out if keep_z is None else (out, None, None, None)
+        return out if keep_z is None else (out, None, None, None, None)
     options = _forward_options(chosen[:len(FORWARD_ROLES)], mode, incoming, gate_normalized, eps_in, eps_out, hidden)
     steps = ForwardSteps(pair, mask, weights, options, mode)
     operand = _backward_dtype(mode, pair)
     ab, z, out = steps.new_ab(), steps.new_z(), steps.new_out()
     x_hat = steps.new_x_hat() if operand == torch.bfloat16 else None
-    steps.input_pass(ab, x_hat)
+    x_hat_rstd = steps.new_x_hat_rstd() if x_hat is not None else None
+    steps.input_pass(ab, x_hat, x_hat_rstd)
     steps.contraction(ab, z)
     steps.output_pass(out, z=z, ab=ab)
     whole_ab = ab.dtype == operand and ab.shape[1] == pair.shape[0] * hidden  # (not split parts, not scaled fp16)
     kept_z = z if z is not None and z.dtype == operand else None
-    return out, kept_z, ab if whole_ab and operand != torch.float32 else None, x_hat
+    return out, kept_z, ab if whole_ab and operand != torch.float32 else None, x_hat, x_hat_rstd
 
 
 class _TrimulFunction(torch.autograd.Function):
@@ -1817,7 +1870,7 @@ class _TrimulFunction(torch.autograd.Function):
         ctx.save_for_backward(pair, mask, *params)
         ctx.options = (kernels, mode, incoming, gate_normalized, eps_in, eps_out)
         ctx.lean = lean
-        out, ctx.z, ab, ctx.x_hat = _trimul_forward(pair, mask, list(params), weights, kernels, mode, incoming,
+        out, ctx.z, ab, ctx.x_hat, ctx.x_hat_rstd = _trimul_forward(pair, mask, list(params), weights, kernels, mode, incoming,
                                                     gate_normalized, eps_in, eps_out, keep_z=keep_z)
         ctx.ab = ab if ctx.z is not None else None
         return out
@@ -1828,8 +1881,8 @@ class _TrimulFunction(torch.autograd.Function):
         kernels, *options = ctx.options
         wanted = ctx.needs_input_grad
         # (intermediates, not inputs or outputs: kept on ctx, handed over so that each is freed once used)
-        saved, lean = [ctx.z, ctx.ab, ctx.x_hat], ctx.z is not None and ctx.lean
-        ctx.z = ctx.ab = ctx.x_hat = None
+        saved, lean = [ctx.z, ctx.ab, ctx.x_hat, ctx.x_hat_rstd], ctx.z is not None and ctx.lean
+        ctx.z = ctx.ab = ctx.x_hat = ctx.x_hat_rstd = None
         d_pair, d_mask, *d_params = training_backward(grad_out.contiguous(), pair, mask, params,
                                                       parse_kernels(kernels), *options, bool(wanted[1]),
                                                       saved=saved, lean=lean)

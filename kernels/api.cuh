@@ -153,6 +153,9 @@ struct ForwardArgs {
   // recomputed); nullptr: not written. An input kernel not registered as writing it does not take a call
   // with it set.
   void* x_hat;
+  // With x_hat: LayerNorm_in's rstd of each position, [B*N*N] fp32 (the backward's LayerNorm from the kept rows,
+  // BackwardPass::d_proj_d_pair), or nullptr.
+  float* x_hat_rstd;
   cudaStream_t stream;
   // The output pass is launched right after the input pass on `stream` (the one-call forward): where
   // it contracts itself it may then be launched as the input pass's programmatic dependent, and read
@@ -193,6 +196,9 @@ enum class BackwardPass : int {
   split_f16x3,     // a_planes (fp32, strided) -> parts and/or parts_t, scaled fp16; unscale     contract_backward
   z_gate_grad,     // a_planes (z), x_hat (the gate rows), d_out -> rows (z_hat), rstd, o := d o,  output_backward
                    // gate_pre := d gate_pre, sums: z_rows, the o / gate_pre GEMMs and gate_grad in one (below)
+  d_proj_d_pair,   // d_proj from x_hat (below), and d_pair from the same tile: d x_hat = d proj     input_backward
+                   // W_in_f + d_gate W_gate_f, LayerNorm_in's backward on x_hat with rstd (LayerNorm_in's,
+                   // ForwardArgs::x_hat_rstd): the pair rows are not read (the gate on LayerNorm_in's rows)
 };
 
 // One backward pass's arguments: sizes, then the buffers each pass reads and writes (BackwardPass says
@@ -217,7 +223,7 @@ struct BackwardArgs {
   void* a_planes;    // [B*H, N, N] operand
   void* b_planes;
   void* rows;               // operand rows (x_hat, z_hat or d proj)
-  float* rstd;              // [P]
+  float* rstd;              // [P]: LayerNorm_out's (z_rows, dz_planes), LayerNorm_in's (d_proj_d_pair)
   const float* d_rows;      // fp32 rows (d z_hat or d x_hat)
   const float* d_rows_add;  // d_pair: fp32 [P, C] added to the result, or nullptr
   // d_pair without d_rows (input_backward wgmma_rs): d x_hat = d proj W_in_f + d gate W_gate_f multiplied in the

@@ -435,9 +435,11 @@ Planned plan_step(const at::Tensor& pair, const at::Tensor& mask, const std::vec
 }
 
 // x_hat: also LayerNorm_in's rows without the affine, where the plan's input kernel writes them (forward_plan's
-// "x_hat_shape"): the training forward keeps them for the backward.
+// "x_hat_shape"): the training forward keeps them for the backward; x_hat_rstd (with x_hat): each position's
+// LayerNorm_in rstd, [B*N*N] fp32.
 void input_pass(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
-                const ForwardOptions& options, const at::Tensor& ab, const c10::optional<at::Tensor>& x_hat) {
+                const ForwardOptions& options, const at::Tensor& ab, const c10::optional<at::Tensor>& x_hat,
+                const c10::optional<at::Tensor>& x_hat_rstd) {
   const c10::cuda::CUDAGuard guard(pair.device());
   Planned p = plan_step(pair, mask, weights, options, ab);
   if (x_hat.has_value()) {
@@ -446,6 +448,11 @@ void input_pass(const at::Tensor& pair, const at::Tensor& mask, const std::vecto
                       "' does not write x_hat for this call (forward_plan's x_hat_shape is None)");
     check_buffer(*x_hat, x_hat_shape(p), at::kBFloat16, pair, "x_hat");
     p.args.x_hat = x_hat->data_ptr();
+  }
+  if (x_hat_rstd.has_value()) {
+    TORCH_CHECK_VALUE(x_hat.has_value(), "trimul_inline: the input pass writes x_hat_rstd only with x_hat");
+    check_buffer(*x_hat_rstd, {x_hat_shape(p)[0]}, at::kFloat, pair, "x_hat_rstd");
+    p.args.x_hat_rstd = x_hat_rstd->data_ptr<float>();
   }
   if (p.args.batch > 0 && p.args.n > 0) run_input(p, ab);
 }
@@ -568,7 +575,8 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
                    const std::unordered_map<std::string, at::Tensor>& tensors) {
   TORCH_CHECK_VALUE(like.is_cuda(), "trimul_inline: the backward's kernels take CUDA tensors");
   TORCH_CHECK_VALUE((pass >= 0 && pass <= static_cast<int64_t>(trimul::BackwardPass::d_pair)) ||
-                        pass == static_cast<int64_t>(trimul::BackwardPass::z_gate_grad),
+                        pass == static_cast<int64_t>(trimul::BackwardPass::z_gate_grad) ||
+                        pass == static_cast<int64_t>(trimul::BackwardPass::d_proj_d_pair),
                     "trimul_inline: backward pass code ", text(pass));
   const c10::cuda::CUDAGuard guard(like.device());
   trimul::BackwardArgs args = backward_sizes(batch, n, c, h, incoming, like, precision);
@@ -591,7 +599,15 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
       break;
     case P::gated_planes:
     case P::d_proj:
-      if (args.pass == P::d_proj && has("x_hat")) {  // (proj recomputed in the pass: d_proj_from_x_hat)
+    case P::d_proj_d_pair:
+      if (args.pass == P::d_proj_d_pair) {  // (d pair as well: d_pair_in_d_proj)
+        args.rstd = static_cast<float*>(pass_tensor(tensors, "rstd", positions, f32, like));
+        args.d_gate = pass_tensor(tensors, "d_gate", positions * c, op, like);
+        args.w_gate_f = static_cast<const float*>(pass_tensor(tensors, "w_gate_f", c * c, f32, like));
+        args.d_pair = pass_tensor(tensors, "d_pair", positions * c, any_float, like);
+        args.pair_dtype = dtype_code(get("d_pair"), "d_pair");
+      }
+      if (args.pass != P::gated_planes && has("x_hat")) {  // (proj recomputed in the pass: d_proj_from_x_hat)
         args.x_hat = pass_tensor(tensors, "x_hat", positions * c, op, like);
         args.w_in_f = static_cast<const float*>(pass_tensor(tensors, "w_in_f", 4 * h * c, f32, like));
         args.b_in_f = static_cast<const float*>(pass_tensor(tensors, "b_in_f", 4 * h, f32, like));
@@ -603,7 +619,7 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
       args.mask_kind = mask_kind(get("mask"));
       args.a_planes = pass_tensor(tensors, "a_planes", positions * h, op, like);
       args.b_planes = pass_tensor(tensors, "b_planes", positions * h, op, like);
-      if (args.pass == P::d_proj) {
+      if (args.pass != P::gated_planes) {
         args.rows = pass_rows(tensors, "rows", positions, 4 * h, op, like, &args.ld_rows);
         TORCH_CHECK_VALUE(args.ld_rows == 0 || args.rows != args.proj,
                           "trimul_inline: d_proj writes over proj only as whole [P, 4H] rows");
@@ -701,6 +717,14 @@ bool d_pair_from_d_proj(const std::string& kernel, int64_t batch, int64_t n, int
                         const at::Tensor& like, int64_t precision) {
   return backward_takes(trimul::Role::input_backward, kernel, trimul::BackwardPass::d_pair, batch, n, c, h, incoming,
                         like, precision);
+}
+
+// Whether input_backward's kernel `kernel` takes d_proj_d_pair (d_proj from x_hat writing d pair too, from
+// LayerNorm_in's rstd kept by the forward: no d_pair pass after it) at these sizes.
+bool d_pair_in_d_proj(const std::string& kernel, int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
+                      const at::Tensor& like, int64_t precision) {
+  return backward_takes(trimul::Role::input_backward, kernel, trimul::BackwardPass::d_proj_d_pair, batch, n, c, h,
+                        incoming, like, precision);
 }
 
 // Whether output_backward's kernel `kernel` takes dz_planes from d o (d z_hat = d o W_out_f multiplied in the pass,
@@ -953,8 +977,10 @@ std::vector<at::Tensor> contract_backward_products(const std::string& kernel, co
 // buffer, one GEMM more. saved_ab: the forward's
 // a/b planes [2, B*H, N, >= N] in the operand dtype (with saved_z): gated_planes (and, lean, the first proj GEMM)
 // of the recompute are skipped, the products read the planes in place (rows strided). saved_x_hat: the forward's
-// LayerNorm_in rows [P, C] in the operand dtype (ForwardArgs::x_hat): no input_rows pass. `saved` is None or the
-// list [saved_z or None, saved_ab or None, saved_x_hat or None], which this call empties (once it knows it runs
+// LayerNorm_in rows [P, C] in the operand dtype (ForwardArgs::x_hat): no input_rows pass; saved_x_hat_rstd (with
+// them): their rstd [P] fp32 (ForwardArgs::x_hat_rstd), with which d_proj can write d pair too (d_proj_d_pair).
+// `saved` is None or the list [saved_z or None, saved_ab or None, saved_x_hat or None, saved_x_hat_rstd or None],
+// which this call empties (once it knows it runs
 // the backward), so that each buffer is freed as soon as its last use is done rather than when the caller
 // returns.
 std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::Tensor& pair, const at::Tensor& mask,
@@ -983,14 +1009,16 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   outputs.kernel = role_kernel("output_backward", output_kernel, outputs);
   if (inputs.kernel.empty() || outputs.kernel.empty()) return {};
   const std::string contracts = role_kernel("contract_backward", contract_kernel, inputs);  // ("": cuBLAS's bmm)
-  c10::optional<at::Tensor> saved_z, saved_ab, saved_x_hat;
+  c10::optional<at::Tensor> saved_z, saved_ab, saved_x_hat, saved_rstd;
   if (!saved.is_none()) {
     const py::list kept = saved.cast<py::list>();
-    TORCH_CHECK_VALUE(kept.size() == 3,
-                      "trimul_inline: training_backward's saved list is [z or None, a/b or None, x_hat or None]");
+    TORCH_CHECK_VALUE(kept.size() == 4,
+                      "trimul_inline: training_backward's saved list is [z or None, a/b or None, x_hat or None, "
+                      "x_hat's rstd or None]");
     if (!kept[0].is_none()) saved_z = kept[0].cast<at::Tensor>();
     if (!kept[1].is_none()) saved_ab = kept[1].cast<at::Tensor>();
     if (!kept[2].is_none()) saved_x_hat = kept[2].cast<at::Tensor>();
+    if (!kept[3].is_none()) saved_rstd = kept[3].cast<at::Tensor>();
     kept.attr("clear")();
   }
   const auto rows_of = [&](int64_t width, at::ScalarType type) { return at::empty({positions, width}, like.options().dtype(type)); };
@@ -1001,7 +1029,15 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   // The forward again, up to z: x_hat, proj = [pa | ga | pb | gb], a and b planes.
   const at::Tensor w_in = at::cat({p[2], p[4], p[6], p[8]}), b_in = at::cat({p[3], p[5], p[7], p[9]});
   const auto [w_in_f, b_in_f] = folded(w_in, b_in, ln_in_w, ln_in_b);
-  at::Tensor x_hat;
+  at::Tensor x_hat, rstd_in;
+  if (saved_rstd.has_value()) {
+    TORCH_CHECK_VALUE(saved_x_hat.has_value() && saved_rstd->dim() == 1 && saved_rstd->size(0) == positions &&
+                          saved_rstd->is_contiguous() && saved_rstd->scalar_type() == at::kFloat,
+                      "trimul_inline: the saved x_hat rstd must be contiguous fp32 [B*N*N] = [", positions,
+                      "], with a saved x_hat");
+    rstd_in = *saved_rstd;
+    saved_rstd.reset();
+  }
   if (saved_x_hat.has_value()) {  // (the forward's input pass wrote them: the same rows, no pass here)
     check_buffer(*saved_x_hat, {positions, c}, dtype, pair, "training_backward's saved x_hat");
     x_hat = *saved_x_hat;
@@ -1013,8 +1049,14 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   // proj_in_pass: d_proj recomputes proj from x_hat itself (the kernel's choice), so proj lives only until
   // gated_planes, where the recompute needs it.
   const bool proj_in_pass = d_proj_from_x_hat(inputs.kernel, batch, n, c, h, incoming, like, precision);
+  // d_pair_in_proj: d_proj writes d pair too (d x_hat from its d proj tiles and d gate, LayerNorm_in's backward on
+  // the kept x_hat with the kept rstd), so d proj is read once after it (d W_in's GEMM) and pair not at all;
+  // where the gate reads LayerNorm_in's rows (the raw gate's share is outside LayerNorm_in's backward).
+  const bool d_pair_in_proj = rstd_in.defined() && gate_normalized && proj_in_pass &&
+                              d_pair_in_d_proj(inputs.kernel, batch, n, c, h, incoming, like, precision);
   // d_x_hat_in_pass: d_pair multiplies d proj (and d gate) by the weights itself, so d x_hat is never written.
-  const bool d_x_hat_in_pass = d_pair_from_d_proj(inputs.kernel, batch, n, c, h, incoming, like, precision);
+  const bool d_x_hat_in_pass =
+      !d_pair_in_proj && d_pair_from_d_proj(inputs.kernel, batch, n, c, h, incoming, like, precision);
   at::Tensor proj, a_planes, b_planes;
   if (saved_ab.has_value()) {
     TORCH_CHECK_VALUE(saved_z.has_value() && saved_ab->dim() == 4 && saved_ab->size(0) == 2 &&
@@ -1139,14 +1181,24 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   }
   at::Tensor d_mask;
   if (mask_grad) tensors["d_mask"] = d_mask = at::empty({positions}, like.options().dtype(acc));
-  inputs.run(P::d_proj, 0.0, tensors);
+  at::Tensor d_pair = at::empty_like(pair_rows);  // (pair's dtype: the pass rounds a 16-bit gradient once)
+  if (d_pair_in_proj) {
+    tensors["rstd"] = rstd_in;
+    tensors["d_gate"] = d_gate;
+    tensors["w_gate_f"] = w_gate.contiguous();
+    tensors["d_pair"] = d_pair;
+  }
+  inputs.run(d_pair_in_proj ? P::d_proj_d_pair : P::d_proj, eps_in, tensors);
   tensors.clear();
   proj.reset();
   da.reset();
   db.reset();
+  rstd_in.reset();
   const at::Tensor g_in = mm_to(d_proj.t(), x_hat, acc);
   std::unordered_map<std::string, at::Tensor> pair_tensors{{"pair", pair_rows}};
-  if (d_x_hat_in_pass) {
+  if (d_pair_in_proj) {
+    d_proj.reset();
+  } else if (d_x_hat_in_pass) {
     pair_tensors["rows"] = d_proj;
     pair_tensors["w_in_f"] = w_in_f.contiguous();
     if (gate_normalized) {
@@ -1165,9 +1217,8 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     pair_tensors["d_rows"] = d_x_hat;
   }
   if (!gate_normalized) pair_tensors["d_rows_add"] = mm_to(d_gate, in_type(gate_w, dtype), acc);
-  at::Tensor d_pair = at::empty_like(pair_rows);  // (pair's dtype: the pass rounds a 16-bit gradient once)
   pair_tensors["d_pair"] = d_pair;
-  inputs.run(P::d_pair, eps_in, pair_tensors);
+  if (!d_pair_in_proj) inputs.run(P::d_pair, eps_in, pair_tensors);
   pair_tensors.clear();
   d_proj.reset();
   d_gate.reset();
@@ -1310,7 +1361,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "the fused forward: input pass, contraction, output pass");
   m.def("forward_plan", &forward_plan, "each role's kernel and the buffers of the steps, for a call");
   m.def("input_pass", &input_pass, "the input pass into ab (and x_hat, where given)", py::arg("pair"), py::arg("mask"),
-        py::arg("weights"), py::arg("options"), py::arg("ab"), py::arg("x_hat") = py::none());
+        py::arg("weights"), py::arg("options"), py::arg("ab"), py::arg("x_hat") = py::none(),
+        py::arg("x_hat_rstd") = py::none());
   m.def("contraction", &contraction, "the contraction of ab into z (nothing where the output pass contracts)");
   m.def("output_pass", &output_pass, "the output pass from z (or ab) into out");
   m.def("fused_takes", &fused_takes, "whether the fused passes take these sizes in this mode");
@@ -1319,6 +1371,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("contract_backward_products", &contract_backward_products,
         "contract_backward on a library kernel: [z = a b^T] without dz, else [da = dz b, db = dz^T a]",
         py::arg("kernel"), py::arg("a"), py::arg("b"), py::arg("dz"), py::arg("planes_per_call") = py::none());
+  m.def("d_pair_in_d_proj", &d_pair_in_d_proj, "whether an input_backward kernel takes d_proj_d_pair");
   m.def("d_proj_from_x_hat", &d_proj_from_x_hat, "whether an input_backward kernel takes d_proj from x_hat");
   m.def("d_pair_from_d_proj", &d_pair_from_d_proj, "whether an input_backward kernel takes d_pair from d proj");
   m.def("dz_planes_from_d_o", &dz_planes_from_d_o, "whether an output_backward kernel takes dz_planes from d o");

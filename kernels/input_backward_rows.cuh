@@ -193,9 +193,11 @@ int64_t d_proj_bytes(const BackwardArgs& args) {
   return tile_bytes(args, 2) + kWarps * 4 * args.h * int64_t(sizeof(float));
 }
 
-// (d_proj here reads proj, d_pair d x_hat: a call that leaves proj, or d x_hat, to the pass is wgmma_rs's)
+// (d_proj here reads proj, d_pair d x_hat: a call that leaves proj, or d x_hat, to the pass is wgmma_rs's, as is
+// d_proj_d_pair)
 bool applies(const BackwardArgs& args) {
-  return d_proj_bytes(args) <= max_smem_optin() && !(args.pass == BackwardPass::d_proj && args.proj == nullptr) &&
+  return d_proj_bytes(args) <= max_smem_optin() && args.pass != BackwardPass::d_proj_d_pair &&
+         !(args.pass == BackwardPass::d_proj && args.proj == nullptr) &&
          !(args.pass == BackwardPass::d_pair && args.d_rows == nullptr);
 }
 

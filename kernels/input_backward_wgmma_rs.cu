@@ -14,6 +14,13 @@
 // positions (the bias gradients) reduce-scatter over a warp's rows into two columns per lane and part, added into
 // the warp's row of shared memory across the block's tiles (registers would spill): kBackwardSumRows blocks with
 // fixed tiles, the warps' rows added in order, so the bits do not depend on the GPU.
+// d_proj_d_pair (the gate on LayerNorm_in's rows, its rstd kept by the forward) writes d pair from the same tile:
+// each part's d pa / d ga pairs, packed for d proj's store, are also the A fragments of d x_hat += d proj W_in_f
+// (the resident W_in tiles read transposed: k = weight row, n = channel), started by d gate W_gate_f (W_gate_f
+// resident too, its rows permuted so that a thread's fragment is 4 adjacent channels of its d gate rows, as
+// x_hat's); d x_hat's accumulators hold the channels of the thread's x_hat fragments, so LayerNorm_in's backward
+// (quad sums per row) runs on them with the kept rstd, and the pair rows and d x_hat are never read or written.
+// Two warpgroups there: d x_hat's 64 accumulators do not fit beside three.
 #include "input_backward_d_pair.cuh"
 #include "input_backward_rows.cuh"
 #include "wgmma_rs.cuh"
@@ -24,8 +31,8 @@ namespace proj_rs {
 
 // (the backward's wgmma row kernels' tile and staging shapes; the block here has its own warpgroup count)
 using namespace ::trimul::backward::wgmma_rows;
-constexpr int kGroups = 3;  // warpgroups per block, each on its own 64-position tiles
-constexpr int kBlockThreads = 128 * kGroups;
+// Warpgroups per block, each on its own 64-position tiles: three for d_proj, two with d pair (kDPair).
+constexpr int groups_for(bool d_pair) { return d_pair ? 2 : 3; }
 
 constexpr int kC = 128;                                    // the pair_dim it takes
 constexpr int kSteps = kC / 16;                            // k16 steps of a row
@@ -39,13 +46,13 @@ constexpr int kGroupBytes = kBoxStages * kBoxBytes + 4 * kStagingBytes;
 // Parts of 64 weight rows: 2H / 32 (a's h in 32s, then b's).
 inline int parts_for(int64_t h) { return static_cast<int>(h / 16); }
 
-// Dynamic shared memory: the resident weights (1024-byte aligned), per warpgroup its boxes and staging tiles,
-// the biases, the boxes' barriers.
-inline int64_t smem_bytes(int64_t h) {
-  const int64_t w_tiles = parts_for(h) / 2 * kKTiles;
-  return 1023 + w_tiles * ws::kStageBytes + kGroups * kGroupBytes + 4 * h * int64_t(sizeof(float)) +
-         4 * kGroups * 4 * h * int64_t(sizeof(float)) +
-         kGroups * kBoxStages * 8;
+// Dynamic shared memory: the resident weights (1024-byte aligned; with d pair W_gate_f's chunk after W_in_f's),
+// per warpgroup its boxes and staging tiles, the biases, the warps' sums, the boxes' barriers.
+inline int64_t smem_bytes(int64_t h, bool d_pair) {
+  const int groups = groups_for(d_pair);
+  const int64_t w_tiles = parts_for(h) / 2 * kKTiles + (d_pair ? kKTiles : 0);
+  return 1023 + w_tiles * ws::kStageBytes + groups * kGroupBytes + 4 * h * int64_t(sizeof(float)) +
+         4 * groups * 4 * h * int64_t(sizeof(float)) + groups * kBoxStages * 8;
 }
 
 // W_in_f's row (rows pa | ga | pb | gb) at grouped row `row`: a's 2H rows, then b's, 16g + e / 16g + 8 + e the
@@ -55,31 +62,60 @@ __device__ __forceinline__ int grouped_source(int row, int hidden) {
   return (2 * side + (w & 15) / 8) * hidden + (w / 16) * 8 + (w & 7);
 }
 
-// The resident weights as wgmma reads them (the layout a TMA box load with 128-byte swizzle gives): grouped rows
-// in 128-row chunks of kKTiles 128-byte k-tiles, bf16, k permuted within each 16-channel block (k = 16s + 8hh +
-// 2t + e holds channel 16s + 4t + 2hh + e: a thread's A fragment for k-step s is channels 16s + 4t .. + 3 of its
-// row), each 16-byte chunk XOR-swizzled by its row; the biases in grouped order. All threads of the block.
-__device__ __forceinline__ void lay_out_weights(const BackwardArgs& args, uint8_t* weights, float* bias) {
+// The row of W_gate_f (k of d gate) at resident row r: k = 16s + 8hh + 2t + e holds 16s + 4t + 2hh + e, so that a
+// thread's A fragment of d gate for k-step s is channels 16s + 4t .. + 3 of its rows (as x_hat's).
+__device__ __forceinline__ int gate_source(int r) {
+  const int w = r & 15;
+  return (r & ~15) + 4 * ((w & 7) >> 1) + 2 * (w >> 3) + (w & 1);
+}
+
+// One resident line: channels 16 s .. + 15 of the fp32 weight row `source` into row `row` of the 128-row chunks
+// from `weights`, bf16, k permuted within the 16 channels (k = 16s + 8hh + 2t + e holds channel 16s + 4t + 2hh +
+// e: a thread's A fragment for k-step s is channels 16s + 4t .. + 3 of its row), each 16-byte chunk XOR-swizzled
+// by its row (the layout a TMA box load with 128-byte swizzle gives).
+__device__ __forceinline__ void lay_out_line(uint8_t* weights, int row, int s, const float* source) {
+  const float4* in = reinterpret_cast<const float4*>(source + 16 * s);
+  float4 c[4];
+#pragma unroll
+  for (int t = 0; t < 4; ++t) c[t] = in[t];  // channels 16 s + 4 t .. + 3
+  const uint4 even = make_uint4(pack_pair<Op>(c[0].x, c[0].y), pack_pair<Op>(c[1].x, c[1].y),
+                                pack_pair<Op>(c[2].x, c[2].y), pack_pair<Op>(c[3].x, c[3].y));  // hh = 0
+  const uint4 odd = make_uint4(pack_pair<Op>(c[0].z, c[0].w), pack_pair<Op>(c[1].z, c[1].w),
+                               pack_pair<Op>(c[2].z, c[2].w), pack_pair<Op>(c[3].z, c[3].w));   // hh = 1
+  const int r = row % ws::kChunkRows, chunk = 2 * (s % 4);
+  uint8_t* line = weights + ((row / ws::kChunkRows) * kKTiles + s / 4) * ws::kStageBytes + r * ws::kKBytes;
+  *reinterpret_cast<uint4*>(line + ((chunk ^ (r & 7)) << 4)) = even;
+  *reinterpret_cast<uint4*>(line + (((chunk + 1) ^ (r & 7)) << 4)) = odd;
+}
+
+// The resident weights as wgmma reads them: W_in_f's grouped rows in 128-row chunks of kKTiles 128-byte k-tiles
+// (lay_out_line), the biases in grouped order, and where `gate` is given W_gate_f's rows in gate_source's order
+// (one chunk). All threads of the block.
+__device__ __forceinline__ void lay_out_weights(const BackwardArgs& args, uint8_t* weights, float* bias,
+                                                uint8_t* gate) {
   const int hidden = static_cast<int>(args.h), rows = 4 * hidden;
 #pragma unroll 4  // (four rounds of loads in flight: the layout is a chain of L2 round trips)
-  for (int index = threadIdx.x; index < rows * kSteps; index += kBlockThreads) {
+  for (int index = threadIdx.x; index < rows * kSteps; index += blockDim.x) {
     const int row = index / kSteps, s = index - row * kSteps;
-    const float* source = args.w_in_f + int64_t(grouped_source(row, hidden)) * kC + 16 * s;
-    const float4* in = reinterpret_cast<const float4*>(source);
-    float4 c[4];
-#pragma unroll
-    for (int t = 0; t < 4; ++t) c[t] = in[t];  // channels 16 s + 4 t .. + 3
-    const uint4 even = make_uint4(pack_pair<Op>(c[0].x, c[0].y), pack_pair<Op>(c[1].x, c[1].y),
-                                  pack_pair<Op>(c[2].x, c[2].y), pack_pair<Op>(c[3].x, c[3].y));  // hh = 0
-    const uint4 odd = make_uint4(pack_pair<Op>(c[0].z, c[0].w), pack_pair<Op>(c[1].z, c[1].w),
-                                 pack_pair<Op>(c[2].z, c[2].w), pack_pair<Op>(c[3].z, c[3].w));   // hh = 1
-    const int r = row % ws::kChunkRows, chunk = 2 * (s % 4);
-    uint8_t* line = weights + ((row / ws::kChunkRows) * kKTiles + s / 4) * ws::kStageBytes + r * ws::kKBytes;
-    *reinterpret_cast<uint4*>(line + ((chunk ^ (r & 7)) << 4)) = even;
-    *reinterpret_cast<uint4*>(line + (((chunk + 1) ^ (r & 7)) << 4)) = odd;
+    lay_out_line(weights, row, s, args.w_in_f + int64_t(grouped_source(row, hidden)) * kC);
   }
-  for (int row = threadIdx.x; row < rows; row += kBlockThreads) bias[row] = args.b_in_f[grouped_source(row, hidden)];
+  if (gate != nullptr)
+#pragma unroll 4
+    for (int index = threadIdx.x; index < kC * kSteps; index += blockDim.x) {
+      const int row = index / kSteps, s = index - row * kSteps;
+      lay_out_line(gate, row, s, args.w_gate_f + int64_t(gate_source(row)) * kC);
+    }
+  for (int row = threadIdx.x; row < rows; row += blockDim.x) bias[row] = args.b_in_f[grouped_source(row, hidden)];
   fence_proxy_async();  // (wgmma reads the weights through the async proxy)
+}
+
+// Four d pair values of a row (adjacent channels) in pair's dtype.
+__device__ __forceinline__ void store_d_pair(void* d_pair, Dtype dtype, int64_t offset, const float (&v)[4]) {
+  switch (dtype) {
+    case Dtype::f32: store_pack<4>(static_cast<float*>(d_pair) + offset, v); break;
+    case Dtype::bf16: store_pack<4>(static_cast<__nv_bfloat16*>(d_pair) + offset, v); break;
+    case Dtype::f16: store_pack<4>(static_cast<__half*>(d_pair) + offset, v); break;
+  }
 }
 
 // The position (row of x_hat, d proj and the mask) of element p of a batch's N x N plane: the plane's order
@@ -99,15 +135,18 @@ __device__ __forceinline__ int sum_column(int part, int g, int t, int i, int64_t
 }
 
 // kMaskGrad: whether it writes d mask (a mask that needs its gradient; otherwise its products are not computed).
-template <int kParts, bool kMaskGrad>
-__global__ void __launch_bounds__(kBlockThreads, 1)
+// kDPair: d_proj_d_pair (d pair as well).
+template <int kParts, bool kMaskGrad, bool kDPair>
+__global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
     kernel(const BackwardArgs args, const __grid_constant__ CUtensorMap map_da,
            const __grid_constant__ CUtensorMap map_db, int64_t tiles_per_batch) {
+  constexpr int kGroups = groups_for(kDPair);
   constexpr int kWTiles = kParts / 2 * kKTiles, kPartsPerSide = kParts / 2;
   const int64_t hidden = args.h, width = 4 * hidden;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* weights = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  uint8_t* groups = weights + kWTiles * ws::kStageBytes;
+  uint8_t* gate_weights = weights + kWTiles * ws::kStageBytes;  // (kDPair: W_gate_f's chunk)
+  uint8_t* groups = gate_weights + (kDPair ? kKTiles * ws::kStageBytes : 0);
   float* bias = reinterpret_cast<float*>(groups + kGroups * kGroupBytes);
   float* warp_sums = bias + width;  // [warp][width]: each lane's columns, summed over the block's tiles in order
   uint64_t* barriers = reinterpret_cast<uint64_t*>(warp_sums + 4 * kGroups * width);
@@ -159,7 +198,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   };
 
   int64_t tile = first;
-  lay_out_weights(args, weights, bias);  // (the first boxes load meanwhile)
+  lay_out_weights(args, weights, bias, kDPair ? gate_weights : nullptr);  // (the first boxes load meanwhile)
   __syncthreads();
   Op* d_proj = static_cast<Op*>(args.rows);
   {
@@ -187,6 +226,29 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       out_pos[r] = p < plane ? position_of(args, batch, static_cast<uint32_t>(p)) : -1;
     }
     float d_mask[2] = {0.f, 0.f};
+    // kDPair: d x_hat, [kt][4 j + 2 hf + e] the channel of k-step 4 kt + j / 2 of this thread's fragments of row hf
+    // (16 s + 4 t + 2 (j % 2) + e); started by d gate W_gate_f, then each part's d proj W_in_f added.
+    float dx[2][32];
+    if constexpr (kDPair) {
+      const Op* d_gate = static_cast<const Op*>(args.d_gate);
+      uint2 gate_raw[2][kSteps];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s)
+          gate_raw[hf][s] = row_pos[hf] >= 0 ? *reinterpret_cast<const uint2*>(d_gate + row_pos[hf] * kC + 16 * s + 4 * t)
+                                             : make_uint2(0u, 0u);
+      uint32_t gate_frag[kSteps][4];
+      row_fragments(gate_raw, gate_frag);
+      wgmma_fence();
+#pragma unroll
+      for (int kt = 0; kt < 2; ++kt)
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s)  // (k-step s: W_gate_f's resident rows 16 s .., 2048 bytes on)
+          wgmma_rs_64x64<Op, true>(dx[kt], gate_frag[s],
+                                   desc_add(smem_descriptor(gate_weights + kt * ws::kStageBytes), 128 * s), s > 0);
+      wgmma_commit();
+    }
 
     const auto multiply = [&](int part, float(&acc)[32]) {
       const uint8_t* w = weights + (part >> 1) * kKTiles * ws::kStageBytes + (part & 1) * ws::kGroupRowBytes;
@@ -242,6 +304,22 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
           out[0][qq][k] = pack_pair<Op>(d_pa[0], d_pa[1]);
           out[1][qq][k] = pack_pair<Op>(d_ga[0], d_ga[1]);
         }
+      if constexpr (kDPair) {
+        // d x_hat += the part's d proj W_in rows: k-step s is the part's weight rows 16 s .. (d pa of h = 8 s +
+        // 2 t + e at k = 2 t + e, its d ga at 8 + 2 t + e: out[.][s / 2][2 (s % 2) + hf]), the resident tile
+        // read transposed; the pairs stay unchanged until the next part's wait.
+        const uint8_t* w = weights + (part >> 1) * kKTiles * ws::kStageBytes + (part & 1) * ws::kGroupRowBytes;
+        wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const uint32_t a[4] = {out[0][s / 2][2 * (s % 2)], out[0][s / 2][2 * (s % 2) + 1], out[1][s / 2][2 * (s % 2)],
+                                 out[1][s / 2][2 * (s % 2) + 1]};
+#pragma unroll
+          for (int kt = 0; kt < 2; ++kt)
+            wgmma_rs_64x64<Op, true>(dx[kt], a, desc_add(smem_descriptor(w + kt * ws::kStageBytes), 128 * s), 1);
+        }
+        wgmma_commit();
+      }
       // d proj out: each 8 x 8 block (position rows, 8 h) into the warp's staging tile (row 8 hf + i of the
       // warp's 16 positions; 16-byte chunk 4 gate + q, XOR-swizzled by the row), then a lane per 16-byte chunk
       // of a row: a position's 32 d pa and 32 d ga as two whole 64-byte runs of its d proj row.
@@ -281,6 +359,47 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     };
     input_pass::wgmma_rs::multiply_and_store_parts<kParts>(multiply, store);
 
+    if constexpr (kDPair) {
+      // LayerNorm_in's backward: d pair = rstd (d x_hat - mean(d x_hat) - x_hat mean(d x_hat x_hat)), a row's 128
+      // channels in a quad (x_hat from this thread's fragments, [4 s + i] channel 16 s + 4 t + i).
+      wgmma_wait<0>();
+      fence_accumulators(dx[0]);
+      fence_accumulators(dx[1]);
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        float x[4 * kSteps], d[4 * kSteps];
+        float sum = 0.f, dot = 0.f;
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s) {
+          const float2 lo = unpack_pair<Op>(frag[s][hf]), hi = unpack_pair<Op>(frag[s][2 + hf]);
+          const int kt = s / 4, j = 2 * (s % 4);
+          x[4 * s] = lo.x;
+          x[4 * s + 1] = lo.y;
+          x[4 * s + 2] = hi.x;
+          x[4 * s + 3] = hi.y;
+          d[4 * s] = dx[kt][4 * j + 2 * hf];
+          d[4 * s + 1] = dx[kt][4 * j + 2 * hf + 1];
+          d[4 * s + 2] = dx[kt][4 * j + 4 + 2 * hf];
+          d[4 * s + 3] = dx[kt][4 * j + 5 + 2 * hf];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            sum += d[4 * s + i];
+            dot = fmaf(d[4 * s + i], x[4 * s + i], dot);
+          }
+        }
+        const float mean_d = quad_sum(sum) * (1.f / kC), mean_dot = quad_sum(dot) * (1.f / kC);
+        if (row_pos[hf] < 0) continue;
+        const float rstd = args.rstd[row_pos[hf]];
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s) {
+          float v[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) v[i] = rstd * (d[4 * s + i] - mean_d - x[4 * s + i] * mean_dot);
+          store_d_pair(args.d_pair, args.pair_dtype, row_pos[hf] * kC + 16 * s + 4 * t, v);
+        }
+      }
+    }
+
     if constexpr (kMaskGrad) {
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
@@ -294,7 +413,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 
   // The block's sums: the warps' rows added in order.
   __syncthreads();
-  for (int64_t c = threadIdx.x; c < width; c += kBlockThreads) {
+  for (int64_t c = threadIdx.x; c < width; c += 128 * kGroups) {
     float total = 0.f;
     for (int w = 0; w < 4 * kGroups; ++w) total += warp_sums[w * width + c];
     args.sums[blockIdx.x * width + c] = total;
@@ -308,49 +427,63 @@ bool takes(const BackwardArgs& args) {
   const int64_t plane = args.n * args.n;
   return args.operand == Dtype::bf16 && args.c == kC && args.h % 32 == 0 && args.h <= 128 &&
          tensor_map_encoder() != nullptr && plane % 8 == 0 && plane < (int64_t(1) << 31) &&
-         args.batch < (int64_t(1) << 31) && smem_bytes(args.h) <= max_smem_optin();
+         args.batch < (int64_t(1) << 31) &&
+         smem_bytes(args.h, args.pass == BackwardPass::d_proj_d_pair) <= max_smem_optin();
 }
 
 // (d_pair without d_rows: d x_hat multiplied in the pass, input_backward_d_pair.cuh, whose rules are its own)
 // (proj_rs writes d proj as whole [P, 4H] rows: no ld_rows)
 bool applies(const BackwardArgs& args) {
   if (args.pass == BackwardPass::d_pair && args.d_rows == nullptr) return d_pair_mma::takes(args);
+  if (args.pass == BackwardPass::d_proj_d_pair) return takes(args);
   if (args.pass == BackwardPass::d_proj && args.proj == nullptr && args.ld_rows != 0) return false;
   return takes(args) && d_proj_bytes(args) <= max_smem_optin();
 }
 
-template <int kParts, bool kMaskGrad>
+template <int kParts, bool kMaskGrad, bool kDPair>
 cudaError_t launch_parts(const BackwardArgs& args) {
   const int64_t plane = args.n * args.n, tiles_per_batch = ceil_div(plane, kPositions);
-  const int64_t blocks = std::min<int64_t>(kBackwardSumRows, ceil_div(args.batch * tiles_per_batch, kGroups));
+  const int64_t blocks =
+      std::min<int64_t>(kBackwardSumRows, ceil_div(args.batch * tiles_per_batch, groups_for(kDPair)));
   CUtensorMap map_da, map_db;
   if (!encode_kmajor_map<Op>(&map_da, args.a_planes, args.batch, args.h, plane, 32) ||
       !encode_kmajor_map<Op>(&map_db, args.b_planes, args.batch, args.h, plane, 32))
     return cudaErrorNotSupported;
-  const int64_t bytes = smem_bytes(args.h);
-  const cudaError_t status = fused::allow_smem<kernel<kParts, kMaskGrad>>(bytes);
+  const int64_t bytes = smem_bytes(args.h, kDPair);
+  const cudaError_t status = fused::allow_smem<kernel<kParts, kMaskGrad, kDPair>>(bytes);
   if (status != cudaSuccess) return status;
-  kernel<kParts, kMaskGrad><<<static_cast<unsigned>(blocks), kBlockThreads, bytes, args.stream>>>(
+  kernel<kParts, kMaskGrad, kDPair><<<static_cast<unsigned>(blocks), 128 * groups_for(kDPair), bytes, args.stream>>>(
       args, map_da, map_db, tiles_per_batch);
   return cudaGetLastError();
 }
 
+template <bool kDPair>
+cudaError_t launch_d_proj(const BackwardArgs& args) {
+  const bool mask_grad = args.d_mask != nullptr;
+  switch (parts_for(args.h)) {
+    case 2: return mask_grad ? launch_parts<2, true, kDPair>(args) : launch_parts<2, false, kDPair>(args);
+    case 4: return mask_grad ? launch_parts<4, true, kDPair>(args) : launch_parts<4, false, kDPair>(args);
+    case 6: return mask_grad ? launch_parts<6, true, kDPair>(args) : launch_parts<6, false, kDPair>(args);
+    case 8: return mask_grad ? launch_parts<8, true, kDPair>(args) : launch_parts<8, false, kDPair>(args);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 cudaError_t launch(const BackwardArgs& args) {
   if (args.pass == BackwardPass::d_pair && args.d_rows == nullptr) return d_pair_mma::launch(args);
-  if (args.pass != BackwardPass::d_proj || args.proj != nullptr) return ::trimul::backward::launch(args);
+  const bool d_pair = args.pass == BackwardPass::d_proj_d_pair;
+  if ((args.pass != BackwardPass::d_proj && !d_pair) || args.proj != nullptr) return ::trimul::backward::launch(args);
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (!takes(args) || args.x_hat == nullptr || args.w_in_f == nullptr || args.b_in_f == nullptr ||
       args.sums == nullptr || args.ld_rows != 0 || !aligned(args.x_hat) || !aligned(args.rows) || !aligned(args.w_in_f) ||
       !aligned(args.a_planes) || !aligned(args.b_planes))
     return cudaErrorInvalidValue;
-  const bool mask_grad = args.d_mask != nullptr;
-  switch (parts_for(args.h)) {
-    case 2: return mask_grad ? launch_parts<2, true>(args) : launch_parts<2, false>(args);
-    case 4: return mask_grad ? launch_parts<4, true>(args) : launch_parts<4, false>(args);
-    case 6: return mask_grad ? launch_parts<6, true>(args) : launch_parts<6, false>(args);
-    case 8: return mask_grad ? launch_parts<8, true>(args) : launch_parts<8, false>(args);
-    default: return cudaErrorInvalidValue;
-  }
+  if (!d_pair) return launch_d_proj<false>(args);
+  // (d gate's rows load 8 bytes at a time, d pair's stores 4 channels at a time)
+  if (args.d_gate == nullptr || args.w_gate_f == nullptr || args.rstd == nullptr || args.d_pair == nullptr ||
+      !aligned(args.d_gate) || !aligned(args.w_gate_f) || reinterpret_cast<uintptr_t>(args.d_pair) % 16 != 0)
+    return cudaErrorInvalidValue;
+  return launch_d_proj<true>(args);
 }
 
 }  // namespace proj_rs

@@ -8,9 +8,9 @@ namespace wgmma_rs {
 
 // The tile's x_hat rows (ForwardArgs::x_hat) from the A fragments: this thread's rows row and row + 8 of the
 // plane (position p = f ld + k), channels 16 s + 4 t .. + 3 of each k-step as one 8-byte store; a quad's four
-// stores are one 32-byte sector, so no staging is needed.
+// stores are one 32-byte sector, so no staging is needed. With them each row's rstd (ForwardArgs::x_hat_rstd).
 __device__ __forceinline__ void store_x_hat(const ForwardArgs& args, int64_t batch, int64_t row, int64_t plane,
-                                            const uint32_t (&frag)[kSteps][4], int t) {
+                                            const uint32_t (&frag)[kSteps][4], const float (&rstd)[2], int t) {
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int64_t p = row + 8 * hf;
@@ -18,9 +18,11 @@ __device__ __forceinline__ void store_x_hat(const ForwardArgs& args, int64_t bat
     const uint32_t k = static_cast<uint32_t>(p) - f * static_cast<uint32_t>(args.ld);
     if (p >= plane || k >= args.n) continue;
     const int64_t i = args.incoming ? k : f, j = args.incoming ? f : k;  // (pair_repr's row and column)
-    uint2* dst = reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(args.x_hat) + ((batch * args.n + i) * args.n + j) * kC + 4 * t);
+    const int64_t position = (batch * args.n + i) * args.n + j;
+    uint2* dst = reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(args.x_hat) + position * kC + 4 * t);
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) dst[4 * s] = make_uint2(frag[s][hf], frag[s][2 + hf]);
+    if (t == 0 && args.x_hat_rstd != nullptr) args.x_hat_rstd[position] = rstd[hf];
   }
 }
 
@@ -84,6 +86,7 @@ __global__ void __launch_bounds__(128 * kG, 1)
     // LayerNorm (shifted by the row's first value, as VecRowStager does) into the A fragments: k-step s
     // holds channels 16 s + 4 t + {0, 1} (frag[s][hf]) and + {2, 3} (frag[s][2 + hf]) of row hf.
     uint32_t frag[kSteps][4];
+    float row_rstd[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const float shift = __shfl_sync(0xffffffffu, Four::widen(raw[hf][0]).x, lane & ~3);
@@ -102,6 +105,7 @@ __global__ void __launch_bounds__(128 * kG, 1)
       }
       const float2 moments = shifted_moments(quad_sum(sum), quad_sum(sum_sq), kC, args.eps_in);
       const float rstd = moments.y, centre = -moments.x * rstd;
+      row_rstd[hf] = rstd;
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
         const float4 v = x[s];
@@ -109,7 +113,7 @@ __global__ void __launch_bounds__(128 * kG, 1)
         frag[s][2 + hf] = pack_pair<Op>(fmaf(v.z, rstd, centre), fmaf(v.w, rstd, centre));
       }
     }
-    if constexpr (kXHat) store_x_hat(args, batch, p0 + row0, plane, frag, t);
+    if constexpr (kXHat) store_x_hat(args, batch, p0 + row0, plane, frag, row_rstd, t);
     // mask / 2 (gated_16bit_half)
     const float half_scale[2] = {0.5f * mask_value(next_mask[0], args.mask_kind),
                                  0.5f * mask_value(next_mask[1], args.mask_kind)};

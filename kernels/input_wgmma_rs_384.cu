@@ -36,10 +36,11 @@ inline int64_t smem_bytes(int64_t rows_ab) {
 // The x_hat row of one position (ForwardArgs::x_hat, at the pair row's offset) from its centred fragments:
 // (x - mean) as the fragments hold it, times rstd, rounded again (the forward multiplies those fragments and
 // scales by rstd after: the backward's operand is as close to what the forward used as a recompute's). A quad's
-// four 8-byte stores per k-step fill one 32-byte sector.
+// four 8-byte stores per k-step fill one 32-byte sector. With it the row's rstd (ForwardArgs::x_hat_rstd).
 template <typename Op>
 __device__ __forceinline__ void store_x_hat_row(const ForwardArgs& args, int64_t off, const uint32_t (&frag)[kSteps][4],
                                                 int hf, float rstd, int t) {
+  if (t == 0 && args.x_hat_rstd != nullptr) args.x_hat_rstd[off / kC] = rstd;
   uint2* dst = reinterpret_cast<uint2*>(static_cast<Op*>(args.x_hat) + off + 4 * t);
   const auto scaled = [&](uint32_t pair) {
     const float2 v = unpack_pair<Op>(pair);
