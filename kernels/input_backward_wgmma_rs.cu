@@ -226,9 +226,10 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
       out_pos[r] = p < plane ? position_of(args, batch, static_cast<uint32_t>(p)) : -1;
     }
     float d_mask[2] = {0.f, 0.f};
-    // kDPair: d x_hat, [kt][4 j + 2 hf + e] the channel of k-step 4 kt + j / 2 of this thread's fragments of row hf
-    // (16 s + 4 t + 2 (j % 2) + e); started by d gate W_gate_f, then each part's d proj W_in_f added.
-    float dx[2][32];
+    // kDPair: d x_hat, [4 j + 2 hf + e] the channel of k-step j / 2 of this thread's fragments of row hf (16 s + 4 t
+    // + 2 (j % 2) + e); started by d gate W_gate_f, then each part's d proj W_in_f added. One m64n128 product per
+    // k-step: the two 64-channel halves of the resident tiles are their k-tiles, kStageBytes apart (LBO).
+    float dx[64];
     if constexpr (kDPair) {
       const Op* d_gate = static_cast<const Op*>(args.d_gate);
       uint2 gate_raw[2][kSteps];
@@ -240,13 +241,11 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
                                              : make_uint2(0u, 0u);
       uint32_t gate_frag[kSteps][4];
       row_fragments(gate_raw, gate_frag);
+      const uint64_t gate_desc = with_leading_offset(smem_descriptor(gate_weights), ws::kStageBytes);
       wgmma_fence();
 #pragma unroll
-      for (int kt = 0; kt < 2; ++kt)
-#pragma unroll
-        for (int s = 0; s < kSteps; ++s)  // (k-step s: W_gate_f's resident rows 16 s .., 2048 bytes on)
-          wgmma_rs_64x64<Op, true>(dx[kt], gate_frag[s],
-                                   desc_add(smem_descriptor(gate_weights + kt * ws::kStageBytes), 128 * s), s > 0);
+      for (int s = 0; s < kSteps; ++s)  // (k-step s: W_gate_f's resident rows 16 s .., 2048 bytes on)
+        wgmma_rs_64x128_trans_b<Op>(dx, gate_frag[s], desc_add(gate_desc, 128 * s), s > 0);
       wgmma_commit();
     }
 
@@ -309,14 +308,13 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
         // 2 t + e at k = 2 t + e, its d ga at 8 + 2 t + e: out[.][s / 2][2 (s % 2) + hf]), the resident tile
         // read transposed; the pairs stay unchanged until the next part's wait.
         const uint8_t* w = weights + (part >> 1) * kKTiles * ws::kStageBytes + (part & 1) * ws::kGroupRowBytes;
+        const uint64_t desc = with_leading_offset(smem_descriptor(w), ws::kStageBytes);
         wgmma_fence();
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           const uint32_t a[4] = {out[0][s / 2][2 * (s % 2)], out[0][s / 2][2 * (s % 2) + 1], out[1][s / 2][2 * (s % 2)],
                                  out[1][s / 2][2 * (s % 2) + 1]};
-#pragma unroll
-          for (int kt = 0; kt < 2; ++kt)
-            wgmma_rs_64x64<Op, true>(dx[kt], a, desc_add(smem_descriptor(w + kt * ws::kStageBytes), 128 * s), 1);
+          wgmma_rs_64x128_trans_b<Op>(dx, a, desc_add(desc, 128 * s), 1);
         }
         wgmma_commit();
       }
@@ -363,8 +361,7 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
       // LayerNorm_in's backward: d pair = rstd (d x_hat - mean(d x_hat) - x_hat mean(d x_hat x_hat)), a row's 128
       // channels in a quad (x_hat from this thread's fragments, [4 s + i] channel 16 s + 4 t + i).
       wgmma_wait<0>();
-      fence_accumulators(dx[0]);
-      fence_accumulators(dx[1]);
+      fence_accumulators(dx);
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         float x[4 * kSteps], d[4 * kSteps];
@@ -372,15 +369,15 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) {
           const float2 lo = unpack_pair<Op>(frag[s][hf]), hi = unpack_pair<Op>(frag[s][2 + hf]);
-          const int kt = s / 4, j = 2 * (s % 4);
+          const int j = 2 * s;
           x[4 * s] = lo.x;
           x[4 * s + 1] = lo.y;
           x[4 * s + 2] = hi.x;
           x[4 * s + 3] = hi.y;
-          d[4 * s] = dx[kt][4 * j + 2 * hf];
-          d[4 * s + 1] = dx[kt][4 * j + 2 * hf + 1];
-          d[4 * s + 2] = dx[kt][4 * j + 4 + 2 * hf];
-          d[4 * s + 3] = dx[kt][4 * j + 5 + 2 * hf];
+          d[4 * s] = dx[4 * j + 2 * hf];
+          d[4 * s + 1] = dx[4 * j + 2 * hf + 1];
+          d[4 * s + 2] = dx[4 * j + 4 + 2 * hf];
+          d[4 * s + 3] = dx[4 * j + 5 + 2 * hf];
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             sum += d[4 * s + i];

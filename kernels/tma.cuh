@@ -285,6 +285,34 @@ __device__ __forceinline__ void wgmma_rs_64x64(float (&d)[32], const uint32_t (&
 }
 #undef TRIMUL_WGMMA_RS_64X64
 
+// One k16 step of a 64x128 product, A from registers (wgmma_rs_64x64's fragment) and B N-major from shared memory
+// (imm-trans-b: rows k, 128-byte lines of 64 n, 8-row groups SBO apart, the two 64-n halves LBO apart): 64
+// accumulators per thread, wgmma_64x128's layout.
+#define TRIMUL_WGMMA_RS_64X128_TRANS_B(INSTR)                                                            \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" INSTR                                        \
+               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "\
+               "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                              \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])\
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+
+template <typename Op>
+__device__ __forceinline__ void wgmma_rs_64x128_trans_b(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
+                                                        int accumulate) {
+  static_assert(sizeof(Op) == 2, "16-bit register operands");
+#ifdef TRIMUL_SM90A
+  if constexpr (std::is_same<Op, __nv_bfloat16>::value)
+    TRIMUL_WGMMA_RS_64X128_TRANS_B("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16");
+  else
+    TRIMUL_WGMMA_RS_64X128_TRANS_B("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16");
+#endif
+}
+#undef TRIMUL_WGMMA_RS_64X128_TRANS_B
+
+// smem_descriptor's with the leading byte offset (14 bits, 16-byte units) set to `bytes`.
+__device__ __forceinline__ uint64_t with_leading_offset(uint64_t desc, uint32_t bytes) {
+  return (desc & ~(uint64_t(0x3FFF) << 16)) | (uint64_t((bytes >> 4) & 0x3FFF) << 16);
+}
+
 // One 128-byte k-tile of a 64xN product, N = 2 x the accumulators per thread (64 or 128): four
 // k-steps, 32 bytes further along k each (start address + 2 in the descriptors), committed as one
 // wgmma group. kWideAdd: the k-steps' descriptors by 64-bit adds instead of desc_add, for the split
