@@ -258,29 +258,24 @@ __device__ __forceinline__ void wgmma_64x64(float (&d)[32], uint64_t desc_a, uin
 
 // One k16 step of a 64x64 product whose A operand (64 x 16, 16-bit) comes from registers: `a` is this
 // thread's fragment (mma.m16n8k16's A layout within its warp's 16 rows: a[0] row lane / 4, k 2 (lane % 4)
-// + {0, 1}; a[1] the row 8 further; a[2], a[3] the same at k + 8), B from shared memory (K-major, desc_b; kTransB:
-// N-major, its rows k and its 128-byte lines 64 n, 8-row groups SBO apart: smem_descriptor's tiles read as their
-// transpose); 32 accumulators per thread. The registers must stay unchanged until the group is waited for.
-#define TRIMUL_WGMMA_RS_64X64(INSTR, TRANS)                                                              \
+// + {0, 1}; a[1] the row 8 further; a[2], a[3] the same at k + 8), B from shared memory (K-major,
+// desc_b); 32 accumulators per thread. The registers must stay unchanged until the group is waited for.
+#define TRIMUL_WGMMA_RS_64X64(INSTR)                                                                     \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" INSTR                                        \
                " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "\
-               "{%32, %33, %34, %35}, %36, p, 1, 1, " TRANS ";\n}\n"                                      \
+               "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                             \
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])\
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
 
-template <typename Op, bool kTransB = false>
+template <typename Op>
 __device__ __forceinline__ void wgmma_rs_64x64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
                                                int accumulate) {
   static_assert(sizeof(Op) == 2, "16-bit register operands");
 #ifdef TRIMUL_SM90A
-  if constexpr (std::is_same<Op, __nv_bfloat16>::value && kTransB)
-    TRIMUL_WGMMA_RS_64X64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "1");
-  else if constexpr (std::is_same<Op, __nv_bfloat16>::value)
-    TRIMUL_WGMMA_RS_64X64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "0");
-  else if constexpr (kTransB)
-    TRIMUL_WGMMA_RS_64X64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", "1");
+  if constexpr (std::is_same<Op, __nv_bfloat16>::value)
+    TRIMUL_WGMMA_RS_64X64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16");
   else
-    TRIMUL_WGMMA_RS_64X64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", "0");
+    TRIMUL_WGMMA_RS_64X64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16");
 #endif
 }
 #undef TRIMUL_WGMMA_RS_64X64
