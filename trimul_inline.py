@@ -1728,10 +1728,10 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
         w_gate, b_gate, gate_rows = gate_w, gate_b, pair_rows.to(dtype)
     d_out = grad_out.reshape(positions, pair_dim).contiguous()
     gate_from_z = outputs.gate_grad_from_z()
-    # joined: d proj and d gate as the two parts of one [P, 4H + C] buffer, so that d x_hat is one GEMM against
-    # [W_in_f; W_gate_f] (training_backward in bindings.cpp says why)
     # (d_pair multiplies d x_hat itself: never written)
     d_x_hat_in_pass = not d_pair_in_proj and inputs.d_pair_from_d_proj()
+    # joined: d proj and d gate as the two parts of one [P, 4H + C] buffer, so that d x_hat is one GEMM against
+    # [W_in_f; W_gate_f] (training_backward in bindings.cpp says why)
     joined = gate_normalized and not d_x_hat_in_pass and not proj_in_pass and not lean and not gate_from_z
     d_rows = x_hat.new_empty((positions, 4 * hidden + pair_dim)) if joined else None
     if gate_from_z:  # (one pass: o and gate_pre never written)
@@ -1870,8 +1870,9 @@ class _TrimulFunction(torch.autograd.Function):
         ctx.save_for_backward(pair, mask, *params)
         ctx.options = (kernels, mode, incoming, gate_normalized, eps_in, eps_out)
         ctx.lean = lean
-        out, ctx.z, ab, ctx.x_hat, ctx.x_hat_rstd = _trimul_forward(pair, mask, list(params), weights, kernels, mode, incoming,
-                                                    gate_normalized, eps_in, eps_out, keep_z=keep_z)
+        out, ctx.z, ab, ctx.x_hat, ctx.x_hat_rstd = _trimul_forward(pair, mask, list(params), weights, kernels, mode,
+                                                                    incoming, gate_normalized, eps_in, eps_out,
+                                                                    keep_z=keep_z)
         ctx.ab = ab if ctx.z is not None else None
         return out
 

@@ -1031,10 +1031,9 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   const auto [w_in_f, b_in_f] = folded(w_in, b_in, ln_in_w, ln_in_b);
   at::Tensor x_hat, rstd_in;
   if (saved_rstd.has_value()) {
-    TORCH_CHECK_VALUE(saved_x_hat.has_value() && saved_rstd->dim() == 1 && saved_rstd->size(0) == positions &&
-                          saved_rstd->is_contiguous() && saved_rstd->scalar_type() == at::kFloat,
-                      "trimul_inline: the saved x_hat rstd must be contiguous fp32 [B*N*N] = [", positions,
-                      "], with a saved x_hat");
+    TORCH_CHECK_VALUE(saved_x_hat.has_value(), "trimul_inline: training_backward's saved x_hat rstd comes with a "
+                                               "saved x_hat");
+    check_buffer(*saved_rstd, {positions}, at::kFloat, pair, "training_backward's saved x_hat rstd");
     rstd_in = *saved_rstd;
     saved_rstd.reset();
   }
@@ -1181,12 +1180,14 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   }
   at::Tensor d_mask;
   if (mask_grad) tensors["d_mask"] = d_mask = at::empty({positions}, like.options().dtype(acc));
-  at::Tensor d_pair = at::empty_like(pair_rows);  // (pair's dtype: the pass rounds a 16-bit gradient once)
+  // (d pair in pair's dtype: the pass rounds a 16-bit gradient once; made here only where d_proj writes it, so
+  // that elsewhere it is not live beside da, db and d proj)
+  at::Tensor d_pair;
   if (d_pair_in_proj) {
+    tensors["d_pair"] = d_pair = at::empty_like(pair_rows);
     tensors["rstd"] = rstd_in;
     tensors["d_gate"] = d_gate;
     tensors["w_gate_f"] = w_gate.contiguous();
-    tensors["d_pair"] = d_pair;
   }
   inputs.run(d_pair_in_proj ? P::d_proj_d_pair : P::d_proj, eps_in, tensors);
   tensors.clear();
@@ -1217,8 +1218,10 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     pair_tensors["d_rows"] = d_x_hat;
   }
   if (!gate_normalized) pair_tensors["d_rows_add"] = mm_to(d_gate, in_type(gate_w, dtype), acc);
-  pair_tensors["d_pair"] = d_pair;
-  if (!d_pair_in_proj) inputs.run(P::d_pair, eps_in, pair_tensors);
+  if (!d_pair_in_proj) {
+    pair_tensors["d_pair"] = d_pair = at::empty_like(pair_rows);
+    inputs.run(P::d_pair, eps_in, pair_tensors);
+  }
   pair_tensors.clear();
   d_proj.reset();
   d_gate.reset();

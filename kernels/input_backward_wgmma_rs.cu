@@ -109,6 +109,14 @@ __device__ __forceinline__ void lay_out_weights(const BackwardArgs& args, uint8_
   fence_proxy_async();  // (wgmma reads the weights through the async proxy)
 }
 
+// This thread's channels 16 s + 4 t .. + 3 (each k-step's A fragment, the weights' k permutation) of row `pos` of
+// [P, kC] rows, one 8-byte load each; zeros where pos < 0.
+__device__ __forceinline__ void load_row_quads(const Op* rows, int64_t pos, int t, uint2 (&quads)[kSteps]) {
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s)
+    quads[s] = pos >= 0 ? *reinterpret_cast<const uint2*>(rows + pos * kC + 16 * s + 4 * t) : make_uint2(0u, 0u);
+}
+
 // Four d pair values of a row (adjacent channels) in pair's dtype.
 __device__ __forceinline__ void store_d_pair(void* d_pair, Dtype dtype, int64_t offset, const float (&v)[4]) {
   switch (dtype) {
@@ -190,10 +198,7 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
       const int64_t p = p0 + row0 + 8 * hf;
       pos[hf] = tile < tiles && p < plane ? position_of(args, batch, static_cast<uint32_t>(p)) : -1;
       mask_bits[hf] = pos[hf] >= 0 ? load_mask_bits(args.mask, args.mask_kind, pos[hf]) : 0u;
-#pragma unroll
-      for (int s = 0; s < kSteps; ++s)
-        rows[hf][s] = pos[hf] >= 0 ? *reinterpret_cast<const uint2*>(x_hat + pos[hf] * kC + 16 * s + 4 * t)
-                                   : make_uint2(0u, 0u);
+      load_row_quads(x_hat, pos[hf], t, rows[hf]);
     }
   };
 
@@ -231,14 +236,9 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
     // k-step: the two 64-channel halves of the resident tiles are their k-tiles, kStageBytes apart (LBO).
     float dx[64];
     if constexpr (kDPair) {
-      const Op* d_gate = static_cast<const Op*>(args.d_gate);
       uint2 gate_raw[2][kSteps];
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-        for (int s = 0; s < kSteps; ++s)
-          gate_raw[hf][s] = row_pos[hf] >= 0 ? *reinterpret_cast<const uint2*>(d_gate + row_pos[hf] * kC + 16 * s + 4 * t)
-                                             : make_uint2(0u, 0u);
+      for (int hf = 0; hf < 2; ++hf) load_row_quads(static_cast<const Op*>(args.d_gate), row_pos[hf], t, gate_raw[hf]);
       uint32_t gate_frag[kSteps][4];
       row_fragments(gate_raw, gate_frag);
       const uint64_t gate_desc = with_leading_offset(smem_descriptor(gate_weights), ws::kStageBytes);

@@ -256,6 +256,14 @@ __device__ __forceinline__ void wgmma_64x64(float (&d)[32], uint64_t desc_a, uin
 }
 #undef TRIMUL_WGMMA_64X64
 
+// MACRO(instruction) for a 16-bit Op's register-A wgmma of shape m64nNk16 (bf16 or f16 operands).
+#define TRIMUL_WGMMA_RS_FOR_OP(MACRO, N)                                                   \
+  static_assert(sizeof(Op) == 2, "16-bit register operands");                              \
+  if constexpr (std::is_same<Op, __nv_bfloat16>::value)                                    \
+    MACRO("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16");                     \
+  else                                                                                     \
+    MACRO("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16");
+
 // One k16 step of a 64x64 product whose A operand (64 x 16, 16-bit) comes from registers: `a` is this
 // thread's fragment (mma.m16n8k16's A layout within its warp's 16 rows: a[0] row lane / 4, k 2 (lane % 4)
 // + {0, 1}; a[1] the row 8 further; a[2], a[3] the same at k + 8), B from shared memory (K-major,
@@ -270,12 +278,8 @@ __device__ __forceinline__ void wgmma_64x64(float (&d)[32], uint64_t desc_a, uin
 template <typename Op>
 __device__ __forceinline__ void wgmma_rs_64x64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
                                                int accumulate) {
-  static_assert(sizeof(Op) == 2, "16-bit register operands");
 #ifdef TRIMUL_SM90A
-  if constexpr (std::is_same<Op, __nv_bfloat16>::value)
-    TRIMUL_WGMMA_RS_64X64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16");
-  else
-    TRIMUL_WGMMA_RS_64X64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16");
+  TRIMUL_WGMMA_RS_FOR_OP(TRIMUL_WGMMA_RS_64X64, 64)
 #endif
 }
 #undef TRIMUL_WGMMA_RS_64X64
@@ -293,15 +297,12 @@ __device__ __forceinline__ void wgmma_rs_64x64(float (&d)[32], const uint32_t (&
 template <typename Op>
 __device__ __forceinline__ void wgmma_rs_64x128_trans_b(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
                                                         int accumulate) {
-  static_assert(sizeof(Op) == 2, "16-bit register operands");
 #ifdef TRIMUL_SM90A
-  if constexpr (std::is_same<Op, __nv_bfloat16>::value)
-    TRIMUL_WGMMA_RS_64X128_TRANS_B("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16");
-  else
-    TRIMUL_WGMMA_RS_64X128_TRANS_B("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16");
+  TRIMUL_WGMMA_RS_FOR_OP(TRIMUL_WGMMA_RS_64X128_TRANS_B, 128)
 #endif
 }
 #undef TRIMUL_WGMMA_RS_64X128_TRANS_B
+#undef TRIMUL_WGMMA_RS_FOR_OP
 
 // smem_descriptor's with the leading byte offset (14 bits, 16-byte units) set to `bytes`.
 __device__ __forceinline__ uint64_t with_leading_offset(uint64_t desc, uint32_t bytes) {
