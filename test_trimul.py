@@ -2330,14 +2330,16 @@ def test_d_proj_from_x_hat_matches_fp64(n, hidden, direction, mask_dtype):
 @HOPPER
 @pytest.mark.parametrize("n, hidden, direction, pair_dtype", [
     shape + (dtype,) for shape, dtype in zip([(36, 128, "outgoing"), (20, 32, "incoming"), (44, 96, "outgoing"),
-                                              (28, 64, "incoming")], (torch.float32, torch.bfloat16, torch.float16,
-                                                                      torch.float32))])
+                                              (28, 64, "incoming"), (192, 128, "outgoing")],
+                                             (torch.float32, torch.bfloat16, torch.float16, torch.float32,
+                                              torch.float32))])
 def test_d_proj_d_pair_matches_fp64(n, hidden, direction, pair_dtype):
     """input_backward wgmma_rs's d_proj_d_pair (the gate on LayerNorm_in's rows, x_hat's rstd kept): d proj and
     d mask the same bits as d_proj from x_hat alone (its sums within fp32 reordering: two warpgroups a block, not
     three), and d pair against fp64 LayerNorm_in's backward of d x_hat = d proj W_in_f + d gate W_gate_f (the pass's
     own d proj, the weights bf16) on the same x_hat and rstd, within the rounding of pair's dtype; batch 2, N^2 not
-    a multiple of the tile, both directions, every h count it takes; outputs poisoned first."""
+    a multiple of the tile, both directions, every h count it takes, and N = 192 (1152 tiles, more than the grid's
+    1024 warpgroups: some take a second tile); outputs poisoned first."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     batch, pair_dim, incoming, eps = 2, 128, direction == "incoming", 1e-5

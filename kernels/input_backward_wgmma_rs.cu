@@ -110,18 +110,11 @@ __device__ __forceinline__ void lay_out_weights(const BackwardArgs& args, uint8_
 }
 
 // This thread's channels 16 s + 4 t .. + 3 (each k-step's A fragment, the weights' k permutation) of row `pos` of
-// [P, kC] rows, one 8-byte load each, row 0's where pos < 0 (zero_outside clears them after): no branch, so that a
-// tile's loads all leave before the first is used (with a select per load the compiler waited for each row's
-// loads before the next row's branches: one DRAM round trip per row instead of one per tile).
+// [P, kC] rows, one 8-byte load each; zeros where pos < 0.
 __device__ __forceinline__ void load_row_quads(const Op* rows, int64_t pos, int t, uint2 (&quads)[kSteps]) {
-  const Op* row = rows + (pos >= 0 ? pos : 0) * kC + 4 * t;
-#pragma unroll
-  for (int s = 0; s < kSteps; ++s) quads[s] = *reinterpret_cast<const uint2*>(row + 16 * s);
-}
-__device__ __forceinline__ void zero_outside(int64_t pos, uint2 (&quads)[kSteps]) {
 #pragma unroll
   for (int s = 0; s < kSteps; ++s)
-    if (pos < 0) quads[s] = make_uint2(0u, 0u);
+    quads[s] = pos >= 0 ? *reinterpret_cast<const uint2*>(rows + pos * kC + 16 * s + 4 * t) : make_uint2(0u, 0u);
 }
 
 // Four d pair values of a row (adjacent channels) in pair's dtype.
@@ -197,13 +190,15 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
   // further; of each, channels 16 s + 4 t .. + 3 for k-step s (the weights' k permutation), and the mask's bits.
   const int row0 = 16 * warp4 + (lane >> 2);
   const Op* x_hat = static_cast<const Op*>(args.x_hat);
-  const auto row_positions = [&](int64_t tile, int64_t (&pos)[2]) {
+  const auto load_rows = [&](int64_t tile, uint2 (&rows)[2][kSteps], uint32_t (&mask_bits)[2], int64_t (&pos)[2]) {
     const int64_t batch = tile < tiles ? tile / tiles_per_batch : 0;
     const int64_t p0 = (tile - batch * tiles_per_batch) * kPositions;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int64_t p = p0 + row0 + 8 * hf;
       pos[hf] = tile < tiles && p < plane ? position_of(args, batch, static_cast<uint32_t>(p)) : -1;
+      mask_bits[hf] = pos[hf] >= 0 ? load_mask_bits(args.mask, args.mask_kind, pos[hf]) : 0u;
+      load_row_quads(x_hat, pos[hf], t, rows[hf]);
     }
   };
 
@@ -221,27 +216,11 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
   int it = 0;  // the next box to take
   for (; tile < tiles; tile += stride) {
     const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
-    // The tile's rows (loaded here, not a tile ahead: 32 registers fewer), every load issued before any is used:
-    // x_hat's, then (kDPair) d gate's and the rstd, then the mask bits (their dtype's switch is a branch).
-    int64_t row_pos[2];
-    row_positions(tile, row_pos);
-    uint2 raw[2][kSteps], gate_raw[2][kSteps];
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) load_row_quads(x_hat, row_pos[hf], t, raw[hf]);
-    float rstd[2] = {0.f, 0.f};
-    if constexpr (kDPair)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        load_row_quads(static_cast<const Op*>(args.d_gate), row_pos[hf], t, gate_raw[hf]);
-        rstd[hf] = args.rstd[row_pos[hf] >= 0 ? row_pos[hf] : 0];
-      }
+    uint2 raw[2][kSteps];
     uint32_t mask_bits[2];
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf)
-      mask_bits[hf] = row_pos[hf] >= 0 ? load_mask_bits(args.mask, args.mask_kind, row_pos[hf]) : 0u;
+    int64_t row_pos[2];
+    load_rows(tile, raw, mask_bits, row_pos);  // (loaded here, not a tile ahead: 32 registers fewer)
     uint32_t frag[kSteps][4];
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) zero_outside(row_pos[hf], raw[hf]);
     row_fragments(raw, frag);
     const float mask[2] = {mask_value(mask_bits[0], args.mask_kind), mask_value(mask_bits[1], args.mask_kind)};
     // The staging tile's rows this lane stores: 4 r + lane / 8 of the warp's 16.
@@ -257,8 +236,9 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
     // k-step: the two 64-channel halves of the resident tiles are their k-tiles, kStageBytes apart (LBO).
     float dx[64];
     if constexpr (kDPair) {
+      uint2 gate_raw[2][kSteps];
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) zero_outside(row_pos[hf], gate_raw[hf]);
+      for (int hf = 0; hf < 2; ++hf) load_row_quads(static_cast<const Op*>(args.d_gate), row_pos[hf], t, gate_raw[hf]);
       uint32_t gate_frag[kSteps][4];
       row_fragments(gate_raw, gate_frag);
       const uint64_t gate_desc = with_leading_offset(smem_descriptor(gate_weights), ws::kStageBytes);
@@ -406,11 +386,12 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
         }
         const float mean_d = quad_sum(sum) * (1.f / kC), mean_dot = quad_sum(dot) * (1.f / kC);
         if (row_pos[hf] < 0) continue;
+        const float rstd = args.rstd[row_pos[hf]];
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) {
           float v[4];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) v[i] = rstd[hf] * (d[4 * s + i] - mean_d - x[4 * s + i] * mean_dot);
+          for (int i = 0; i < 4; ++i) v[i] = rstd * (d[4 * s + i] - mean_d - x[4 * s + i] * mean_dot);
           store_d_pair(args.d_pair, args.pair_dtype, row_pos[hf] * kC + 16 * s + 4 * t, v);
         }
       }
