@@ -2284,12 +2284,14 @@ def test_training_torch_backward_passes_match_fp64(kernels):
 @pytest.mark.parametrize("n, hidden, direction, mask_dtype", [(36, 128, "outgoing", torch.bool),
                                                                (20, 32, "incoming", torch.float32),
                                                                (44, 96, "outgoing", torch.float32),
-                                                               (28, 64, "incoming", torch.bool)])
+                                                               (28, 64, "incoming", torch.bool),
+                                                               (224, 128, "incoming", torch.float32)])
 def test_d_proj_from_x_hat_matches_fp64(n, hidden, direction, mask_dtype):
     """input_backward wgmma_rs's d_proj (proj recomputed from x_hat on the tensor cores, never written): d proj,
     d mask and d proj's sums against fp64 from the same bf16 operands, within the bf16 rounding of d proj and no
     worse than the rows kernel's proj GEMM + d_proj on the same draw; batch 2, a mask with all-zero plane rows,
-    N^2 not a multiple of the 64-position tile, every h count it takes; outputs poisoned first."""
+    N^2 not a multiple of the 64-position tile, every h count it takes, and N = 224 (1568 tiles, more than the
+    grid's 1536 warpgroups: some take a second tile); outputs poisoned first."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     batch, pair_dim, incoming = 2, 128, direction == "incoming"
