@@ -1196,33 +1196,30 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   db.reset();
   rstd_in.reset();
   const at::Tensor g_in = mm_to(d_proj.t(), x_hat, acc);
-  std::unordered_map<std::string, at::Tensor> pair_tensors{{"pair", pair_rows}};
-  if (d_pair_in_proj) {
-    d_proj.reset();
-  } else if (d_x_hat_in_pass) {
-    pair_tensors["rows"] = d_proj;
-    pair_tensors["w_in_f"] = w_in_f.contiguous();
-    if (gate_normalized) {
-      pair_tensors["d_gate"] = d_gate;
-      pair_tensors["w_gate_f"] = w_gate.contiguous();
+  if (!d_pair_in_proj) {  // (else d_proj_d_pair wrote d pair)
+    std::unordered_map<std::string, at::Tensor> pair_tensors{{"pair", pair_rows}};
+    if (d_x_hat_in_pass) {
+      pair_tensors["rows"] = d_proj;
+      pair_tensors["w_in_f"] = w_in_f.contiguous();
+      if (gate_normalized) {
+        pair_tensors["d_gate"] = d_gate;
+        pair_tensors["w_gate_f"] = w_gate.contiguous();
+      }
+    } else if (joined) {
+      pair_tensors["d_rows"] = mm_to(d_rows, in_type(at::cat({w_in_f, w_gate}), dtype), acc);
+      d_rows.reset();
+      d_proj.reset();
+      d_gate.reset();
+    } else {
+      at::Tensor d_x_hat = mm_to(d_proj, in_type(w_in_f, dtype), acc);
+      d_proj.reset();
+      if (gate_normalized) add_mm_(d_x_hat, d_gate, in_type(w_gate, dtype));
+      pair_tensors["d_rows"] = d_x_hat;
     }
-  } else if (joined) {
-    pair_tensors["d_rows"] = mm_to(d_rows, in_type(at::cat({w_in_f, w_gate}), dtype), acc);
-    d_rows.reset();
-    d_proj.reset();
-    d_gate.reset();
-  } else {
-    at::Tensor d_x_hat = mm_to(d_proj, in_type(w_in_f, dtype), acc);
-    d_proj.reset();
-    if (gate_normalized) add_mm_(d_x_hat, d_gate, in_type(w_gate, dtype));
-    pair_tensors["d_rows"] = d_x_hat;
-  }
-  if (!gate_normalized) pair_tensors["d_rows_add"] = mm_to(d_gate, in_type(gate_w, dtype), acc);
-  if (!d_pair_in_proj) {
+    if (!gate_normalized) pair_tensors["d_rows_add"] = mm_to(d_gate, in_type(gate_w, dtype), acc);
     pair_tensors["d_pair"] = d_pair = at::empty_like(pair_rows);
     inputs.run(P::d_pair, eps_in, pair_tensors);
   }
-  pair_tensors.clear();
   d_proj.reset();
   d_gate.reset();
 

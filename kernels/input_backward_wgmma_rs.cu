@@ -202,6 +202,10 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
     }
   };
 
+  // A part's 64 resident weight rows: chunk part / 2 of W_in_f's 128-row chunks, its half part % 2.
+  const auto part_weights = [&](int part) {
+    return weights + (part >> 1) * kKTiles * ws::kStageBytes + (part & 1) * ws::kGroupRowBytes;
+  };
   int64_t tile = first;
   lay_out_weights(args, weights, bias, kDPair ? gate_weights : nullptr);  // (the first boxes load meanwhile)
   __syncthreads();
@@ -241,7 +245,7 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
       for (int hf = 0; hf < 2; ++hf) load_row_quads(static_cast<const Op*>(args.d_gate), row_pos[hf], t, gate_raw[hf]);
       uint32_t gate_frag[kSteps][4];
       row_fragments(gate_raw, gate_frag);
-      const uint64_t gate_desc = with_leading_offset(smem_descriptor(gate_weights), ws::kStageBytes);
+      const uint64_t gate_desc = smem_descriptor(gate_weights, ws::kStageBytes);
       wgmma_fence();
 #pragma unroll
       for (int s = 0; s < kSteps; ++s)  // (k-step s: W_gate_f's resident rows 16 s .., 2048 bytes on)
@@ -250,7 +254,7 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
     }
 
     const auto multiply = [&](int part, float(&acc)[32]) {
-      const uint8_t* w = weights + (part >> 1) * kKTiles * ws::kStageBytes + (part & 1) * ws::kGroupRowBytes;
+      const uint8_t* w = part_weights(part);
       wgmma_fence();
 #pragma unroll
       for (int s = 0; s < kSteps; ++s)
@@ -307,8 +311,7 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
         // d x_hat += the part's d proj W_in rows: k-step s is the part's weight rows 16 s .. (d pa of h = 8 s +
         // 2 t + e at k = 2 t + e, its d ga at 8 + 2 t + e: out[.][s / 2][2 (s % 2) + hf]), the resident tile
         // read transposed; the pairs stay unchanged until the next part's wait.
-        const uint8_t* w = weights + (part >> 1) * kKTiles * ws::kStageBytes + (part & 1) * ws::kGroupRowBytes;
-        const uint64_t desc = with_leading_offset(smem_descriptor(w), ws::kStageBytes);
+        const uint64_t desc = smem_descriptor(part_weights(part), ws::kStageBytes);
         wgmma_fence();
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
@@ -478,7 +481,7 @@ cudaError_t launch(const BackwardArgs& args) {
   if (!d_pair) return launch_d_proj<false>(args);
   // (d gate's rows load 8 bytes at a time, d pair's stores 4 channels at a time)
   if (args.d_gate == nullptr || args.w_gate_f == nullptr || args.rstd == nullptr || args.d_pair == nullptr ||
-      !aligned(args.d_gate) || !aligned(args.w_gate_f) || reinterpret_cast<uintptr_t>(args.d_pair) % 16 != 0)
+      !aligned(args.d_gate) || !aligned(args.w_gate_f) || !aligned(args.d_pair))
     return cudaErrorInvalidValue;
   return launch_d_proj<true>(args);
 }

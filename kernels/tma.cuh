@@ -28,10 +28,13 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 __device__ __forceinline__ int warp_index() { return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 5), 0); }
 
 // Shared-memory matrix descriptor: K-major rows of 128 bytes, 128-byte swizzle, 8-row groups 1024
-// bytes apart (what TMA's 128-byte swizzle writes).
-__device__ __forceinline__ uint64_t smem_descriptor(const void* tile) {
+// bytes apart (what TMA's 128-byte swizzle writes). leading_bytes: the leading byte offset (a multiple of 16
+// below 256 KiB), which only an N-major operand wider than one 64-element block reads (imm-trans-b: the step
+// between its 64-n halves).
+__device__ __forceinline__ uint64_t smem_descriptor(const void* tile, uint32_t leading_bytes = 16) {
   const uint64_t addr = smem_u32(tile);
-  return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t((leading_bytes >> 4) & 0x3FFF) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
 }
 // The descriptor `units` x 16 bytes further on: an add to the start-address field (14 bits: shared
 // memory addresses below 256 KB never carry out of it) in the low word only. (A 64-bit add costs
@@ -303,11 +306,6 @@ __device__ __forceinline__ void wgmma_rs_64x128_trans_b(float (&d)[64], const ui
 }
 #undef TRIMUL_WGMMA_RS_64X128_TRANS_B
 #undef TRIMUL_WGMMA_RS_FOR_OP
-
-// smem_descriptor's with the leading byte offset (14 bits, 16-byte units) set to `bytes`.
-__device__ __forceinline__ uint64_t with_leading_offset(uint64_t desc, uint32_t bytes) {
-  return (desc & ~(uint64_t(0x3FFF) << 16)) | (uint64_t((bytes >> 4) & 0x3FFF) << 16);
-}
 
 // One 128-byte k-tile of a 64xN product, N = 2 x the accumulators per thread (64 or 128): four
 // k-steps, 32 bytes further along k each (start address + 2 in the descriptors), committed as one
