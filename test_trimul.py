@@ -2291,7 +2291,7 @@ def test_d_proj_from_x_hat_matches_fp64(n, hidden, direction, mask_dtype):
     d mask and d proj's sums against fp64 from the same bf16 operands, within the bf16 rounding of d proj and no
     worse than the rows kernel's proj GEMM + d_proj on the same draw; batch 2, a mask with all-zero plane rows,
     N^2 not a multiple of the 64-position tile, every h count it takes, and N = 224 (1568 tiles, more than the
-    grid's 1536 warpgroups: some take a second tile); outputs poisoned first."""
+    1536 warpgroups of the largest grid, 512 blocks: some take a second tile on any GPU); outputs poisoned first."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     batch, pair_dim, incoming = 2, 128, direction == "incoming"
@@ -2340,8 +2340,8 @@ def test_d_proj_d_pair_matches_fp64(n, hidden, direction, pair_dtype):
     d mask the same bits as d_proj from x_hat alone (its sums within fp32 reordering: two warpgroups a block, not
     three), and d pair against fp64 LayerNorm_in's backward of d x_hat = d proj W_in_f + d gate W_gate_f (the pass's
     own d proj, the weights bf16) on the same x_hat and rstd, within the rounding of pair's dtype; batch 2, N^2 not
-    a multiple of the tile, both directions, every h count it takes, and N = 192 (1152 tiles, more than the grid's
-    1024 warpgroups: some take a second tile); outputs poisoned first."""
+    a multiple of the tile, both directions, every h count it takes, and N = 192 (1152 tiles, more than the 1024
+    warpgroups of the largest grid, 512 blocks: some take a second tile on any GPU); outputs poisoned first."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     batch, pair_dim, incoming, eps = 2, 128, direction == "incoming", 1e-5
@@ -2571,8 +2571,8 @@ def test_z_gate_grad_matches_fp64(batch, n, d_out_dtype):
     gate_pre = gate_rows W_g^T + b_g on wgmma, d o = d out s and d gate = d out o s (1 - s) with s = sigmoid(gate_pre),
     and their sums over positions, in one pass: each output against fp64 from the same bf16 operands, within bf16's
     rounding and no worse than the rows kernel's z_rows + GEMMs + gate_grad on the same draw; planes that are not
-    whole 64-position tiles, batch 1 and 2, more tiles than the grid's warpgroups (N = 184: 1058 tiles, so a
-    warpgroup takes several), d out in fp32, bf16 and fp16, z with a mean far from zero; the outputs poisoned
+    whole 64-position tiles, batch 1 and 2, more tiles than the largest grid's warpgroups (N = 184: 1058 tiles
+    against 1024, so a warpgroup takes several on any GPU), d out in fp32, bf16 and fp16, z with a mean far from zero; the outputs poisoned
     first."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)

@@ -4,10 +4,12 @@
 
 The pass (input_backward wgmma_rs, BackwardPass d_proj_d_pair) runs on random x_hat, rstd, weights, da/db
 planes, d gate and mask, as test_d_proj_d_pair_matches_fp64 builds them; the reference is LayerNorm_in's
-backward of d x_hat = d proj W_in_f + d gate W_gate_f in fp64 on the GPU, on the pass's own d proj. Rows are
-grouped by the tile that holds them and by the round in which the grid's warpgroups take that tile (tile //
-warpgroups: 0 for each warpgroup's first tile), so an error that appears only from a warpgroup's second tile
-on shows up as round 0 clean and the later rounds not. Also prints the worst rows.
+backward of d x_hat = d proj W_in_f + d gate W_gate_f in fp64 on the GPU, on the pass's own d proj; d proj itself against fp64 from x_hat, the weights and da/db (so a wrong d proj,
+which d pair's check cannot see, shows too). Rows are grouped by the tile that holds them and by the round in
+which the grid's warpgroups take that tile (tile // warpgroups: 0 for each warpgroup's first tile), so an error
+that appears only from a warpgroup's second tile on shows up as round 0 clean and the later rounds not. Also
+prints the worst rows. --blocks: the pass's grid (default: one block per SM, persistent_sum_blocks; 512 for
+trees before it); --bool-mask: a bool mask (the models' and bench.py's) instead of a float one.
 """
 import argparse
 import os
@@ -19,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import trimul_inline as ti  # noqa: E402
 
 POSITIONS_PER_TILE = 64       # (proj_rs's tile: 64 positions per warpgroup)
-WARPGROUPS = 512 * 2          # (kBackwardSumRows blocks of two warpgroups when the pass writes d pair)
+GROUPS = 2                    # (warpgroups per block when the pass writes d pair)
 
 
 def main() -> None:
@@ -30,6 +32,8 @@ def main() -> None:
     parser.add_argument("--pair-dtype", default="float32")
     parser.add_argument("--incoming", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--blocks", type=int, default=None)
+    parser.add_argument("--bool-mask", action="store_true")
     args = parser.parse_args()
     g = torch.Generator(device="cuda").manual_seed(args.seed)
     batch, n, hidden, pair_dim, eps = args.batch, args.n, args.hidden, 128, 1e-5
@@ -46,7 +50,9 @@ def main() -> None:
     da, db = randn(batch * hidden, n, n).bfloat16(), randn(batch * hidden, n, n).bfloat16()
     d_gate = randn(positions, pair_dim).bfloat16()
     w_gate_f = randn(pair_dim, pair_dim) / pair_dim ** 0.5
-    mask_rows = (torch.rand(positions, generator=g, device="cuda") > 0.2).float()
+    mask_rows = torch.rand(positions, generator=g, device="cuda") > 0.2
+    if not args.bool_mask:
+        mask_rows = mask_rows.float()
     pair_rows = torch.empty(positions, pair_dim, device="cuda", dtype=pair_dtype)
     like = torch.empty(0, device="cuda", dtype=torch.bfloat16)
     fused = ti._KernelBackwardPasses("input_backward", "wgmma_rs", batch, n, pair_dim, hidden, args.incoming, 2, like)
@@ -73,13 +79,38 @@ def main() -> None:
         position = plane
     tiles_per_batch = (n * n + POSITIONS_PER_TILE - 1) // POSITIONS_PER_TILE
     tile = (plane // (n * n)) * tiles_per_batch + (plane % (n * n)) // POSITIONS_PER_TILE
-    err_by_plane = row_error[position]
-    rounds = tile // WARPGROUPS
+    blocks = args.blocks or min(512, torch.cuda.get_device_properties(0).multi_processor_count)
+    rounds = tile // (GROUPS * blocks)
+    report("d pair", row_error[position], rounds, tile)
+
+    # d proj in fp64 from the pass's inputs (bf16 x_hat and weights, as the pass multiplies them).
+    proj = x_hat.double() @ w_in_f.bfloat16().double().t() + b_in_f.double()
+    pa, ga, pb, gb = proj.split(hidden, dim=1)
+    m = mask_rows.double()[:, None]
+    d_rows = []
+    for planes, p, gate in ((da, pa, ga), (db, pb, gb)):
+        d = torch.empty(positions, hidden, device="cuda", dtype=torch.float64)
+        d[position] = planes.view(batch, hidden, n * n).permute(0, 2, 1).reshape(positions, hidden).double()
+        s = torch.sigmoid(gate)
+        d_p = d * s * m
+        d_rows += [d_p, d_p * p * (1 - s)]
+    expected_proj = torch.cat(d_rows, dim=1)
+    proj_error = (d_proj.double() - expected_proj).norm(dim=1) / expected_proj.norm(dim=1).clamp_min(1e-30)
+    total = ((d_proj.double() - expected_proj).norm() / expected_proj.norm()).item()
+    print(f"d proj error {total:.2e}")
+    report("d proj", proj_error[position], rounds, tile, masked=~mask_rows[position])
+
+
+def report(name, err_by_plane, rounds, tile, masked=None):
+    """Per tile round: the median and max row error; then the worst rows (rows the mask zeroes, whose expected
+    row is zero, left out)."""
+    if masked is not None:
+        err_by_plane = torch.where(masked, torch.zeros_like(err_by_plane), err_by_plane)
     for r in range(int(rounds.max().item()) + 1):
         sel = err_by_plane[rounds == r]
-        print(f"round {r:3d}: {sel.numel():8d} rows, median {sel.median().item():.2e}, max {sel.max().item():.2e},"
-              f" rows over 1e-2: {(sel > 1e-2).sum().item()}")
-    worst = torch.topk(err_by_plane, 8)
+        print(f"{name} round {r:3d}: {sel.numel():8d} rows, median {sel.median().item():.2e}, max "
+              f"{sel.max().item():.2e}, rows over 1e-2: {(sel > 1e-2).sum().item()}")
+    worst = torch.topk(err_by_plane, 6)
     for e, i in zip(worst.values.tolist(), worst.indices.tolist()):
         print(f"  plane row {i} (tile {tile[i].item()}, round {rounds[i].item()}, row {i % POSITIONS_PER_TILE} of its"
               f" tile): error {e:.2e}")

@@ -272,8 +272,9 @@ struct BackwardArgs {
   cudaStream_t stream;
 };
 
-// Blocks of the backward passes that sum over positions (BackwardArgs::sums): a constant, so the order of
-// the sums, and their bits, are the same on every GPU.
+// Rows of the partial sums of the backward passes that sum over positions (BackwardArgs::sums): the most
+// blocks such a pass runs (the rows passes: 512 blocks, the same bits on every GPU; the persistent wgmma passes:
+// one block per SM, persistent_sum_blocks, the same bits on every GPU of one SM count).
 constexpr int64_t kBackwardSumRows = 512;
 
 // One kernel of the registry (registry.def), or a compiled kernel the registry does not name.

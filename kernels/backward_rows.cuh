@@ -212,5 +212,13 @@ cudaError_t launch_rows(Kernel kernel, const BackwardArgs& args, int64_t bytes =
   return launch_blocks(kernel, args, blocks, bytes);
 }
 
+// The grid of a persistent pass that sums over positions at one block per SM (the wgmma passes): one wave, so
+// that each SM lays out its resident weights once and no partial wave of blocks runs after the rest. The sums'
+// order, and so their bits, follow the grid: fixed for a GPU, as cuBLAS's GEMMs' bits are. `wanted`: blocks
+// with work.
+inline int64_t persistent_sum_blocks(int64_t wanted) {
+  return std::min<int64_t>(wanted, std::min<int64_t>(std::max<int64_t>(sm_count(), 1), kBackwardSumRows));
+}
+
 }  // namespace backward
 }  // namespace trimul

@@ -12,8 +12,8 @@
 // (the mirror of the forward's transposing stores), so d pa = da s m and d ga = d pa pa (1 - s) are computed in
 // registers and leave as whole 16-byte chunks of d proj rows through a per-warp staging tile. The sums over
 // positions (the bias gradients) reduce-scatter over a warp's rows into two columns per lane and part, added into
-// the warp's row of shared memory across the block's tiles (registers would spill): kBackwardSumRows blocks with
-// fixed tiles, the warps' rows added in order, so the bits do not depend on the GPU.
+// the warp's row of shared memory across the block's tiles (registers would spill): one block per SM with fixed
+// tiles, the warps' rows added in order, so the bits are fixed for a GPU.
 // d_proj_d_pair (the gate on LayerNorm_in's rows, its rstd kept by the forward) writes d pair from the same tile:
 // each part's d pa / d ga pairs, packed for d proj's store, are also the A fragments of d x_hat += d proj W_in_f
 // (the resident W_in tiles read transposed: k = weight row, n = channel), started by d gate W_gate_f (W_gate_f
@@ -443,8 +443,7 @@ bool applies(const BackwardArgs& args) {
 template <int kParts, bool kMaskGrad, bool kDPair>
 cudaError_t launch_parts(const BackwardArgs& args) {
   const int64_t plane = args.n * args.n, tiles_per_batch = ceil_div(plane, kPositions);
-  const int64_t blocks =
-      std::min<int64_t>(kBackwardSumRows, ceil_div(args.batch * tiles_per_batch, groups_for(kDPair)));
+  const int64_t blocks = persistent_sum_blocks(ceil_div(args.batch * tiles_per_batch, groups_for(kDPair)));
   CUtensorMap map_da, map_db;
   if (!encode_kmajor_map<Op>(&map_da, args.a_planes, args.batch, args.h, plane, 32) ||
       !encode_kmajor_map<Op>(&map_db, args.b_planes, args.batch, args.h, plane, 32))

@@ -6,8 +6,8 @@
 // by the resident W_out_f and W_g on wgmma (the forward output pass's products), and turns the fp32 accumulators
 // into d o = d out s and d gate = d out o s (1 - s) at once: o and gate_pre are never written. It writes z_hat
 // and rstd (the weight gradient's and dz_planes' operands), d o and d gate, and the column sums of d o and d gate
-// (the biases' gradients: kBackwardSumRows blocks with fixed tiles, each warp's columns reduce-scattered into
-// registers, the warps' rows added in order, so the bits do not depend on the GPU). Rows leave through a per-warp
+// (the biases' gradients: one block per SM with fixed tiles, each warp's columns reduce-scattered into
+// registers, the warps' rows added in order, so the bits are fixed for a GPU). Rows leave through a per-warp
 // staging tile as whole 128-byte lines. Hopper (sm_90a), bf16 operands, pair_dim and hidden 128.
 #pragma once
 #include "backward_wgmma_rows.cuh"
@@ -310,7 +310,7 @@ cudaError_t launch(const BackwardArgs& args) {
   CUtensorMap map_z;
   if (!encode_kmajor_map<Op>(&map_z, args.a_planes, 0, args.batch * kH, plane, kH)) return cudaErrorNotSupported;
   const int64_t tiles_per_batch = ceil_div(plane, kPositions);
-  const int64_t blocks = std::min<int64_t>(kBackwardSumRows, ceil_div(args.batch * tiles_per_batch, kGroups));
+  const int64_t blocks = persistent_sum_blocks(ceil_div(args.batch * tiles_per_batch, kGroups));
   return dispatch_out(args.d_out_dtype, [&](auto out) {
     using TOut = typename decltype(out)::type;
     CUtensorMap map_d_out;
