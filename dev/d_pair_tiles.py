@@ -98,7 +98,7 @@ def main() -> None:
     proj_error = (d_proj.double() - expected_proj).norm(dim=1) / expected_proj.norm(dim=1).clamp_min(1e-30)
     total = ((d_proj.double() - expected_proj).norm() / expected_proj.norm()).item()
     print(f"d proj error {total:.2e}")
-    report("d proj", proj_error[position], rounds, tile, masked=~mask_rows[position])
+    report("d proj", proj_error[position], rounds, tile, masked=mask_rows[position] == 0)
 
 
 def report(name, err_by_plane, rounds, tile, masked=None):
