@@ -2572,8 +2572,8 @@ def test_z_gate_grad_matches_fp64(batch, n, d_out_dtype):
     and their sums over positions, in one pass: each output against fp64 from the same bf16 operands, within bf16's
     rounding and no worse than the rows kernel's z_rows + GEMMs + gate_grad on the same draw; planes that are not
     whole 64-position tiles, batch 1 and 2, more tiles than the largest grid's warpgroups (N = 184: 1058 tiles
-    against 1024, so a warpgroup takes several on any GPU), d out in fp32, bf16 and fp16, z with a mean far from zero; the outputs poisoned
-    first."""
+    against 1024, so a warpgroup takes several on any GPU), d out in fp32, bf16 and fp16, z with a mean far from
+    zero; the outputs poisoned first."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     pair_dim = hidden = 128

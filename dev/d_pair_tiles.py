@@ -4,8 +4,9 @@
 
 The pass (input_backward wgmma_rs, BackwardPass d_proj_d_pair) runs on random x_hat, rstd, weights, da/db
 planes, d gate and mask, as test_d_proj_d_pair_matches_fp64 builds them; the reference is LayerNorm_in's
-backward of d x_hat = d proj W_in_f + d gate W_gate_f in fp64 on the GPU, on the pass's own d proj; d proj itself against fp64 from x_hat, the weights and da/db (so a wrong d proj,
-which d pair's check cannot see, shows too). Rows are grouped by the tile that holds them and by the round in
+backward of d x_hat = d proj W_in_f + d gate W_gate_f in fp64 on the GPU, on the pass's own d proj; d proj
+itself against fp64 from x_hat, the weights and da/db (so a wrong d proj, which d pair's check cannot see, shows
+too). Rows are grouped by the tile that holds them and by the round in
 which the grid's warpgroups take that tile (tile // warpgroups: 0 for each warpgroup's first tile), so an error
 that appears only from a warpgroup's second tile on shows up as round 0 clean and the later rounds not. Also
 prints the worst rows. --blocks: the pass's grid (default: one block per SM, persistent_sum_blocks; 512 for
@@ -64,8 +65,7 @@ def main() -> None:
     x = x_hat.double()
     d = d_proj.double() @ w_in_f.bfloat16().double() + d_gate.double() @ w_gate_f.bfloat16().double()
     expected = rstd.double()[:, None] * (d - d.mean(1, keepdim=True) - x * (d * x).mean(1, keepdim=True))
-    row_error = (d_pair.double() - expected).norm(dim=1) / expected.norm(dim=1).clamp_min(1e-30)
-    total = ((d_pair.double() - expected).norm() / expected.norm()).item()
+    row_error, total = relative_errors(d_pair, expected)
     print(f"N = {n}, batch {batch}, H {hidden}, pair {args.pair_dtype}, {'incoming' if args.incoming else 'outgoing'}:"
           f" d pair error {total:.2e} over {positions} rows")
 
@@ -95,10 +95,15 @@ def main() -> None:
         d_p = d * s * m
         d_rows += [d_p, d_p * p * (1 - s)]
     expected_proj = torch.cat(d_rows, dim=1)
-    proj_error = (d_proj.double() - expected_proj).norm(dim=1) / expected_proj.norm(dim=1).clamp_min(1e-30)
-    total = ((d_proj.double() - expected_proj).norm() / expected_proj.norm()).item()
+    proj_error, total = relative_errors(d_proj, expected_proj)
     print(f"d proj error {total:.2e}")
     report("d proj", proj_error[position], rounds, tile, masked=mask_rows[position] == 0)
+
+
+def relative_errors(got, expected):
+    """||got - expected|| / ||expected|| per row and over the whole tensor."""
+    diff = got.double() - expected
+    return diff.norm(dim=1) / expected.norm(dim=1).clamp_min(1e-30), (diff.norm() / expected.norm()).item()
 
 
 def report(name, err_by_plane, rounds, tile, masked=None):
