@@ -1,12 +1,13 @@
 """Per-kernel CUDA time of one ModelNew training step (forward, loss, backward), by torch.profiler.
 
     python dev/backward_profile.py --shape 1,1024,128,128 --precision medium [--gate-input normalized]
-        [--copies] [--host] [--bf16]
+        [--copies] [--host] [--runtime] [--bf16]
 
 --bf16: bf16 parameters and inputs (bench.py's new-bf16 row) instead of fp32 at --precision.
 
 --copies: the PyTorch ops that launched device copies and elementwise kernels (with their input shapes and
-Python stacks); --host: the step's wall time against its CUDA time (a small step is host-bound).
+Python stacks); --host: the step's wall time against its CUDA time (a small step is host-bound); --runtime: the
+CUDA runtime calls the step makes on the host, by their host time (a blocking one shows as a long call).
 """
 import time
 import argparse
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--copies", action="store_true")
     parser.add_argument("--host", action="store_true")
+    parser.add_argument("--runtime", action="store_true")
     parser.add_argument("--bf16", action="store_true")
     args = parser.parse_args()
     batch, n, pair_dim, hidden = (int(x) for x in args.shape.split(","))
@@ -59,6 +61,8 @@ def main() -> None:
         print_copies(step)
     if args.host:
         print_host_time(step)
+    if args.runtime:
+        print_runtime_calls(step)
 
 
 def print_copies(step) -> None:
@@ -76,6 +80,23 @@ def print_copies(step) -> None:
         stack = " <- ".join(frame.split("(")[0].split("/")[-1] + ":" + frame.split("(")[-1].split(")")[0]
                             for frame in e.stack[:4])
         print(f"{e.self_device_time_total:9.1f} us {e.count:3d}x {e.key} {e.input_shapes} {stack}")
+
+
+def print_runtime_calls(step, repeats: int = 5) -> None:
+    """The CUDA runtime and driver calls of `repeats` steps by host time, and the host ops by their own time."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.key.startswith(("cuda", "cu", "Memcpy"))]
+    print(f"CUDA runtime calls over {repeats} steps (host us total, count, mean):")
+    for e in sorted(rows, key=lambda e: -e.cpu_time_total)[:20]:
+        print(f"{e.cpu_time_total:9.1f} us {e.count:4d}x {e.cpu_time_total / e.count:8.1f}  {e.key[:80]}")
+    ops = [e for e in prof.key_averages() if e.key.startswith(("aten::", "trimul"))]
+    print("host ops by self CPU time (us total, count):")
+    for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:25]:
+        print(f"{e.self_cpu_time_total:9.1f} us {e.count:4d}x  {e.key[:80]}")
 
 
 def print_host_time(step, repeats: int = 20) -> None:

@@ -110,11 +110,18 @@ __device__ __forceinline__ void lay_out_weights(const BackwardArgs& args, uint8_
 }
 
 // This thread's channels 16 s + 4 t .. + 3 (each k-step's A fragment, the weights' k permutation) of row `pos` of
-// [P, kC] rows, one 8-byte load each; zeros where pos < 0.
+// [P, kC] rows, one 8-byte load each, row 0's where pos < 0 (zero_outside clears them after): no branch, so that a
+// tile's loads all leave before the first is used (with a select per load the compiler waited for each row's
+// loads before the next row's branches: one DRAM round trip per row instead of one per tile).
 __device__ __forceinline__ void load_row_quads(const Op* rows, int64_t pos, int t, uint2 (&quads)[kSteps]) {
+  const Op* row = rows + (pos >= 0 ? pos : 0) * kC + 4 * t;
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) quads[s] = *reinterpret_cast<const uint2*>(row + 16 * s);
+}
+__device__ __forceinline__ void zero_outside(int64_t pos, uint2 (&quads)[kSteps]) {
 #pragma unroll
   for (int s = 0; s < kSteps; ++s)
-    quads[s] = pos >= 0 ? *reinterpret_cast<const uint2*>(rows + pos * kC + 16 * s + 4 * t) : make_uint2(0u, 0u);
+    if (pos < 0) quads[s] = make_uint2(0u, 0u);
 }
 
 // Four d pair values of a row (adjacent channels) in pair's dtype.
@@ -190,15 +197,13 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
   // further; of each, channels 16 s + 4 t .. + 3 for k-step s (the weights' k permutation), and the mask's bits.
   const int row0 = 16 * warp4 + (lane >> 2);
   const Op* x_hat = static_cast<const Op*>(args.x_hat);
-  const auto load_rows = [&](int64_t tile, uint2 (&rows)[2][kSteps], uint32_t (&mask_bits)[2], int64_t (&pos)[2]) {
+  const auto row_positions = [&](int64_t tile, int64_t (&pos)[2]) {
     const int64_t batch = tile < tiles ? tile / tiles_per_batch : 0;
     const int64_t p0 = (tile - batch * tiles_per_batch) * kPositions;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int64_t p = p0 + row0 + 8 * hf;
       pos[hf] = tile < tiles && p < plane ? position_of(args, batch, static_cast<uint32_t>(p)) : -1;
-      mask_bits[hf] = pos[hf] >= 0 ? load_mask_bits(args.mask, args.mask_kind, pos[hf]) : 0u;
-      load_row_quads(x_hat, pos[hf], t, rows[hf]);
     }
   };
 
@@ -220,11 +225,20 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
   int it = 0;  // the next box to take
   for (; tile < tiles; tile += stride) {
     const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
-    uint2 raw[2][kSteps];
-    uint32_t mask_bits[2];
+    // The tile's x_hat rows (loaded here, not a tile ahead: 32 registers fewer) in one burst, both rows' loads
+    // issued before any is used, then the mask bits (their dtype's switch is a branch); d gate's rows below.
     int64_t row_pos[2];
-    load_rows(tile, raw, mask_bits, row_pos);  // (loaded here, not a tile ahead: 32 registers fewer)
+    row_positions(tile, row_pos);
+    uint2 raw[2][kSteps];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) load_row_quads(x_hat, row_pos[hf], t, raw[hf]);
+    uint32_t mask_bits[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+      mask_bits[hf] = row_pos[hf] >= 0 ? load_mask_bits(args.mask, args.mask_kind, row_pos[hf]) : 0u;
     uint32_t frag[kSteps][4];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) zero_outside(row_pos[hf], raw[hf]);
     row_fragments(raw, frag);
     const float mask[2] = {mask_value(mask_bits[0], args.mask_kind), mask_value(mask_bits[1], args.mask_kind)};
     // The staging tile's rows this lane stores: 4 r + lane / 8 of the warp's 16.
@@ -243,6 +257,8 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
       uint2 gate_raw[2][kSteps];
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) load_row_quads(static_cast<const Op*>(args.d_gate), row_pos[hf], t, gate_raw[hf]);
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) zero_outside(row_pos[hf], gate_raw[hf]);
       uint32_t gate_frag[kSteps][4];
       row_fragments(gate_raw, gate_frag);
       const uint64_t gate_desc = smem_descriptor(gate_weights, ws::kStageBytes);
@@ -276,7 +292,7 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
           ldmatrix_x4_trans(da[qq], box + (8 * q + i) * (2 * kPositions) + (((2 * warp4 + hf) ^ i) << 4));
         }
       }
-      named_barrier(1 + group, 128);  // (every thread has read the stage: it takes the box kBoxStages on)
+      release_stage_to_tma(1 + group, 128);  // (every thread has read the stage: it takes the box kBoxStages on)
       if (tid == 0) issue(it + kBoxStages);
       ++it;
       // acc[4 j + 2 hf + e]: position row0 + 8 hf, weight row 8 j + 2 t + e of the part (j = 2 q: proj of

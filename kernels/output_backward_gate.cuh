@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     z_parity ^= 1;
     uint32_t zf[kSteps][4];
     ::trimul::output_pass::z_fragments(zf, z_tile, warp4, lane);
-    named_barrier(1 + group, 128);  // the tile is in every thread's registers: the next one may land
+    release_stage_to_tma(1 + group, 128);  // the tile is in every thread's registers: the next one may land
     if (tid == 0 && tile + stride < tiles) load_z(tile + stride);
     const Span span = span_of(tile);
 
@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       for (int hf = 0; hf < 2; ++hf)
         if (row_pos[hf] >= 0) d_out_pairs<TOut>(d_out_tile, part, 16 * warp4 + g + 8 * hf, t, d[hf]);
       if (part == kParts - 1) {
-        named_barrier(1 + group, 128);  // every thread has its d out: the next tile's may land
+        release_stage_to_tma(1 + group, 128);  // every thread has its d out: the next tile's may land
         if (tid == 0 && tile + stride < tiles) load_d_out(tile + stride);
       }
       float gate[32], proj[32];

@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     z_parity ^= 1;
     uint32_t zf[kZSteps][4];
     z_fragments(zf, z_tile, warp4, lane);
-    named_barrier(1 + group, 128);  // the tile is in every thread's registers: the next one may land
+    release_stage_to_tma(1 + group, 128);  // the tile is in every thread's registers: the next one may land
     if (tid == 0 && tile + stride < tiles) load_z(tile + stride);
     float z_rstd[2];
     center_z_fragments(zf, z_rstd, args.eps_out);

@@ -176,7 +176,8 @@ __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
 }
-// Generic-proxy shared-memory writes (st.shared) made visible to the async proxy (wgmma operands).
+// Orders this thread's generic-proxy shared-memory accesses (st.shared, ld.shared, ldmatrix) with the async
+// proxy's (wgmma operands, TMA loads and stores) that follow.
 __device__ __forceinline__ void fence_proxy_async() {
 #ifdef TRIMUL_SM90A
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -185,6 +186,13 @@ __device__ __forceinline__ void fence_proxy_async() {
 // Barrier among `threads` threads of the block (a multiple of 32) on named barrier `id` (1..15).
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// The release of a stage that TMA refills once `threads` threads have read it by generic-proxy loads (ldmatrix,
+// ld.shared): the barrier alone does not order those reads before the async proxy's writes, and without the fence a
+// refill can land in a stage still being read (seen as a warp's rows taking the next tile's values).
+__device__ __forceinline__ void release_stage_to_tma(int id, int threads) {
+  fence_proxy_async();
+  named_barrier(id, threads);
 }
 
 __device__ __forceinline__ void wgmma_fence() {
