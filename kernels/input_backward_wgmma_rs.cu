@@ -225,13 +225,16 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
   int it = 0;  // the next box to take
   for (; tile < tiles; tile += stride) {
     const int64_t batch = tile / tiles_per_batch, p0 = (tile - batch * tiles_per_batch) * kPositions;
-    // The tile's x_hat rows (loaded here, not a tile ahead: 32 registers fewer) in one burst, both rows' loads
-    // issued before any is used, then the mask bits (their dtype's switch is a branch); d gate's rows below.
+    // The tile's rows (loaded here, not a tile ahead: 32 registers fewer), every load issued before any is used:
+    // x_hat's, then (kDPair) d gate's, then the mask bits (their dtype's switch is a branch); the rstd below.
     int64_t row_pos[2];
     row_positions(tile, row_pos);
-    uint2 raw[2][kSteps];
+    uint2 raw[2][kSteps], gate_raw[2][kSteps];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) load_row_quads(x_hat, row_pos[hf], t, raw[hf]);
+    if constexpr (kDPair)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) load_row_quads(static_cast<const Op*>(args.d_gate), row_pos[hf], t, gate_raw[hf]);
     uint32_t mask_bits[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf)
@@ -253,10 +256,10 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
     // + 2 (j % 2) + e); started by d gate W_gate_f, then each part's d proj W_in_f added. One m64n128 product per
     // k-step: the two 64-channel halves of the resident tiles are their k-tiles, kStageBytes apart (LBO).
     float dx[64];
+    float rstd[2] = {0.f, 0.f};  // (kDPair: loaded at the tile's start, not behind the last wgmma wait)
     if constexpr (kDPair) {
-      uint2 gate_raw[2][kSteps];
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) load_row_quads(static_cast<const Op*>(args.d_gate), row_pos[hf], t, gate_raw[hf]);
+      for (int hf = 0; hf < 2; ++hf) rstd[hf] = row_pos[hf] >= 0 ? args.rstd[row_pos[hf]] : 0.f;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) zero_outside(row_pos[hf], gate_raw[hf]);
       uint32_t gate_frag[kSteps][4];
@@ -405,12 +408,11 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
         }
         const float mean_d = quad_sum(sum) * (1.f / kC), mean_dot = quad_sum(dot) * (1.f / kC);
         if (row_pos[hf] < 0) continue;
-        const float rstd = args.rstd[row_pos[hf]];
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) {
           float v[4];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) v[i] = rstd * (d[4 * s + i] - mean_d - x[4 * s + i] * mean_dot);
+          for (int i = 0; i < 4; ++i) v[i] = rstd[hf] * (d[4 * s + i] - mean_d - x[4 * s + i] * mean_dot);
           store_d_pair(args.d_pair, args.pair_dtype, row_pos[hf] * kC + 16 * s + 4 * t, v);
         }
       }
