@@ -1802,7 +1802,11 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
         del d_x_hat
     del d_gate
 
-    # Parameter gradients from the folded GEMMs' (H x C and C x C matrices: no position loop).
+    # Parameter gradients from the folded GEMMs' (H x C and C x C matrices: no position loop); on CUDA the
+    # extension's param_grads, as the one-call backward runs it (the same bits).
+    if g_in.is_cuda and acc == torch.float32:
+        folded_grads = [t.float() for t in (g_in, s_in, g_out, s_out, g_gate, s_gate)]
+        return d_pair, d_mask, _extension().param_grads(list(params), *folded_grads, gate_normalized)
     d_w_in, d_b_in, d_ln_in_w, d_ln_in_b = _unfolded_grads(g_in, s_in, w_in, ln_in_w, ln_in_b)
     d_out_w, d_out_b, d_ln_out_w, d_ln_out_b = _unfolded_grads(g_out, s_out, out_w, ln_out_w, ln_out_b)
     if gate_normalized:

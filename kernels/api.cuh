@@ -296,6 +296,37 @@ enum class PlanStatus : int {
   invalid = 3,        // bad arguments (an unknown name, inconsistent sizes)
 };
 
+// The training backward's parameter gradients from its folded GEMMs (launch_param_grads, param_grads.cu): per
+// segment (a Linear, or one of the in-projection's four, [rows, cols]) with g the gradient of its folded weight
+// and s its bias gradient, d W = g diag(ln_w) + s ln_b^T (g itself where no LayerNorm is folded in) and
+// d bias = s; per LayerNorm d ln_w = sum_r W[r] * g[r] and d ln_b = s^T W over the segments folded with it.
+// Every tensor contiguous; the inputs fp32, the gradients written in `dtype`; sums in a fixed order.
+struct ParamGradArgs {
+  static constexpr int kMaxSegments = 6, kMaxNorms = 2;
+  struct Segment {
+    const float* g;       // [rows, cols]
+    const float* s;       // [rows]
+    const float* weight;  // [rows, cols]: the parameter (read where norm >= 0)
+    void* d_weight;       // [rows, cols]
+    void* d_bias;         // [rows]
+    int64_t rows, cols;
+    int norm;             // the LayerNorm folded into it (an index into norm), or -1
+  };
+  struct Norm {
+    const float* ln_w;
+    const float* ln_b;
+    void* d_ln_w;
+    void* d_ln_b;
+    int64_t cols;
+  };
+  Segment seg[kMaxSegments];
+  Norm norm[kMaxNorms];
+  int segments, norms;
+  Dtype dtype;
+  cudaStream_t stream;
+};
+cudaError_t launch_param_grads(const ParamGradArgs& args);
+
 // What the kernel library exports (trimul_kernel_library). kernels: the registry's entries in
 // registry.def order, then any compiled kernel the registry lacks. `chosen` names one kernel per Role
 // (nullptr or "": that role's default order). Messages go into message[0, size).
@@ -328,6 +359,8 @@ struct KernelLibrary {
   // The fp32 modes' F16x3Scale factors for a mask that is not bool (launch_mask_scales).
   cudaError_t (*mask_scales)(const void* mask, MaskKind kind, int64_t count, const float* scales, float* out,
                              unsigned int* work, cudaStream_t stream);
+  // The training backward's parameter gradients (launch_param_grads).
+  cudaError_t (*param_grads)(const ParamGradArgs& args);
 };
 
 // out = the kF16x3Scales factors `scales` with max(1, max|mask|) folded in: its power of two at or above
@@ -336,9 +369,10 @@ struct KernelLibrary {
 cudaError_t launch_mask_scales(const void* mask, MaskKind kind, int64_t count, const float* scales, float* out,
                                unsigned int* work, cudaStream_t stream);
 
+
 // Changes whenever a struct above changes, so a library and an extension built from different
 // versions of this file refuse each other.
-constexpr uint32_t kKernelAbi = 12;
+constexpr uint32_t kKernelAbi = 13;
 
 }  // namespace trimul
 

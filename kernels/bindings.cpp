@@ -781,12 +781,6 @@ std::pair<at::Tensor, at::Tensor> folded(const at::Tensor& weight, const at::Ten
   return {weight * ln_w, bias + at::mv(weight, ln_b)};
 }
 
-// _unfolded_grads: (d W, d bias, d ln_weight, d ln_bias) of a folded Linear from its GEMM's g and sum s.
-std::array<at::Tensor, 4> unfolded(const at::Tensor& g, const at::Tensor& s, const at::Tensor& weight,
-                                   const at::Tensor& ln_w, const at::Tensor& ln_b) {
-  return {g * ln_w + at::outer(s, ln_b), s, (weight * g).sum(0), at::mm(s.unsqueeze(0), weight).squeeze(0)};
-}
-
 // One backward role's passes on its library kernel, for one call's sizes.
 struct Passes {
   std::string role, kernel;
@@ -966,6 +960,81 @@ std::vector<at::Tensor> contract_backward_products(const std::string& kernel, co
   return {da, db};
 }
 
+// The 16 parameters' gradients (_PARAM_PATHS order, each in its parameter's dtype, each its own memory) from
+// the folded GEMMs' g and the bias sums s, fp32: g_in [4H, C], s_in [4H] of the four input projections (folded
+// with LayerNorm_in), g_out [C, H], s_out [C] (folded with LayerNorm_out), g_gate [C, C], s_gate [C] (folded
+// with LayerNorm_in where the gate reads it). params_f32: the parameters in fp32. One library call
+// (param_grads.cu: two launches) in place of ~30 tensor ops; written in the parameters' dtype where they share
+// one, else in fp32 and then cast.
+std::vector<at::Tensor> parameter_grads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& params_f32,
+                                        const at::Tensor& g_in, const at::Tensor& s_in, const at::Tensor& g_out,
+                                        const at::Tensor& s_out, const at::Tensor& g_gate, const at::Tensor& s_gate,
+                                        bool gate_normalized) {
+  TORCH_CHECK_VALUE(params.size() == 16 && params_f32.size() == 16, "trimul_inline: param_grads takes 16 parameters");
+  const int64_t h = params[2].size(0), c = params[2].size(1);
+  const auto check = [&](const at::Tensor& t, std::initializer_list<int64_t> sizes, const char* name) {
+    TORCH_CHECK_VALUE(t.is_cuda() && t.device() == params[0].device() && t.scalar_type() == at::kFloat &&
+                          t.sizes() == at::IntArrayRef(sizes),
+                      "trimul_inline: param_grads' ", name, " must be float32 ", text(at::IntArrayRef(sizes)),
+                      " on the parameters' device, got ", t.scalar_type(), " ", text(t.sizes()));
+  };
+  check(g_in, {4 * h, c}, "g_in");
+  check(s_in, {4 * h}, "s_in");
+  check(g_out, {c, h}, "g_out");
+  check(s_out, {c}, "s_out");
+  check(g_gate, {c, c}, "g_gate");
+  check(s_gate, {c}, "s_gate");
+  for (int i = 0; i < 16; ++i)
+    TORCH_CHECK_VALUE(params[i].is_cuda() && params[i].device() == params[0].device() &&
+                          params_f32[i].scalar_type() == at::kFloat && params_f32[i].sizes() == params[i].sizes(),
+                      "trimul_inline: param_grads' parameters must be on one CUDA device (parameter ", i, ")");
+  const c10::cuda::CUDAGuard guard(params[0].device());
+  at::ScalarType dtype = params[0].scalar_type();
+  for (const at::Tensor& t : params)
+    if (t.scalar_type() != dtype) dtype = at::kFloat;
+  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) dtype = at::kFloat;
+  std::vector<at::Tensor> grads, inputs;  // (inputs: the contiguous fp32 tensors the launch reads, held until it ran)
+  for (const at::Tensor& t : params) grads.push_back(at::empty(t.sizes(), t.options().dtype(dtype)));
+  const auto rows = [&](const at::Tensor& t) { return inputs.emplace_back(t.contiguous()).data_ptr<float>(); };
+  trimul::ParamGradArgs args{};
+  const auto segment = [&](const at::Tensor& g, const at::Tensor& s, int param, int norm) {
+    trimul::ParamGradArgs::Segment& sg = args.seg[args.segments++];
+    sg.g = rows(g);
+    sg.s = rows(s);
+    sg.weight = rows(params_f32[param]);
+    sg.d_weight = grads[param].data_ptr();
+    sg.d_bias = grads[param + 1].data_ptr();
+    sg.rows = g.size(0);
+    sg.cols = g.size(1);
+    sg.norm = norm;
+  };
+  for (int k = 0; k < 4; ++k) segment(g_in.narrow(0, k * h, h), s_in.narrow(0, k * h, h), 2 + 2 * k, 0);
+  segment(g_out, s_out, 12, 1);
+  segment(g_gate, s_gate, 14, gate_normalized ? 0 : -1);
+  for (int k = 0; k < 2; ++k) {
+    trimul::ParamGradArgs::Norm& nm = args.norm[args.norms++];
+    nm.ln_w = rows(params_f32[10 * k]);
+    nm.ln_b = rows(params_f32[10 * k + 1]);
+    nm.d_ln_w = grads[10 * k].data_ptr();
+    nm.d_ln_b = grads[10 * k + 1].data_ptr();
+    nm.cols = k == 0 ? c : h;
+  }
+  args.dtype = dtype_code(grads[0], "the parameter gradients");
+  args.stream = at::cuda::getCurrentCUDAStream();
+  check_launch(library().param_grads(args), "the parameter gradients (param_grads)");
+  for (int i = 0; i < 16; ++i) grads[i] = host_backward::in_type(grads[i], params[i].scalar_type());
+  return grads;
+}
+
+// param_grads for Python (_training_backward's steps on CUDA): the parameters in their own dtypes.
+std::vector<at::Tensor> param_grads(const std::vector<at::Tensor>& params, const at::Tensor& g_in,
+                                    const at::Tensor& s_in, const at::Tensor& g_out, const at::Tensor& s_out,
+                                    const at::Tensor& g_gate, const at::Tensor& s_gate, bool gate_normalized) {
+  std::vector<at::Tensor> params_f32;
+  for (const at::Tensor& t : params) params_f32.push_back(host_backward::in_type(t.detach(), at::kFloat));
+  return parameter_grads(params, params_f32, g_in, s_in, g_out, s_out, g_gate, s_gate, gate_normalized);
+}
+
 // The gradients of sum(grad_out * forward(pair, mask)) as trimul_inline.training_backward returns them
 // ([d pair, d mask or None, the 16 parameters' in _PARAM_PATHS order], each in its tensor's dtype, no two
 // sharing memory), or an empty list where a backward role's kernel is a torch baseline (Python's path
@@ -1131,7 +1200,6 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     gate_tensors.clear();
     if (joined) d_gate = d_rows.narrow(1, 4 * h, c);
   }
-  const std::vector<at::Tensor> out_sum = out_sums.sum(0).chunk(2);
   const at::Tensor g_out = mm_to(d_o.t(), z_hat, acc), g_gate = mm_to(d_gate.t(), gate_rows, acc);
   gate_rows.reset();
   std::unordered_map<std::string, at::Tensor> dz_tensors{{"rows", z_hat}, {"rstd", rstd_out}};
@@ -1223,30 +1291,13 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   d_proj.reset();
   d_gate.reset();
 
-  // Parameter gradients from the folded GEMMs' (H x C and C x C matrices: no position loop).
-  auto in = unfolded(g_in, in_sums.sum(0), w_in, ln_in_w, ln_in_b);
-  auto out = unfolded(g_out, out_sum[0], out_w, ln_out_w, ln_out_b);
-  std::array<at::Tensor, 4> gate{g_gate, out_sum[1], at::Tensor(), at::Tensor()};
-  if (gate_normalized) {
-    gate = unfolded(g_gate, out_sum[1], gate_w, ln_in_w, ln_in_b);
-    in[2] = in[2] + gate[2];
-    in[3] = in[3] + gate[3];
-  }
-  const std::vector<at::Tensor> d_w_in = in[0].chunk(4), d_b_in = in[1].chunk(4);
   std::vector<at::Tensor> grads{d_pair.view(pair.sizes()),  // (the pass wrote pair's dtype)
                                 mask_grad ? in_type(d_mask.view(mask.sizes()), mask.is_floating_point() ? mask.scalar_type() : acc)
                                           : at::Tensor()};
-  const at::Tensor d_params[16] = {in[2],     in[3],     d_w_in[0], d_b_in[0], d_w_in[1], d_b_in[1], d_w_in[2], d_b_in[2],
-                                   d_w_in[3], d_b_in[3], out[2],    out[3],    out[0],    out[1],    gate[0],   gate[1]};
-  for (int i = 0; i < 16; ++i) grads.push_back(in_type(d_params[i], params[i].scalar_type()));
-  // _distinct: an op's outputs may not share memory (the bias gradients are slices of one sum).
-  std::vector<const void*> seen;
-  for (at::Tensor& g : grads) {
-    if (!g.defined()) continue;
-    const void* storage = g.storage().data();
-    if (std::find(seen.begin(), seen.end(), storage) != seen.end()) g = g.clone();
-    seen.push_back(storage);
-  }
+  const std::vector<at::Tensor> out_sum = out_sums.sum(0).chunk(2);
+  for (at::Tensor& g : parameter_grads(params, p, g_in, in_sums.sum(0), g_out, out_sum[0], g_gate, out_sum[1],
+                                       gate_normalized))
+    grads.push_back(std::move(g));
   return grads;
 }
 
@@ -1371,6 +1422,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("contract_backward_products", &contract_backward_products,
         "contract_backward on a library kernel: [z = a b^T] without dz, else [da = dz b, db = dz^T a]",
         py::arg("kernel"), py::arg("a"), py::arg("b"), py::arg("dz"), py::arg("planes_per_call") = py::none());
+  m.def("param_grads", &param_grads, "the 16 parameters' gradients from the folded GEMMs' g and bias sums");
   m.def("d_pair_in_d_proj", &d_pair_in_d_proj, "whether an input_backward kernel takes d_proj_d_pair");
   m.def("d_proj_from_x_hat", &d_proj_from_x_hat, "whether an input_backward kernel takes d_proj from x_hat");
   m.def("d_pair_from_d_proj", &d_pair_from_d_proj, "whether an input_backward kernel takes d_pair from d proj");

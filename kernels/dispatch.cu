@@ -459,6 +459,7 @@ Library build_library() {
   e.run_backward = run_backward;
   e.backward_args_bytes = sizeof(BackwardArgs);
   e.mask_scales = launch_mask_scales;
+  e.param_grads = launch_param_grads;
   return lib;
 }
 
