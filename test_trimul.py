@@ -3190,6 +3190,47 @@ def test_backward_outputs_never_share_memory():
     assert len(set(storages)) == len(storages)
 
 
+@cuda
+@pytest.mark.parametrize("gate_normalized, dtypes", [(True, "float32"), (False, "bfloat16"), (True, "mixed")])
+def test_param_grads_match_the_unfolded_arithmetic(gate_normalized, dtypes):
+    """The extension's param_grads (param_grads.cu: the sixteen parameter gradients from the folded GEMMs' g and
+    bias sums s) against _unfolded_grads in float64 on the same inputs, per tensor; each gradient in its
+    parameter's dtype and its own memory; odd sizes (C = 24, H = 40); parameters of one dtype or mixed."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    c, h = 24, 40
+    model = random_layers(ti.ModelNew(c, h), g)
+    params = [p.detach().cuda() for p in ti._param_list(model)]
+    if dtypes == "bfloat16":
+        params = [p.bfloat16() for p in params]
+    elif dtypes == "mixed":
+        params = [p.bfloat16() if i % 3 == 0 else p for i, p in enumerate(params)]
+    shapes = {"g_in": (4 * h, c), "s_in": (4 * h,), "g_out": (c, h), "s_out": (c,), "g_gate": (c, c), "s_gate": (c,)}
+    folded = {name: torch.randn(shape, generator=g).cuda() for name, shape in shapes.items()}
+    got = ti._extension().param_grads(params, *folded.values(), gate_normalized)
+    p64 = [p.double() for p in params]
+    f64 = {name: t.double() for name, t in folded.items()}
+    w_in = torch.cat([p64[2], p64[4], p64[6], p64[8]])
+    d_w_in, d_b_in, d_ln_w, d_ln_b = ti._unfolded_grads(f64["g_in"], f64["s_in"], w_in, p64[0], p64[1])
+    d_out_w, d_out_b, d_ln_out_w, d_ln_out_b = ti._unfolded_grads(f64["g_out"], f64["s_out"], p64[12], p64[10], p64[11])
+    if gate_normalized:
+        d_gate_w, d_gate_b, d_gate_ln_w, d_gate_ln_b = ti._unfolded_grads(f64["g_gate"], f64["s_gate"], p64[14],
+                                                                            p64[0], p64[1])
+        d_ln_w, d_ln_b = d_ln_w + d_gate_ln_w, d_ln_b + d_gate_ln_b
+    else:
+        d_gate_w, d_gate_b = f64["g_gate"], f64["s_gate"]
+    expected = [d_ln_w, d_ln_b] + [t for pair in zip(d_w_in.chunk(4), d_b_in.chunk(4)) for t in pair] + \
+        [d_ln_out_w, d_ln_out_b, d_out_w, d_out_b, d_gate_w, d_gate_b]
+    assert len(got) == len(expected) == 16
+    for i, (a, b, p) in enumerate(zip(got, expected, params)):
+        assert a.dtype == p.dtype and a.shape == p.shape, i
+        tolerance = 1e-2 if p.dtype == torch.bfloat16 else 1e-6
+        assert rel_error(a, b) <= tolerance, (i, rel_error(a, b))
+    storages = [t.untyped_storage().data_ptr() for t in got]
+    assert len(set(storages)) == len(storages)
+    again = ti._extension().param_grads(params, *folded.values(), gate_normalized)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
 def test_backward_op_passes_opcheck_on_cpu():
     """trimul_backward (its PyTorch passes off CUDA): fake tensors, schema, no aliasing outputs."""
     g = torch.Generator().manual_seed(fresh_seed())
