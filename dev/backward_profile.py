@@ -6,8 +6,9 @@
 --bf16: bf16 parameters and inputs (bench.py's new-bf16 row) instead of fp32 at --precision.
 
 --copies: the PyTorch ops that launched device copies and elementwise kernels (with their input shapes and
-Python stacks); --host: the step's wall time against its CUDA time (a small step is host-bound); --runtime: the
-CUDA runtime calls the step makes on the host, by their host time (a blocking one shows as a long call).
+Python stacks); --host: the step's wall time against its CUDA time, synchronised and back to back (a small
+step is host-bound); --runtime: the CUDA runtime calls the step makes on the host, by their host time (a
+blocking one shows as a long call).
 """
 import time
 import argparse
@@ -117,6 +118,19 @@ def print_host_time(step, repeats: int = 20) -> None:
     med = lambda xs: sorted(xs)[len(xs) // 2] * 1e6  # noqa: E731
     print(f"host: wall {med(walls):.0f} us per step, issue {med(issues):.0f} us, events {med(gpus):.0f} us "
           f"(median of {repeats})")
+    # Back to back, as bench.py times them: each step's events, and the host's own time per step.
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for begin, finish in events:
+        begin.record()
+        step()
+        finish.record()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    per_step = lambda seconds: seconds / repeats * 1e6  # noqa: E731
+    print(f"back to back: events {med([b.elapsed_time(f) * 1e-3 for b, f in events]):.0f} us per step (median), "
+          f"host issue {per_step(t1 - t0):.0f} us per step, wall {per_step(time.perf_counter() - t0):.0f}")
     import cProfile
     import pstats
     profiler = cProfile.Profile()
