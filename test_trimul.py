@@ -2329,6 +2329,20 @@ def test_d_proj_from_x_hat_matches_fp64(n, hidden, direction, mask_dtype):
     assert not got[0].view(batch, n, n, -1)[:, 3].any()  # (masked positions: d proj exactly zero)
 
 
+def _d_proj_d_pair_inputs(g, batch, n, pair_dim, hidden):
+    """Random inputs of the d_proj_d_pair pass on the GPU: x_hat (bf16) and its rstd, the folded W_in_f and b_in_f,
+    the da/db planes (bf16), d gate (bf16) and W_gate_f."""
+    positions = batch * n * n
+    x_hat = torch.randn(positions, pair_dim, generator=g).bfloat16().cuda()
+    rstd = torch.exp(torch.randn(positions, generator=g)).cuda()
+    w_in_f = (torch.randn(4 * hidden, pair_dim, generator=g) / pair_dim ** 0.5).cuda()
+    b_in_f = (0.3 * torch.randn(4 * hidden, generator=g)).cuda()
+    da, db = (torch.randn(batch * hidden, n, n, generator=g).bfloat16().cuda() for _ in range(2))
+    d_gate = torch.randn(positions, pair_dim, generator=g).bfloat16().cuda()
+    w_gate_f = (torch.randn(pair_dim, pair_dim, generator=g) / pair_dim ** 0.5).cuda()
+    return x_hat, rstd, w_in_f, b_in_f, da, db, d_gate, w_gate_f
+
+
 @HOPPER
 @pytest.mark.parametrize("n, hidden, direction, pair_dtype", [
     shape + (dtype,) for shape, dtype in zip([(36, 128, "outgoing"), (20, 32, "incoming"), (44, 96, "outgoing"),
@@ -2346,13 +2360,7 @@ def test_d_proj_d_pair_matches_fp64(n, hidden, direction, pair_dtype):
     g = torch.Generator().manual_seed(seed)
     batch, pair_dim, incoming, eps = 2, 128, direction == "incoming", 1e-5
     positions = batch * n * n
-    x_hat = torch.randn(positions, pair_dim, generator=g).bfloat16().cuda()
-    rstd = torch.exp(torch.randn(positions, generator=g)).cuda()
-    w_in_f = (torch.randn(4 * hidden, pair_dim, generator=g) / pair_dim ** 0.5).cuda()
-    b_in_f = (0.3 * torch.randn(4 * hidden, generator=g)).cuda()
-    da, db = (torch.randn(batch * hidden, n, n, generator=g).bfloat16().cuda() for _ in range(2))
-    d_gate = torch.randn(positions, pair_dim, generator=g).bfloat16().cuda()
-    w_gate_f = (torch.randn(pair_dim, pair_dim, generator=g) / pair_dim ** 0.5).cuda()
+    x_hat, rstd, w_in_f, b_in_f, da, db, d_gate, w_gate_f = _d_proj_d_pair_inputs(g, batch, n, pair_dim, hidden)
     mask = (torch.rand(batch, n, n, generator=g) > 0.2).float() * torch.rand(batch, n, n, generator=g)
     mask[:, 3] = 0  # (all-zero rows)
     mask_rows = mask.reshape(positions).cuda()
@@ -2375,6 +2383,49 @@ def test_d_proj_d_pair_matches_fp64(n, hidden, direction, pair_dtype):
     bound = {torch.float32: 1e-4, torch.bfloat16: 8e-3, torch.float16: 1e-3}[pair_dtype]
     assert d_pair.dtype == pair_dtype and d_pair.shape == (positions, pair_dim) and err < bound, \
         f"d pair error {err} (seed {seed})"
+
+
+@HOPPER
+@pytest.mark.parametrize("direction", ["outgoing", "incoming"])
+def test_d_proj_rows_match_fp64_over_many_tile_rounds(direction):
+    """d_proj_d_pair's d proj, row by row, against fp64 from its inputs (x_hat, the bf16 weights, the da/db planes,
+    a bool mask) at N = 512: 4096 tiles, so each of the grid's warpgroups takes ~16 in turn and its TMA box ring
+    is refilled hundreds of times. A stage refilled before every thread had read it (a release without
+    fence.proxy.async) put another tile's values into a warp's rows, in some rounds only: no row may be off by
+    more than its bf16 rounding allows."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    batch, n, pair_dim, hidden, eps = 1, 512, 128, 128, 1e-5
+    positions = batch * n * n
+    x_hat, rstd, w_in_f, b_in_f, da, db, d_gate, w_gate_f = _d_proj_d_pair_inputs(g, batch, n, pair_dim, hidden)
+    mask_rows = (torch.rand(positions, generator=g) > 0.2).cuda()
+    pair_rows = torch.empty(positions, pair_dim, device="cuda")
+    like = torch.empty(0, device="cuda", dtype=torch.bfloat16)
+    fused = ti._KernelBackwardPasses("input_backward", "wgmma_rs", batch, n, pair_dim, hidden,
+                                     direction == "incoming", 2, like)
+    assert fused.d_pair_in_d_proj()
+    poison_allocator()
+    d_proj = fused.d_proj_d_pair(x_hat, rstd, eps, w_in_f, b_in_f, da, db, mask_rows, False, d_gate, w_gate_f,
+                                 pair_rows)[0]
+    def plane_rows(planes):  # (plane element (h, f, k) holds position f n + k outgoing, k n + f incoming)
+        dims = (0, 3, 2, 1) if direction == "incoming" else (0, 2, 3, 1)
+        return planes.view(batch, hidden, n, n).permute(*dims).reshape(positions, hidden)
+
+    proj = x_hat.double() @ w_in_f.bfloat16().double().t() + b_in_f.double()
+    pa, ga, pb, gb = proj.split(hidden, dim=1)
+    m = mask_rows.double()[:, None]
+    expected = []
+    for planes, p, gate in ((da, pa, ga), (db, pb, gb)):
+        d = plane_rows(planes).double()
+        s = torch.sigmoid(gate)
+        d_p = d * s * m
+        expected += [d_p, d_p * p * (1 - s)]
+    expected = torch.cat(expected, dim=1)
+    row_error = (d_proj.double() - expected).norm(dim=1) / expected.norm(dim=1).clamp_min(1e-30)
+    row_error = torch.where(mask_rows, row_error, torch.zeros_like(row_error))  # (masked rows: expected zero)
+    assert (d_proj[~mask_rows] == 0).all(), seed
+    worst = row_error.max().item()
+    assert worst < 1e-2, f"{(row_error > 1e-2).sum().item()} rows off, worst {worst:.2e} (seed {seed})"
 
 
 @cuda
