@@ -3257,7 +3257,8 @@ def test_param_grads_match_the_unfolded_arithmetic(gate_normalized, dtypes):
         params = [p.bfloat16() if i % 3 == 0 else p for i, p in enumerate(params)]
     shapes = {"g_in": (4 * h, c), "s_in": (4 * h,), "g_out": (c, h), "s_out": (c,), "g_gate": (c, c), "s_gate": (c,)}
     folded = {name: torch.randn(shape, generator=g).cuda() for name, shape in shapes.items()}
-    got = ti._extension().param_grads(params, *folded.values(), gate_normalized)
+    params_f32 = [p.float() for p in params]
+    got = ti._extension().param_grads(params, params_f32, *folded.values(), gate_normalized)
     p64 = [p.double() for p in params]
     f64 = {name: t.double() for name, t in folded.items()}
     w_in = torch.cat([p64[2], p64[4], p64[6], p64[8]])
@@ -3278,7 +3279,7 @@ def test_param_grads_match_the_unfolded_arithmetic(gate_normalized, dtypes):
         assert rel_error(a, b) <= tolerance, (i, rel_error(a, b))
     storages = [t.untyped_storage().data_ptr() for t in got]
     assert len(set(storages)) == len(storages)
-    again = ti._extension().param_grads(params, *folded.values(), gate_normalized)
+    again = ti._extension().param_grads(params, params_f32, *folded.values(), gate_normalized)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 

@@ -1676,8 +1676,9 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
                        mask_grad, saved, lean=False):
     saved_z, saved_ab, saved_x_hat, saved_rstd = saved
     saved.clear()  # (the caller's list held the only other references: each is freed once used)
+    params_acc = [p.to(_accumulate(pair)) for p in params]
     (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
-     out_w, out_b, gate_w, gate_b) = [p.to(_accumulate(pair)) for p in params]
+     out_w, out_b, gate_w, gate_b) = params_acc
     batch, n, _, pair_dim = pair.shape
     acc = _accumulate(pair)
     dtype = acc if acc == torch.float64 else _COMPUTE_DTYPE[mode]
@@ -1806,7 +1807,7 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     # extension's param_grads, as the one-call backward runs it (the same bits).
     if g_in.is_cuda and acc == torch.float32:
         folded_grads = [t.float() for t in (g_in, s_in, g_out, s_out, g_gate, s_gate)]
-        return d_pair, d_mask, _extension().param_grads(list(params), *folded_grads, gate_normalized)
+        return d_pair, d_mask, _extension().param_grads(list(params), params_acc, *folded_grads, gate_normalized)
     d_w_in, d_b_in, d_ln_in_w, d_ln_in_b = _unfolded_grads(g_in, s_in, w_in, ln_in_w, ln_in_b)
     d_out_w, d_out_b, d_ln_out_w, d_ln_out_b = _unfolded_grads(g_out, s_out, out_w, ln_out_w, ln_out_b)
     if gate_normalized:

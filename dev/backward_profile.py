@@ -90,7 +90,7 @@ def print_runtime_calls(step, repeats: int = 5) -> None:
         for _ in range(repeats):
             step()
         torch.cuda.synchronize()
-    rows = [e for e in prof.key_averages() if e.key.startswith(("cuda", "cu", "Memcpy"))]
+    rows = [e for e in prof.key_averages() if e.key.startswith(("cu", "Memcpy"))]
     print(f"CUDA runtime calls over {repeats} steps (host us total, count, mean):")
     for e in sorted(rows, key=lambda e: -e.cpu_time_total)[:20]:
         print(f"{e.cpu_time_total:9.1f} us {e.count:4d}x {e.cpu_time_total / e.count:8.1f}  {e.key[:80]}")

@@ -369,7 +369,6 @@ struct KernelLibrary {
 cudaError_t launch_mask_scales(const void* mask, MaskKind kind, int64_t count, const float* scales, float* out,
                                unsigned int* work, cudaStream_t stream);
 
-
 // Changes whenever a struct above changes, so a library and an extension built from different
 // versions of this file refuse each other.
 constexpr uint32_t kKernelAbi = 13;

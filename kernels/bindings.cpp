@@ -963,13 +963,14 @@ std::vector<at::Tensor> contract_backward_products(const std::string& kernel, co
 // The 16 parameters' gradients (_PARAM_PATHS order, each in its parameter's dtype, each its own memory) from
 // the folded GEMMs' g and the bias sums s, fp32: g_in [4H, C], s_in [4H] of the four input projections (folded
 // with LayerNorm_in), g_out [C, H], s_out [C] (folded with LayerNorm_out), g_gate [C, C], s_gate [C] (folded
-// with LayerNorm_in where the gate reads it). params_f32: the parameters in fp32. One library call
+// with LayerNorm_in where the gate reads it). params_f32: the parameters in fp32 (the caller has them: the
+// backward multiplies in fp32). One library call
 // (param_grads.cu: two launches) in place of ~30 tensor ops; written in the parameters' dtype where they share
 // one, else in fp32 and then cast.
-std::vector<at::Tensor> parameter_grads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& params_f32,
-                                        const at::Tensor& g_in, const at::Tensor& s_in, const at::Tensor& g_out,
-                                        const at::Tensor& s_out, const at::Tensor& g_gate, const at::Tensor& s_gate,
-                                        bool gate_normalized) {
+std::vector<at::Tensor> parameter_grads(const std::vector<at::Tensor>& params,
+                                        const std::vector<at::Tensor>& params_f32, const at::Tensor& g_in,
+                                        const at::Tensor& s_in, const at::Tensor& g_out, const at::Tensor& s_out,
+                                        const at::Tensor& g_gate, const at::Tensor& s_gate, bool gate_normalized) {
   TORCH_CHECK_VALUE(params.size() == 16 && params_f32.size() == 16, "trimul_inline: param_grads takes 16 parameters");
   const int64_t h = params[2].size(0), c = params[2].size(1);
   const auto check = [&](const at::Tensor& t, std::initializer_list<int64_t> sizes, const char* name) {
@@ -1024,15 +1025,6 @@ std::vector<at::Tensor> parameter_grads(const std::vector<at::Tensor>& params, c
   check_launch(library().param_grads(args), "the parameter gradients (param_grads)");
   for (int i = 0; i < 16; ++i) grads[i] = host_backward::in_type(grads[i], params[i].scalar_type());
   return grads;
-}
-
-// param_grads for Python (_training_backward's steps on CUDA): the parameters in their own dtypes.
-std::vector<at::Tensor> param_grads(const std::vector<at::Tensor>& params, const at::Tensor& g_in,
-                                    const at::Tensor& s_in, const at::Tensor& g_out, const at::Tensor& s_out,
-                                    const at::Tensor& g_gate, const at::Tensor& s_gate, bool gate_normalized) {
-  std::vector<at::Tensor> params_f32;
-  for (const at::Tensor& t : params) params_f32.push_back(host_backward::in_type(t.detach(), at::kFloat));
-  return parameter_grads(params, params_f32, g_in, s_in, g_out, s_out, g_gate, s_gate, gate_normalized);
 }
 
 // The gradients of sum(grad_out * forward(pair, mask)) as trimul_inline.training_backward returns them
@@ -1422,7 +1414,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("contract_backward_products", &contract_backward_products,
         "contract_backward on a library kernel: [z = a b^T] without dz, else [da = dz b, db = dz^T a]",
         py::arg("kernel"), py::arg("a"), py::arg("b"), py::arg("dz"), py::arg("planes_per_call") = py::none());
-  m.def("param_grads", &param_grads, "the 16 parameters' gradients from the folded GEMMs' g and bias sums");
+  m.def("param_grads", &parameter_grads, "the 16 parameters' gradients from the folded GEMMs' g and bias sums");
   m.def("d_pair_in_d_proj", &d_pair_in_d_proj, "whether an input_backward kernel takes d_proj_d_pair");
   m.def("d_proj_from_x_hat", &d_proj_from_x_hat, "whether an input_backward kernel takes d_proj from x_hat");
   m.def("d_pair_from_d_proj", &d_pair_from_d_proj, "whether an input_backward kernel takes d_pair from d proj");

@@ -11,18 +11,11 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ void store_as(void* p, Dtype dtype, int64_t i, float v) {
-  switch (dtype) {
-    case Dtype::bf16: static_cast<__nv_bfloat16*>(p)[i] = from_float<__nv_bfloat16>(v); break;
-    case Dtype::f16: static_cast<__half*>(p)[i] = from_float<__half>(v); break;
-    default: static_cast<float*>(p)[i] = v;
-  }
-}
-
 // (Segments and norms are picked by unrolled loops with constant indices: a dynamic index into the kernel's
 // parameters would copy them all to local memory in every thread.)
 
-// One block per row of every segment: the row of d W and its d bias.
+// One block per row of every segment: the row of d W and its d bias, in TOut (args.dtype).
+template <typename TOut>
 __global__ void __launch_bounds__(kThreads) rows_kernel(const ParamGradArgs args) {
   ParamGradArgs::Segment sg{};
   int64_t row = blockIdx.x;
@@ -39,7 +32,7 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const ParamGradArgs args
   }
   if (!found) return;
   const float s = sg.s[row];
-  if (threadIdx.x == 0) store_as(sg.d_bias, args.dtype, row, s);
+  if (threadIdx.x == 0) static_cast<TOut*>(sg.d_bias)[row] = from_float<TOut>(s);
   const float* ln_w = nullptr;
   const float* ln_b = nullptr;
 #pragma unroll
@@ -50,7 +43,8 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const ParamGradArgs args
     }
   for (int64_t i = threadIdx.x; i < sg.cols; i += kThreads) {
     const float g = sg.g[row * sg.cols + i];
-    store_as(sg.d_weight, args.dtype, row * sg.cols + i, ln_w == nullptr ? g : g * ln_w[i] + s * ln_b[i]);
+    const float d_w = ln_w == nullptr ? g : g * ln_w[i] + s * ln_b[i];
+    static_cast<TOut*>(sg.d_weight)[row * sg.cols + i] = from_float<TOut>(d_w);
   }
 }
 
@@ -58,6 +52,7 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const ParamGradArgs args
 // norm's segments in order; the eight warps' sums then added in warp order.
 constexpr int kColumns = 32, kWarps = kThreads / 32;
 
+template <typename TOut>
 __global__ void __launch_bounds__(kThreads) columns_kernel(const ParamGradArgs args) {
   ParamGradArgs::Norm nm{};
   int norm_index = -1;
@@ -102,8 +97,8 @@ __global__ void __launch_bounds__(kThreads) columns_kernel(const ParamGradArgs a
     total_w += sums[0][w][lane];
     total_b += sums[1][w][lane];
   }
-  store_as(nm.d_ln_w, args.dtype, col, total_w);
-  store_as(nm.d_ln_b, args.dtype, col, total_b);
+  static_cast<TOut*>(nm.d_ln_w)[col] = from_float<TOut>(total_w);
+  static_cast<TOut*>(nm.d_ln_b)[col] = from_float<TOut>(total_b);
 }
 
 }  // namespace
@@ -112,16 +107,17 @@ cudaError_t launch_param_grads(const ParamGradArgs& args) {
   int64_t rows = 0, column_blocks = 0;
   for (int i = 0; i < args.segments; ++i) rows += args.seg[i].rows;
   for (int i = 0; i < args.norms; ++i) column_blocks += ceil_div(args.norm[i].cols, int64_t(kColumns));
-  if (rows > 0) {
-    rows_kernel<<<static_cast<unsigned int>(rows), kThreads, 0, args.stream>>>(args);
-    const cudaError_t status = cudaGetLastError();
-    if (status != cudaSuccess) return status;
-  }
-  if (column_blocks > 0) {
-    columns_kernel<<<static_cast<unsigned int>(column_blocks), kThreads, 0, args.stream>>>(args);
+  return dispatch_out(args.dtype, [&](auto out_tag) {
+    using TOut = typename decltype(out_tag)::type;
+    if (rows > 0) {
+      rows_kernel<TOut><<<static_cast<unsigned int>(rows), kThreads, 0, args.stream>>>(args);
+      const cudaError_t status = cudaGetLastError();
+      if (status != cudaSuccess) return status;
+    }
+    if (column_blocks > 0)
+      columns_kernel<TOut><<<static_cast<unsigned int>(column_blocks), kThreads, 0, args.stream>>>(args);
     return cudaGetLastError();
-  }
-  return cudaSuccess;
+  });
 }
 
 }  // namespace trimul
