@@ -2313,6 +2313,7 @@ def test_d_proj_from_x_hat_matches_fp64(n, hidden, direction, mask_dtype):
     got = fused.d_proj_recomputed(x_hat, w_in_f, b_in_f, da, db, mask_rows, True)
     poison_allocator()
     base = rows.d_proj(ti._Products.linear(x_hat, w_in_f, b_in_f), da, db, mask_rows, batch, n, incoming, True)
+    got, base = ((*out[:2], ti._summed(out[2])) for out in (got, base))  # (the passes' partial sums, added)
     # fp64 from the same operands (the weights as the pass takes them: bf16).
     proj = x_hat.double() @ w_in_f.bfloat16().double().t() + b_in_f.double()
     pa, ga, pb, gb = proj.chunk(4, 1)
@@ -2375,7 +2376,7 @@ def test_d_proj_d_pair_matches_fp64(n, hidden, direction, pair_dtype):
     poison_allocator()
     alone = fused.d_proj_recomputed(x_hat, w_in_f, b_in_f, da, db, mask_rows, True)
     assert torch.equal(d_proj, alone[0]) and torch.equal(d_mask, alone[1]), seed
-    assert _grad_error(sums.cpu().double(), alone[2].cpu().double()) < 1e-6, seed
+    assert _grad_error(ti._summed(sums).cpu().double(), ti._summed(alone[2]).cpu().double()) < 1e-6, seed
     x = x_hat.double()
     d = d_proj.double() @ w_in_f.bfloat16().double() + d_gate.double() @ w_gate_f.bfloat16().double()
     expected = rstd.double()[:, None] * (d - d.mean(1, keepdim=True) - x * (d * x).mean(1, keepdim=True))
@@ -2649,6 +2650,7 @@ def test_z_gate_grad_matches_fp64(batch, n, d_out_dtype):
     o = ti._Products.linear(z_hat, w_out_f, b_out_f)
     gate_pre = ti._Products.linear(gate_rows, w_gate, b_gate)
     base = (z_hat, rstd) + rows.gate_grad(d_out, o, gate_pre)
+    got, base = ((*out[:4], *map(ti._summed, out[4:])) for out in (got, base))  # (the partial sums, added)
     z = ti._rows(z_planes.double(), batch, n, False)
     mean, var = z.mean(1, keepdim=True), z.var(1, unbiased=False, keepdim=True)
     z_hat64, rstd64 = (z - mean) / (var + eps).sqrt(), (var + eps).rsqrt()
@@ -3241,24 +3243,39 @@ def test_backward_outputs_never_share_memory():
     assert len(set(storages)) == len(storages)
 
 
+def _cuda_params(c, h, dtypes, g):
+    """A ModelNew's 16 parameters on the GPU, drawn from g: float32, bfloat16, or mixed (every third bf16)."""
+    params = [p.detach().cuda() for p in ti._param_list(random_layers(ti.ModelNew(c, h), g))]
+    if dtypes == "bfloat16":
+        return [p.bfloat16() for p in params]
+    if dtypes == "mixed":
+        return [p.bfloat16() if i % 3 == 0 else p for i, p in enumerate(params)]
+    return params
+
+
 @cuda
-@pytest.mark.parametrize("gate_normalized, dtypes", [(True, "float32"), (False, "bfloat16"), (True, "mixed")])
-def test_param_grads_match_the_unfolded_arithmetic(gate_normalized, dtypes):
+@pytest.mark.parametrize("gate_normalized, dtypes, sums", [(True, "float32", "summed"), (False, "bfloat16", "summed"),
+                                                           (True, "mixed", "summed"), (True, "float32", "partials"),
+                                                           (False, "mixed", "partials")])
+def test_param_grads_match_the_unfolded_arithmetic(gate_normalized, dtypes, sums):
     """The extension's param_grads (param_grads.cu: the sixteen parameter gradients from the folded GEMMs' g and
     bias sums s) against _unfolded_grads in float64 on the same inputs, per tensor; each gradient in its
-    parameter's dtype and its own memory; odd sizes (C = 24, H = 40); parameters of one dtype or mixed."""
+    parameter's dtype and its own memory; odd sizes (C = 24, H = 40); parameters of one dtype or mixed; s given
+    summed, or as per-block partials (as the passes write them: s_out and s_gate the two column halves of one
+    [k, 2C] buffer) that the call sums."""
     g = torch.Generator().manual_seed(fresh_seed())
     c, h = 24, 40
-    model = random_layers(ti.ModelNew(c, h), g)
-    params = [p.detach().cuda() for p in ti._param_list(model)]
-    if dtypes == "bfloat16":
-        params = [p.bfloat16() for p in params]
-    elif dtypes == "mixed":
-        params = [p.bfloat16() if i % 3 == 0 else p for i, p in enumerate(params)]
+    params = _cuda_params(c, h, dtypes, g)
     shapes = {"g_in": (4 * h, c), "s_in": (4 * h,), "g_out": (c, h), "s_out": (c,), "g_gate": (c, c), "s_gate": (c,)}
     folded = {name: torch.randn(shape, generator=g).cuda() for name, shape in shapes.items()}
+    given = dict(folded)
+    if sums == "partials":
+        in_parts, out_parts = torch.randn(7, 4 * h, generator=g).cuda(), torch.randn(7, 2 * c, generator=g).cuda()
+        given.update(s_in=in_parts, s_out=out_parts[:, :c], s_gate=out_parts[:, c:])
+        folded.update(s_in=in_parts.double().sum(0), s_out=out_parts[:, :c].double().sum(0),
+                      s_gate=out_parts[:, c:].double().sum(0))
     params_f32 = [p.float() for p in params]
-    got = ti._extension().param_grads(params, params_f32, *folded.values(), gate_normalized)
+    got = ti._extension().param_grads(params, params_f32, *given.values(), gate_normalized)
     p64 = [p.double() for p in params]
     f64 = {name: t.double() for name, t in folded.items()}
     w_in = torch.cat([p64[2], p64[4], p64[6], p64[8]])
@@ -3279,8 +3296,39 @@ def test_param_grads_match_the_unfolded_arithmetic(gate_normalized, dtypes):
         assert rel_error(a, b) <= tolerance, (i, rel_error(a, b))
     storages = [t.untyped_storage().data_ptr() for t in got]
     assert len(set(storages)) == len(storages)
-    again = ti._extension().param_grads(params, params_f32, *folded.values(), gate_normalized)
+    again = ti._extension().param_grads(params, params_f32, *given.values(), gate_normalized)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@cuda
+@pytest.mark.parametrize("gate_normalized, dtypes", [(True, "float32"), (False, "bfloat16"), (True, "mixed")])
+def test_param_fold_matches_fp64(gate_normalized, dtypes):
+    """The extension's param_fold (param_fold.cu): the parameters in fp32 exactly, and each Linear folded with the
+    LayerNorm it reads, W_f = W diag(ln_w) and b_f = b + W ln_b, against float64 (the gate folded only where it
+    reads LayerNorm_in, else its own); odd sizes, parameters of one dtype or mixed, a non-contiguous one; the
+    same bits twice; bad parameters are a ValueError."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    c, h = 24, 40
+    params = _cuda_params(c, h, dtypes, g)
+    params[12] = params[12].t().contiguous().t()  # (out_proj's weight column-major: read as its values)
+    got = ti._extension().param_fold(params, gate_normalized)
+    assert len(got) == 22 and all(t.dtype == torch.float32 and t.is_contiguous() for t in got)
+    for i, p in enumerate(params):
+        assert got[i].shape == p.shape and torch.equal(got[i], p.float()), i
+    p64 = [p.double() for p in params]
+    w_in, b_in = torch.cat([p64[2], p64[4], p64[6], p64[8]]), torch.cat([p64[3], p64[5], p64[7], p64[9]])
+    expected = [w_in * p64[0], b_in + w_in @ p64[1], p64[12] * p64[10], p64[13] + p64[12] @ p64[11]]
+    expected += [p64[14] * p64[0], p64[15] + p64[14] @ p64[1]] if gate_normalized else [p64[14], p64[15]]
+    for name, a, b in zip(("w_in_f", "b_in_f", "w_out_f", "b_out_f", "w_gate_f", "b_gate_f"), got[16:], expected):
+        assert a.shape == b.shape and rel_error(a, b) <= 1e-6, (name, rel_error(a, b))
+    again = ti._extension().param_fold(params, gate_normalized)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    with pytest.raises(ValueError, match="param_fold"):
+        ti._extension().param_fold(params[:15], gate_normalized)
+    with pytest.raises(ValueError, match="parameter 3"):
+        ti._extension().param_fold(params[:3] + [params[3].cpu()] + params[4:], gate_normalized)
+    with pytest.raises(ValueError, match="parameter 5"):
+        ti._extension().param_fold(params[:5] + [params[5][:-1]] + params[6:], gate_normalized)
 
 
 def test_backward_op_passes_opcheck_on_cpu():

@@ -1201,6 +1201,12 @@ class _TorchBackwardPasses:
         return d_pair if add is None else d_pair + add
 
 
+def _summed(sums: torch.Tensor) -> torch.Tensor:
+    """A pass's sums over positions: as returned (a torch pass's), or its per-block partials [_BACKWARD_SUM_ROWS,
+    width] summed (a kernel pass's, which param_grads sums itself in a fixed order)."""
+    return sums.sum(0) if sums.dim() == 2 else sums
+
+
 def _accumulate(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
@@ -1213,7 +1219,8 @@ _BACKWARD_PASS = {name: code for code, name in enumerate(
 
 class _KernelBackwardPasses:
     """The backward's memory passes on a backward role's kernel of ours (kernels/*_backward_*.cu), with
-    _TorchBackwardPasses' signatures."""
+    _TorchBackwardPasses' signatures, but for sums over positions: returned as the pass's per-block partials
+    [_BACKWARD_SUM_ROWS, width] (_summed adds them), which param_grads sums in a fixed order."""
 
     def __init__(self, role, kernel, batch, n, pair_dim, hidden, incoming, precision, like):
         self._call = (role, kernel)
@@ -1250,7 +1257,7 @@ class _KernelBackwardPasses:
         sums = o.new_zeros((_BACKWARD_SUM_ROWS, 2 * o.shape[1]), dtype=torch.float32)
         outputs = {} if gate_out is None else {"gate_out": gate_out}
         self._run("gate_grad", d_out=d_out, o=o, gate_pre=gate_pre, sums=sums, **outputs)
-        return (o, gate_pre if gate_out is None else gate_out) + sums.sum(0).chunk(2)
+        return (o, gate_pre if gate_out is None else gate_out) + sums.chunk(2, dim=1)
 
     def dz_planes(self, d_z_hat, z_hat, rstd, batch, n, dtype):
         dz = self._planes()
@@ -1273,7 +1280,7 @@ class _KernelBackwardPasses:
 
     def z_gate_grad(self, z_planes, eps, gate_rows, w_out_f, b_out_f, w_gate, b_gate, d_out):
         """z_rows, o = z_hat w_out_f^T + b_out_f, gate_pre = gate_rows w_gate^T + b_gate and gate_grad in one pass (o
-        and gate_pre never written): (z_hat, rstd, d o, d gate_pre, their sums over positions)."""
+        and gate_pre never written): (z_hat, rstd, d o, d gate_pre, their partial sums over positions)."""
         z_hat = z_planes.new_empty((self._positions, self._hidden))
         rstd = z_planes.new_empty((self._positions, 1), dtype=torch.float32)
         d_o, d_gate = gate_rows.new_empty(d_out.shape), gate_rows.new_empty(d_out.shape)
@@ -1282,7 +1289,7 @@ class _KernelBackwardPasses:
                    (("w_out_f", w_out_f), ("b_out_f", b_out_f), ("w_gate_f", w_gate), ("b_gate_f", b_gate))}
         self._run("z_gate_grad", eps, a_planes=z_planes, x_hat=gate_rows, d_out=d_out, o=d_o, gate_pre=d_gate,
                   rows=z_hat, rstd=rstd, sums=sums, **weights)
-        return (z_hat, rstd, d_o, d_gate) + sums.sum(0).chunk(2)
+        return (z_hat, rstd, d_o, d_gate) + sums.chunk(2, dim=1)
 
     def dz_planes_multiplied(self, d_o, w_out_f, z_hat, rstd):
         """dz_planes with d z_hat = d_o w_out_f multiplied in the pass (never written): as dz_planes."""
@@ -1292,13 +1299,14 @@ class _KernelBackwardPasses:
 
     def _d_proj_pass(self, rows, mask_grad, name="d_proj", eps=0.0, **inputs):
         """The d_proj pass (or `name`) into `rows` (d proj [P, 4H]) from `inputs` (proj, or x_hat and the folded
-        weights; the da/db planes and the mask): (d proj, d mask or None, d proj's sums over positions)."""
+        weights; the da/db planes and the mask): (d proj, d mask or None, d proj's partial sums over
+        positions)."""
         sums = rows.new_zeros((_BACKWARD_SUM_ROWS, 4 * self._hidden), dtype=torch.float32)
         d_mask = rows.new_empty((self._positions,), dtype=torch.float32) if mask_grad else None
         if d_mask is not None:
             inputs["d_mask"] = d_mask
         self._run(name, eps, rows=rows, sums=sums, **inputs)
-        return rows, d_mask, sums.sum(0)
+        return rows, d_mask, sums
 
     def d_proj(self, proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad, in_place=False, out=None):
         rows = out if out is not None else proj if in_place else torch.empty_like(proj)
@@ -1676,11 +1684,17 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
                        mask_grad, saved, lean=False):
     saved_z, saved_ab, saved_x_hat, saved_rstd = saved
     saved.clear()  # (the caller's list held the only other references: each is freed once used)
-    params_acc = [p.to(_accumulate(pair)) for p in params]
+    acc = _accumulate(pair)
+    # (on CUDA the extension's param_fold: the parameters in fp32 and folded as the one-call backward has them)
+    on_device = pair.is_cuda and acc == torch.float32
+    if on_device:
+        *params_acc, w_in_f, b_in_f, w_out_f, b_out_f, w_gate_f, b_gate_f = \
+            _extension().param_fold(list(params), gate_normalized)
+    else:
+        params_acc = [p.to(acc) for p in params]
     (ln_in_w, ln_in_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b, ln_out_w, ln_out_b,
      out_w, out_b, gate_w, gate_b) = params_acc
     batch, n, _, pair_dim = pair.shape
-    acc = _accumulate(pair)
     dtype = acc if acc == torch.float64 else _COMPUTE_DTYPE[mode]
     hidden = pa_w.shape[0]
     operand = pair.new_empty((0,), dtype=dtype)
@@ -1696,8 +1710,9 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     contractions = _KernelContractions(contract) if contract else _BmmContractions(products)
 
     # The forward again, up to z: x_hat, proj = [pa | ga | pb | gb], a and b planes.
-    w_in, b_in = torch.cat([pa_w, ga_w, pb_w, gb_w]), torch.cat([pa_b, ga_b, pb_b, gb_b])
-    w_in_f, b_in_f = _folded(w_in, b_in, ln_in_w, ln_in_b)
+    if not on_device:
+        w_in = torch.cat([pa_w, ga_w, pb_w, gb_w])
+        w_in_f, b_in_f = _folded(w_in, torch.cat([pa_b, ga_b, pb_b, gb_b]), ln_in_w, ln_in_b)
     rstd_in = None if saved_rstd is None else _saved_x_hat_rstd(saved_rstd, saved_x_hat, positions)
     x_hat = inputs.input_rows(pair_rows, eps_in, dtype) if saved_x_hat is None else \
         _saved_x_hat_rows(saved_x_hat, positions, pair_dim, dtype)
@@ -1721,12 +1736,12 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     del saved_z
 
     # output_backward: out = sigmoid(gate_rows W_g^T + b_g) * (z_hat W_out_f^T + b_out_f).
-    w_out_f, b_out_f = _folded(out_w, out_b, ln_out_w, ln_out_b)
-    if gate_normalized:
-        w_gate, b_gate = _folded(gate_w, gate_b, ln_in_w, ln_in_b)
-        gate_rows = x_hat
+    if on_device:
+        w_gate, b_gate = w_gate_f, b_gate_f
     else:
-        w_gate, b_gate, gate_rows = gate_w, gate_b, pair_rows.to(dtype)
+        w_out_f, b_out_f = _folded(out_w, out_b, ln_out_w, ln_out_b)
+        w_gate, b_gate = _folded(gate_w, gate_b, ln_in_w, ln_in_b) if gate_normalized else (gate_w, gate_b)
+    gate_rows = x_hat if gate_normalized else pair_rows.to(dtype)
     d_out = grad_out.reshape(positions, pair_dim).contiguous()
     gate_from_z = outputs.gate_grad_from_z()
     # (d_pair multiplies d x_hat itself: never written)
@@ -1805,9 +1820,10 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
 
     # Parameter gradients from the folded GEMMs' (H x C and C x C matrices: no position loop); on CUDA the
     # extension's param_grads, as the one-call backward runs it (the same bits).
-    if g_in.is_cuda and acc == torch.float32:
+    if on_device:
         folded_grads = [t.float() for t in (g_in, s_in, g_out, s_out, g_gate, s_gate)]
         return d_pair, d_mask, _extension().param_grads(list(params), params_acc, *folded_grads, gate_normalized)
+    s_in, s_out, s_gate = (_summed(s) for s in (s_in, s_out, s_gate))
     d_w_in, d_b_in, d_ln_in_w, d_ln_in_b = _unfolded_grads(g_in, s_in, w_in, ln_in_w, ln_in_b)
     d_out_w, d_out_b, d_ln_out_w, d_ln_out_b = _unfolded_grads(g_out, s_out, out_w, ln_out_w, ln_out_b)
     if gate_normalized:

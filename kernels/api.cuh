@@ -296,16 +296,55 @@ enum class PlanStatus : int {
   invalid = 3,        // bad arguments (an unknown name, inconsistent sizes)
 };
 
+// The training backward's parameters in fp32 and its Linears folded with their LayerNorms (launch_param_fold,
+// param_fold.cu): per Linear (one of the in-projection's four, out_proj, out_gate: [rows, cols], weight W and
+// bias b each in its own dtype) W and b in fp32, and where it reads a LayerNorm (norm >= 0) W_f = W diag(ln_w)
+// and b_f = b + W ln_b; per LayerNorm its weight and bias in fp32. The same launch zeroes `zero` (the passes'
+// partial-sum rows). Outputs contiguous fp32; each b_f's sum in a fixed order.
+struct ParamFoldArgs {
+  static constexpr int kMaxLinears = 6, kMaxNorms = 2;
+  struct Linear {
+    const void* w;  // [rows, cols], w_dtype
+    const void* b;  // [rows], b_dtype
+    Dtype w_dtype, b_dtype;
+    float* w_f32;     // [rows, cols]
+    float* b_f32;     // [rows]
+    float* w_folded;  // [rows, cols] (written where norm >= 0)
+    float* b_folded;  // [rows] (likewise)
+    int64_t rows, cols;
+    int norm;  // the LayerNorm it reads (an index into norm), or -1
+  };
+  struct Norm {
+    const void* w;
+    const void* b;
+    Dtype w_dtype, b_dtype;
+    float* w_f32;
+    float* b_f32;
+    int64_t cols;
+  };
+  Linear lin[kMaxLinears];
+  Norm norm[kMaxNorms];
+  int linears, norms;
+  float* zero;
+  int64_t zero_count;
+  cudaStream_t stream;
+};
+cudaError_t launch_param_fold(const ParamFoldArgs& args);
+
 // The training backward's parameter gradients from its folded GEMMs (launch_param_grads, param_grads.cu): per
 // segment (a Linear, or one of the in-projection's four, [rows, cols]) with g the gradient of its folded weight
 // and s its bias gradient, d W = g diag(ln_w) + s ln_b^T (g itself where no LayerNorm is folded in) and
 // d bias = s; per LayerNorm d ln_w = sum_r W[r] * g[r] and d ln_b = s^T W over the segments folded with it.
-// Every tensor contiguous; the inputs fp32, the gradients written in `dtype`; sums in a fixed order.
+// s is given, or (partial_rows > 0) summed here from the passes' per-block partials and written to s.
+// Every tensor contiguous but the partials (row stride partial_stride); the inputs fp32, the gradients written
+// in `dtype`; sums in a fixed order.
 struct ParamGradArgs {
   static constexpr int kMaxSegments = 6, kMaxNorms = 2;
   struct Segment {
-    const float* g;       // [rows, cols]
-    const float* s;       // [rows]
+    const float* g;          // [rows, cols]
+    float* s;                // [rows]: read, or written where partial_rows > 0
+    const float* partials;   // [partial_rows, >= rows], row stride partial_stride
+    int64_t partial_rows, partial_stride;
     const float* weight;  // [rows, cols]: the parameter (read where norm >= 0)
     void* d_weight;       // [rows, cols]
     void* d_bias;         // [rows]
@@ -361,6 +400,8 @@ struct KernelLibrary {
                              unsigned int* work, cudaStream_t stream);
   // The training backward's parameter gradients (launch_param_grads).
   cudaError_t (*param_grads)(const ParamGradArgs& args);
+  // The training backward's fp32 parameters and folded Linears (launch_param_fold).
+  cudaError_t (*param_fold)(const ParamFoldArgs& args);
 };
 
 // out = the kF16x3Scales factors `scales` with max(1, max|mask|) folded in: its power of two at or above
@@ -371,7 +412,7 @@ cudaError_t launch_mask_scales(const void* mask, MaskKind kind, int64_t count, c
 
 // Changes whenever a struct above changes, so a library and an extension built from different
 // versions of this file refuse each other.
-constexpr uint32_t kKernelAbi = 13;
+constexpr uint32_t kKernelAbi = 14;
 
 }  // namespace trimul
 

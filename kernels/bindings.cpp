@@ -775,12 +775,6 @@ at::Tensor linear(const at::Tensor& rows, const at::Tensor& weight, const at::Te
   return at::addmm(in_type(bias, rows.scalar_type()), rows, in_type(weight, rows.scalar_type()).t());
 }
 
-// _folded: a Linear reading LayerNorm(x) = x_hat * w + b as one on x_hat: (W diag(w), bias + W b).
-std::pair<at::Tensor, at::Tensor> folded(const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& ln_w,
-                                         const at::Tensor& ln_b) {
-  return {weight * ln_w, bias + at::mv(weight, ln_b)};
-}
-
 // One backward role's passes on its library kernel, for one call's sizes.
 struct Passes {
   std::string role, kernel;
@@ -960,10 +954,104 @@ std::vector<at::Tensor> contract_backward_products(const std::string& kernel, co
   return {da, db};
 }
 
+// The backward's parameters in fp32 and its folded Linears (param_fold.cu: one launch), as views of one fp32
+// allocation: f32 the 16 parameters (_PARAM_PATHS order); w_in_f [4H, C], b_in_f [4H] the four in-projections
+// folded with LayerNorm_in (concatenated in _PARAM_PATHS order); w_out_f [C, H], b_out_f [C] out_proj folded with
+// LayerNorm_out; w_gate_f [C, C], b_gate_f [C] out_gate folded with LayerNorm_in where it reads it, else out_gate
+// itself; zeroed: zero_count fp32 zeros (the passes' partial-sum rows). In place of ~15 tensor ops on the host
+// (casts, concatenations, products, mv) with the same values but for b_f's summation order.
+struct FoldedParams {
+  std::vector<at::Tensor> f32;
+  at::Tensor w_in_f, b_in_f, w_out_f, b_out_f, w_gate_f, b_gate_f, zeroed;
+};
+
+FoldedParams fold_params(const std::vector<at::Tensor>& given, bool gate_normalized, int64_t zero_count) {
+  TORCH_CHECK_VALUE(given.size() == 16 && given[2].dim() == 2, "trimul_inline: param_fold takes the 16 parameters");
+  const int64_t h = given[2].size(0), c = given[2].size(1);
+  const std::vector<std::vector<int64_t>> sizes{{c}, {c}, {h, c}, {h}, {h, c}, {h}, {h, c}, {h}, {h, c}, {h},
+                                                {h}, {h}, {c, h}, {c}, {c, c}, {c}};
+  std::vector<at::Tensor> params;  // (contiguous: held until the launch)
+  for (int i = 0; i < 16; ++i) {
+    const at::Tensor& t = given[i];
+    TORCH_CHECK_VALUE(t.is_cuda() && t.device() == given[0].device() && t.sizes() == at::IntArrayRef(sizes[i]) &&
+                          (t.scalar_type() == at::kFloat || host_backward::is_16bit(t)),
+                      "trimul_inline: param_fold's parameter ", text(i), " must be float32, bfloat16 or float16 ",
+                      text(at::IntArrayRef(sizes[i])), " on the first one's CUDA device, got ", t.scalar_type(), " ",
+                      text(t.sizes()), " on ", t.device().str());
+    params.push_back(t.contiguous());
+  }
+  const c10::cuda::CUDAGuard guard(params[0].device());
+  // (each view starts 64 floats aligned, for the kernels' vector loads)
+  int64_t total = 0;
+  const auto place = [&](int64_t numel) { const int64_t at = total; total += round_up(numel, 64); return at; };
+  std::vector<int64_t> param_at;
+  for (const at::Tensor& t : params) param_at.push_back(place(t.numel()));
+  const int64_t w_in_at = place(4 * h * c), b_in_at = place(4 * h), w_out_at = place(c * h), b_out_at = place(c);
+  const int64_t w_gate_at = gate_normalized ? place(c * c) : param_at[14];
+  const int64_t b_gate_at = gate_normalized ? place(c) : param_at[15];
+  const int64_t zero_at = place(zero_count);
+  const at::Tensor buffer = at::empty({total}, params[0].options().dtype(at::kFloat));
+  float* base = buffer.data_ptr<float>();
+  const auto view = [&](int64_t at, at::IntArrayRef shape) {
+    return shape.size() == 1 ? buffer.as_strided(shape, {1}, at) : buffer.as_strided(shape, {shape[1], 1}, at);
+  };
+  FoldedParams out;
+  for (int i = 0; i < 16; ++i) out.f32.push_back(view(param_at[i], sizes[i]));
+  out.w_in_f = view(w_in_at, {4 * h, c});
+  out.b_in_f = view(b_in_at, {4 * h});
+  out.w_out_f = view(w_out_at, {c, h});
+  out.b_out_f = view(b_out_at, {c});
+  out.w_gate_f = view(w_gate_at, {c, c});
+  out.b_gate_f = view(b_gate_at, {c});
+  out.zeroed = view(zero_at, {zero_count});
+  trimul::ParamFoldArgs args{};
+  const auto linear = [&](int w, int64_t w_f_at, int64_t b_f_at, int norm) {
+    trimul::ParamFoldArgs::Linear& lin = args.lin[args.linears++];
+    lin.w = params[w].data_ptr();
+    lin.b = params[w + 1].data_ptr();
+    lin.w_dtype = dtype_code(params[w], "a parameter");
+    lin.b_dtype = dtype_code(params[w + 1], "a parameter");
+    lin.w_f32 = base + param_at[w];
+    lin.b_f32 = base + param_at[w + 1];
+    lin.w_folded = base + w_f_at;
+    lin.b_folded = base + b_f_at;
+    lin.rows = params[w].size(0);
+    lin.cols = params[w].size(1);
+    lin.norm = norm;
+  };
+  for (int k = 0; k < 4; ++k) linear(2 + 2 * k, w_in_at + k * h * c, b_in_at + k * h, 0);
+  linear(12, w_out_at, b_out_at, 1);
+  linear(14, w_gate_at, b_gate_at, gate_normalized ? 0 : -1);
+  for (int k = 0; k < 2; ++k) {
+    trimul::ParamFoldArgs::Norm& nm = args.norm[args.norms++];
+    nm.w = params[10 * k].data_ptr();
+    nm.b = params[10 * k + 1].data_ptr();
+    nm.w_dtype = dtype_code(params[10 * k], "a parameter");
+    nm.b_dtype = dtype_code(params[10 * k + 1], "a parameter");
+    nm.w_f32 = base + param_at[10 * k];
+    nm.b_f32 = base + param_at[10 * k + 1];
+    nm.cols = params[10 * k].size(0);
+  }
+  args.zero = base + zero_at;
+  args.zero_count = zero_count;
+  args.stream = at::cuda::getCurrentCUDAStream();
+  check_launch(library().param_fold(args), "the folded parameters (param_fold)");
+  return out;
+}
+
+// param_fold's Python binding: [the 16 parameters in fp32, w_in_f, b_in_f, w_out_f, b_out_f, w_gate_f, b_gate_f].
+std::vector<at::Tensor> param_fold(const std::vector<at::Tensor>& params, bool gate_normalized) {
+  FoldedParams f = fold_params(params, gate_normalized, 0);
+  std::vector<at::Tensor> out = std::move(f.f32);
+  for (at::Tensor* t : {&f.w_in_f, &f.b_in_f, &f.w_out_f, &f.b_out_f, &f.w_gate_f, &f.b_gate_f}) out.push_back(*t);
+  return out;
+}
+
 // The 16 parameters' gradients (_PARAM_PATHS order, each in its parameter's dtype, each its own memory) from
 // the folded GEMMs' g and the bias sums s, fp32: g_in [4H, C], s_in [4H] of the four input projections (folded
 // with LayerNorm_in), g_out [C, H], s_out [C] (folded with LayerNorm_out), g_gate [C, C], s_gate [C] (folded
-// with LayerNorm_in where the gate reads it). params_f32: the parameters in fp32 (the caller has them: the
+// with LayerNorm_in where the gate reads it). Each s is its sum, or the passes' per-block partials [k, width]
+// (rows of unit stride) that the call sums. params_f32: the parameters in fp32 (the caller has them: the
 // backward multiplies in fp32). One library call
 // (param_grads.cu: two launches) in place of ~30 tensor ops; written in the parameters' dtype where they share
 // one, else in fp32 and then cast.
@@ -973,22 +1061,31 @@ std::vector<at::Tensor> parameter_grads(const std::vector<at::Tensor>& params,
                                         const at::Tensor& g_gate, const at::Tensor& s_gate, bool gate_normalized) {
   TORCH_CHECK_VALUE(params.size() == 16 && params_f32.size() == 16, "trimul_inline: param_grads takes 16 parameters");
   const int64_t h = params[2].size(0), c = params[2].size(1);
+  const auto on_device = [&](const at::Tensor& t) {
+    return t.is_cuda() && t.device() == params[0].device() && t.scalar_type() == at::kFloat;
+  };
   const auto check = [&](const at::Tensor& t, std::initializer_list<int64_t> sizes, const char* name) {
-    TORCH_CHECK_VALUE(t.is_cuda() && t.device() == params[0].device() && t.scalar_type() == at::kFloat &&
-                          t.sizes() == at::IntArrayRef(sizes),
+    TORCH_CHECK_VALUE(on_device(t) && t.sizes() == at::IntArrayRef(sizes),
                       "trimul_inline: param_grads' ", name, " must be float32 ", text(at::IntArrayRef(sizes)),
                       " on the parameters' device, got ", t.scalar_type(), " ", text(t.sizes()));
   };
+  const auto check_sums = [&](const at::Tensor& t, int64_t width, const char* name) {
+    TORCH_CHECK_VALUE(on_device(t) && ((t.dim() == 1 && t.size(0) == width) ||
+                                       (t.dim() == 2 && t.size(0) > 0 && t.size(1) == width && t.stride(1) == 1)),
+                      "trimul_inline: param_grads' ", name, " must be float32 [", text(width),
+                      "] or per-block partials [k, ", text(width), "] with rows of unit stride on the parameters' "
+                      "device, got ", t.scalar_type(), " ", text(t.sizes()));
+  };
   check(g_in, {4 * h, c}, "g_in");
-  check(s_in, {4 * h}, "s_in");
+  check_sums(s_in, 4 * h, "s_in");
   check(g_out, {c, h}, "g_out");
-  check(s_out, {c}, "s_out");
+  check_sums(s_out, c, "s_out");
   check(g_gate, {c, c}, "g_gate");
-  check(s_gate, {c}, "s_gate");
+  check_sums(s_gate, c, "s_gate");
   for (int i = 0; i < 16; ++i)
     TORCH_CHECK_VALUE(params[i].is_cuda() && params[i].device() == params[0].device() &&
                           params_f32[i].scalar_type() == at::kFloat && params_f32[i].sizes() == params[i].sizes(),
-                      "trimul_inline: param_grads' parameters must be on one CUDA device (parameter ", i, ")");
+                      "trimul_inline: param_grads' parameters must be on one CUDA device (parameter ", text(i), ")");
   const c10::cuda::CUDAGuard guard(params[0].device());
   at::ScalarType dtype = params[0].scalar_type();
   for (const at::Tensor& t : params)
@@ -997,11 +1094,22 @@ std::vector<at::Tensor> parameter_grads(const std::vector<at::Tensor>& params,
   std::vector<at::Tensor> grads, inputs;  // (inputs: the contiguous fp32 tensors the launch reads, held until it ran)
   for (const at::Tensor& t : params) grads.push_back(at::empty(t.sizes(), t.options().dtype(dtype)));
   const auto rows = [&](const at::Tensor& t) { return inputs.emplace_back(t.contiguous()).data_ptr<float>(); };
+  // (the summed s of partials: written by the launch, read by its second kernel)
+  const at::Tensor summed = at::empty({4 * h + 2 * c}, g_in.options());
+  int64_t summed_at = 0;
   trimul::ParamGradArgs args{};
   const auto segment = [&](const at::Tensor& g, const at::Tensor& s, int param, int norm) {
     trimul::ParamGradArgs::Segment& sg = args.seg[args.segments++];
     sg.g = rows(g);
-    sg.s = rows(s);
+    if (s.dim() == 2) {
+      sg.partials = s.data_ptr<float>();
+      sg.partial_rows = s.size(0);
+      sg.partial_stride = s.stride(0);
+      sg.s = summed.data_ptr<float>() + summed_at;
+      summed_at += s.size(1);
+    } else {
+      sg.s = rows(s);
+    }
     sg.weight = rows(params_f32[param]);
     sg.d_weight = grads[param].data_ptr();
     sg.d_bias = grads[param + 1].data_ptr();
@@ -1009,7 +1117,7 @@ std::vector<at::Tensor> parameter_grads(const std::vector<at::Tensor>& params,
     sg.cols = g.size(1);
     sg.norm = norm;
   };
-  for (int k = 0; k < 4; ++k) segment(g_in.narrow(0, k * h, h), s_in.narrow(0, k * h, h), 2 + 2 * k, 0);
+  for (int k = 0; k < 4; ++k) segment(g_in.narrow(0, k * h, h), s_in.narrow(-1, k * h, h), 2 + 2 * k, 0);
   segment(g_out, s_out, 12, 1);
   segment(g_gate, s_gate, 14, gate_normalized ? 0 : -1);
   for (int k = 0; k < 2; ++k) {
@@ -1057,11 +1165,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
                     "parameters");
   const c10::cuda::CUDAGuard guard(pair.device());
   const at::ScalarType acc = at::kFloat, dtype = operand_f32 ? at::kFloat : at::kBFloat16;
-  std::vector<at::Tensor> p;
-  for (const at::Tensor& t : params) p.push_back(in_type(t.requires_grad() ? t.detach() : t, acc));
-  const at::Tensor &ln_in_w = p[0], &ln_in_b = p[1], &ln_out_w = p[10], &ln_out_b = p[11], &out_w = p[12],
-                   &out_b = p[13], &gate_w = p[14], &gate_b = p[15];
-  const int64_t batch = pair.size(0), n = pair.size(1), c = pair.size(3), h = p[2].size(0);
+  const int64_t batch = pair.size(0), n = pair.size(1), c = pair.size(3), h = params[2].size(0);
   const int64_t positions = batch * n * n;
   const at::Tensor like = at::empty({0}, pair.options().dtype(dtype));
   Passes inputs{"input_backward", "", batch, n, c, h, incoming, like, precision};
@@ -1087,9 +1191,13 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   const at::Tensor pair_rows = pair.reshape({positions, c}).contiguous();
   const at::Tensor mask_rows = mask.reshape({positions}).contiguous();
 
+  // The parameters in fp32 and folded (param_fold), with the passes' partial-sum rows zeroed in the same launch.
+  const int64_t out_sum_count = trimul::kBackwardSumRows * 2 * c, in_sum_count = trimul::kBackwardSumRows * 4 * h;
+  const FoldedParams folded = fold_params(params, gate_normalized, out_sum_count + in_sum_count);
+  const std::vector<at::Tensor>& p = folded.f32;
+  const at::Tensor &w_in_f = folded.w_in_f, &b_in_f = folded.b_in_f;
+
   // The forward again, up to z: x_hat, proj = [pa | ga | pb | gb], a and b planes.
-  const at::Tensor w_in = at::cat({p[2], p[4], p[6], p[8]}), b_in = at::cat({p[3], p[5], p[7], p[9]});
-  const auto [w_in_f, b_in_f] = folded(w_in, b_in, ln_in_w, ln_in_b);
   at::Tensor x_hat, rstd_in;
   if (saved_rstd.has_value()) {
     TORCH_CHECK_VALUE(saved_x_hat.has_value(), "trimul_inline: training_backward's saved x_hat rstd comes with a "
@@ -1149,14 +1257,10 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
 
   // output_backward: out = sigmoid(gate_rows W_g^T + b_g) * (z_hat W_out_f^T + b_out_f).
   at::Tensor z_hat = rows_of(h, dtype), rstd_out = rows_of(1, acc);
-  const auto [w_out_f, b_out_f] = folded(out_w, out_b, ln_out_w, ln_out_b);
-  at::Tensor w_gate = gate_w, b_gate = gate_b, gate_rows = x_hat;
-  if (gate_normalized) {
-    std::tie(w_gate, b_gate) = folded(gate_w, gate_b, ln_in_w, ln_in_b);
-  } else {
-    gate_rows = in_type(pair_rows, dtype);
-  }
-  at::Tensor out_sums = at::zeros({trimul::kBackwardSumRows, 2 * c}, like.options().dtype(acc));
+  const at::Tensor &w_out_f = folded.w_out_f, &b_out_f = folded.b_out_f, &w_gate = folded.w_gate_f,
+                   &b_gate = folded.b_gate_f;
+  at::Tensor gate_rows = gate_normalized ? x_hat : in_type(pair_rows, dtype);
+  const at::Tensor out_sums = folded.zeroed.narrow(0, 0, out_sum_count).view({trimul::kBackwardSumRows, 2 * c});
   const at::Tensor d_out_rows = grad_out.reshape({positions, c}).contiguous();
   at::Tensor d_o, d_gate;
   const bool gate_from_z = gate_grad_from_z(outputs.kernel, batch, n, c, h, incoming, like, precision);
@@ -1228,7 +1332,8 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
                      : lean       ? proj
                      : joined     ? d_rows.narrow(1, 0, 4 * h)
                                   : at::empty_like(proj);
-  const at::Tensor in_sums = at::zeros({trimul::kBackwardSumRows, 4 * h}, like.options().dtype(acc));
+  const at::Tensor in_sums =
+      folded.zeroed.narrow(0, out_sum_count, in_sum_count).view({trimul::kBackwardSumRows, 4 * h});
   std::unordered_map<std::string, at::Tensor> tensors{{"a_planes", da}, {"b_planes", db}, {"mask", mask_rows},
                                                       {"rows", d_proj}, {"sums", in_sums}};
   if (proj_in_pass) {
@@ -1276,7 +1381,8 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
       if (gate_normalized) add_mm_(d_x_hat, d_gate, in_type(w_gate, dtype));
       pair_tensors["d_rows"] = d_x_hat;
     }
-    if (!gate_normalized) pair_tensors["d_rows_add"] = mm_to(d_gate, in_type(gate_w, dtype), acc);
+    // (the raw gate's w_gate is out_gate's own weight)
+    if (!gate_normalized) pair_tensors["d_rows_add"] = mm_to(d_gate, in_type(w_gate, dtype), acc);
     pair_tensors["d_pair"] = d_pair = at::empty_like(pair_rows);
     inputs.run(P::d_pair, eps_in, pair_tensors);
   }
@@ -1286,9 +1392,8 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   std::vector<at::Tensor> grads{d_pair.view(pair.sizes()),  // (the pass wrote pair's dtype)
                                 mask_grad ? in_type(d_mask.view(mask.sizes()), mask.is_floating_point() ? mask.scalar_type() : acc)
                                           : at::Tensor()};
-  const std::vector<at::Tensor> out_sum = out_sums.sum(0).chunk(2);
-  for (at::Tensor& g : parameter_grads(params, p, g_in, in_sums.sum(0), g_out, out_sum[0], g_gate, out_sum[1],
-                                       gate_normalized))
+  for (at::Tensor& g : parameter_grads(params, p, g_in, in_sums, g_out, out_sums.narrow(1, 0, c), g_gate,
+                                       out_sums.narrow(1, c, c), gate_normalized))
     grads.push_back(std::move(g));
   return grads;
 }
@@ -1415,6 +1520,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "contract_backward on a library kernel: [z = a b^T] without dz, else [da = dz b, db = dz^T a]",
         py::arg("kernel"), py::arg("a"), py::arg("b"), py::arg("dz"), py::arg("planes_per_call") = py::none());
   m.def("param_grads", &parameter_grads, "the 16 parameters' gradients from the folded GEMMs' g and bias sums");
+  m.def("param_fold", &param_fold, "the 16 parameters in fp32 and the folded Linears' weights and biases");
   m.def("d_pair_in_d_proj", &d_pair_in_d_proj, "whether an input_backward kernel takes d_proj_d_pair");
   m.def("d_proj_from_x_hat", &d_proj_from_x_hat, "whether an input_backward kernel takes d_proj from x_hat");
   m.def("d_pair_from_d_proj", &d_pair_from_d_proj, "whether an input_backward kernel takes d_pair from d proj");

@@ -44,6 +44,30 @@ cudaError_t dispatch_dtypes(Dtype operand, Dtype out, F&& f) {
   return cudaErrorInvalidValue;
 }
 
+// The sum of every thread's v over a block of kThreads (a multiple of 32) in a fixed order (each warp's
+// butterfly, then the warps' sums in warp order): the same bits on every run, in every thread. scratch:
+// kThreads / 32 floats of shared memory, free again on return.
+template <int kThreads>
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
+  __syncthreads();
+  return total;
+}
+
+// A value of a run-time dtype as fp32 (parameters of mixed dtypes: per-tensor codes, small reads).
+__device__ __forceinline__ float load_float(const void* p, Dtype dtype, int64_t i) {
+  switch (dtype) {
+    case Dtype::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case Dtype::f16: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }

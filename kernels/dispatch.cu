@@ -460,6 +460,7 @@ Library build_library() {
   e.backward_args_bytes = sizeof(BackwardArgs);
   e.mask_scales = launch_mask_scales;
   e.param_grads = launch_param_grads;
+  e.param_fold = launch_param_fold;
   return lib;
 }
 

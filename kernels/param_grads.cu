@@ -1,7 +1,8 @@
 // param_grads — the training backward's parameter gradients from its folded GEMMs: each Linear that reads
 // LayerNorm(x) = x_hat ln_w + ln_b runs folded, as x_hat (W diag(ln_w))^T + (b + W ln_b), so its GEMM gives
 // g = d(W diag(ln_w)) and the passes' sums give s = d bias; then d W = g diag(ln_w) + s ln_b^T,
-// d ln_w = sum_r W[r] * g[r], d ln_b = s^T W. Two launches (the segments' rows, then the LayerNorms' columns)
+// d ln_w = sum_r W[r] * g[r], d ln_b = s^T W, where s is the sum of the passes' per-block partials, taken here.
+// Two launches (the segments' rows with their s, then the LayerNorms' columns, which read those s)
 // write all sixteen gradients in the parameters' dtype, in place of ~30 tensor ops and casts on the host. Every
 // sum runs in a fixed order (no atomics): the gradients are bitwise repeatable.
 #include "common.cuh"
@@ -31,7 +32,16 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const ParamGradArgs args
     }
   }
   if (!found) return;
-  const float s = sg.s[row];
+  float s;
+  if (sg.partial_rows > 0) {  // (the passes' per-block partials, summed in a fixed order; kept for columns_kernel)
+    __shared__ float scratch[kThreads / 32];
+    float part = 0.f;
+    for (int64_t k = threadIdx.x; k < sg.partial_rows; k += kThreads) part += sg.partials[k * sg.partial_stride + row];
+    s = block_sum<kThreads>(part, scratch);
+    if (threadIdx.x == 0) sg.s[row] = s;
+  } else {
+    s = sg.s[row];
+  }
   if (threadIdx.x == 0) static_cast<TOut*>(sg.d_bias)[row] = from_float<TOut>(s);
   const float* ln_w = nullptr;
   const float* ln_b = nullptr;
@@ -48,12 +58,12 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const ParamGradArgs args
   }
 }
 
-// One block per 32 columns of a LayerNorm: lane = column, warp w takes rows w, w + 8, ... of each of the
-// norm's segments in order; the eight warps' sums then added in warp order.
-constexpr int kColumns = 32, kWarps = kThreads / 32;
+// One block per 32 columns of a LayerNorm: lane = column, warp w takes rows w, w + 32, ... of each of the
+// norm's segments in order; the 32 warps' sums then added in warp order.
+constexpr int kColumnThreads = 1024, kColumns = 32, kWarps = kColumnThreads / 32;
 
 template <typename TOut>
-__global__ void __launch_bounds__(kThreads) columns_kernel(const ParamGradArgs args) {
+__global__ void __launch_bounds__(kColumnThreads) columns_kernel(const ParamGradArgs args) {
   ParamGradArgs::Norm nm{};
   int norm_index = -1;
   int64_t first = int64_t(blockIdx.x) * kColumns;
@@ -115,7 +125,7 @@ cudaError_t launch_param_grads(const ParamGradArgs& args) {
       if (status != cudaSuccess) return status;
     }
     if (column_blocks > 0)
-      columns_kernel<TOut><<<static_cast<unsigned int>(column_blocks), kThreads, 0, args.stream>>>(args);
+      columns_kernel<TOut><<<static_cast<unsigned int>(column_blocks), kColumnThreads, 0, args.stream>>>(args);
     return cudaGetLastError();
   });
 }
