@@ -1,10 +1,11 @@
 """The "highest" training step's per-position GEMMs on the tensor cores, probed: each GEMM the step runs today
 as cuBLAS fp32 (CUDA cores, ~46 TFLOP/s: 13.4 of the 28.0 ms at (1,1024,128,128), 52 of 78 at
 (1,1024,384,128)) timed and checked against fp64 as cuBLAS fp32 and as our contraction kernels run it:
-`mma` at "highest" (3xTF32 on mma.sync, fp32-accurate) and `wgmma_tma` at "high" (one TF32 pass: a floor for a
-three-pass wgmma on split operands). Weight gradients (K = positions) too: their tensor-core accumulation over
-~10^6 terms failed 1e-5 before (NOTES, branch highest-tf32x3); with --k-chunk the K axis is cut into chunks whose
-fp32 results are summed in order, as a split-K kernel would.
+`mma` at "highest" (3xTF32 on mma.sync, fp32-accurate) and `wgmma_tma` on split operands (contract_split:
+3xTF32 on wgmma; timed with the split's elementwise ops, and for the products alone). Weight gradients (K =
+positions) too: their tensor-core accumulation over ~10^6 terms failed 1e-5 before (NOTES, branch
+highest-tf32x3); with --k-chunk the K axis is cut into chunks whose fp32 results are summed in order, as a
+split-K kernel would.
 
     python dev/highest_gemm_probe.py [--shape 1,1024,384,128] [--k-chunk 0] [--calls 5]
 
@@ -39,16 +40,31 @@ def chunked(fn, a, b, z, k_chunk):
     return z
 
 
+def tf32_split(x):
+    """x's TF32 parts (the low 13 mantissa bits cleared), then the remainders: ContractArgs::split's operands."""
+    part = (x.view(torch.int32) & -8192).view(torch.float32)
+    return torch.cat([part, x - part])
+
+
+def split_wgmma(out, x, y):
+    """3xTF32 on wgmma_tma from operands split here (the split's elementwise ops included in the time)."""
+    ti._extension().contract_split("wgmma_tma", tf32_split(x), tf32_split(y), out, ti._PRECISION_CODE["highest"])
+
+
 def probe(name, a, b, calls, k_chunk, rows=4096):
     """One GEMM z = a[0] b[0]^T by each route: time, TFLOP/s and error against fp64."""
     z = torch.empty(1, a.shape[1], b.shape[1], device="cuda")
     flop = 2.0 * a.shape[1] * b.shape[1] * a.shape[2]
     reference = a[0, :rows].double() @ b[0].double().t()
+    a_split, b_split = tf32_split(a), tf32_split(b)
     routes = {
         "cuBLAS fp32": lambda out, x, y: torch.bmm(x, y.transpose(1, 2), out=out),
         "mma highest (3xTF32)": lambda out, x, y: ti.contract_into(out, x, y, "mma", "highest"),
-        "wgmma_tma high (1xTF32)": lambda out, x, y: ti.contract_into(out, x, y, "wgmma_tma", "high"),
+        "wgmma_tma split, with split": split_wgmma,
     }
+    if k_chunk <= 0:  # (the split made once: the products alone)
+        routes["wgmma_tma split, products"] = lambda out, x, y: ti._extension().contract_split(
+            "wgmma_tma", a_split, b_split, out, ti._PRECISION_CODE["highest"])
     for route, fn in routes.items():
         try:
             with ti._float32_matmul_precision("highest"):

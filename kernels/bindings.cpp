@@ -130,7 +130,10 @@ void check_matrix_stack(const at::Tensor& t, const char* what) {
 // ---- the standalone contraction -----------------------------------------------------------------
 // z[batch, i, j] = sum_k a[batch, i, k] * b[batch, j, k], written into z by the named kernel ("": the
 // default order's first that takes these operands).
-void contract(const std::string& name, const at::Tensor& a, const at::Tensor& b, at::Tensor& z, int64_t precision) {
+// z = a @ b^T per batch; split: a and b hold their batch's TF32 parts, then its remainders (2 x batch matrices,
+// ContractArgs::split: z = part.part + part.rem + rem.part, 3xTF32 for fp32 operands).
+void contract_operands(const std::string& name, const at::Tensor& a, const at::Tensor& b, at::Tensor& z,
+                       int64_t precision, bool split) {
   check_matrix_stack(a, "a");
   check_matrix_stack(b, "b");
   check_matrix_stack(z, "z");
@@ -140,8 +143,12 @@ void contract(const std::string& name, const at::Tensor& a, const at::Tensor& b,
                    " vs ", b.scalar_type(), ")");
   TORCH_CHECK_VALUE(a.size(0) == b.size(0) && a.size(2) == b.size(2), "trimul_inline: a ", text(a.sizes()), " and b ",
                     text(b.sizes()), " do not share batch and k");
-  TORCH_CHECK_VALUE(z.size(0) == a.size(0) && z.size(1) == a.size(1) && z.size(2) == b.size(1), "trimul_inline: z ",
-                    text(z.sizes()), " must be [batch, a rows, b rows]");
+  const int64_t batch = split ? a.size(0) / 2 : a.size(0);
+  TORCH_CHECK_VALUE(!split || (a.size(0) % 2 == 0 && a.scalar_type() == at::kFloat),
+                    "trimul_inline: split operands are float32 parts then remainders (an even count), got ",
+                    a.scalar_type(), " ", text(a.sizes()));
+  TORCH_CHECK_VALUE(z.size(0) == batch && z.size(1) == a.size(1) && z.size(2) == b.size(1), "trimul_inline: z ",
+                    text(z.sizes()), " must be [batch, a rows, b rows]", split ? " (batch: half of a's count)" : "");
   TORCH_CHECK_VALUE(precision >= 0 && precision <= 2, "trimul_inline: precision code ", text(precision),
                     " is not 0 (highest), 1 (high) or 2 (medium)");
   const c10::cuda::CUDAGuard guard(a.device());
@@ -156,7 +163,7 @@ void contract(const std::string& name, const at::Tensor& a, const at::Tensor& b,
   args.a = a_pad.data_ptr();
   args.b = b_pad.data_ptr();
   args.z = z.data_ptr();
-  args.batch = a.size(0);
+  args.batch = batch;
   args.m = a.size(1);
   args.n = b.size(1);
   args.k = k;
@@ -165,11 +172,21 @@ void contract(const std::string& name, const at::Tensor& a, const at::Tensor& b,
   args.operand = dtype_code(a, "a");
   args.out = dtype_code(z, "z");
   args.precision = static_cast<trimul::Precision>(precision);
+  args.split = split;
   args.stream = c10::cuda::getCurrentCUDAStream(a.device().index()).stream();
   char message[1024] = "";
   int kernel = -1;
   check_plan(library().plan_contraction(&args, name.c_str(), &kernel, message, sizeof(message)), message);
   check_launch(library().run_contraction(kernel, &args), std::string("contraction kernel '") + kernel_name(kernel) + "'");
+}
+
+void contract(const std::string& name, const at::Tensor& a, const at::Tensor& b, at::Tensor& z, int64_t precision) {
+  contract_operands(name, a, b, z, precision, false);
+}
+
+void contract_split(const std::string& name, const at::Tensor& a, const at::Tensor& b, at::Tensor& z,
+                    int64_t precision) {
+  contract_operands(name, a, b, z, precision, true);
 }
 
 // ---- the fused forward --------------------------------------------------------------------------
@@ -1499,6 +1516,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attach_kernels", &attach_kernels, "load a kernel library (kernels/*.cu) and use it from now on");
   m.def("kernels", &kernels, "(role, name, rank, torch, in_registry, built, applies, summary) of every kernel");
   m.def("contract", &contract, "z = a @ b^T per batch, by the named contraction kernel ('': the default order)");
+  m.def("contract_split", &contract_split,
+        "z = a @ b^T per batch from split fp32 operands (each batch's TF32 parts, then its remainders: 3xTF32)");
   py::class_<ForwardOptions>(m, "ForwardOptions", "a module's choices for the fused forward")
       .def(py::init([](std::array<std::string, trimul::kForwardRoles> kernels, int64_t mode, bool incoming,
                        bool gate_normalized, double eps_in, double eps_out, int64_t hidden) {
