@@ -872,13 +872,6 @@ def test_contraction_default_order_takes_the_first_that_applies():
         assert len(ours) == 1 and want in ours[0], ours
 
 
-def _tf32_split(x: torch.Tensor) -> torch.Tensor:
-    """x's TF32 parts (the low 13 mantissa bits cleared), then the remainders x - part (exact in fp32), stacked
-    along the batch axis: the split operands of ContractArgs::split."""
-    part = (x.view(torch.int32) & -8192).view(torch.float32)
-    return torch.cat([part, x - part]).contiguous()
-
-
 @HOPPER
 @pytest.mark.parametrize("shape", [(1, 77, 300, 96), (2, 130, 64, 50), (1, 1, 257, 33)])
 def test_contract_split_matches_fp64(shape):
@@ -891,14 +884,14 @@ def test_contract_split_matches_fp64(shape):
     a = torch.randn(batch, m, k, device="cuda", generator=g)
     b = torch.randn(batch, n, k, device="cuda", generator=g) * 1e-3  # (rows of another scale)
     z = torch.full((batch, m, n), float("nan"), device="cuda")
-    ti._extension().contract_split("wgmma_tma", _tf32_split(a), _tf32_split(b), z, ti._PRECISION_CODE["highest"])
+    a_split, b_split = ti._tf32_split(a), ti._tf32_split(b)
+    ti._extension().contract_split("wgmma_tma", a_split, b_split, z, ti._PRECISION_CODE["highest"])
     err = rel_error(z, torch.bmm(a.double(), b.double().transpose(1, 2)))
     assert not z.isnan().any() and err < 1e-5, f"{shape}: error {err} (seed {seed})"
     with pytest.raises(ValueError, match="split operands"):
-        ti._extension().contract_split("wgmma_tma", _tf32_split(a)[:2 * batch - 1], _tf32_split(b)[:2 * batch - 1],
-                                       z[:batch], 0)
+        ti._extension().contract_split("wgmma_tma", a_split[:2 * batch - 1], b_split[:2 * batch - 1], z[:batch], 0)
     with pytest.raises(ValueError, match="split operands"):
-        ti._extension().contract_split("wgmma_tma", _tf32_split(a).bfloat16(), _tf32_split(b).bfloat16(), z, 0)
+        ti._extension().contract_split("wgmma_tma", a_split.bfloat16(), b_split.bfloat16(), z, 0)
 
 
 FUSED_TOLERANCE = {"highest": 1e-5, "high": 3e-3, "medium": 1.5e-2}

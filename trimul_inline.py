@@ -1086,6 +1086,14 @@ class _Products:
         return torch.addmm(bias.to(rows.dtype), rows, weight.to(rows.dtype).t())
 
 
+def _tf32_split(t: torch.Tensor) -> torch.Tensor:
+    """fp32 t [batch, ...]: its TF32 parts (the low 13 mantissa bits cleared), then the remainders t - part (exact
+    in fp32), [2 * batch, ...]: the split operands of the extension's contract_split (ContractArgs::split)."""
+    whole = t.contiguous()
+    part = (whole.view(torch.int32) & -8192).view(torch.float32)
+    return torch.cat([part, whole - part])
+
+
 def _folded(weight, bias, ln_weight, ln_bias):
     """A Linear that reads LayerNorm(x) = x_hat * w + b, as one on x_hat: (W diag(w), bias + W b)."""
     return weight * ln_weight, bias + weight @ ln_bias
@@ -1688,7 +1696,7 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     # (on CUDA the extension's param_fold: the parameters in fp32 and folded as the one-call backward has them)
     on_device = pair.is_cuda and acc == torch.float32
     if on_device:
-        *params_acc, w_in_f, b_in_f, w_out_f, b_out_f, w_gate_f, b_gate_f = \
+        *params_acc, w_in_f, b_in_f, w_out_f, b_out_f, w_gate, b_gate = \
             _extension().param_fold(list(params), gate_normalized)
     else:
         params_acc = [p.to(acc) for p in params]
@@ -1736,9 +1744,7 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     del saved_z
 
     # output_backward: out = sigmoid(gate_rows W_g^T + b_g) * (z_hat W_out_f^T + b_out_f).
-    if on_device:
-        w_gate, b_gate = w_gate_f, b_gate_f
-    else:
+    if not on_device:
         w_out_f, b_out_f = _folded(out_w, out_b, ln_out_w, ln_out_b)
         w_gate, b_gate = _folded(gate_w, gate_b, ln_in_w, ln_in_b) if gate_normalized else (gate_w, gate_b)
     gate_rows = x_hat if gate_normalized else pair_rows.to(dtype)

@@ -40,15 +40,10 @@ def chunked(fn, a, b, z, k_chunk):
     return z
 
 
-def tf32_split(x):
-    """x's TF32 parts (the low 13 mantissa bits cleared), then the remainders: ContractArgs::split's operands."""
-    part = (x.view(torch.int32) & -8192).view(torch.float32)
-    return torch.cat([part, x - part])
-
-
 def split_wgmma(out, x, y):
     """3xTF32 on wgmma_tma from operands split here (the split's elementwise ops included in the time)."""
-    ti._extension().contract_split("wgmma_tma", tf32_split(x), tf32_split(y), out, ti._PRECISION_CODE["highest"])
+    ti._extension().contract_split("wgmma_tma", ti._tf32_split(x), ti._tf32_split(y), out,
+                                   ti._PRECISION_CODE["highest"])
 
 
 def probe(name, a, b, calls, k_chunk, rows=4096):
@@ -56,7 +51,7 @@ def probe(name, a, b, calls, k_chunk, rows=4096):
     z = torch.empty(1, a.shape[1], b.shape[1], device="cuda")
     flop = 2.0 * a.shape[1] * b.shape[1] * a.shape[2]
     reference = a[0, :rows].double() @ b[0].double().t()
-    a_split, b_split = tf32_split(a), tf32_split(b)
+    a_split, b_split = ti._tf32_split(a), ti._tf32_split(b)
     routes = {
         "cuBLAS fp32": lambda out, x, y: torch.bmm(x, y.transpose(1, 2), out=out),
         "mma highest (3xTF32)": lambda out, x, y: ti.contract_into(out, x, y, "mma", "highest"),

@@ -19,11 +19,6 @@ constexpr int kWarps = 8;                // per block
 constexpr int kThreads = 32 * kWarps;
 constexpr int kTileStride = kTile + 1;   // shared-memory row of one channel (+1: no bank conflicts)
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
 // (__fdividef: 2 ulp, well inside fp32's "highest" budget; an IEEE division is most of a pass's instructions)
 __device__ __forceinline__ float sigmoid(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 

@@ -1111,8 +1111,9 @@ std::vector<at::Tensor> parameter_grads(const std::vector<at::Tensor>& params,
   std::vector<at::Tensor> grads, inputs;  // (inputs: the contiguous fp32 tensors the launch reads, held until it ran)
   for (const at::Tensor& t : params) grads.push_back(at::empty(t.sizes(), t.options().dtype(dtype)));
   const auto rows = [&](const at::Tensor& t) { return inputs.emplace_back(t.contiguous()).data_ptr<float>(); };
-  // (the summed s of partials: written by the launch, read by its second kernel)
-  const at::Tensor summed = at::empty({4 * h + 2 * c}, g_in.options());
+  // (the summed s of partials, where given: written by the launch, read by its second kernel)
+  const bool partials = s_in.dim() == 2 || s_out.dim() == 2 || s_gate.dim() == 2;
+  const at::Tensor summed = partials ? at::empty({4 * h + 2 * c}, g_in.options()) : at::Tensor();
   int64_t summed_at = 0;
   trimul::ParamGradArgs args{};
   const auto segment = [&](const at::Tensor& g, const at::Tensor& s, int param, int norm) {

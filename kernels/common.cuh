@@ -44,12 +44,19 @@ cudaError_t dispatch_dtypes(Dtype operand, Dtype out, F&& f) {
   return cudaErrorInvalidValue;
 }
 
+// The sum over a warp by a butterfly: every lane gets the same bits (each step adds the same two values).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
 // The sum of every thread's v over a block of kThreads (a multiple of 32) in a fixed order (each warp's
 // butterfly, then the warps' sums in warp order): the same bits on every run, in every thread. scratch:
 // kThreads / 32 floats of shared memory, free again on return.
 template <int kThreads>
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  v = warp_sum(v);
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
   __syncthreads();
   float total = 0.f;

@@ -16,11 +16,6 @@ __device__ __forceinline__ void store_operand(uint32_t* row, int col, float v) {
   reinterpret_cast<op_t<M>*>(row)[col] = to_operand<M>(v);
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
 // The sum over a quad (lanes 4k .. 4k + 3): the register-row kernels' per-row statistics, a row's
 // fragments spread over its quad.
 __device__ __forceinline__ float quad_sum(float v) {
