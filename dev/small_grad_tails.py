@@ -1,7 +1,7 @@
 """The tail of ModelNew's gradient error against PyTorch's own reduced-precision reference at the smallest
 training shapes (test_trimul's _check_training, repeated over fresh seeds): for each draw the worst ratio
 err / PyTorch's err over the tensors past GRAD_TOLERANCE, then the distribution. Sizes the `reach` bound of
-_check_training (NOTES, training). Usage: python dev/small_grad_tails.py [--draws 200]."""
+_check_training (NOTES, training). Usage: python dev/small_grad_tails.py [--draws 200] [--shapes 0,1,2]."""
 import argparse
 import sys
 
@@ -40,9 +40,10 @@ def ratios(shape, direction, gate_input, dtype, draws):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--draws", type=int, default=200)
+    parser.add_argument("--shapes", default="0,1,2", help="indices into test_trimul.TRAINING_SHAPES")
     args = parser.parse_args()
     ti.TF32_BACKWARD_POSITIONS = 0
-    for shape in tt.TRAINING_SHAPES[:3]:
+    for shape in (tt.TRAINING_SHAPES[int(i)] for i in args.shapes.split(",")):
         for direction in ti.DIRECTIONS:
             for dtype in (torch.bfloat16,):
                 found = ratios(shape, direction, "normalized", dtype, args.draws)
