@@ -46,6 +46,18 @@ def main() -> None:
         pair.grad = None
         model(pair, mask).float().square().mean().backward()
 
+    mode = "bf16" if args.bf16 else args.precision
+    print_kernels(step, f"{args.shape} {mode} {args.gate_input}", args.rows)
+    if args.copies:
+        print_copies(step)
+    if args.host:
+        print_host_time(step)
+    if args.runtime:
+        print_runtime_calls(step)
+
+
+def print_kernels(step, label: str, rows: int) -> None:
+    """One step's CUDA kernels (after three warm-up steps), by total time."""
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -54,16 +66,9 @@ def main() -> None:
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.device_time_total for e in events)
-    mode = "bf16" if args.bf16 else args.precision
-    print(f"{args.shape} {mode} {args.gate_input}: {total:.0f} us of CUDA time in {len(events)} kernels")
-    for e in sorted(events, key=lambda e: -e.device_time_total)[:args.rows]:
+    print(f"{label}: {total:.0f} us of CUDA time in {len(events)} kernels")
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:rows]:
         print(f"{e.device_time_total:9.1f} us  {e.count:3d}x  {e.key[:110]}")
-    if args.copies:
-        print_copies(step)
-    if args.host:
-        print_host_time(step)
-    if args.runtime:
-        print_runtime_calls(step)
 
 
 def print_copies(step) -> None:

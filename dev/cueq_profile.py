@@ -13,22 +13,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
 import trimul_inline as ti  # noqa: E402
-
-
-def profile(name, trainable, pair, mask, rows):
-    """Prints one step's CUDA kernels (after three warm-up steps) by total time."""
-    step = bench.training_step(trainable, pair, mask)
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.device_time_total for e in events)
-    print(f"{name}: {total:.0f} us of CUDA time in {len(events)} kernels")
-    for e in sorted(events, key=lambda e: -e.device_time_total)[:rows]:
-        print(f"{e.device_time_total:9.1f} us  {e.count:3d}x  {e.key[:110]}")
+from dev.backward_profile import print_kernels  # noqa: E402
 
 
 def main() -> None:
@@ -43,11 +28,12 @@ def main() -> None:
     bf16 = torch.bfloat16
     leaf = pair.to(bf16).requires_grad_(True)
     if bench.cuequivariance() is not None:
-        profile("cueq-bf16", bench.trainable_cueq(ref, bf16), leaf, mask.to(bf16), args.rows)
+        print_kernels(bench.training_step(bench.trainable_cueq(ref, bf16), leaf, mask.to(bf16)), "cueq-bf16",
+                      args.rows)
     else:
         print("cuequivariance_torch does not import here: ours only")
     ours = bench.trainable_module(bench.make_model_new(ref).to(bf16))
-    profile("new-bf16", ours, leaf, mask, args.rows)
+    print_kernels(bench.training_step(ours, leaf, mask), "new-bf16", args.rows)
 
 
 if __name__ == "__main__":
