@@ -376,12 +376,24 @@ void run_input(Planned& p, const at::Tensor& ab) {
   run(p, trimul::Role::input);
 }
 
+// z = a b^T by torch.bmm written straight into z's rows (cuBLAS takes their row stride as its ldc); a 16-bit
+// product into fp32 z by bmm's out_dtype, so z holds cuBLAS's fp32 sums, as the kernels' fp32 z does.
+void torch_contract_into(at::Tensor z, const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor b_t = b.transpose(1, 2);
+  if (z.scalar_type() == a.scalar_type()) {
+    at::bmm_out(z, a, b_t);
+  } else if (z.scalar_type() == at::kFloat && at::isReducedFloatingType(a.scalar_type())) {
+    at::bmm_out(z, a, b_t, at::kFloat);
+  } else {
+    z.copy_(at::bmm(a, b_t));
+  }
+}
+
 void run_contraction(Planned& p, const at::Tensor& ab, const at::Tensor& z) {
   if (!p.plan.z_buffer) return;
   set_ab(p, ab);
   if (p.plan.torch_contraction) {  // cuBLAS on the same buffers, a baseline
-    const at::Tensor product = at::bmm(ab[0], ab[1].transpose(1, 2)).to(z.scalar_type());
-    z.narrow(2, 0, p.args.n).copy_(product);
+    torch_contract_into(z.narrow(2, 0, p.args.n), ab[0], ab[1]);
     return;
   }
   p.args.z = z.data_ptr();
