@@ -701,11 +701,7 @@ def contract_into(z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, kernel: Opt
     """Writes z = a @ b^T by the named contraction kernel (None or "": the default order); no autograd."""
     if _is_torch_kernel("contract", kernel):
         with _float32_matmul_precision(precision):
-            if z.dtype == a.dtype:
-                torch.bmm(a, b.transpose(1, 2), out=z)
-            elif z.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16) and a.is_cuda:
-                torch.bmm(a, b.transpose(1, 2), torch.float32, out=z)  # (fp32 sums kept, as bindings.cpp)
-            else:
+            torch.bmm(a, b.transpose(1, 2), out=z) if z.dtype == a.dtype else \
                 z.copy_(torch.bmm(a, b.transpose(1, 2)))
         return z
     _extension().contract(kernel or "", a, b, z, _PRECISION_CODE[precision])
