@@ -182,11 +182,11 @@ def parse_kernel_choices(text):
     return choices
 
 
-def make_new_bf16_io(ref):
-    """ModelNew[auto] in bf16, given bf16 inputs (cast once, outside the timed calls) and writing bf16:
-    the like-for-like row against cuEquivariance bf16, which reads and writes bf16 too (the "medium"
-    rows read and write fp32: twice the bytes)."""
-    new = make_model_new(ref).to(torch.bfloat16)
+def make_new_bf16_io(ref, kernels=None):
+    """ModelNew (the default order, or `kernels`) in bf16, given bf16 inputs (cast once, outside the timed
+    calls) and writing bf16: the like-for-like row against cuEquivariance bf16, which reads and writes bf16
+    too (the "medium" rows read and write fp32: twice the bytes)."""
+    new = make_model_new(ref, kernels).to(torch.bfloat16)
     return cast_once(new, torch.bfloat16, torch.bool)
 
 
@@ -232,7 +232,10 @@ def contenders(args):
             found.append(Contender("cueq fp32", lambda ref: make_cueq(ref, torch.float32), "high"))
         found.append(Contender("cueq bf16", lambda ref: make_cueq(ref, torch.bfloat16), "bfloat16"))
     if "new-bf16" in args.contenders:
-        found.append(Contender("new[auto] bf16 in/out", make_new_bf16_io, "bfloat16"))
+        # auto, and each choice --kernels named (bf16_kernels: not the default's sweep of every contraction)
+        for choice in getattr(args, "bf16_kernels", None) or [ti.Kernels()]:
+            found.append(Contender(f"new[{choice}] bf16 in/out", lambda ref, k=choice: make_new_bf16_io(ref, k),
+                                   "bfloat16"))
     if "new" in args.contenders:
         # auto at every precision; a named choice at the first precision whose call it takes.
         for precision in args.precision:
@@ -971,7 +974,7 @@ def main(argv=None) -> int:
                         help="ModelNew kernel choices to time, comma-separated: auto, a contraction kernel, or "
                              "role=name[+role=name...] (`python trimul_inline.py kernels` lists them; default: auto "
                              "and every contraction kernel); a named choice at the first --precision whose call "
-                             "it takes; with --profile or --repeat-only the choices to profile (default auto), "
+                             "it takes, and (named here) a new-bf16 row of its own; with --profile or --repeat-only the choices to profile (default auto), "
                              "several: an A/B in one process; with --backward the choices whose training step the new* rows time "
                              "(default auto)")
     parser.add_argument("--contenders",
@@ -1021,6 +1024,7 @@ def main(argv=None) -> int:
             parser.error(f"--backward: unknown contenders {sorted(unknown)}; known: {BACKWARD_CONTENDERS}")
         return run_backward(args, argv)
     long_shapes = any(long_shape(b, n) for b, n, _, _ in args.shapes)
+    args.bf16_kernels = args.kernels  # (the new-bf16 rows: the choices named, else auto alone)
     if args.kernels is None:  # (every named contraction too, but not at long shapes: naive alone takes minutes)
         contractions = [e.name for e in ti.kernel_registry() if e.role == "contract"]
         args.kernels = [ti.Kernels()] + ([] if args.profile or args.repeat_only or long_shapes else

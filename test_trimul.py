@@ -628,6 +628,10 @@ def test_bench_bf16_io_contender_casts_its_inputs_once():
     names = [c.name for c in bench.contenders(argparse.Namespace(contenders={"new-bf16"}, precision=["medium"],
                                                                  kernels=[ti.Kernels()]))]
     assert names == ["new[auto] bf16 in/out"]
+    choices = [ti.Kernels(), ti.Kernels(contract="bmm")]  # (--kernels auto,bmm: a bf16 row for each)
+    names = [c.name for c in bench.contenders(argparse.Namespace(contenders={"new-bf16"}, precision=["medium"],
+                                                                 kernels=choices, bf16_kernels=choices))]
+    assert names == ["new[auto] bf16 in/out", "new[contract=bmm] bf16 in/out"]
 
 
 def test_object_keys_follow_each_kernel_file_and_its_headers():

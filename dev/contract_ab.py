@@ -1,6 +1,6 @@
 """The forward with its contraction as the default order picks it against named contraction kernels, bf16
-in/out (bench.py runs a named --kernels choice only at the first fp32 --precision): median µs per call, the
-plan's pick, and each output's difference from the first named kernel's.
+in/out: median µs per call, the plan's pick (which bench.py's `--contenders new-bf16 --kernels auto,bmm` rows
+do not print), and each output's difference from the first named kernel's.
 
     python dev/contract_ab.py [--kernels wgmma_tma,bmm] [--shapes 1,768,128,128;...]
 """
