@@ -12,7 +12,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
-import trimul_inline as ti  # noqa: E402
+
+CASE = argparse.Namespace(direction="outgoing", gate_input="normalized")  # (bench.seeded_case's)
 
 SHAPES = ("1,128,128,128;2,256,128,128;1,512,128,128;1,768,128,128;1,1024,128,128;1,1536,128,128;"
           "1,2048,128,128;2,256,384,128;1,768,384,128;1,1024,384,128")
@@ -26,9 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     bf16 = torch.bfloat16
     for batch, n, pair_dim, hidden in args.shapes:
-        generator = torch.Generator(device="cuda").manual_seed(0)
-        ref = bench.randomize(ti.Model(pair_dim, hidden, "outgoing", "normalized").cuda(), generator)
-        pair, mask = bench.make_inputs(batch, n, pair_dim, generator, "cuda")
+        ref, pair, mask = bench.seeded_case((batch, n, pair_dim, hidden), CASE, 0)
         pair = pair.to(bf16)
         cells, outputs = [], []
         for kernel in [None] + args.kernels.split(","):

@@ -12,19 +12,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
-import trimul_inline as ti  # noqa: E402
 from dev.backward_profile import print_kernels  # noqa: E402
+
+CASE = argparse.Namespace(direction="outgoing", gate_input="normalized")  # (bench.seeded_case's, as cuEq gates)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", default="1,768,128,128")
+    parser.add_argument("--shape", type=bench.parse_shapes, default=bench.parse_shapes("1,768,128,128"))
     parser.add_argument("--rows", type=int, default=30)
     args = parser.parse_args()
-    batch, n, pair_dim, hidden = (int(x) for x in args.shape.split(","))
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    ref = bench.randomize(ti.Model(pair_dim, hidden, "outgoing", "normalized").cuda(), generator)
-    pair, mask = bench.make_inputs(batch, n, pair_dim, generator, "cuda")
+    ref, pair, mask = bench.seeded_case(args.shape[0], CASE, 0)
     bf16 = torch.bfloat16
     leaf = pair.to(bf16).requires_grad_(True)
     if bench.cuequivariance() is not None:

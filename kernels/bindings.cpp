@@ -376,16 +376,15 @@ void run_input(Planned& p, const at::Tensor& ab) {
   run(p, trimul::Role::input);
 }
 
-// z = a b^T by torch.bmm written straight into z's rows (cuBLAS takes their row stride as its ldc); a 16-bit
-// product into fp32 z by bmm's out_dtype, so z holds cuBLAS's fp32 sums, as the kernels' fp32 z does.
+// z = a b^T by torch.bmm written straight into z's rows (cuBLAS takes their row stride as its ldc). z has a's
+// dtype, or fp32 for 16-bit a (z_dtype_for's fp16 mode): then bmm's out_dtype keeps cuBLAS's fp32 sums, as the
+// kernels' fp32 z does.
 void torch_contract_into(at::Tensor z, const at::Tensor& a, const at::Tensor& b) {
   const at::Tensor b_t = b.transpose(1, 2);
   if (z.scalar_type() == a.scalar_type()) {
     at::bmm_out(z, a, b_t);
-  } else if (z.scalar_type() == at::kFloat && at::isReducedFloatingType(a.scalar_type())) {
-    at::bmm_out(z, a, b_t, at::kFloat);
   } else {
-    z.copy_(at::bmm(a, b_t));
+    at::bmm_out(z, a, b_t, z.scalar_type());
   }
 }
 
