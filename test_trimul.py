@@ -1340,6 +1340,25 @@ def test_scaled_f16_wgmma_passes_hold_at_extreme_scales(precision, ln_scale, wei
 
 @cuda
 @HOPPER
+@pytest.mark.parametrize("precision, n, expected", [("medium", 255, "wgmma_tma"), ("medium", 256, "bmm"),
+                                                     ("medium", 300, "bmm"), ("medium", 1025, "wgmma_tma"),
+                                                     ("high", 300, "wgmma_tma"), ("highest", 300, "wgmma_tma")])
+def test_default_contraction_takes_cublas_in_its_range(precision, n, expected):
+    """The default order's rule: cuBLAS's bmm writing z in place for bf16 products at 256 <= N <= 1024 (measured
+    faster there), wgmma_tma outside it and for the fp32-accurate modes; either way the forward matches fp64
+    (N = 300: z's bf16 rows padded to 304, so cuBLAS writes them with ldc > N)."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(32, 16, "outgoing", "normalized").double(), g)
+    new = _make_new(reference, torch.float32, None, precision)
+    pair, mask = random_inputs(1, n, 32, g)
+    assert new.forward_steps(pair.float().cuda(), mask.cuda()).plan["contract"] == expected
+    _check_model(new, reference, pair, mask, FUSED_TOLERANCE[precision], seed, f"{precision} N={n}",
+                 rounding=ROUNDING.get(precision))
+
+
+@cuda
+@HOPPER
 @pytest.mark.parametrize("input_kernel", ["wgmma_ws", "streamed"])
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
 def test_highest_split_contraction_both_operand_formats(input_kernel, mask_dtype):

@@ -119,6 +119,14 @@ int formats(const ForwardArgs& args, Format* out) {
   return count;
 }
 
+// Whether the default order takes the torch.bmm baseline (cuBLAS writing z in place) for the contraction:
+// bf16 products at 256 <= N <= 1024, where cuBLAS's tiles measured faster than wgmma_tma's (bench/NOTES.md).
+// Past that range wgmma_tma's grouped raster keeps the planes' operands in L2; below it cuBLAS's host path
+// is the call's time; fp16 products and TF32 are not measured there.
+bool torch_contraction_by_default(const ForwardArgs& args, const Format& format) {
+  return format.ab == Dtype::bf16 && !format.split && args.n >= 256 && args.n <= 1024;
+}
+
 Precision contraction_precision(Mode mode) {
   switch (mode) {
     case Mode::highest: return Precision::highest;
@@ -232,8 +240,8 @@ PlanStatus plan_forward(ForwardArgs* args, const char* const* chosen, ForwardPla
       const Format& format = options[f];
       args->ab_f16 = format.ab_f16;
       bool takes, z_buffer = true;
-      if (info.torch) {
-        takes = !format.split && !format.ab_f16;  // (torch.bmm multiplies whole values)
+      if (info.torch) {  // (torch.bmm multiplies whole values; unchosen, only where cuBLAS measured faster)
+        takes = !format.split && !format.ab_f16 && (pick[contract] >= 0 || torch_contraction_by_default(*args, format));
       } else {
         takes = impl->contract_applies(contract_args(*args, format.ab, format.split));
         z_buffer = !impl->contracts_in_output_pass;
