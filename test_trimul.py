@@ -2195,18 +2195,19 @@ def test_input_pass_writes_x_hat(direction, n, hidden, dtype, pair_dim):
 
 
 @cuda
-@pytest.mark.parametrize("precision, gate_input, pair_dim, n", [("medium", "normalized", 24, 70),
-                                                                ("highest", "raw", 24, 70),
-                                                                ("medium", "raw", 128, 72),
-                                                                ("medium", "normalized", 128, 72)])
-def test_backward_host_path_with_saved_z_equals_the_python_steps(precision, gate_input, pair_dim, n, monkeypatch):
+@pytest.mark.parametrize("precision, gate_input, pair_dim, hidden, n", [("medium", "normalized", 24, 40, 70),
+                                                                        ("highest", "raw", 24, 40, 70),
+                                                                        ("medium", "raw", 128, 64, 72),
+                                                                        ("medium", "normalized", 128, 64, 72),
+                                                                        ("medium", "normalized", 128, 128, 72)])
+def test_backward_host_path_with_saved_z_equals_the_python_steps(precision, gate_input, pair_dim, hidden, n,
+                                                                 monkeypatch):
     """With the forward's z (and at medium its a/b planes) and the lean steps, the one-call backward and the Python
     steps agree bit for bit, and with the plain backward within the precision's reach (at pair_dim 128 in bf16 on
     Hopper with d_proj from x_hat on both paths, and with the gate on LayerNorm_in's rows and x_hat's rstd kept, d
-    pair from d_proj's pass too)."""
+    pair from d_proj's pass too; at hidden 128 as well, z_gate_grad's pass and g_out in the dz pass)."""
     monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)
     g = torch.Generator().manual_seed(fresh_seed())
-    hidden = 40 if pair_dim != 128 else 64
     model = random_layers(ti.ModelNew(pair_dim, hidden, gate_input=gate_input, precision=precision), g).cuda()
     pair, mask = random_inputs(1, n, pair_dim, g, dtype=torch.float32, device="cuda")  # (N > 64: a z buffer)
     steps = model.forward_steps(pair, mask)
@@ -2627,6 +2628,31 @@ def test_d_pair_from_d_proj_applies_where_its_rules_say():
         assert not any("d_pair_kernel" in k for k in ran)
 
 
+def _dz_case(seed, batch, n, pair_dim, hidden):
+    """output_backward's wgmma and rows passes at these sizes (bf16 operands) and a fresh draw of the dz pass's
+    inputs from `seed`: d o and z_hat rows (bf16), the folded weight W_out_f (fp32 [C, H]) and rstd [P, 1]."""
+    g = torch.Generator().manual_seed(seed)
+    positions = batch * n * n
+    d_o = torch.randn(positions, pair_dim, generator=g).bfloat16().cuda()
+    w_out_f = (torch.randn(pair_dim, hidden, generator=g) / pair_dim ** 0.5).cuda()
+    z_hat = torch.randn(positions, hidden, generator=g).bfloat16().cuda()
+    rstd = torch.exp(torch.randn(positions, 1, generator=g)).cuda()
+    like = torch.empty(0, device="cuda", dtype=torch.bfloat16)
+    passes = [ti._KernelBackwardPasses("output_backward", kernel, batch, n, pair_dim, hidden, False, 2, like)
+              for kernel in ("wgmma", "rows")]
+    return passes[0], passes[1], (d_o, w_out_f, z_hat, rstd)
+
+
+def _dz_planes_base_and_fp64(rows, d_o, w_out_f, z_hat, rstd, batch, n):
+    """The dz planes by the rows kernel (cuBLAS's d z_hat, then its dz_planes) and in fp64 from the same bf16
+    operands (the weight as the passes take it: bf16)."""
+    base = rows.dz_planes(ti._Products.mm(d_o, w_out_f.bfloat16(), torch.float32), z_hat, rstd, batch, n,
+                          torch.bfloat16)
+    d, z = d_o.double() @ w_out_f.bfloat16().double(), z_hat.double()
+    dz = rstd.double() * (d - d.mean(1, keepdim=True) - z * (d * z).mean(1, keepdim=True))
+    return base, ti._planes(dz, batch, n, False)
+
+
 @HOPPER
 @pytest.mark.parametrize("n, pair_dim", [(36, 128), (20, 384), (44, 64)])
 def test_dz_planes_from_d_o_matches_fp64(n, pair_dim):
@@ -2636,29 +2662,64 @@ def test_dz_planes_from_d_o_matches_fp64(n, pair_dim):
     same draw; batch 2, planes that are not whole 64-position tiles, pair_dim 64, 128 and 384 (1, 2 and 6
     k-tiles); the planes poisoned first."""
     seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    batch, hidden = 2, 128
-    positions = batch * n * n
-    d_o = torch.randn(positions, pair_dim, generator=g).bfloat16().cuda()
-    w_out_f = (torch.randn(pair_dim, hidden, generator=g) / pair_dim ** 0.5).cuda()
-    z_hat = torch.randn(positions, hidden, generator=g).bfloat16().cuda()
-    rstd = torch.exp(torch.randn(positions, 1, generator=g)).cuda()
-    like = torch.empty(0, device="cuda", dtype=torch.bfloat16)
-    fused = ti._KernelBackwardPasses("output_backward", "wgmma", batch, n, pair_dim, hidden, False, 2, like)
-    rows = ti._KernelBackwardPasses("output_backward", "rows", batch, n, pair_dim, hidden, False, 2, like)
+    batch = 2
+    fused, rows, (d_o, w_out_f, z_hat, rstd) = _dz_case(seed, batch, n, pair_dim, 128)
     assert fused.dz_planes_from_d_o() and not rows.dz_planes_from_d_o()
     poison_allocator()
     got = fused.dz_planes_multiplied(d_o, w_out_f, z_hat, rstd)
     poison_allocator()
-    base = rows.dz_planes(ti._Products.mm(d_o, w_out_f.bfloat16(), torch.float32), z_hat, rstd, batch, n,
-                          torch.bfloat16)
-    d, z = d_o.double() @ w_out_f.bfloat16().double(), z_hat.double()
-    dz = rstd.double() * (d - d.mean(1, keepdim=True) - z * (d * z).mean(1, keepdim=True))
-    expected = ti._planes(dz, batch, n, False)
+    base, expected = _dz_planes_base_and_fp64(rows, d_o, w_out_f, z_hat, rstd, batch, n)
     err, base_err = _grad_error(got.cpu(), expected.cpu()), _grad_error(base.cpu(), expected.cpu())
     assert got.shape == expected.shape and torch.isfinite(got).all()
     assert err < 5e-3 and err <= 1.5 * base_err + 1e-6, \
         f"dz: error {err} against the rows kernel's {base_err} (seed {seed})"
+
+
+@HOPPER
+@pytest.mark.parametrize("batch, n", [(2, 36), (3, 12), (1, 20), (2, 184)])
+def test_dz_planes_g_out_matches_fp64(batch, n):
+    """output_backward wgmma's dz_planes_g_out at pair_dim and hidden 128: the dz planes (d z_hat = d o W_out_f, then
+    LayerNorm_out's backward) and out_proj's weight gradient g_out = d o^T z_hat from per-block partials, summed,
+    each against fp64 from the same bf16 operands within bf16's rounding and no worse than the rows kernel's GEMMs
+    + dz_planes on the same draw; planes that are not whole 64-position tiles with a batch after them (N = 36, 12:
+    a tile's last rows are the next batch's, which g_out must not count), one batch, more tiles than blocks (N =
+    184); every partial row written (the partials poisoned first), and two calls give the same bits."""
+    seed = fresh_seed()
+    fused, rows, (d_o, w_out_f, z_hat, rstd) = _dz_case(seed, batch, n, 128, 128)
+    assert fused.g_out_in_dz_planes() and not rows.g_out_in_dz_planes()
+    poison_allocator()
+    got_dz, got_g_out = fused.dz_planes_g_out(d_o, w_out_f, z_hat, rstd)
+    poison_allocator()
+    again_dz, again_g_out = fused.dz_planes_g_out(d_o, w_out_f, z_hat, rstd)
+    assert torch.equal(got_dz, again_dz) and torch.equal(got_g_out, again_g_out)
+    base_dz, expected_dz = _dz_planes_base_and_fp64(rows, d_o, w_out_f, z_hat, rstd, batch, n)
+    base_g_out = ti._Products.mm(d_o.t(), z_hat, torch.float32)
+    expected_g_out = d_o.double().t() @ z_hat.double()
+    for name, value, base, expect, reach in (("dz", got_dz, base_dz, expected_dz, 5e-3),
+                                             ("g_out", got_g_out, base_g_out, expected_g_out, 1e-4)):
+        assert value.shape == expect.shape and torch.isfinite(value).all(), name
+        err, base_err = _grad_error(value.cpu(), expect.cpu()), _grad_error(base.cpu(), expect.cpu())
+        assert err < reach and err <= 1.5 * base_err + 1e-6, \
+            f"{name}: error {err} against the rows kernel's {base_err} (seed {seed})"
+
+
+@HOPPER
+def test_dz_planes_g_out_applies_where_its_rules_say():
+    """output_backward wgmma takes dz_planes_g_out at bf16 operands, pair_dim and hidden 128, N^2 a multiple of 8
+    (the rows kernel never; at pair_dim 384 dz_planes from d o without g_out); a bf16 training step at C = H = 128
+    runs it by default (not dz_mma, nor the rows kernel's dz_planes) and the rows kernel's passes when rows is
+    named."""
+    extension = ti._extension()
+    like16, like32 = torch.empty(0, device="cuda", dtype=torch.bfloat16), torch.empty(0, device="cuda")
+    assert extension.dz_planes_g_out("wgmma", 1, 64, 128, 128, False, like16, 2)
+    assert extension.dz_planes_g_out("", 2, 20, 128, 128, True, like16, 2)
+    assert not extension.dz_planes_g_out("rows", 1, 64, 128, 128, False, like16, 2)
+    for sizes, like in (((1, 37, 128, 128), like16), ((1, 64, 384, 128), like16), ((1, 64, 128, 64), like16),
+                        ((1, 64, 128, 128), like32)):
+        assert not extension.dz_planes_g_out("", *sizes, False, like, 2), sizes
+    assert 1 <= extension.g_out_partial_rows(like16) <= ti._BACKWARD_SUM_ROWS
+    _assert_step_kernels([(None, "dz_g_out::kernel", "dz_mma::kernel"), (None, "dz_g_out::kernel", "dz_planes_kernel"),
+                          ("output_backward=rows", "dz_planes_kernel", "dz_g_out::kernel")])
 
 
 @HOPPER
@@ -2750,29 +2811,31 @@ def test_dz_planes_from_d_o_applies_where_its_rules_say():
         with pytest.raises(ValueError, match="does not take this call.*applies when"):
             extension.backward_kernel("output_backward", "wgmma", *sizes, False, like, 2)
     _assert_step_kernels([(None, "dz_mma::kernel", "dz_planes_kernel"),
-                          ("output_backward=rows", "dz_planes_kernel", "dz_mma::kernel")])
+                          ("output_backward=rows", "dz_planes_kernel", "dz_mma::kernel")], hidden=128, pair_dim=384)
 
 
-def _assert_step_kernels(cases, hidden=128):
-    """For each (kernels, expected, absent): a medium training step of ModelNew(128, hidden, kernels=kernels) at
-    N = 136 (bf16 products) launches a kernel whose name contains `expected` and none containing `absent`."""
+def _assert_step_kernels(cases, hidden=128, pair_dim=128):
+    """For each (kernels, expected, absent): a medium training step of ModelNew(pair_dim, hidden, kernels=kernels)
+    at N = 136 (bf16 products) launches a kernel whose name contains `expected` and none containing `absent`."""
     g = torch.Generator().manual_seed(fresh_seed())
-    pair, mask = random_inputs(1, 136, 128, g, dtype=torch.float32, device="cuda")
+    pair, mask = random_inputs(1, 136, pair_dim, g, dtype=torch.float32, device="cuda")
     for kernels, expected, absent in cases:
-        model = random_layers(ti.ModelNew(128, hidden, precision="medium", gate_input="normalized", kernels=kernels),
-                              g).cuda()
+        model = random_layers(ti.ModelNew(pair_dim, hidden, precision="medium", gate_input="normalized",
+                                          kernels=kernels), g).cuda()
         ran = _cuda_kernels_launched(lambda: model(pair.requires_grad_(), mask).square().sum().backward())
         assert any(expected in k for k in ran), (kernels, [k for k in ran if "trimul::" in k])
         assert not any(absent in k for k in ran), (kernels, absent)
 
 
 @cuda
-@pytest.mark.parametrize("direction, gate_input, pair_dim", [("outgoing", "normalized", 128),
-                                                              ("incoming", "raw", 384)])
-def test_training_bf16_dz_planes_from_d_o_matches_fp64(direction, gate_input, pair_dim):
-    """The bf16 training step at hidden 128 on output_backward's wgmma (dz planes from d o) against fp64, both
-    directions and gate inputs, pair_dim 128 and 384, a partial last tile (N = 132)."""
-    _check_training("medium", direction, gate_input, 1, 132, pair_dim, 128, mask_dtype=torch.float32,
+@pytest.mark.parametrize("direction, gate_input, pair_dim, batch, n", [("outgoing", "normalized", 128, 1, 132),
+                                                                        ("incoming", "raw", 384, 1, 132),
+                                                                        ("incoming", "normalized", 128, 2, 100)])
+def test_training_bf16_dz_planes_from_d_o_matches_fp64(direction, gate_input, pair_dim, batch, n):
+    """The bf16 training step at hidden 128 on output_backward's wgmma (dz planes from d o; at pair_dim 128 with
+    g_out in the same pass) against fp64, both directions and gate inputs, pair_dim 128 and 384, a partial last
+    tile (N = 132) and partial tiles with a batch after them (batch 2, N = 100: past TF32_BACKWARD_POSITIONS)."""
+    _check_training("medium", direction, gate_input, batch, n, pair_dim, 128, mask_dtype=torch.float32,
                     kernels="output_backward=wgmma")
 
 
@@ -2847,10 +2910,10 @@ def test_contract_backward_kernel_by_precision():
 
 @cuda
 @pytest.mark.parametrize("precision, pair_dim, hidden, n", [("highest", 64, 32, 100), ("medium", 64, 32, 100),
-                                                            ("medium", 128, 64, 104)])
+                                                            ("medium", 128, 64, 104), ("medium", 128, 128, 100)])
 def test_training_gradients_are_bitwise_repeatable(precision, pair_dim, hidden, n):
     """Two backward calls on the same inputs give the same bits (no float atomics; fixed block sums), also with
-    d_proj from x_hat (pair_dim 128 in bf16 on Hopper)."""
+    d_proj from x_hat (pair_dim 128 in bf16 on Hopper) and g_out in the dz pass (pair_dim and hidden 128)."""
     g = torch.Generator().manual_seed(fresh_seed())
     model = random_layers(ti.ModelNew(pair_dim, hidden, precision=precision), g).cuda()
     pair, mask = random_inputs(2, n, pair_dim, g, dtype=torch.float32, device="cuda")

@@ -1173,6 +1173,12 @@ class _TorchBackwardPasses:
         return False
 
     @staticmethod
+    def g_out_in_dz_planes():
+        """Whether dz_planes multiplies g_out = d o^T z_hat too (_KernelBackwardPasses.dz_planes_g_out): never
+        here."""
+        return False
+
+    @staticmethod
     def d_proj_from_x_hat():
         """Whether d_proj recomputes proj from x_hat itself (_KernelBackwardPasses.d_proj_recomputed): never here."""
         return False
@@ -1222,7 +1228,7 @@ def _accumulate(t: torch.Tensor) -> torch.dtype:
 _BACKWARD_SUM_ROWS = 512  # blocks of the passes that sum over positions (trimul::kBackwardSumRows)
 _BACKWARD_PASS = {name: code for code, name in enumerate(
     ("input_rows", "gated_planes", "z_rows", "gate_grad", "dz_planes", "d_proj", "d_pair", "split_f16x3",
-     "z_gate_grad", "d_proj_d_pair"))}  # trimul::BackwardPass
+     "z_gate_grad", "d_proj_d_pair", "dz_planes_g_out"))}  # trimul::BackwardPass
 
 
 class _KernelBackwardPasses:
@@ -1285,6 +1291,20 @@ class _KernelBackwardPasses:
     def gate_grad_from_z(self):
         """Whether this kernel runs z_rows, the o / gate_pre products and gate_grad as one pass (z_gate_grad)."""
         return self._takes("output_backward", "gate_grad_from_z")
+
+    def g_out_in_dz_planes(self):
+        """Whether this kernel's dz_planes multiplies g_out = d o^T z_hat too (dz_planes_g_out) at these sizes."""
+        return self._takes("output_backward", "dz_planes_g_out")
+
+    def dz_planes_g_out(self, d_o, w_out_f, z_hat, rstd):
+        """dz_planes_multiplied, and g_out = d o^T z_hat from the pass's per-block partials, summed in a fixed order
+        (as training_backward in bindings.cpp sums them): (dz planes, g_out fp32 [C, H])."""
+        dz = self._planes()
+        rows = _extension().g_out_partial_rows(self._like)
+        partials = d_o.new_empty((rows, d_o.shape[1], self._hidden), dtype=torch.float32)
+        self._run("dz_planes_g_out", d_o=d_o, w_out_f=w_out_f.float().contiguous(), rows=z_hat, rstd=rstd, a_planes=dz,
+                  g_out=partials)
+        return dz, partials.sum(0)
 
     def z_gate_grad(self, z_planes, eps, gate_rows, w_out_f, b_out_f, w_gate, b_gate, d_out):
         """z_rows, o = z_hat w_out_f^T + b_out_f, gate_pre = gate_rows w_gate^T + b_gate and gate_grad in one pass (o
@@ -1769,12 +1789,17 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
                                                        None if d_rows is None else d_rows[:, 4 * hidden:])
         del o, gate_pre
     del d_out
-    g_out, g_gate = products.mm(d_o.t(), z_hat, acc), products.mm(d_gate.t(), gate_rows, acc)
+    g_gate = products.mm(d_gate.t(), gate_rows, acc)
     del gate_rows
-    if outputs.dz_planes_from_d_o():  # (d z_hat multiplied in the pass, never written)
+    if outputs.g_out_in_dz_planes():  # (d z_hat and g_out multiplied in the pass)
+        dz_planes, g_out = outputs.dz_planes_g_out(d_o, w_out_f, z_hat, rstd_out)
+        del d_o
+    elif outputs.dz_planes_from_d_o():  # (d z_hat multiplied in the pass, never written)
+        g_out = products.mm(d_o.t(), z_hat, acc)
         dz_planes = outputs.dz_planes_multiplied(d_o, w_out_f, z_hat, rstd_out)
         del d_o
     else:
+        g_out = products.mm(d_o.t(), z_hat, acc)
         d_z_hat = products.mm(d_o, w_out_f.to(dtype), acc)
         del d_o
         dz_planes = outputs.dz_planes(d_z_hat, z_hat, rstd_out, batch, n, dtype)

@@ -199,6 +199,8 @@ enum class BackwardPass : int {
   d_proj_d_pair,   // d_proj from x_hat (below), and d_pair from the same tile: d x_hat = d proj     input_backward
                    // W_in_f + d_gate W_gate_f, LayerNorm_in's backward on x_hat with rstd (LayerNorm_in's,
                    // ForwardArgs::x_hat_rstd): the pair rows are not read (the gate on LayerNorm_in's rows)
+  dz_planes_g_out, // dz_planes from d_o (d_rows null), and g_out = d o^T z_hat as per-block partials  output_backward
+                   // (g_out, below): out_proj's weight-gradient GEMM in the same pass
 };
 
 // One backward pass's arguments: sizes, then the buffers each pass reads and writes (BackwardPass says
@@ -236,6 +238,10 @@ struct BackwardArgs {
   // d_o [P, C] operand (gate_grad's d o), w_out_f [C, H] fp32 (out_proj's weight with LayerNorm_out's folded in).
   const void* d_o;
   const float* w_out_f;
+  // dz_planes_g_out: per-block partials of g_out = d o^T z_hat, [g_out_rows, C, H] fp32, every row written (a
+  // block per row: the caller sums the rows in a fixed order).
+  float* g_out;
+  int64_t g_out_rows;
   // z_gate_grad (output_backward wgmma): o = z_hat w_out_f^T + b_out_f and gate_pre = x_hat w_gate_f^T + b_gate_f
   // multiplied in the pass, never written (x_hat: the gate's rows, LayerNorm_in's or the raw pair's in the operand
   // dtype, with w_gate_f / b_gate_f the gate's weight and bias as they multiply those rows; both fp32).

@@ -604,7 +604,8 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
   TORCH_CHECK_VALUE(like.is_cuda(), "trimul_inline: the backward's kernels take CUDA tensors");
   TORCH_CHECK_VALUE((pass >= 0 && pass <= static_cast<int64_t>(trimul::BackwardPass::d_pair)) ||
                         pass == static_cast<int64_t>(trimul::BackwardPass::z_gate_grad) ||
-                        pass == static_cast<int64_t>(trimul::BackwardPass::d_proj_d_pair),
+                        pass == static_cast<int64_t>(trimul::BackwardPass::d_proj_d_pair) ||
+                        pass == static_cast<int64_t>(trimul::BackwardPass::dz_planes_g_out),
                     "trimul_inline: backward pass code ", text(pass));
   const c10::cuda::CUDAGuard guard(like.device());
   trimul::BackwardArgs args = backward_sizes(batch, n, c, h, incoming, like, precision);
@@ -657,10 +658,18 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
       break;
     case P::z_rows:
     case P::dz_planes:
+    case P::dz_planes_g_out:
       args.a_planes = pass_tensor(tensors, "a_planes", positions * h, op, like);
       args.rows = pass_tensor(tensors, "rows", positions * h, op, like);
       args.rstd = static_cast<float*>(pass_tensor(tensors, "rstd", positions, f32, like));
-      if (args.pass == P::dz_planes && has("d_o")) {  // (d z_hat multiplied in the pass: dz_planes_from_d_o)
+      if (args.pass == P::dz_planes_g_out) {  // (d z_hat and g_out's partials multiplied in the pass)
+        args.d_o = pass_tensor(tensors, "d_o", positions * c, op, like);
+        args.w_out_f = static_cast<const float*>(pass_tensor(tensors, "w_out_f", c * h, f32, like));
+        TORCH_CHECK_VALUE(has("g_out") && get("g_out").dim() == 3 && get("g_out").size(0) >= 1,
+                          "trimul_inline: dz_planes_g_out needs tensor 'g_out', partials [rows, C, H]");
+        args.g_out_rows = get("g_out").size(0);
+        args.g_out = static_cast<float*>(pass_tensor(tensors, "g_out", args.g_out_rows * c * h, f32, like));
+      } else if (args.pass == P::dz_planes && has("d_o")) {  // (d z_hat multiplied in the pass: dz_planes_from_d_o)
         args.d_o = pass_tensor(tensors, "d_o", positions * c, op, like);
         args.w_out_f = static_cast<const float*>(pass_tensor(tensors, "w_out_f", c * h, f32, like));
       } else if (args.pass == P::dz_planes) {
@@ -761,6 +770,20 @@ bool dz_planes_from_d_o(const std::string& kernel, int64_t batch, int64_t n, int
                         const at::Tensor& like, int64_t precision) {
   return backward_takes(trimul::Role::output_backward, kernel, trimul::BackwardPass::dz_planes, batch, n, c, h,
                         incoming, like, precision);
+}
+
+// Whether output_backward's kernel `kernel` takes dz_planes_g_out (dz_planes from d o with g_out = d o^T z_hat as
+// per-block partials: no g_out GEMM) at these sizes.
+bool dz_planes_g_out(const std::string& kernel, int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
+                     const at::Tensor& like, int64_t precision) {
+  return backward_takes(trimul::Role::output_backward, kernel, trimul::BackwardPass::dz_planes_g_out, batch, n, c, h,
+                        incoming, like, precision);
+}
+
+// The rows of dz_planes_g_out's partials: a block per row, one per SM (persistent), at most kBackwardSumRows.
+int64_t g_out_partial_rows(const at::Tensor& like) {
+  const int64_t sms = at::cuda::getDeviceProperties(like.device().index())->multiProcessorCount;
+  return std::max<int64_t>(1, std::min<int64_t>(sms, trimul::kBackwardSumRows));
 }
 
 // Whether output_backward's kernel `kernel` takes z_gate_grad (z_rows, the o and gate_pre GEMMs and gate_grad as
@@ -1325,10 +1348,19 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     gate_tensors.clear();
     if (joined) d_gate = d_rows.narrow(1, 4 * h, c);
   }
-  const at::Tensor g_out = mm_to(d_o.t(), z_hat, acc), g_gate = mm_to(d_gate.t(), gate_rows, acc);
+  const at::Tensor g_gate = mm_to(d_gate.t(), gate_rows, acc);
   gate_rows.reset();
   std::unordered_map<std::string, at::Tensor> dz_tensors{{"rows", z_hat}, {"rstd", rstd_out}};
-  if (dz_planes_from_d_o(outputs.kernel, batch, n, c, h, incoming, like, precision)) {
+  // g_out_in_pass: g_out = d o^T z_hat as the dz pass's per-block partials, summed here (no GEMM reading both again)
+  const bool g_out_in_pass = dz_planes_g_out(outputs.kernel, batch, n, c, h, incoming, like, precision);
+  at::Tensor g_out, g_out_partials;
+  if (g_out_in_pass) {
+    g_out_partials = at::empty({g_out_partial_rows(like), c, h}, like.options().dtype(acc));
+    dz_tensors["g_out"] = g_out_partials;
+  } else {
+    g_out = mm_to(d_o.t(), z_hat, acc);
+  }
+  if (g_out_in_pass || dz_planes_from_d_o(outputs.kernel, batch, n, c, h, incoming, like, precision)) {
     dz_tensors["d_o"] = d_o;  // (d z_hat multiplied in the pass, never written)
     dz_tensors["w_out_f"] = w_out_f.contiguous();
   } else {
@@ -1336,8 +1368,9 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   }
   d_o.reset();
   at::Tensor dz = dz_tensors["a_planes"] = planes();
-  outputs.run(P::dz_planes, 0.0, dz_tensors);
+  outputs.run(g_out_in_pass ? P::dz_planes_g_out : P::dz_planes, 0.0, dz_tensors);
   dz_tensors.clear();
+  if (g_out_in_pass) g_out = g_out_partials.sum(0);
   z_hat.reset();
 
   // contract_backward
@@ -1555,6 +1588,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("d_pair_in_d_proj", &d_pair_in_d_proj, "whether an input_backward kernel takes d_proj_d_pair");
   m.def("d_proj_from_x_hat", &d_proj_from_x_hat, "whether an input_backward kernel takes d_proj from x_hat");
   m.def("d_pair_from_d_proj", &d_pair_from_d_proj, "whether an input_backward kernel takes d_pair from d proj");
+  m.def("dz_planes_g_out", &dz_planes_g_out, "whether an output_backward kernel takes dz_planes_g_out (g_out in the pass)");
+  m.def("g_out_partial_rows", &g_out_partial_rows, "rows of dz_planes_g_out's per-block g_out partials on like's device");
   m.def("dz_planes_from_d_o", &dz_planes_from_d_o, "whether an output_backward kernel takes dz_planes from d o");
   m.def("gate_grad_from_z", &gate_grad_from_z, "whether an output_backward kernel takes z_gate_grad (gate_grad from z)");
   m.def("training_backward", &training_backward,

@@ -111,11 +111,12 @@ __global__ void __launch_bounds__(kThreads) dz_planes_kernel(const BackwardArgs 
 
 int64_t gate_grad_bytes(const BackwardArgs& args) { return kWarps * 2 * args.c * int64_t(sizeof(float)); }
 
-// (dz_planes here reads d z_hat: a call that leaves d z_hat to the pass, args.d_rows null, is wgmma's, as is
-// z_gate_grad)
+// (dz_planes here reads d z_hat: a call that leaves d z_hat to the pass, args.d_rows null, is wgmma's, as are
+// z_gate_grad and dz_planes_g_out)
 bool applies(const BackwardArgs& args) {
   return tile_bytes(args, 1) <= max_smem_optin() && gate_grad_bytes(args) <= max_smem_optin() &&
-         !(args.pass == BackwardPass::dz_planes && args.d_rows == nullptr) && args.pass != BackwardPass::z_gate_grad;
+         !(args.pass == BackwardPass::dz_planes && args.d_rows == nullptr) && args.pass != BackwardPass::z_gate_grad &&
+         args.pass != BackwardPass::dz_planes_g_out;
 }
 
 template <typename T, int V>

@@ -1,6 +1,7 @@
 // wgmma — output_backward: dz planes with d z_hat = d o W_out_f multiplied in the pass, never written; Hopper
 // (sm_90a), bf16 operands, hidden 128, pair_dim a multiple of 64 up to 512; at pair_dim 128 the front half in one
-// pass too (z_gate_grad, output_backward_gate.cuh); other passes as rows'.
+// pass too (z_gate_grad, output_backward_gate.cuh), and there dz_planes with out_proj's weight gradient
+// (dz_planes_g_out, output_backward_dz_g_out.cuh); other passes as rows'.
 // The rows kernel's dz_planes reads d z_hat [P, H] in fp32, which a cuBLAS GEMM wrote just before (the largest of
 // the two steps' streams). Here backward_wgmma_rows.cuh's tile loop multiplies d o's row tiles (TMA boxes)
 // by the resident W_out_f (laid out by each block from the fp32 parameter), and the epilogue runs LayerNorm_out's
@@ -9,6 +10,7 @@
 // leaves in the planes' layout: per 32 h, stmatrix.trans into a swizzled scratch and one TMA box store of 32 h x
 // 64 positions (the forward input pass's store_part), whose map clips the positions past a batch's plane.
 #include "backward_wgmma_rows.cuh"
+#include "output_backward_dz_g_out.cuh"
 #include "output_backward_gate.cuh"
 #include "output_backward_rows.cuh"
 #include "wgmma_rs.cuh"
@@ -98,15 +100,18 @@ bool takes(const BackwardArgs& args) {
          smem_bytes(static_cast<int>(args.c / kKCols), kExtraBytes) <= max_smem_optin();
 }
 
-// The rows kernel's passes, but dz_planes without d_rows is this kernel's, and z_gate_grad (its own rules) too.
+// The rows kernel's passes, but dz_planes without d_rows is this kernel's, and z_gate_grad and dz_planes_g_out
+// (their own rules) too.
 bool applies(const BackwardArgs& args) {
   if (args.pass == BackwardPass::z_gate_grad) return gate_mma::takes(args);
+  if (args.pass == BackwardPass::dz_planes_g_out) return dz_g_out::takes(args);
   if (args.pass == BackwardPass::dz_planes && args.d_rows == nullptr) return takes(args);
   return takes(args) && ::trimul::backward::applies(args);
 }
 
 cudaError_t launch(const BackwardArgs& args) {
   if (args.pass == BackwardPass::z_gate_grad) return gate_mma::launch(args);
+  if (args.pass == BackwardPass::dz_planes_g_out) return dz_g_out::launch(args);
   if (args.pass != BackwardPass::dz_planes || args.d_rows != nullptr) return ::trimul::backward::launch(args);
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   if (!takes(args) || args.d_o == nullptr || args.w_out_f == nullptr || args.rows == nullptr ||
