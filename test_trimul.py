@@ -2704,6 +2704,20 @@ def test_dz_planes_g_out_matches_fp64(batch, n):
 
 
 @HOPPER
+def test_dz_planes_g_out_refuses_bad_partials():
+    """dz_planes_g_out without its partials, or with partials of the wrong size or dtype, raises an error naming
+    'g_out' before any launch."""
+    fused, _, (d_o, w_out_f, z_hat, rstd) = _dz_case(fresh_seed(), 1, 16, 128, 128)
+    tensors = dict(d_o=d_o, w_out_f=w_out_f, rows=z_hat, rstd=rstd, a_planes=fused._planes())
+    with pytest.raises(ValueError, match="'g_out'"):
+        fused._run("dz_planes_g_out", **tensors)
+    with pytest.raises(ValueError, match="'g_out'"):
+        fused._run("dz_planes_g_out", g_out=torch.empty(4, 128, 64, device="cuda"), **tensors)
+    with pytest.raises(TypeError, match="'g_out'"):
+        fused._run("dz_planes_g_out", g_out=torch.empty(4, 128, 128, device="cuda", dtype=torch.float64), **tensors)
+
+
+@HOPPER
 def test_dz_planes_g_out_applies_where_its_rules_say():
     """output_backward wgmma takes dz_planes_g_out at bf16 operands, pair_dim and hidden 128, N^2 a multiple of 8
     (the rows kernel never; at pair_dim 384 dz_planes from d o without g_out); a bf16 training step at C = H = 128
