@@ -2703,6 +2703,20 @@ def test_dz_planes_g_out_matches_fp64(batch, n):
             f"{name}: error {err} against the rows kernel's {base_err} (seed {seed})"
 
 
+def _assert_takes_at_pair_dim_and_hidden_128(probe):
+    """`probe` (the extension's question whether an output_backward kernel takes one of its pair_dim-and-hidden-128
+    passes) says yes for wgmma and the default order at bf16 operands, pair_dim and hidden 128, N^2 a multiple of 8
+    (either direction), and no for the rows kernel, N^2 not a multiple of 8, pair_dim 384, hidden 64 and fp32
+    operands."""
+    like16, like32 = torch.empty(0, device="cuda", dtype=torch.bfloat16), torch.empty(0, device="cuda")
+    assert probe("wgmma", 1, 64, 128, 128, False, like16, 2)
+    assert probe("", 2, 20, 128, 128, True, like16, 2)
+    assert not probe("rows", 1, 64, 128, 128, False, like16, 2)
+    for sizes, like in (((1, 37, 128, 128), like16), ((1, 64, 384, 128), like16), ((1, 64, 128, 64), like16),
+                        ((1, 64, 128, 128), like32)):
+        assert not probe("", *sizes, False, like, 2), sizes
+
+
 @HOPPER
 def test_dz_planes_g_out_refuses_bad_partials():
     """dz_planes_g_out without its partials, or with partials of the wrong size or dtype, raises an error naming
@@ -2724,13 +2738,8 @@ def test_dz_planes_g_out_applies_where_its_rules_say():
     runs it by default (not dz_mma, nor the rows kernel's dz_planes) and the rows kernel's passes when rows is
     named."""
     extension = ti._extension()
-    like16, like32 = torch.empty(0, device="cuda", dtype=torch.bfloat16), torch.empty(0, device="cuda")
-    assert extension.dz_planes_g_out("wgmma", 1, 64, 128, 128, False, like16, 2)
-    assert extension.dz_planes_g_out("", 2, 20, 128, 128, True, like16, 2)
-    assert not extension.dz_planes_g_out("rows", 1, 64, 128, 128, False, like16, 2)
-    for sizes, like in (((1, 37, 128, 128), like16), ((1, 64, 384, 128), like16), ((1, 64, 128, 64), like16),
-                        ((1, 64, 128, 128), like32)):
-        assert not extension.dz_planes_g_out("", *sizes, False, like, 2), sizes
+    _assert_takes_at_pair_dim_and_hidden_128(extension.dz_planes_g_out)
+    like16 = torch.empty(0, device="cuda", dtype=torch.bfloat16)
     assert 1 <= extension.g_out_partial_rows(like16) <= ti._BACKWARD_SUM_ROWS
     _assert_step_kernels([(None, "dz_g_out::kernel", "dz_mma::kernel"), (None, "dz_g_out::kernel", "dz_planes_kernel"),
                           ("output_backward=rows", "dz_planes_kernel", "dz_g_out::kernel")])
@@ -2793,14 +2802,7 @@ def test_z_gate_grad_applies_where_its_rules_say():
     """output_backward wgmma takes z_gate_grad at bf16 operands, pair_dim and hidden 128, N^2 a multiple of 8 (the
     rows kernel never); a bf16 training step at C = H = 128 runs it by default (no z_rows or gate_grad kernel) and
     the rows kernel's passes when rows is named."""
-    extension = ti._extension()
-    like16, like32 = torch.empty(0, device="cuda", dtype=torch.bfloat16), torch.empty(0, device="cuda")
-    assert extension.gate_grad_from_z("wgmma", 1, 64, 128, 128, False, like16, 2)
-    assert extension.gate_grad_from_z("", 2, 20, 128, 128, True, like16, 2)
-    assert not extension.gate_grad_from_z("rows", 1, 64, 128, 128, False, like16, 2)
-    for sizes, like in (((1, 37, 128, 128), like16), ((1, 64, 384, 128), like16), ((1, 64, 128, 64), like16),
-                        ((1, 64, 128, 128), like32)):
-        assert not extension.gate_grad_from_z("", *sizes, False, like, 2), sizes
+    _assert_takes_at_pair_dim_and_hidden_128(ti._extension().gate_grad_from_z)
     _assert_step_kernels([(None, "gate_mma::kernel", "z_rows_kernel"), (None, "gate_mma::kernel", "gate_grad_kernel"),
                           ("output_backward=rows", "gate_grad_kernel", "gate_mma::kernel")])
 

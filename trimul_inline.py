@@ -1299,11 +1299,9 @@ class _KernelBackwardPasses:
     def dz_planes_g_out(self, d_o, w_out_f, z_hat, rstd):
         """dz_planes_multiplied, and g_out = d o^T z_hat from the pass's per-block partials, summed in a fixed order
         (as training_backward in bindings.cpp sums them): (dz planes, g_out fp32 [C, H])."""
-        dz = self._planes()
         rows = _extension().g_out_partial_rows(self._like)
         partials = d_o.new_empty((rows, d_o.shape[1], self._hidden), dtype=torch.float32)
-        self._run("dz_planes_g_out", d_o=d_o, w_out_f=w_out_f.float().contiguous(), rows=z_hat, rstd=rstd, a_planes=dz,
-                  g_out=partials)
+        dz = self.dz_planes_multiplied(d_o, w_out_f, z_hat, rstd, "dz_planes_g_out", g_out=partials)
         return dz, partials.sum(0)
 
     def z_gate_grad(self, z_planes, eps, gate_rows, w_out_f, b_out_f, w_gate, b_gate, d_out):
@@ -1319,10 +1317,11 @@ class _KernelBackwardPasses:
                   rows=z_hat, rstd=rstd, sums=sums, **weights)
         return (z_hat, rstd, d_o, d_gate) + sums.chunk(2, dim=1)
 
-    def dz_planes_multiplied(self, d_o, w_out_f, z_hat, rstd):
-        """dz_planes with d z_hat = d_o w_out_f multiplied in the pass (never written): as dz_planes."""
+    def dz_planes_multiplied(self, d_o, w_out_f, z_hat, rstd, name="dz_planes", **outputs):
+        """dz_planes with d z_hat = d_o w_out_f multiplied in the pass (never written): as dz_planes. (name, outputs:
+        the pass that writes more, dz_planes_g_out's partials.)"""
         dz = self._planes()
-        self._run("dz_planes", d_o=d_o, w_out_f=w_out_f.float().contiguous(), rows=z_hat, rstd=rstd, a_planes=dz)
+        self._run(name, d_o=d_o, w_out_f=w_out_f.float().contiguous(), rows=z_hat, rstd=rstd, a_planes=dz, **outputs)
         return dz
 
     def _d_proj_pass(self, rows, mask_grad, name="d_proj", eps=0.0, **inputs):
@@ -1791,15 +1790,15 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     del d_out
     g_gate = products.mm(d_gate.t(), gate_rows, acc)
     del gate_rows
-    if outputs.g_out_in_dz_planes():  # (d z_hat and g_out multiplied in the pass)
+    g_out_in_pass = outputs.g_out_in_dz_planes()  # (d z_hat and g_out multiplied in the pass)
+    g_out = None if g_out_in_pass else products.mm(d_o.t(), z_hat, acc)
+    if g_out_in_pass:
         dz_planes, g_out = outputs.dz_planes_g_out(d_o, w_out_f, z_hat, rstd_out)
         del d_o
     elif outputs.dz_planes_from_d_o():  # (d z_hat multiplied in the pass, never written)
-        g_out = products.mm(d_o.t(), z_hat, acc)
         dz_planes = outputs.dz_planes_multiplied(d_o, w_out_f, z_hat, rstd_out)
         del d_o
     else:
-        g_out = products.mm(d_o.t(), z_hat, acc)
         d_z_hat = products.mm(d_o, w_out_f.to(dtype), acc)
         del d_o
         dz_planes = outputs.dz_planes(d_z_hat, z_hat, rstd_out, batch, n, dtype)

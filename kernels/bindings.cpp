@@ -662,18 +662,18 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
       args.a_planes = pass_tensor(tensors, "a_planes", positions * h, op, like);
       args.rows = pass_tensor(tensors, "rows", positions * h, op, like);
       args.rstd = static_cast<float*>(pass_tensor(tensors, "rstd", positions, f32, like));
-      if (args.pass == P::dz_planes_g_out) {  // (d z_hat and g_out's partials multiplied in the pass)
-        args.d_o = pass_tensor(tensors, "d_o", positions * c, op, like);
-        args.w_out_f = static_cast<const float*>(pass_tensor(tensors, "w_out_f", c * h, f32, like));
-        TORCH_CHECK_VALUE(has("g_out") && get("g_out").dim() == 3 && get("g_out").size(0) >= 1,
-                          "trimul_inline: dz_planes_g_out needs tensor 'g_out', partials [rows, C, H]");
-        args.g_out_rows = get("g_out").size(0);
-        args.g_out = static_cast<float*>(pass_tensor(tensors, "g_out", args.g_out_rows * c * h, f32, like));
-      } else if (args.pass == P::dz_planes && has("d_o")) {  // (d z_hat multiplied in the pass: dz_planes_from_d_o)
+      // (d z_hat multiplied in the pass: dz_planes_from_d_o, and dz_planes_g_out with g_out's partials too)
+      if (args.pass == P::dz_planes_g_out || (args.pass == P::dz_planes && has("d_o"))) {
         args.d_o = pass_tensor(tensors, "d_o", positions * c, op, like);
         args.w_out_f = static_cast<const float*>(pass_tensor(tensors, "w_out_f", c * h, f32, like));
       } else if (args.pass == P::dz_planes) {
         args.d_rows = static_cast<const float*>(pass_tensor(tensors, "d_rows", positions * h, f32, like));
+      }
+      if (args.pass == P::dz_planes_g_out) {
+        TORCH_CHECK_VALUE(has("g_out") && get("g_out").dim() == 3 && get("g_out").size(0) >= 1,
+                          "trimul_inline: dz_planes_g_out needs tensor 'g_out', partials [rows, C, H]");
+        args.g_out_rows = get("g_out").size(0);
+        args.g_out = static_cast<float*>(pass_tensor(tensors, "g_out", args.g_out_rows * c * h, f32, like));
       }
       break;
     case P::gate_grad:
