@@ -611,7 +611,8 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
   trimul::BackwardArgs args = backward_sizes(batch, n, c, h, incoming, like, precision);
   args.pass = static_cast<trimul::BackwardPass>(pass);
   args.eps = static_cast<float>(eps);
-  at::Tensor aligned_d_out;  // (z_gate_grad: d out copied where its rows are not 16-byte aligned; lives to the launch)
+  at::Tensor aligned_d_out, aligned_x_hat;  // (z_gate_grad: d out and the gate rows copied where they are not 16-byte
+                                            // aligned, for TMA; they live to the launch)
   const int64_t positions = batch * n * n;
   const at::ScalarType operand = scalar_type(args.operand);
   const auto any_float = {at::kFloat, at::kBFloat16, at::kHalf};
@@ -688,6 +689,10 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
     case P::z_gate_grad:
       args.a_planes = pass_tensor(tensors, "a_planes", positions * h, op, like);
       args.x_hat = pass_tensor(tensors, "x_hat", positions * c, op, like);
+      if (reinterpret_cast<uintptr_t>(args.x_hat) % 16 != 0) {  // (the pass reads the gate rows by TMA)
+        aligned_x_hat = get("x_hat").clone();
+        args.x_hat = aligned_x_hat.data_ptr();
+      }
       args.w_out_f = static_cast<const float*>(pass_tensor(tensors, "w_out_f", c * h, f32, like));
       args.b_out_f = static_cast<const float*>(pass_tensor(tensors, "b_out_f", c, f32, like));
       args.w_gate_f = static_cast<const float*>(pass_tensor(tensors, "w_gate_f", c * c, f32, like));

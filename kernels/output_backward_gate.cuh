@@ -8,7 +8,9 @@
 // and rstd (the weight gradient's and dz_planes' operands), d o and d gate, and the column sums of d o and d gate
 // (the biases' gradients: one block per SM with fixed tiles, each warp's columns reduce-scattered into
 // registers, the warps' rows added in order, so the bits are fixed for a GPU). Rows leave through a per-warp
-// staging tile as whole 128-byte lines. Hopper (sm_90a), bf16 operands, pair_dim and hidden 128.
+// staging tile as whole 128-byte lines. The gate rows land by TMA with d out, a tile ahead (loads in registers a
+// tile ahead would spill: the kernel sits near 255), and become A fragments by ldmatrix. Hopper (sm_90a), bf16
+// operands, pair_dim and hidden 128.
 #pragma once
 #include "backward_wgmma_rows.cuh"
 #include "output_pass.cuh"
@@ -39,22 +41,17 @@ constexpr int kDOutBoxCols = 128 / static_cast<int>(sizeof(TOut));
 constexpr int kDOutBoxBytes = 128 * kPositions;
 template <typename TOut>
 constexpr int kDOutBytes = kC / kDOutBoxCols<TOut> * kDOutBoxBytes;
+// A warpgroup's gate rows: 64 positions x 128 channels bf16, two boxes of 64 channels (128-byte swizzle).
+constexpr int kGateRowsBytes = kC / 64 * kDOutBoxBytes;
 
-// Dynamic shared memory: both weights (1024-byte aligned), each warpgroup's d out tile and z box (TMA's swizzled
-// boxes: 1024-byte multiples after the weights), each warp's staging tile, the two biases, the boxes' barriers
-// (z's, then d out's). The block's sums reuse the weights' bytes once the tiles are done.
+// Dynamic shared memory: both weights (1024-byte aligned), each warpgroup's d out tile with its gate rows, and its
+// z box (TMA's swizzled boxes: 1024-byte multiples after the weights), each warp's staging tile, the two biases,
+// the boxes' barriers (z's, then d out's). The block's sums reuse the weights' bytes once the tiles are done.
 inline int64_t smem_bytes(int64_t d_out_bytes) {
-  return 1023 + 2 * kWeightBytes + kGroups * (d_out_bytes + kZBoxBytes) + kWarps * kStageBytes + 2 * kC * 4 +
-         2 * kGroups * 8;
+  return 1023 + 2 * kWeightBytes + kGroups * (d_out_bytes + kGateRowsBytes + kZBoxBytes) + kWarps * kStageBytes +
+         2 * kC * 4 + 2 * kGroups * 8;
 }
 static_assert(kWarps * 2 * kC * 4 <= 2 * kWeightBytes, "the warps' sums fit in the weights' bytes");
-
-// The gate rows' k order: k = 16 s + 8 hh + 2 t + e of a thread's A fragment holds channel 16 s + 4 t + 2 hh + e,
-// so its channels of k-step s are one 8-byte load of a row (input_backward wgmma_rs's order).
-__device__ __forceinline__ int gate_channel(int k) {
-  const int s = k >> 4, hh = (k >> 3) & 1, t = (k >> 1) & 3, e = k & 1;
-  return 16 * s + 4 * t + 2 * hh + e;
-}
 
 // Weight matrix w (fp32 [128 out][ld >= 128 k], row-major) into shared memory as wgmma's B operand: [part][k-tile]
 // tiles of 64 rows x 128 bytes of k, 16-byte chunks XOR-swizzled by row % 8 (smem_descriptor's layout); logical
@@ -87,15 +84,29 @@ __device__ __forceinline__ void d_out_pairs(const uint8_t* tile, int part, int r
   }
 }
 
+// This thread's gate-row A fragments of the warpgroup's tile (rows 16 warp4 + g and + 8, channels 16 s + 2 t ..
+// and + 8: wgmma's k order) from the two swizzled 64-channel boxes, by ldmatrix (lane 8 k + i gives row i of
+// block k: rows + 8 (k % 2), channels + 8 (k / 2)).
+__device__ __forceinline__ void gate_fragments(uint32_t (&xf)[kSteps][4], const uint8_t* tile, int warp4, int lane) {
+  const int row = 16 * warp4 + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    const int chunk = 2 * s + (lane >> 4), box = chunk >> 3;
+    ::trimul::mma::ldmatrix_x4(xf[s], reinterpret_cast<const uint32_t*>(tile + box * kDOutBoxBytes + row * 128 +
+                                                                         (((chunk & 7) ^ (row & 7)) << 4)));
+  }
+}
+
 template <typename TOut>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     kernel(const BackwardArgs args, const __grid_constant__ CUtensorMap map_z,
-           const __grid_constant__ CUtensorMap map_d_out, int64_t tiles_per_batch) {
+           const __grid_constant__ CUtensorMap map_d_out, const __grid_constant__ CUtensorMap map_gate,
+           int64_t tiles_per_batch) {
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* w_gate = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // k in gate_channel's order
+  uint8_t* w_gate = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   uint8_t* w_out = w_gate + kWeightBytes;
-  uint8_t* d_out_all = w_out + kWeightBytes;
-  uint8_t* z_all = d_out_all + kGroups * kDOutBytes<TOut>;
+  uint8_t* d_out_all = w_out + kWeightBytes;  // per warpgroup: d out's boxes, then the gate rows'
+  uint8_t* z_all = d_out_all + kGroups * (kDOutBytes<TOut> + kGateRowsBytes);
   uint8_t* stage_all = z_all + kGroups * kZBoxBytes;
   float* gate_bias = reinterpret_cast<float*>(stage_all + kWarps * kStageBytes);
   float* out_bias = gate_bias + kC;
@@ -104,7 +115,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   const int warp = warp_index(), lane = threadIdx.x & 31;
   const int group = warp >> 2, warp4 = warp & 3, t = lane & 3, g = lane >> 2, tid = threadIdx.x & 127;
   uint8_t* z_tile = z_all + group * kZBoxBytes;
-  uint8_t* d_out_tile = d_out_all + group * kDOutBytes<TOut>;
+  uint8_t* d_out_tile = d_out_all + group * (kDOutBytes<TOut> + kGateRowsBytes);
+  uint8_t* gate_tile = d_out_tile + kDOutBytes<TOut>;
   uint8_t* stage = stage_all + warp * kStageBytes;
   const int64_t plane = args.n * args.n, tiles = args.batch * tiles_per_batch;
   const int64_t stride = int64_t(gridDim.x) * kGroups;
@@ -117,19 +129,22 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   const auto load_z = [&](int64_t at) {
     ::trimul::output_pass::load_z_tile(z_tile, &map_z, &z_full[group], at, tiles_per_batch);
   };
-  // A tile's d out rows (positions batch * plane + q0 on, the rows' order in both directions) as its boxes.
+  // A tile's d out rows and gate rows (positions batch * plane + q0 on, the rows' order in both directions) as
+  // their boxes. (Rows past the plane: the next batch's, or TMA's zeros; never stored, their d out zeroed.)
   const auto load_d_out = [&](int64_t at) {
     const int64_t batch = at / tiles_per_batch, row = batch * plane + (at - batch * tiles_per_batch) * kPositions;
-    mbar_expect_tx(&d_out_full[group], kDOutBytes<TOut>);
+    mbar_expect_tx(&d_out_full[group], kDOutBytes<TOut> + kGateRowsBytes);
     for (int box = 0; box < kDOutBytes<TOut> / kDOutBoxBytes; ++box)
       tma_load_2d(d_out_tile + box * kDOutBoxBytes, &map_d_out, box * kDOutBoxCols<TOut>, static_cast<int>(row),
                   &d_out_full[group]);
+    for (int box = 0; box < kGateRowsBytes / kDOutBoxBytes; ++box)
+      tma_load_2d(gate_tile + box * kDOutBoxBytes, &map_gate, 64 * box, static_cast<int>(row), &d_out_full[group]);
   };
   if (tid == 0 && tile < tiles) {
     load_z(tile);
     load_d_out(tile);
   }
-  lay_out(w_gate, args.w_gate_f, kC, [](int k) { return gate_channel(k); });
+  lay_out(w_gate, args.w_gate_f, kC, [](int k) { return k; });
   lay_out(w_out, args.w_out_f, kH, [](int k) { return k; });
   for (int c = threadIdx.x; c < kC; c += kBlockThreads) {
     gate_bias[c] = args.b_gate_f[c];
@@ -138,7 +153,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   fence_proxy_async();  // (the weights were written by st.shared; wgmma reads them through the async proxy)
   __syncthreads();
 
-  const Op* gate_rows = static_cast<const Op*>(args.x_hat);
   Op* z_hat = static_cast<Op*>(args.rows);
   Op* d_o = static_cast<Op*>(args.o);
   Op* d_gate = static_cast<Op*>(args.gate_pre);
@@ -153,17 +167,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     return Span{batch * plane + q0, at < tiles ? static_cast<int>(std::min<int64_t>(kPositions, plane - q0)) : 0};
   };
   const auto position = [](const Span& span, int row) -> int64_t { return row < span.count ? span.first + row : -1; };
-  // This thread's gate rows of a tile (positions 16 warp4 + g and + 8), channels 16 s + 4 t .. + 3 per k-step.
-  const auto load_rows = [&](int64_t at, uint2 (&rows)[2][kSteps]) {
-    const Span span = span_of(at);
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int64_t p = position(span, 16 * warp4 + g + 8 * hf);
-#pragma unroll
-      for (int s = 0; s < kSteps; ++s)
-        rows[hf][s] = p >= 0 ? *reinterpret_cast<const uint2*>(gate_rows + p * kC + 16 * s + 4 * t) : make_uint2(0u, 0u);
-    }
-  };
   // The warp's 16 staged rows out, 16 bytes per lane, two whole 256-byte rows per instruction: chunk c of row r
   // (XOR-swizzled by r % 8 in the staging tile) to dst(position, c).
   const auto rows_out = [&](const Span& span, auto&& dst) {
@@ -209,16 +212,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     }
     rows_out(span, [&](int64_t p, int c) { return z_hat + p * kH + 8 * c; });
 
-    // The gate rows are loaded here, not a tile ahead: a prefetch's 32 registers spill (the kernel sits at 255),
-    // and the spills cost more than the load's latency, which the other warpgroup's tile covers.
-    uint2 rows[2][kSteps];
-    load_rows(tile, rows);
-    uint32_t xf[kSteps][4];
-    row_fragments(rows, xf);
     const int64_t row_pos[2] = {position(span, 16 * warp4 + g), position(span, 16 * warp4 + g + 8)};
-
     mbar_wait(&d_out_full[group], d_out_parity);
     d_out_parity ^= 1;
+    uint32_t xf[kSteps][4];
+    gate_fragments(xf, gate_tile, warp4, lane);
 #pragma unroll
     for (int part = 0; part < kParts; ++part) {
       // d out at row g + 8 hf, the part's channel 8 j + 2 t + e at [2 j + e]; zero past the plane, where the box
@@ -296,12 +294,12 @@ bool takes(const BackwardArgs& args) {
 }
 
 cudaError_t launch(const BackwardArgs& args) {
-  // (alignment: TMA's 16 bytes for z and d out, the 16-byte row stores, the gate rows' 8-byte loads)
+  // (alignment: TMA's 16 bytes for z, d out and the gate rows, the 16-byte row stores)
   const auto aligned = [](const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
   if (!takes(args) || args.a_planes == nullptr || args.x_hat == nullptr || args.w_out_f == nullptr ||
       args.b_out_f == nullptr || args.w_gate_f == nullptr || args.b_gate_f == nullptr || args.d_out == nullptr ||
       args.o == nullptr || args.gate_pre == nullptr || args.rows == nullptr || args.rstd == nullptr ||
-      args.sums == nullptr || !aligned(args.a_planes, 16) || !aligned(args.x_hat, 8) ||
+      args.sums == nullptr || !aligned(args.a_planes, 16) || !aligned(args.x_hat, 16) ||
       !aligned(args.d_out, 16) || !aligned(args.o, 16) ||
       !aligned(args.gate_pre, 16) || !aligned(args.rows, 16))
     return cudaErrorInvalidValue;
@@ -313,14 +311,15 @@ cudaError_t launch(const BackwardArgs& args) {
   const int64_t blocks = persistent_sum_blocks(ceil_div(args.batch * tiles_per_batch, kGroups));
   return dispatch_out(args.d_out_dtype, [&](auto out) {
     using TOut = typename decltype(out)::type;
-    CUtensorMap map_d_out;
-    if (!encode_kmajor_map<TOut>(&map_d_out, args.d_out, 0, args.batch * plane, kC, kPositions))
+    CUtensorMap map_d_out, map_gate;
+    if (!encode_kmajor_map<TOut>(&map_d_out, args.d_out, 0, args.batch * plane, kC, kPositions) ||
+        !encode_rows_map(&map_gate, args.x_hat, args.batch * plane, kC))
       return cudaErrorNotSupported;
     const int64_t bytes = smem_bytes(kDOutBytes<TOut>);
     const cudaError_t status = fused::allow_smem<kernel<TOut>>(bytes);
     if (status != cudaSuccess) return status;
     kernel<TOut><<<static_cast<unsigned>(blocks), kBlockThreads, bytes, args.stream>>>(args, map_z, map_d_out,
-                                                                                      tiles_per_batch);
+                                                                                      map_gate, tiles_per_batch);
     return cudaGetLastError();
   });
 }
