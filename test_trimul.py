@@ -2148,6 +2148,78 @@ def test_training_at_pair_dim_384(direction, dtype, gate_input, monkeypatch):
 
 
 @HOPPER
+@pytest.mark.parametrize("direction, batch, n, hidden, saves", [("outgoing", 2, 33, 128, "z"),
+                                                                 ("incoming", 1, 40, 64, "z"),
+                                                                 ("outgoing", 1, 211, 64, None)])
+def test_training_forward_gate_from_x_hat(direction, batch, n, hidden, saves, monkeypatch):
+    """The bf16 training forward at pair_dim 384 with the normalized gate (_gate_reads_x_hat): its output pass reads
+    x_hat, the input pass's LayerNorm_in rows, as a raw gate with out_gate folded with LayerNorm_in's affine. The
+    training forward's output (poisoned memory) within bf16 tolerance of fp64 and of the inference forward's
+    (normalized gate in the pass), with masks that zero rows. The forward keeps x_hat where it keeps z
+    (backward_saves "z", or None past the graphed sizes: N = 211)."""
+    monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)  # (x_hat is kept for a bf16 backward at any size)
+    folds = []
+    original = ti._x_hat_gate_weights
+    monkeypatch.setattr(ti, "_x_hat_gate_weights", lambda *a: folds.append(1) or original(*a))
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(384, hidden, direction, "normalized").double(), g)
+    reference.load_state_dict({k: v.bfloat16().double() for k, v in reference.state_dict().items()})
+    new = _make_new(reference, torch.bfloat16)
+    new.backward_saves = saves
+    pair, mask = random_inputs(batch, n, 384, g)
+    mask[0, n // 2] = False
+    pair = pair.bfloat16().cuda()
+    mask = mask.cuda()
+    with torch.no_grad():
+        ref = reference.cuda()(pair.double(), mask)
+        poison_allocator()
+        inference = new(pair, mask)
+    poison_allocator()
+    trained = new(pair.clone().requires_grad_(), mask)
+    assert len(folds) == 1, f"the training forward folded the gate {len(folds)} times"
+    label = f"{direction} {(batch, n, 384, hidden)} (seed {seed})"
+    assert trained.dtype == torch.bfloat16 and not trained.isnan().any(), label
+    err, err_inference = rel_error(trained, ref), rel_error(inference, ref)
+    assert err < TOLERANCE[torch.bfloat16] and rel_error(trained, inference) < TOLERANCE[torch.bfloat16], \
+        f"{label}: training forward {err:.2e}, inference {err_inference:.2e} against fp64"
+    assert any(getattr(w, "x_hat_gate", None) is not None for _, w in new._weights_cache.values())
+    trained.float().square().mean().backward()  # (the backward runs on the same saved rows)
+
+
+def test_gate_reads_x_hat_rule():
+    """_gate_reads_x_hat: only the normalized gate, with x_hat kept in pair's dtype, under the output role's default
+    order (a named output kernel runs as named), from GATE_FROM_X_HAT_MIN_PAIR_DIM channels."""
+    pair, x_hat = torch.empty(1, 3, 3, 384, dtype=torch.bfloat16), torch.empty(9, 384, dtype=torch.bfloat16)
+    assert ti._gate_reads_x_hat(pair, x_hat, None, True)
+    assert not ti._gate_reads_x_hat(pair, x_hat, "wgmma_ws", True)
+    assert not ti._gate_reads_x_hat(pair, x_hat, None, False)
+    assert not ti._gate_reads_x_hat(pair, None, None, True)
+    assert not ti._gate_reads_x_hat(pair.float(), x_hat, None, True)
+    narrow = torch.empty(1, 3, 3, ti.GATE_FROM_X_HAT_MIN_PAIR_DIM - 1, dtype=torch.bfloat16)
+    assert not ti._gate_reads_x_hat(narrow, x_hat[:, :narrow.shape[-1]], None, True)
+
+
+def test_x_hat_gate_weights_fold_layer_norm_in():
+    """_x_hat_gate_weights: out_gate on LayerNorm_in's affine, x_hat (w x_hat + b) W^T + b_g, equals x_hat (W diag
+    w)^T + (b_g + W b) with the folded weights (bf16: within W diag(w)'s one rounding), the other weights are
+    prepare_weights' own tensors, and a cached list derives them once."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.Model(96, 32, "outgoing", "normalized"), g)
+    params = [p.detach() for p in ti._param_list_eager(model)]
+    weights = ti._CachedWeights(ti.prepare_weights(params, "bf16"))
+    folded = ti._x_hat_gate_weights(weights, params)
+    assert ti._x_hat_gate_weights(weights, params) is folded and len(folded) == len(weights)
+    assert all(folded[i] is weights[i] for i in range(len(weights)) if i not in (4, 5))
+    x_hat = torch.randn(50, 96, generator=g, dtype=torch.float64)
+    ln, gate = model.layer_norm_in, model.out_gate
+    expected = (x_hat * ln.weight.double() + ln.bias.double()) @ gate.weight.double().t() + gate.bias.double()
+    got = x_hat @ folded[4][:96, :96].double().t() + folded[5].double()
+    assert folded[4].dtype == torch.bfloat16 and rel_error(got, expected) < 2 ** -8, rel_error(got, expected)
+    assert bool((folded[4][96:] == 0).all()) and bool((folded[4][:, 96:] == 0).all())
+
+
+@HOPPER
 @pytest.mark.parametrize("direction, n, hidden, dtype, pair_dim", [("outgoing", 33, 128, torch.float32, 128),
                                                                    ("incoming", 40, 64, torch.bfloat16, 128),
                                                                    ("incoming", 7, 128, torch.float32, 128),

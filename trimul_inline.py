@@ -931,6 +931,44 @@ def _f16x3_weights(w_in, w_gate, w_out, ln_w, ln_b, pair_dim: int, hidden: int, 
     return [w_in16, w_gate16, w_out16, torch.exp2(exponents).float().contiguous()]
 
 
+# A training forward that keeps x_hat (LayerNorm_in's rows without affine: the 16-bit modes' input kernels write
+# them for the backward) and whose gate reads the normalized input runs its output pass on x_hat as a raw gate,
+# with LayerNorm_in's affine folded into out_gate: the same gate, sigmoid(x_hat (W diag(w))^T + b + W b_ln), with
+# no LayerNorm in the pass (at pair_dim 384 the normalized gate's pass, wgmma_ws, ran at ~2x the raw gate's
+# wgmma_rs_384). Only under the output role's default order (a named output kernel runs as named), and where out
+# takes x_hat's dtype (the pass writes out in its rows' dtype).
+GATE_FROM_X_HAT_MIN_PAIR_DIM = 129
+
+
+def _gate_reads_x_hat(pair: torch.Tensor, x_hat: Optional[torch.Tensor], output_kernel: Optional[str],
+                      gate_normalized: bool) -> bool:
+    """Whether the training forward's output pass reads x_hat as a raw gate (the rule above)."""
+    return gate_normalized and x_hat is not None and not output_kernel and x_hat.dtype == pair.dtype and \
+        pair.shape[-1] >= GATE_FROM_X_HAT_MIN_PAIR_DIM
+
+
+class _CachedWeights(list):
+    """prepare_weights' list as ModelNew caches it (per mode and parameter version), with the raw-gate-on-x_hat
+    weights derived from it kept beside it, so that a training step does not fold them again."""
+    x_hat_gate: Optional[list] = None
+
+
+def _x_hat_gate_weights(weights: list, params: list) -> list:
+    """prepare_weights' list with out_gate folded with LayerNorm_in's affine (W diag(w) in the operand dtype, b +
+    W b_ln in fp32 from fp64): the weights of a raw gate on x_hat. Once per _CachedWeights."""
+    if getattr(weights, "x_hat_gate", None) is not None:
+        return weights.x_hat_gate
+    ln_w, ln_b, gate_w, gate_b = (params[i].detach() for i in (0, 1, 14, 15))
+    pair_dim = gate_w.shape[1]
+    w_gate = torch.zeros_like(weights[4])
+    w_gate[:pair_dim, :pair_dim] = gate_w.float() * ln_w.float()
+    b_gate = (gate_b.double() + gate_w.double() @ ln_b.double()).float()
+    folded = list(weights[:4]) + [w_gate, b_gate] + list(weights[6:])
+    if isinstance(weights, _CachedWeights):
+        weights.x_hat_gate = folded
+    return folded
+
+
 def _round_mantissa(t: torch.Tensor, kept: int) -> torch.Tensor:
     """fp32 values rounded to `kept` mantissa bits, nearest with ties away from zero as the kernels'
     cvt.rna does: add half of the dropped bits' range to the magnitude, then cut."""
@@ -1025,8 +1063,13 @@ class ForwardSteps:
             self._extension.contraction(*self._call, ab, z)
 
     def output_pass(self, out: torch.Tensor, z: Optional[torch.Tensor] = None,
-                    ab: Optional[torch.Tensor] = None) -> None:
-        self._extension.output_pass(*self._call, ab, z, out)
+                    ab: Optional[torch.Tensor] = None, gate_rows=None) -> None:
+        """gate_rows: (rows like pair, weights, options) the gate reads instead of pair, with the weights and
+        options that go with them (_gate_reads_x_hat: x_hat and out_gate folded with LayerNorm_in's affine)."""
+        pair, mask, weights, options = self._call
+        if gate_rows is not None:
+            pair, weights, options = gate_rows
+        self._extension.output_pass(pair, mask, weights, options, ab, z, out)
 
     def run(self) -> torch.Tensor:
         """The three steps on fresh buffers: what the one-call forward computes."""
@@ -1901,7 +1944,12 @@ def _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_n
     x_hat_rstd = steps.new_x_hat_rstd() if x_hat is not None else None
     steps.input_pass(ab, x_hat, x_hat_rstd)
     steps.contraction(ab, z)
-    steps.output_pass(out, z=z, ab=ab)
+    if _gate_reads_x_hat(pair, x_hat, chosen.output, gate_normalized):
+        raw_gate = _forward_options(chosen[:len(FORWARD_ROLES)], mode, incoming, False, eps_in, eps_out, hidden)
+        steps.output_pass(out, z=z, ab=ab, gate_rows=(x_hat.view(pair.shape), _x_hat_gate_weights(weights, params),
+                                                      raw_gate))
+    else:
+        steps.output_pass(out, z=z, ab=ab)
     whole_ab = ab.dtype == operand and ab.shape[1] == pair.shape[0] * hidden  # (not split parts, not scaled fp16)
     kept_z = z if z is not None and z.dtype == operand else None
     return out, kept_z, ab if whole_ab and operand != torch.float32 else None, x_hat, x_hat_rstd
@@ -2307,7 +2355,7 @@ class ModelNew(_TriMulLayers):
         cached = self._weights_cache.get(mode)
         if cached is not None and cached[0] == version:
             return cached[1], False
-        cached = self._weights_cache[mode] = (version, prepare_weights(params, mode))
+        cached = self._weights_cache[mode] = (version, _CachedWeights(prepare_weights(params, mode)))
         return cached[1], True
 
     def _fused_inputs(self, pair_repr, pair_mask):
