@@ -934,8 +934,8 @@ def _f16x3_weights(w_in, w_gate, w_out, ln_w, ln_b, pair_dim: int, hidden: int, 
 # A training forward that keeps x_hat (LayerNorm_in's rows without affine: the 16-bit modes' input kernels write
 # them for the backward) and whose gate reads the normalized input runs its output pass on x_hat as a raw gate,
 # with LayerNorm_in's affine folded into out_gate: the same gate, sigmoid(x_hat (W diag(w))^T + b + W b_ln), with
-# no LayerNorm in the pass (at pair_dim 384 the normalized gate's pass, wgmma_ws, ran at ~2x the raw gate's
-# wgmma_rs_384). Only under the output role's default order (a named output kernel runs as named), and where out
+# no LayerNorm in the pass (past pair_dim 128 the normalized gate's pass, wgmma_ws, is the slower one; measured in
+# bench/NOTES.md). Only under the output role's default order (a named output kernel runs as named), and where out
 # takes x_hat's dtype (the pass writes out in its rows' dtype).
 GATE_FROM_X_HAT_MIN_PAIR_DIM = 129
 
@@ -958,12 +958,14 @@ def _x_hat_gate_weights(weights: list, params: list) -> list:
     W b_ln in fp32 from fp64): the weights of a raw gate on x_hat. Once per _CachedWeights."""
     if getattr(weights, "x_hat_gate", None) is not None:
         return weights.x_hat_gate
-    ln_w, ln_b, gate_w, gate_b = (params[i].detach() for i in (0, 1, 14, 15))
+    # (in fp64: W diag(w) of fp32 values is exact there, so it rounds once, as in fp32; b + W b_ln is prepare_weights'
+    # out_b sum)
+    ln_w, ln_b, gate_w, gate_b = (params[i].detach().double() for i in (0, 1, 14, 15))
+    folded_w, folded_b = _folded(gate_w, gate_b, ln_w, ln_b)
     pair_dim = gate_w.shape[1]
     w_gate = torch.zeros_like(weights[4])
-    w_gate[:pair_dim, :pair_dim] = gate_w.float() * ln_w.float()
-    b_gate = (gate_b.double() + gate_w.double() @ ln_b.double()).float()
-    folded = list(weights[:4]) + [w_gate, b_gate] + list(weights[6:])
+    w_gate[:pair_dim, :pair_dim] = folded_w.float()
+    folded = list(weights[:4]) + [w_gate, folded_b.float()] + list(weights[6:])
     if isinstance(weights, _CachedWeights):
         weights.x_hat_gate = folded
     return folded

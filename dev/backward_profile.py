@@ -58,17 +58,39 @@ def main() -> None:
 
 def print_kernels(step, label: str, rows: int) -> None:
     """One step's CUDA kernels (after three warm-up steps), by total time."""
+    events = step_kernel_events(step)
+    total = sum(e.device_time_total for e in events)
+    print(f"{label}: {total:.0f} us of CUDA time in {len(events)} kernels")
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:rows]:
+        print(f"{e.device_time_total:9.1f} us  {e.count:3d}x  {e.key[:110]}")
+
+
+def step_kernel_events(step) -> list:
+    """One step's CUDA kernels (torch.profiler's averages by name) after three warm-up steps."""
     for _ in range(3):
         step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.device_time_total for e in events)
-    print(f"{label}: {total:.0f} us of CUDA time in {len(events)} kernels")
-    for e in sorted(events, key=lambda e: -e.device_time_total)[:rows]:
-        print(f"{e.device_time_total:9.1f} us  {e.count:3d}x  {e.key[:110]}")
+    return [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def back_to_back(step, repeats: int = 20):
+    """Steps back to back, as bench.py times them: (median µs per step by each step's CUDA events, the host's issue
+    time per step, its wall time per step)."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for begin, finish in events:
+        begin.record()
+        step()
+        finish.record()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    per_step = lambda seconds: seconds / repeats * 1e6  # noqa: E731
+    median = sorted(b.elapsed_time(f) for b, f in events)[repeats // 2] * 1e3
+    return median, per_step(t1 - t0), per_step(time.perf_counter() - t0)
 
 
 def print_copies(step) -> None:
@@ -123,19 +145,8 @@ def print_host_time(step, repeats: int = 20) -> None:
     med = lambda xs: sorted(xs)[len(xs) // 2] * 1e6  # noqa: E731
     print(f"host: wall {med(walls):.0f} us per step, issue {med(issues):.0f} us, events {med(gpus):.0f} us "
           f"(median of {repeats})")
-    # Back to back, as bench.py times them: each step's events, and the host's own time per step.
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for begin, finish in events:
-        begin.record()
-        step()
-        finish.record()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    per_step = lambda seconds: seconds / repeats * 1e6  # noqa: E731
-    print(f"back to back: events {med([b.elapsed_time(f) * 1e-3 for b, f in events]):.0f} us per step (median), "
-          f"host issue {per_step(t1 - t0):.0f} us per step, wall {per_step(time.perf_counter() - t0):.0f}")
+    events, issue, wall = back_to_back(step, repeats)
+    print(f"back to back: events {events:.0f} us per step (median), host issue {issue:.0f} us per step, wall {wall:.0f}")
     import cProfile
     import pstats
     profiler = cProfile.Profile()

@@ -1,6 +1,7 @@
 """The training step at host-bound shapes with the backward's CUDA-graph limits as committed against raised ones
 (trimul_inline.GRAPHED_BACKWARD_POSITIONS / _BYTES), one process, same inputs: the step's median by CUDA events
-back to back (bench.py's way), the host's issue time per step, and the memory the graph pool holds.
+back to back (bench.py's way), the host's issue time per step, and the memory a graph pool then holds (bench.py's
+held memory).
 
     python dev/graph_limit_ab.py [--shapes "1,512,128,128;2,256,384,128"] [--bf16]
 
@@ -11,60 +12,39 @@ the pool's memory.
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench  # noqa: E402
 import trimul_inline as ti  # noqa: E402
+from dev.backward_profile import back_to_back  # noqa: E402
 
+CASE = argparse.Namespace(direction="outgoing", gate_input="normalized")  # (bench.seeded_case's)
 LIMITS = {"committed": (ti.GRAPHED_BACKWARD_POSITIONS, ti.GRAPHED_BACKWARD_BYTES), "raised": (1 << 20, 1 << 28)}
-
-
-def timed(step, steps: int):
-    """(median µs per step by CUDA events, host µs per step issuing them back to back)."""
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    t0 = time.perf_counter()
-    for begin, end in events:
-        begin.record()
-        step()
-        end.record()
-    host = (time.perf_counter() - t0) / steps * 1e6
-    torch.cuda.synchronize()
-    return sorted(b.elapsed_time(e) for b, e in events)[steps // 2] * 1e3, host
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", default="1,512,128,128;2,256,384,128")
+    parser.add_argument("--shapes", type=bench.parse_shapes, default=bench.parse_shapes("1,512,128,128;2,256,384,128"))
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    for shape in args.shapes.split(";"):
-        batch, n, pair_dim, hidden = (int(x) for x in shape.split(","))
-        torch.manual_seed(0)
-        model = ti.ModelNew(pair_dim, hidden, gate_input="normalized", precision="medium").cuda().to(dtype)
-        pair = torch.randn(batch, n, n, pair_dim, device="cuda", dtype=dtype, requires_grad=True)
-        mask = torch.rand(batch, n, n, device="cuda") > 0.1
-
-        def step():
-            model.zero_grad(set_to_none=True)
-            pair.grad = None
-            model(pair, mask).float().square().mean().backward()
-
+    for shape in args.shapes:
+        ref, pair, mask = bench.seeded_case(shape, CASE, 0)
+        trainable = bench.trainable_module(bench.make_model_new(ref, precision="medium").to(dtype))
+        leaf = pair.to(dtype).requires_grad_(True)
+        step = bench.training_step(trainable, leaf, mask)
         for name, (positions, size) in LIMITS.items():
             ti.GRAPHED_BACKWARD_POSITIONS, ti.GRAPHED_BACKWARD_BYTES = positions, size
-            graphed = ti._graphs_backward(pair, "bf16" if args.bf16 else "medium")
-            before = torch.cuda.memory_allocated()
-            median, host = timed(step, args.steps)
-            held = (torch.cuda.memory_allocated() - before) / 2**20
+            graphed = ti._graphs_backward(leaf, "bf16" if args.bf16 else "medium")
+            before = bench.held_memory_start()
+            bench.warm_up(step)
+            median, issue, _ = back_to_back(step, args.steps)
+            bench.clear_gradients(trainable, leaf)
             print(f"{shape} {dtype} limits {name:9s} (graphed {graphed}): step {median:7.0f} us, host issue "
-                  f"{host:7.0f} us per step, held {held:6.0f} MiB", flush=True)
-        ti.GRAPHED_BACKWARD_POSITIONS, ti.GRAPHED_BACKWARD_BYTES = LIMITS["committed"]
+                  f"{issue:7.0f} us per step, held {bench.held_memory_mib(before):6.0f} MiB", flush=True)
 
 
 if __name__ == "__main__":

@@ -620,6 +620,13 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
   const auto op = {operand};
   const auto has = [&](const char* name) { return tensors.count(name) > 0; };
   const auto get = [&](const char* name) -> const at::Tensor& { return tensors.at(name); };
+  // A pass that reads `name` by TMA takes its rows 16-byte aligned: p as given where it is, else a copy's, which
+  // `copy` holds to the launch.
+  const auto tma_aligned = [&](const void* p, const char* name, at::Tensor& copy) -> const void* {
+    if (reinterpret_cast<uintptr_t>(p) % 16 == 0) return p;
+    copy = get(name).clone();
+    return copy.data_ptr();
+  };
   using P = trimul::BackwardPass;
   switch (args.pass) {
     case P::input_rows:
@@ -688,21 +695,13 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
       break;
     case P::z_gate_grad:
       args.a_planes = pass_tensor(tensors, "a_planes", positions * h, op, like);
-      args.x_hat = pass_tensor(tensors, "x_hat", positions * c, op, like);
-      if (reinterpret_cast<uintptr_t>(args.x_hat) % 16 != 0) {  // (the pass reads the gate rows by TMA)
-        aligned_x_hat = get("x_hat").clone();
-        args.x_hat = aligned_x_hat.data_ptr();
-      }
+      args.x_hat = tma_aligned(pass_tensor(tensors, "x_hat", positions * c, op, like), "x_hat", aligned_x_hat);
       args.w_out_f = static_cast<const float*>(pass_tensor(tensors, "w_out_f", c * h, f32, like));
       args.b_out_f = static_cast<const float*>(pass_tensor(tensors, "b_out_f", c, f32, like));
       args.w_gate_f = static_cast<const float*>(pass_tensor(tensors, "w_gate_f", c * c, f32, like));
       args.b_gate_f = static_cast<const float*>(pass_tensor(tensors, "b_gate_f", c, f32, like));
-      args.d_out = pass_tensor(tensors, "d_out", positions * c, any_float, like);
+      args.d_out = tma_aligned(pass_tensor(tensors, "d_out", positions * c, any_float, like), "d_out", aligned_d_out);
       args.d_out_dtype = dtype_code(get("d_out"), "d_out");
-      if (reinterpret_cast<uintptr_t>(args.d_out) % 16 != 0) {  // (the pass reads d out by TMA)
-        aligned_d_out = get("d_out").clone();
-        args.d_out = aligned_d_out.data_ptr();
-      }
       args.o = pass_tensor(tensors, "o", positions * c, op, like);
       args.gate_pre = pass_tensor(tensors, "gate_pre", positions * c, op, like);
       args.rows = pass_tensor(tensors, "rows", positions * h, op, like);

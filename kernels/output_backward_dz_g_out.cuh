@@ -176,17 +176,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         packed[hf][j] = pack_pair<Op>(rstd[hf] * (acc[4 * j + 2 * hf] - mean - z[hf][2 * j] * mean_dot),
                                       rstd[hf] * (acc[4 * j + 2 * hf + 1] - mean - z[hf][2 * j + 1] * mean_dot));
     }
-    // The half's dz per 32 h: store_part's blocks (q = 2 qq + k / 2 of the part's four 8-h blocks, row half k % 2).
+    // The half's dz per 32 h.
 #pragma unroll
-    for (int part = 0; part < kHalf / kPartH; ++part) {
-      uint32_t box[2][4];
-#pragma unroll
-      for (int qq = 0; qq < 2; ++qq)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) box[qq][k] = packed[k & 1][4 * part + 2 * qq + (k >> 1)];
-      input_pass::wgmma_rs::store_part(scratch + part * kScratchBytes, box, &map_dz, batch,
-                                       kHalf * group + kPartH * part, p0);
-    }
+    for (int part = 0; part < kHalf / kPartH; ++part)
+      input_pass::wgmma_rs::store_rows_part(scratch + part * kScratchBytes, packed, part, &map_dz, batch,
+                                            kHalf * group + kPartH * part, p0);
     wgmma_wait<0>();
 #pragma unroll
     for (int mb = 0; mb < kKTiles; ++mb) fence_accumulators(g_out[mb]);

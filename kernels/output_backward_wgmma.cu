@@ -66,16 +66,11 @@ struct DzEpilogue {
         packed[hf][j] = pack_pair<Op>(rstd[hf] * (acc[4 * j + 2 * hf] - mean - z[2 * j] * mean_dot),
                                       rstd[hf] * (acc[4 * j + 2 * hf + 1] - mean - z[2 * j + 1] * mean_dot));
     }
-    // Per 32 h: store_part's blocks (q = 2 qq + k / 2 of the part's four 8-h blocks, half k % 2).
+    // Per 32 h, the two scratches in turn.
 #pragma unroll
-    for (int part = 0; part < kH / kPartH; ++part) {
-      uint32_t box[2][4];
-#pragma unroll
-      for (int qq = 0; qq < 2; ++qq)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) box[qq][k] = packed[k & 1][4 * part + 2 * qq + (k >> 1)];
-      input_pass::wgmma_rs::store_part(scratch + (part & 1) * kScratchBytes, box, map_dz, batch, kPartH * part, p0);
-    }
+    for (int part = 0; part < kH / kPartH; ++part)
+      input_pass::wgmma_rs::store_rows_part(scratch + (part & 1) * kScratchBytes, packed, part, map_dz, batch,
+                                            kPartH * part, p0);
   }
 };
 

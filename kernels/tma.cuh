@@ -265,29 +265,21 @@ __device__ __forceinline__ void wgmma_64x64(float (&d)[32], uint64_t desc_a, uin
   TRIMUL_WGMMA_FOR_OP(TRIMUL_WGMMA_64X64, 64)
 #endif
 }
-#undef TRIMUL_WGMMA_64X64
 
 // The same m64n64 step with both operands MN-major in shared memory (imm-trans-a and imm-trans-b, 16-bit operands
 // only): A's rows are k, 128-byte lines of its 64 m; B's rows are k, 128-byte lines of its 64 n; 8-row groups 1024
 // bytes apart (smem_descriptor's SBO), so a k16 step is 2048 bytes further on in both (desc_add 128).
-#define TRIMUL_WGMMA_64X64_MN(INSTR)                                                                  \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" INSTR                                    \
-               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
-               "%32, %33, p, 1, 1, 1, 1;\n}\n"                                                         \
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
-               : "l"(desc_a), "l"(desc_b), "r"(accumulate))
-
 template <typename Op>
 __device__ __forceinline__ void wgmma_64x64_mn_major(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
   static_assert(sizeof(Op) == 2, "transposed operands: 16-bit only");
 #ifdef TRIMUL_SM90A
   if constexpr (std::is_same<Op, __nv_bfloat16>::value)
-    TRIMUL_WGMMA_64X64_MN("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16");
+    TRIMUL_WGMMA_64X64("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", ", 1, 1, 1, 1");
   else
-    TRIMUL_WGMMA_64X64_MN("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16");
+    TRIMUL_WGMMA_64X64("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16", ", 1, 1, 1, 1");
 #endif
 }
-#undef TRIMUL_WGMMA_64X64_MN
+#undef TRIMUL_WGMMA_64X64
 
 // MACRO(instruction) for a 16-bit Op's register-A wgmma of shape m64nNk16 (bf16 or f16 operands).
 #define TRIMUL_WGMMA_RS_FOR_OP(MACRO, N)                                                   \

@@ -81,6 +81,20 @@ __device__ __forceinline__ void store_part(uint8_t* buf, const uint32_t (&packed
   }
 }
 
+// Part `part` (32 h) of a warpgroup's 64 rows as the m64nN accumulators hold them, rows[hf][j] the 16-bit pair of
+// row half hf at columns 8 j + 2 t, + 1: its blocks in store_part's order (q = 2 qq + k / 2 of the part's four 8-h
+// blocks, row half k % 2), then store_part.
+template <int kBlocks>
+__device__ __forceinline__ void store_rows_part(uint8_t* buf, const uint32_t (&rows)[2][kBlocks], int part,
+                                                const CUtensorMap* map, int64_t batch, int64_t h0, int64_t p0) {
+  uint32_t box[2][4];
+#pragma unroll
+  for (int qq = 0; qq < 2; ++qq)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) box[qq][k] = rows[k & 1][4 * part + 2 * qq + (k >> 1)];
+  store_part(buf, box, map, batch, h0, p0);
+}
+
 // Whether a register-row kernel for rows of `c` channels takes these sizes: sm_90a on Hopper, rows of exactly
 // c channels in 16-byte vectors, the prepared weights (ForwardArgs::w_in_rows), H <= 128 (rows_ab <= 256), the
 // kernel's `smem` bytes of shared memory, and a_t / b_t whose TMA coordinates fit 31 bits.
