@@ -38,7 +38,7 @@ def main() -> None:
         step = bench.training_step(trainable, leaf, mask)
         for name, (positions, size) in LIMITS.items():
             ti.GRAPHED_BACKWARD_POSITIONS, ti.GRAPHED_BACKWARD_BYTES = positions, size
-            graphed = ti._graphs_backward(leaf, "bf16" if args.bf16 else "medium")
+            graphed = ti._graphs_backward(leaf, "bf16")
             before = bench.held_memory_start()
             bench.warm_up(step)
             median, issue, _ = back_to_back(step, args.steps)
