@@ -295,6 +295,7 @@ def test_registry_lists_each_role_in_rank_order_with_a_kernel_file():
     registered = {}
     patterns = ((r"^TRIMUL_REGISTER_PASS\((input|output), (\w+),", None),
                 (r"^TRIMUL_REGISTER_INPUT_PASS_WRITING_X_HAT\(()(\w+),", "input"),
+                (r"^TRIMUL_REGISTER_OUTPUT_PASS_READING_GATE_ROWS\(()(\w+),", "output"),
                 (r"^TRIMUL_REGISTER_CONTRACTION\(()(\w+),", "contract"),
                 (r"^TRIMUL_REGISTER_CONTRACTION_IN_OUTPUT_PASS\(()(\w+),", "contract"),
                 (r"^TRIMUL_REGISTER_BACKWARD\((output_backward|contract_backward|input_backward), (\w+),", None))
@@ -2148,29 +2149,34 @@ def test_training_at_pair_dim_384(direction, dtype, gate_input, monkeypatch):
 
 
 @HOPPER
-@pytest.mark.parametrize("direction, batch, n, hidden, saves", [("outgoing", 2, 33, 128, "z"),
-                                                                 ("incoming", 1, 40, 64, "z"),
-                                                                 ("outgoing", 1, 211, 64, None)])
-def test_training_forward_gate_from_x_hat(direction, batch, n, hidden, saves, monkeypatch):
-    """The bf16 training forward at pair_dim 384 with the normalized gate (_gate_reads_x_hat): its output pass reads
-    x_hat, the input pass's LayerNorm_in rows, as a raw gate with out_gate folded with LayerNorm_in's affine. The
-    training forward's output (poisoned memory) within bf16 tolerance of fp64 and of the inference forward's
-    (normalized gate in the pass), with masks that zero rows. The forward keeps x_hat where it keeps z
-    (backward_saves "z", or None past the graphed sizes: N = 211)."""
-    monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)  # (x_hat is kept for a bf16 backward at any size)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("direction, batch, n, saves", [("outgoing", 2, 72, "z"), ("incoming", 1, 97, "z"),
+                                                         ("outgoing", 1, 211, None)])
+def test_training_forward_gate_from_x_hat(direction, batch, n, saves, dtype, monkeypatch):
+    """The training forward at pair_dim 384, hidden 128 and N past the in-pass contraction's 64 (where
+    wgmma_rs_384 takes the output pass) with the normalized gate (_gate_reads_x_hat), bf16 parameters and
+    inputs or fp32 ones at "medium": its output pass reads x_hat, the input pass's bf16 LayerNorm_in rows, as a raw
+    gate with out_gate folded with LayerNorm_in's affine (ForwardArgs::gate_rows: out in pair's dtype). The
+    training forward's output (poisoned memory) within the precision's tolerance of fp64 and of the inference
+    forward's (normalized gate in the pass), with masks that zero rows; folded once. The forward keeps x_hat where
+    it keeps z (backward_saves "z", or None past the graphed sizes: N = 211)."""
+    monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)  # (x_hat is kept for a 16-bit backward at any size)
     folds = []
     original = ti._x_hat_gate_weights
     monkeypatch.setattr(ti, "_x_hat_gate_weights", lambda *a: folds.append(1) or original(*a))
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
+    hidden = 128
     reference = random_layers(ti.Model(384, hidden, direction, "normalized").double(), g)
-    reference.load_state_dict({k: v.bfloat16().double() for k, v in reference.state_dict().items()})
-    new = _make_new(reference, torch.bfloat16)
+    if dtype == torch.bfloat16:
+        reference.load_state_dict({k: v.bfloat16().double() for k, v in reference.state_dict().items()})
+    new = _make_new(reference, dtype, precision="medium")
     new.backward_saves = saves
     pair, mask = random_inputs(batch, n, 384, g)
     mask[0, n // 2] = False
-    pair = pair.bfloat16().cuda()
+    pair = pair.to(dtype).cuda()
     mask = mask.cuda()
+    tolerance = TOLERANCE[torch.bfloat16] if dtype == torch.bfloat16 else FUSED_TOLERANCE["medium"]
     with torch.no_grad():
         ref = reference.cuda()(pair.double(), mask)
         poison_allocator()
@@ -2178,26 +2184,53 @@ def test_training_forward_gate_from_x_hat(direction, batch, n, hidden, saves, mo
     poison_allocator()
     trained = new(pair.clone().requires_grad_(), mask)
     assert len(folds) == 1, f"the training forward folded the gate {len(folds)} times"
-    label = f"{direction} {(batch, n, 384, hidden)} (seed {seed})"
-    assert trained.dtype == torch.bfloat16 and not trained.isnan().any(), label
+    label = f"{direction} {(batch, n, 384, hidden)} {dtype} (seed {seed})"
+    assert trained.dtype == dtype and not trained.isnan().any(), label
     err, err_inference = rel_error(trained, ref), rel_error(inference, ref)
-    assert err < TOLERANCE[torch.bfloat16] and rel_error(trained, inference) < TOLERANCE[torch.bfloat16], \
+    assert err < tolerance and rel_error(trained, inference) < tolerance, \
         f"{label}: training forward {err:.2e}, inference {err_inference:.2e} against fp64"
     assert any(getattr(w, "x_hat_gate", None) is not None for _, w in new._weights_cache.values())
     trained.float().square().mean().backward()  # (the backward runs on the same saved rows)
 
 
 def test_gate_reads_x_hat_rule():
-    """_gate_reads_x_hat: only the normalized gate, with x_hat kept in pair's dtype, under the output role's default
-    order (a named output kernel runs as named), from GATE_FROM_X_HAT_MIN_PAIR_DIM channels."""
-    pair, x_hat = torch.empty(1, 3, 3, 384, dtype=torch.bfloat16), torch.empty(9, 384, dtype=torch.bfloat16)
-    assert ti._gate_reads_x_hat(pair, x_hat, None, True)
-    assert not ti._gate_reads_x_hat(pair, x_hat, "wgmma_ws", True)
-    assert not ti._gate_reads_x_hat(pair, x_hat, None, False)
-    assert not ti._gate_reads_x_hat(pair, None, None, True)
-    assert not ti._gate_reads_x_hat(pair.float(), x_hat, None, True)
-    narrow = torch.empty(1, 3, 3, ti.GATE_FROM_X_HAT_MIN_PAIR_DIM - 1, dtype=torch.bfloat16)
-    assert not ti._gate_reads_x_hat(narrow, x_hat[:, :narrow.shape[-1]], None, True)
+    """_gate_reads_x_hat: only the normalized gate, with x_hat kept, under the output role's default order (a named
+    output kernel runs as named), where the plan's output role takes gate rows."""
+    plan, x_hat = {"gate_rows": True}, torch.empty(9, 384, dtype=torch.bfloat16)
+    assert ti._gate_reads_x_hat(plan, x_hat, None, True)
+    assert ti._gate_reads_x_hat(plan, x_hat, "", True)
+    assert not ti._gate_reads_x_hat(plan, x_hat, "wgmma_ws", True)
+    assert not ti._gate_reads_x_hat(plan, x_hat, None, False)
+    assert not ti._gate_reads_x_hat(plan, None, None, True)
+    assert not ti._gate_reads_x_hat({"gate_rows": False}, x_hat, None, True)
+
+
+@HOPPER
+@pytest.mark.parametrize("pair_dim, hidden, n, dtype, takes", [(384, 128, 72, torch.bfloat16, True),
+                                                                (384, 128, 72, torch.float32, True),
+                                                                (128, 128, 72, torch.bfloat16, False),
+                                                                (384, 64, 72, torch.bfloat16, False),
+                                                                (384, 128, 33, torch.bfloat16, False),
+                                                                (384, 128, 72, torch.float16, False)])
+def test_forward_plan_says_gate_rows(pair_dim, hidden, n, dtype, takes):
+    """forward_plan's "gate_rows": the output role's default order takes the gate on bf16 rows at pair_dim 384,
+    hidden 128 with a z buffer (N > 64) in the 16-bit-product modes (wgmma_rs_384, registered as reading them) and
+    nowhere else; an output pass handed gate_rows where no output kernel reads them is refused with a message, not
+    run on pair."""
+    model = ti.ModelNew(pair_dim, hidden, gate_input="normalized", precision="medium").cuda().to(dtype)
+    pair = torch.randn(1, n, n, pair_dim, device="cuda", dtype=dtype)
+    mask = torch.ones(1, n, n, device="cuda", dtype=torch.bool)
+    steps = model.forward_steps(pair, mask)
+    assert steps.plan["gate_rows"] is takes, steps.plan
+    if takes:
+        return
+    rows = torch.randn(n * n, pair_dim, device="cuda", dtype=torch.bfloat16)
+    ab, z, out = steps.new_ab(), steps.new_z(), steps.new_out()
+    steps.input_pass(ab)
+    steps.contraction(ab, z)
+    options = ti._forward_options(ti.Kernels(), steps._mode, False, False, 1e-5, 1e-5, hidden)  # (a raw gate)
+    with pytest.raises((ValueError, RuntimeError, NotImplementedError), match="output"):
+        steps.output_pass(out, z=z, ab=ab, gate_rows=(rows, steps._call[2], options))
 
 
 def test_x_hat_gate_weights_fold_layer_norm_in():

@@ -932,19 +932,17 @@ def _f16x3_weights(w_in, w_gate, w_out, ln_w, ln_b, pair_dim: int, hidden: int, 
 
 
 # A training forward that keeps x_hat (LayerNorm_in's rows without affine: the 16-bit modes' input kernels write
-# them for the backward) and whose gate reads the normalized input runs its output pass on x_hat as a raw gate,
-# with LayerNorm_in's affine folded into out_gate: the same gate, sigmoid(x_hat (W diag(w))^T + b + W b_ln), with
-# no LayerNorm in the pass (past pair_dim 128 the normalized gate's pass, wgmma_ws, is the slower one; measured in
-# bench/NOTES.md). Only under the output role's default order (a named output kernel runs as named), and where out
-# takes x_hat's dtype (the pass writes out in its rows' dtype).
-GATE_FROM_X_HAT_MIN_PAIR_DIM = 129
-
-
-def _gate_reads_x_hat(pair: torch.Tensor, x_hat: Optional[torch.Tensor], output_kernel: Optional[str],
+# them for the backward) and whose gate reads the normalized input runs its output pass with the gate on x_hat as
+# a raw gate, LayerNorm_in's affine folded into out_gate: the same gate, sigmoid(x_hat (W diag(w))^T + b + W b_ln),
+# with no LayerNorm in the pass, and fp32 pairs' gate reading bf16 rows. Where: an output kernel registered as
+# reading gate rows takes the call (forward_plan's "gate_rows": wgmma_rs_384, pair_dim 384; the normalized gate's
+# pass there, wgmma_ws, is the slower one; at pair_dim 128 the gate on x_hat gained no step: bench/NOTES.md), under
+# the output role's default order (a named output kernel runs as named).
+def _gate_reads_x_hat(plan: dict, x_hat: Optional[torch.Tensor], output_kernel: Optional[str],
                       gate_normalized: bool) -> bool:
-    """Whether the training forward's output pass reads x_hat as a raw gate (the rule above)."""
-    return gate_normalized and x_hat is not None and not output_kernel and x_hat.dtype == pair.dtype and \
-        pair.shape[-1] >= GATE_FROM_X_HAT_MIN_PAIR_DIM
+    """Whether the training forward's output pass reads x_hat as a raw gate (the rule above); plan: the forward's
+    (ForwardSteps.plan)."""
+    return gate_normalized and x_hat is not None and not output_kernel and bool(plan.get("gate_rows"))
 
 
 class _CachedWeights(list):
@@ -1066,12 +1064,14 @@ class ForwardSteps:
 
     def output_pass(self, out: torch.Tensor, z: Optional[torch.Tensor] = None,
                     ab: Optional[torch.Tensor] = None, gate_rows=None) -> None:
-        """gate_rows: (rows like pair, weights, options) the gate reads instead of pair, with the weights and
-        options that go with them (_gate_reads_x_hat: x_hat and out_gate folded with LayerNorm_in's affine)."""
+        """gate_rows: (rows, weights, options): bf16 rows [B*N*N, C] the gate reads instead of pair's, with the
+        weights and raw-gate options that go with them (_gate_reads_x_hat: x_hat, out_gate folded with
+        LayerNorm_in's affine), where the plan says "gate_rows"; out keeps pair's dtype."""
         pair, mask, weights, options = self._call
+        rows = None
         if gate_rows is not None:
-            pair, weights, options = gate_rows
-        self._extension.output_pass(pair, mask, weights, options, ab, z, out)
+            rows, weights, options = gate_rows
+        self._extension.output_pass(pair, mask, weights, options, ab, z, out, rows)
 
     def run(self) -> torch.Tensor:
         """The three steps on fresh buffers: what the one-call forward computes."""
@@ -1946,10 +1946,9 @@ def _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_n
     x_hat_rstd = steps.new_x_hat_rstd() if x_hat is not None else None
     steps.input_pass(ab, x_hat, x_hat_rstd)
     steps.contraction(ab, z)
-    if _gate_reads_x_hat(pair, x_hat, chosen.output, gate_normalized):
+    if _gate_reads_x_hat(steps.plan, x_hat, chosen.output, gate_normalized):
         raw_gate = _forward_options(chosen[:len(FORWARD_ROLES)], mode, incoming, False, eps_in, eps_out, hidden)
-        steps.output_pass(out, z=z, ab=ab, gate_rows=(x_hat.view(pair.shape), _x_hat_gate_weights(weights, params),
-                                                      raw_gate))
+        steps.output_pass(out, z=z, ab=ab, gate_rows=(x_hat, _x_hat_gate_weights(weights, params), raw_gate))
     else:
         steps.output_pass(out, z=z, ab=ab)
     whole_ab = ab.dtype == operand and ab.shape[1] == pair.shape[0] * hidden  # (not split parts, not scaled fp16)

@@ -156,6 +156,11 @@ struct ForwardArgs {
   // With x_hat: LayerNorm_in's rstd of each position, [B*N*N] fp32 (the backward's LayerNorm from the kept rows,
   // BackwardPass::d_proj_d_pair), or nullptr.
   float* x_hat_rstd;
+  // The rows the output gate reads instead of pair's, [B*N*N, C] bf16 in pair_repr's position order (the
+  // training forward's x_hat, with out_gate folded with LayerNorm_in's affine and gate_normalized false: the
+  // same gate with no LayerNorm in the pass), or nullptr: the gate reads pair. out keeps pair's dtype. An
+  // output kernel not registered as reading them does not take a call with them set.
+  const void* gate_rows;
   cudaStream_t stream;
   // The output pass is launched right after the input pass on `stream` (the one-call forward): where
   // it contracts itself it may then be launched as the input pass's programmatic dependent, and read
@@ -177,6 +182,8 @@ struct ForwardPlan {
   bool split;              // a_t / b_t hold parts and remainders (ForwardArgs::small_offset)
   int64_t ab_planes;       // [N, ld] planes per side: B*H, twice that for split operands
   bool x_hat_rows;         // the input kernel also writes ForwardArgs::x_hat when given one
+  // An output kernel of the default order takes this call with the gate on ForwardArgs::gate_rows (raw gate)
+  bool output_gate_rows;
 };
 
 // The backward's memory passes (training). Between them the extension runs cuBLAS GEMMs over positions.
@@ -418,7 +425,7 @@ cudaError_t launch_mask_scales(const void* mask, MaskKind kind, int64_t count, c
 
 // Changes whenever a struct above changes, so a library and an extension built from different
 // versions of this file refuse each other.
-constexpr uint32_t kKernelAbi = 14;
+constexpr uint32_t kKernelAbi = 15;
 
 }  // namespace trimul
 

@@ -325,9 +325,12 @@ at::Tensor scales_for_mask(const at::Tensor& scales, const at::Tensor& mask) {
   return out;
 }
 
+// gate_rows: ForwardArgs::gate_rows (the output pass's; planned with it, only a kernel reading them takes the
+// output role).
 Planned plan_call(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
-                  const ForwardOptions& options) {
+                  const ForwardOptions& options, const void* gate_rows = nullptr) {
   Planned planned{forward_args(pair, mask, weights, options), {}, {}};
+  planned.args.gate_rows = gate_rows;
   if (planned.args.f16x3_scales != nullptr && !planned.args.mask_at_most_one && mask.numel() > 0) {
     planned.mask_scales = scales_for_mask(weights[11], mask);
     planned.args.f16x3_scales = planned.mask_scales.data_ptr<float>();
@@ -452,6 +455,9 @@ py::dict forward_plan(const at::Tensor& pair, const at::Tensor& mask, const std:
   }
   // (training: the input kernel can also write LayerNorm_in's rows for the backward, bf16 [B*N*N, C])
   d["x_hat_shape"] = p.plan.x_hat_rows ? py::cast(x_hat_shape(p)) : py::none();
+  // (whether the output role's default order also takes the call with the gate on such rows: output_pass's
+  // gate_rows, a raw gate with out_gate folded with LayerNorm_in's affine)
+  d["gate_rows"] = p.plan.output_gate_rows;
   return d;
 }
 
@@ -498,11 +504,20 @@ void contraction(const at::Tensor& pair, const at::Tensor& mask, const std::vect
   if (p.args.batch > 0 && p.args.n > 0) run_contraction(p, ab, *z);
 }
 
+// gate_rows: the rows the gate reads instead of pair's (ForwardArgs::gate_rows: bf16 [B*N*N, C], as x_hat; the
+// options a raw gate, the weights' out_gate folded with LayerNorm_in's affine), where forward_plan says
+// "gate_rows"; out keeps pair's dtype.
 void output_pass(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
                  const ForwardOptions& options, const c10::optional<at::Tensor>& ab, const c10::optional<at::Tensor>& z,
-                 const at::Tensor& out) {
+                 const at::Tensor& out, const c10::optional<at::Tensor>& gate_rows) {
   const c10::cuda::CUDAGuard guard(pair.device());
-  Planned p = plan_call(pair, mask, weights, options);
+  if (gate_rows.has_value()) {
+    TORCH_CHECK_VALUE(!options.gate_normalized, "trimul_inline: gate_rows are read as a raw gate (its LayerNorm "
+                      "folded into the weights): call output_pass with gate_normalized false");
+    check_buffer(*gate_rows, {pair.size(0) * pair.size(1) * pair.size(2), pair.size(3)}, at::kBFloat16, pair,
+                 "gate_rows");
+  }
+  Planned p = plan_call(pair, mask, weights, options, gate_rows.has_value() ? gate_rows->data_ptr() : nullptr);
   check_buffer(out, pair.sizes(), pair.scalar_type(), pair, "out");
   if (p.plan.z_buffer) {
     TORCH_CHECK_VALUE(z.has_value(), "trimul_inline: this plan's output pass reads z");
@@ -1580,7 +1595,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weights"), py::arg("options"), py::arg("ab"), py::arg("x_hat") = py::none(),
         py::arg("x_hat_rstd") = py::none());
   m.def("contraction", &contraction, "the contraction of ab into z (nothing where the output pass contracts)");
-  m.def("output_pass", &output_pass, "the output pass from z (or ab) into out");
+  m.def("output_pass", &output_pass, "the output pass from z (or ab) into out (the gate on gate_rows, where given)",
+        py::arg("pair"), py::arg("mask"), py::arg("weights"), py::arg("options"), py::arg("ab"), py::arg("z"),
+        py::arg("out"), py::arg("gate_rows") = py::none());
   m.def("fused_takes", &fused_takes, "whether the fused passes take these sizes in this mode");
   m.def("backward_kernel", &backward_kernel, "the kernel a backward role runs ('': a torch baseline's passes)");
   m.def("backward_pass", &backward_pass, "one memory pass of the backward (trimul::BackwardPass) on given tensors");

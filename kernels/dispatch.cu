@@ -198,6 +198,15 @@ bool input_writes_x_hat(int index, const ForwardArgs& args) {
   return impl->pass_applies(with);
 }
 
+// Whether an output kernel of the default order takes this call with the gate on ForwardArgs::gate_rows (a raw
+// gate on LayerNorm_in's rows: gate_normalized false; only a kernel registered as reading them can say yes).
+bool output_reads_gate_rows(const ForwardArgs& args) {
+  ForwardArgs with = args;
+  with.gate_rows = kPlannedBuffer;
+  with.gate_normalized = false;
+  return pass_kernel(Role::output, -1, with) >= 0;
+}
+
 PlanStatus plan_forward(ForwardArgs* args, const char* const* chosen, ForwardPlan* plan, char* message, int size) {
   int pick[kForwardRoles];
   for (int r = 0; r < kForwardRoles; ++r) {
@@ -265,6 +274,7 @@ PlanStatus plan_forward(ForwardArgs* args, const char* const* chosen, ForwardPla
       plan->split = format.split;
       plan->ab_planes = (format.split ? 2 : 1) * args->batch * args->h;
       plan->x_hat_rows = input_writes_x_hat(input, *args);
+      plan->output_gate_rows = output_reads_gate_rows(*args);
       return PlanStatus::ok;
     }
   }

@@ -664,16 +664,23 @@ cudaError_t launch_contraction(const ContractArgs& args, int threads, int64_t sm
 // Registers pass kernel NAME of ROLE (input or output), built for the modes MODES (a ModeSet), whose
 // namespace NS defines, for each of those modes M and pair type TIn, applicable<M, TIn>(const
 // ForwardArgs&) -> bool and launch<M, TIn>(const ForwardArgs&) -> cudaError_t (registry.cuh:
-// Implementation). It takes no call in another mode, and as an input kernel none with ForwardArgs::x_hat
-// set (TRIMUL_REGISTER_INPUT_PASS_WRITING_X_HAT: its applicable() decides).
+// Implementation). It takes no call in another mode, as an input kernel none with ForwardArgs::x_hat set
+// (TRIMUL_REGISTER_INPUT_PASS_WRITING_X_HAT: its applicable() decides), and as an output kernel none with
+// ForwardArgs::gate_rows set (TRIMUL_REGISTER_OUTPUT_PASS_READING_GATE_ROWS: likewise): a kernel that would
+// ignore the field never sees it.
 #define TRIMUL_REGISTER_PASS(ROLE, NAME, NS, MODES) TRIMUL_REGISTER_PASS_WITH(ROLE, NAME, NS, MODES, false)
 #define TRIMUL_REGISTER_INPUT_PASS_WRITING_X_HAT(NAME, NS, MODES) \
   TRIMUL_REGISTER_PASS_WITH(input, NAME, NS, MODES, true)
-#define TRIMUL_REGISTER_PASS_WITH(ROLE, NAME, NS, MODES, WRITES_X_HAT)                                    \
+#define TRIMUL_REGISTER_OUTPUT_PASS_READING_GATE_ROWS(NAME, NS, MODES) \
+  TRIMUL_REGISTER_PASS_WITH(output, NAME, NS, MODES, true)
+// ROLE_ROWS: an input kernel writes ForwardArgs::x_hat, an output kernel reads ForwardArgs::gate_rows.
+#define TRIMUL_REGISTER_PASS_WITH(ROLE, NAME, NS, MODES, ROLE_ROWS)                                       \
   static const bool trimul_registered_##ROLE##_##NAME = ::trimul::register_implementation(               \
       {::trimul::Role::ROLE, #NAME,                                                                        \
        [](const ::trimul::ForwardArgs& args) {                                                             \
-         if (!(WRITES_X_HAT) && ::trimul::Role::ROLE == ::trimul::Role::input && args.x_hat != nullptr)    \
+         if (!(ROLE_ROWS) && ::trimul::Role::ROLE == ::trimul::Role::input && args.x_hat != nullptr)       \
+           return false;                                                                                   \
+         if (!(ROLE_ROWS) && ::trimul::Role::ROLE == ::trimul::Role::output && args.gate_rows != nullptr)  \
            return false;                                                                                   \
          return ::trimul::fused::dispatch_pass<MODES>(args, false, [&](auto mode, auto pair) {             \
            return NS::applicable<decltype(mode)::value, typename decltype(pair)::type>(args);              \

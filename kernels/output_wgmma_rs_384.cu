@@ -16,7 +16,9 @@ namespace output_pass {
 // there (quad shuffles; the fragments hold bf16 (z - mean), rstd applies in the epilogue); loads the gate's raw
 // pair rows as A fragments straight from global memory (two channels per load: w_gate's own k order); then per
 // 64 output channels the gate product (K = 384) and out_proj's (K = 128), and out = sigmoid(gate + b) *
-// (rstd proj + b) is stored from the accumulators.
+// (rstd proj + b) is stored from the accumulators. With ForwardArgs::gate_rows (kGateRows) the gate's rows are
+// those bf16 rows instead of pair's (the training forward's x_hat), and out keeps pair's dtype: fp32 pairs then
+// read no fp32 rows at all.
 namespace wgmma_rs_384 {
 
 using namespace ::trimul::tma;
@@ -36,7 +38,33 @@ static_assert(kH == kZBoxH && kPositions == kZBoxPositions, "a tile is one z box
 constexpr int64_t kSmemBytes =
     1023 + int64_t(kParts) * (kGateTiles + kOutTiles) * kTileBytes + kGroups * kZBytes + 2 * kHalfC * 4 + (1 + kGroups) * 8;
 
-template <typename TIn>
+// One half-row's A fragments of the gate product from a row of `row` (nullptr: past the plane, zeros):
+// channels 16 s + 2 t + {0, 1} into xf[s][hf], + 8 into xf[s][2 + hf]; fp32 rows rounded to bf16 pairs.
+template <typename TRow>
+__device__ __forceinline__ void gate_row_fragments(uint32_t (&xf)[kGateSteps][4], int hf, const TRow* row, int t) {
+  if constexpr (std::is_same<TRow, float>::value) {
+    float2 lo[kGateSteps], hi[kGateSteps];
+#pragma unroll
+    for (int s = 0; s < kGateSteps; ++s) {
+      lo[s] = row != nullptr ? *reinterpret_cast<const float2*>(row + 16 * s + 2 * t) : make_float2(0.f, 0.f);
+      hi[s] = row != nullptr ? *reinterpret_cast<const float2*>(row + 16 * s + 8 + 2 * t) : make_float2(0.f, 0.f);
+    }
+#pragma unroll
+    for (int s = 0; s < kGateSteps; ++s) {
+      xf[s][hf] = pack_pair<__nv_bfloat16>(lo[s].x, lo[s].y);
+      xf[s][2 + hf] = pack_pair<__nv_bfloat16>(hi[s].x, hi[s].y);
+      asm volatile("" : "+r"(xf[s][hf]), "+r"(xf[s][2 + hf]));  // (packed here, not at the first product)
+    }
+  } else {  // (bf16 rows: the pairs are the operands as they are)
+#pragma unroll
+    for (int s = 0; s < kGateSteps; ++s) {
+      xf[s][hf] = row != nullptr ? *reinterpret_cast<const uint32_t*>(row + 16 * s + 2 * t) : 0u;
+      xf[s][2 + hf] = row != nullptr ? *reinterpret_cast<const uint32_t*>(row + 16 * s + 8 + 2 * t) : 0u;
+    }
+  }
+}
+
+template <typename TIn, bool kGateRows>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_gate,
            const __grid_constant__ CUtensorMap map_out, const __grid_constant__ CUtensorMap map_z,
@@ -81,7 +109,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   mbar_wait(w_full, 0);
 
-  const TIn* pair = static_cast<const TIn*>(args.pair);
   TIn* out = static_cast<TIn*>(args.out);
   int z_parity = 0;
   for (; tile < tiles; tile += stride) {
@@ -103,27 +130,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t q = static_cast<uint32_t>(q0 + 16 * warp4 + g + 8 * hf);
       const uint32_t i = q / static_cast<uint32_t>(args.ldz), j = q - i * static_cast<uint32_t>(args.ldz);
       const bool valid = q < plane && j < n;
-      const int64_t row = valid ? batch * args.pair_sb + i * args.pair_sr + j * args.pair_sc : -1;
       out_off[hf] = valid ? ((batch * n + i) * n + j) * kC + c_base : -1;
-      if constexpr (std::is_same<TIn, float>::value) {
-        float2 lo[kGateSteps], hi[kGateSteps];
-#pragma unroll
-        for (int s = 0; s < kGateSteps; ++s) {
-          lo[s] = row >= 0 ? *reinterpret_cast<const float2*>(pair + row + 16 * s + 2 * t) : make_float2(0.f, 0.f);
-          hi[s] = row >= 0 ? *reinterpret_cast<const float2*>(pair + row + 16 * s + 8 + 2 * t) : make_float2(0.f, 0.f);
-        }
-#pragma unroll
-        for (int s = 0; s < kGateSteps; ++s) {
-          xf[s][hf] = pack_pair<Op>(lo[s].x, lo[s].y);
-          xf[s][2 + hf] = pack_pair<Op>(hi[s].x, hi[s].y);
-          asm volatile("" : "+r"(xf[s][hf]), "+r"(xf[s][2 + hf]));  // (packed here, not at the first product)
-        }
-      } else {  // (bf16 rows: the pairs are the operands as they are)
-#pragma unroll
-        for (int s = 0; s < kGateSteps; ++s) {
-          xf[s][hf] = row >= 0 ? *reinterpret_cast<const uint32_t*>(pair + row + 16 * s + 2 * t) : 0u;
-          xf[s][2 + hf] = row >= 0 ? *reinterpret_cast<const uint32_t*>(pair + row + 16 * s + 8 + 2 * t) : 0u;
-        }
+      if constexpr (kGateRows) {  // (the [P, kC] gate rows: the position's row starts where its out row does)
+        const __nv_bfloat16* rows = static_cast<const __nv_bfloat16*>(args.gate_rows);
+        gate_row_fragments(xf, hf, valid ? rows + (out_off[hf] - c_base) : nullptr, t);
+      } else {
+        const TIn* pair = static_cast<const TIn*>(args.pair);
+        gate_row_fragments(xf, hf, valid ? pair + batch * args.pair_sb + i * args.pair_sr + j * args.pair_sc : nullptr,
+                           t);
       }
     }
 #pragma unroll
@@ -147,14 +161,27 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // Whether it takes these sizes: sm_90a on Hopper, "medium" (bf16 operands and z), pair_dim 384 and H 128
-// exactly, the gate on the raw rows in 16-byte vectors, a separate contraction's z, an even grid.
+// exactly, the gate on the raw rows in 16-byte vectors (pair's, or gate_rows 16-byte aligned), a separate
+// contraction's z, an even grid.
 template <Mode M, typename TIn>
 bool applicable(const ForwardArgs& args) {
+  const bool rows_ok = args.gate_rows != nullptr
+                           ? reinterpret_cast<uintptr_t>(args.gate_rows) % 16 == 0
+                           : rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair);
   return tensor_map_encoder() != nullptr && args.z != nullptr && args.z_dtype == Dtype::bf16 && args.c == kC &&
-         args.c_pad == kC && args.h == kH && args.h_pad == kH && !args.gate_normalized &&
-         rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair) &&
+         args.c_pad == kC && args.h == kH && args.h_pad == kH && !args.gate_normalized && rows_ok &&
          (args.n * args.ldz) % 8 == 0 && args.batch * kH < (int64_t(1) << 31) && kSmemBytes <= max_smem_optin() &&
          sm_count() >= 2;
+}
+
+template <typename TIn, bool kGateRows>
+cudaError_t launch_grid(const ForwardArgs& args, const CUtensorMap& map_gate, const CUtensorMap& map_out,
+                        const CUtensorMap& map_z, int64_t pairs, int64_t tiles_per_batch) {
+  const cudaError_t status = allow_smem<kernel<TIn, kGateRows>>(kSmemBytes);
+  if (status != cudaSuccess) return status;
+  kernel<TIn, kGateRows><<<static_cast<unsigned>(2 * pairs), kThreads, kSmemBytes, args.stream>>>(
+      args, map_gate, map_out, map_z, tiles_per_batch);
+  return cudaGetLastError();
 }
 
 template <Mode M, typename TIn>
@@ -168,11 +195,8 @@ cudaError_t launch(const ForwardArgs& args) {
     return cudaErrorNotSupported;
   const int64_t tiles_per_batch = ceil_div(plane, kPositions);
   const int64_t pairs = std::min<int64_t>(sm_count() / 2, ceil_div(args.batch * tiles_per_batch, kGroups));
-  const cudaError_t status = allow_smem<kernel<TIn>>(kSmemBytes);
-  if (status != cudaSuccess) return status;
-  kernel<TIn><<<static_cast<unsigned>(2 * pairs), kThreads, kSmemBytes, args.stream>>>(args, map_gate, map_out, map_z,
-                                                                                     tiles_per_batch);
-  return cudaGetLastError();
+  return args.gate_rows != nullptr ? launch_grid<TIn, true>(args, map_gate, map_out, map_z, pairs, tiles_per_batch)
+                                   : launch_grid<TIn, false>(args, map_gate, map_out, map_z, pairs, tiles_per_batch);
 }
 
 }  // namespace wgmma_rs_384
@@ -180,4 +204,4 @@ cudaError_t launch(const ForwardArgs& args) {
 }  // namespace output_pass
 }  // namespace trimul
 
-TRIMUL_REGISTER_PASS(output, wgmma_rs_384, trimul::output_pass::wgmma_rs_384, trimul::fused::kBf16Mode);
+TRIMUL_REGISTER_OUTPUT_PASS_READING_GATE_ROWS(wgmma_rs_384, trimul::output_pass::wgmma_rs_384, trimul::fused::kBf16Mode);
