@@ -2233,6 +2233,29 @@ def test_forward_plan_says_gate_rows(pair_dim, hidden, n, dtype, takes):
         steps.output_pass(out, z=z, ab=ab, gate_rows=(rows, steps._call[2], options))
 
 
+@HOPPER
+def test_output_pass_gate_rows_bad_input():
+    """output_pass with gate_rows: rows of the wrong dtype or shape, or with the normalized gate's options (the rows
+    are read as a raw gate), raise ValueError naming the problem; nothing runs."""
+    model = ti.ModelNew(384, 128, gate_input="normalized", precision="medium").cuda().to(torch.bfloat16)
+    n = 72
+    pair = torch.randn(1, n, n, 384, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(1, n, n, device="cuda", dtype=torch.bool)
+    steps = model.forward_steps(pair, mask)
+    assert steps.plan["gate_rows"], steps.plan
+    ab, z, out = steps.new_ab(), steps.new_z(), steps.new_out()
+    steps.input_pass(ab)
+    steps.contraction(ab, z)
+    raw = ti._forward_options(ti.Kernels(), steps._mode, False, False, 1e-5, 1e-5, 128)
+    normalized = ti._forward_options(ti.Kernels(), steps._mode, False, True, 1e-5, 1e-5, 128)
+    rows = torch.randn(n * n, 384, device="cuda", dtype=torch.bfloat16)
+    weights = steps._call[2]
+    for bad, options, match in ((rows.float(), raw, "gate_rows must be"), (rows[:-1], raw, "gate_rows must be"),
+                                (rows.view(n, n, 384), raw, "gate_rows must be"), (rows, normalized, "raw gate")):
+        with pytest.raises(ValueError, match=match):
+            steps.output_pass(out, z=z, ab=ab, gate_rows=(bad, weights, options))
+
+
 def test_x_hat_gate_weights_fold_layer_norm_in():
     """_x_hat_gate_weights: out_gate on LayerNorm_in's affine, x_hat (w x_hat + b) W^T + b_g, equals x_hat (W diag
     w)^T + (b_g + W b) with the folded weights (bf16: within W diag(w)'s one rounding), the other weights are
