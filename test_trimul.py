@@ -2193,6 +2193,39 @@ def test_training_forward_gate_from_x_hat(direction, batch, n, saves, dtype, mon
     trained.float().square().mean().backward()  # (the backward runs on the same saved rows)
 
 
+@HOPPER
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_training_x_hat_from_a_non_contiguous_pair(dtype, monkeypatch):
+    """A training step whose pair_repr is a transposed view (channel stride 1, rows strided) at pair_dim 384, where
+    the input pass writes x_hat for the backward and the output gate reads it: output and every gradient equal,
+    bit for bit, those of the same values made contiguous first (x_hat's rows in position order either way), and
+    an input pass asked to write x_hat from a non-contiguous pair refuses with a message."""
+    monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)  # (x_hat is kept for a 16-bit backward at any size)
+    g = torch.Generator().manual_seed(fresh_seed())
+    reference = random_layers(ti.Model(384, 128, "outgoing", "normalized"), g)
+    new = _make_new(reference, dtype, precision="medium")
+    pair, mask = random_inputs(1, 72, 384, g)
+    pair, mask = pair.to(dtype).cuda(), mask.cuda()
+    mask[0, 5] = False
+    runs = []
+    for make in (lambda leaf: leaf.transpose(1, 2), lambda leaf: leaf):
+        leaf = (pair.transpose(1, 2).contiguous() if len(runs) else pair.clone()).requires_grad_()
+        x = make(leaf)
+        assert x.is_contiguous() == bool(runs)
+        new.zero_grad(set_to_none=True)
+        out = new(x, mask.transpose(1, 2).contiguous())
+        out.float().square().mean().backward()
+        grad = leaf.grad.transpose(1, 2) if not runs else leaf.grad
+        runs.append((out.detach(), grad, [p.grad.clone() for p in new.parameters()]))
+    (out_t, grad_t, params_t), (out_c, grad_c, params_c) = runs
+    assert torch.equal(out_t, out_c) and torch.equal(grad_t, grad_c)
+    assert all(torch.equal(a, b) for a, b in zip(params_t, params_c))
+    steps = new.forward_steps(pair.transpose(1, 2), mask)
+    if steps.plan["x_hat_shape"] is not None:
+        with pytest.raises(ValueError, match="contiguous pair"):
+            steps.input_pass(steps.new_ab(), steps.new_x_hat())
+
+
 def test_gate_reads_x_hat_rule():
     """_gate_reads_x_hat: only the normalized gate, with x_hat kept, under the output role's default order (a named
     output kernel runs as named), where the plan's output role takes gate rows."""

@@ -477,6 +477,9 @@ void input_pass(const at::Tensor& pair, const at::Tensor& mask, const std::vecto
   const c10::cuda::CUDAGuard guard(pair.device());
   Planned p = plan_step(pair, mask, weights, options, ab);
   if (x_hat.has_value()) {
+    // (wgmma_rs_384 writes a row at its pair row's offset: position order only for a contiguous pair)
+    TORCH_CHECK_VALUE(pair.is_contiguous(), "trimul_inline: the input pass writes x_hat only for a contiguous pair "
+                      "(its rows go in pair's position order); call it with pair.contiguous()");
     TORCH_CHECK_VALUE(p.plan.x_hat_rows, "trimul_inline: the input kernel '",
                       kernel_name(p.plan.kernels[static_cast<int>(trimul::Role::input)]),
                       "' does not write x_hat for this call (forward_plan's x_hat_shape is None)");
