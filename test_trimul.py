@@ -2250,37 +2250,45 @@ def test_forward_plan_says_gate_rows(pair_dim, hidden, n, dtype, takes):
     hidden 128 with a z buffer (N > 64) in the 16-bit-product modes (wgmma_rs_384, registered as reading them) and
     nowhere else; an output pass handed gate_rows where no output kernel reads them is refused with a message, not
     run on pair."""
-    model = ti.ModelNew(pair_dim, hidden, gate_input="normalized", precision="medium").cuda().to(dtype)
-    pair = torch.randn(1, n, n, pair_dim, device="cuda", dtype=dtype)
-    mask = torch.ones(1, n, n, device="cuda", dtype=torch.bool)
-    steps = model.forward_steps(pair, mask)
+    steps = _gate_rows_steps(pair_dim, hidden, n, dtype)
     assert steps.plan["gate_rows"] is takes, steps.plan
     if takes:
         return
     rows = torch.randn(n * n, pair_dim, device="cuda", dtype=torch.bfloat16)
+    ab, z, out = _steps_up_to_output(steps)
+    with pytest.raises((ValueError, RuntimeError, NotImplementedError), match="output"):
+        steps.output_pass(out, z=z, ab=ab, gate_rows=(rows, steps._call[2], _gate_options(steps, hidden, False)))
+
+
+def _gate_rows_steps(pair_dim, hidden, n, dtype):
+    """A normalized-gate ModelNew's ForwardSteps at "medium" on random inputs of N = n (mask all ones)."""
+    model = ti.ModelNew(pair_dim, hidden, gate_input="normalized", precision="medium").cuda().to(dtype)
+    pair = torch.randn(1, n, n, pair_dim, device="cuda", dtype=dtype)
+    return model.forward_steps(pair, torch.ones(1, n, n, device="cuda", dtype=torch.bool))
+
+
+def _steps_up_to_output(steps):
+    """The input pass and the contraction run on fresh buffers: (ab, z, an out buffer) for the output pass."""
     ab, z, out = steps.new_ab(), steps.new_z(), steps.new_out()
     steps.input_pass(ab)
     steps.contraction(ab, z)
-    options = ti._forward_options(ti.Kernels(), steps._mode, False, False, 1e-5, 1e-5, hidden)  # (a raw gate)
-    with pytest.raises((ValueError, RuntimeError, NotImplementedError), match="output"):
-        steps.output_pass(out, z=z, ab=ab, gate_rows=(rows, steps._call[2], options))
+    return ab, z, out
+
+
+def _gate_options(steps, hidden, gate_normalized):
+    """ForwardOptions for the steps' mode, the default order, outgoing, with the gate normalized or raw."""
+    return ti._forward_options(ti.Kernels(), steps._mode, False, gate_normalized, 1e-5, 1e-5, hidden)
 
 
 @HOPPER
 def test_output_pass_gate_rows_bad_input():
     """output_pass with gate_rows: rows of the wrong dtype or shape, or with the normalized gate's options (the rows
     are read as a raw gate), raise ValueError naming the problem; nothing runs."""
-    model = ti.ModelNew(384, 128, gate_input="normalized", precision="medium").cuda().to(torch.bfloat16)
     n = 72
-    pair = torch.randn(1, n, n, 384, device="cuda", dtype=torch.bfloat16)
-    mask = torch.ones(1, n, n, device="cuda", dtype=torch.bool)
-    steps = model.forward_steps(pair, mask)
+    steps = _gate_rows_steps(384, 128, n, torch.bfloat16)
     assert steps.plan["gate_rows"], steps.plan
-    ab, z, out = steps.new_ab(), steps.new_z(), steps.new_out()
-    steps.input_pass(ab)
-    steps.contraction(ab, z)
-    raw = ti._forward_options(ti.Kernels(), steps._mode, False, False, 1e-5, 1e-5, 128)
-    normalized = ti._forward_options(ti.Kernels(), steps._mode, False, True, 1e-5, 1e-5, 128)
+    ab, z, out = _steps_up_to_output(steps)
+    raw, normalized = _gate_options(steps, 128, False), _gate_options(steps, 128, True)
     rows = torch.randn(n * n, 384, device="cuda", dtype=torch.bfloat16)
     weights = steps._call[2]
     for bad, options, match in ((rows.float(), raw, "gate_rows must be"), (rows[:-1], raw, "gate_rows must be"),

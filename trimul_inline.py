@@ -942,7 +942,7 @@ def _gate_reads_x_hat(plan: dict, x_hat: Optional[torch.Tensor], output_kernel: 
                       gate_normalized: bool) -> bool:
     """Whether the training forward's output pass reads x_hat as a raw gate (the rule above); plan: the forward's
     (ForwardSteps.plan)."""
-    return gate_normalized and x_hat is not None and not output_kernel and bool(plan.get("gate_rows"))
+    return gate_normalized and x_hat is not None and not output_kernel and plan["gate_rows"]
 
 
 class _CachedWeights(list):
