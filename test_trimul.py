@@ -2150,29 +2150,31 @@ def test_training_at_pair_dim_384(direction, dtype, gate_input, monkeypatch):
 
 @HOPPER
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("pair_dim", [128, 384])
 @pytest.mark.parametrize("direction, batch, n, saves", [("outgoing", 2, 72, "z"), ("incoming", 1, 97, "z"),
-                                                         ("outgoing", 1, 211, None)])
-def test_training_forward_gate_from_x_hat(direction, batch, n, saves, dtype, monkeypatch):
-    """The training forward at pair_dim 384, hidden 128 and N past the in-pass contraction's 64 (where
-    wgmma_rs_384 takes the output pass) with the normalized gate (_gate_reads_x_hat), bf16 parameters and
+                                                         ("outgoing", 1, 363, None)])
+def test_training_forward_gate_from_x_hat(direction, batch, n, saves, pair_dim, dtype, monkeypatch):
+    """The training forward at pair_dim 128 or 384, hidden 128 and N past the in-pass contraction's 64 (where
+    wgmma_rs / wgmma_rs_384 take the output pass) with the normalized gate (_gate_reads_x_hat), bf16 parameters and
     inputs or fp32 ones at "medium": its output pass reads x_hat, the input pass's bf16 LayerNorm_in rows, as a raw
     gate with out_gate folded with LayerNorm_in's affine (ForwardArgs::gate_rows: out in pair's dtype). The
     training forward's output (poisoned memory) within the precision's tolerance of fp64 and of the inference
     forward's (normalized gate in the pass), with masks that zero rows; folded once. The forward keeps x_hat where
-    it keeps z (backward_saves "z", or None past the graphed sizes: N = 211)."""
+    it keeps z (backward_saves "z", or None past the graphed sizes: N = 363 is past GRAPHED_BACKWARD_POSITIONS)."""
     monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)  # (x_hat is kept for a 16-bit backward at any size)
-    folds = []
+    folds = []  # per request for the folded gate weights: whether it folded (none derived for these weights yet)
     original = ti._x_hat_gate_weights
-    monkeypatch.setattr(ti, "_x_hat_gate_weights", lambda *a: folds.append(1) or original(*a))
+    monkeypatch.setattr(ti, "_x_hat_gate_weights",
+                        lambda *a: folds.append(getattr(a[0], "x_hat_gate", None) is None) or original(*a))
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     hidden = 128
-    reference = random_layers(ti.Model(384, hidden, direction, "normalized").double(), g)
+    reference = random_layers(ti.Model(pair_dim, hidden, direction, "normalized").double(), g)
     if dtype == torch.bfloat16:
         reference.load_state_dict({k: v.bfloat16().double() for k, v in reference.state_dict().items()})
     new = _make_new(reference, dtype, precision="medium")
     new.backward_saves = saves
-    pair, mask = random_inputs(batch, n, 384, g)
+    pair, mask = random_inputs(batch, n, pair_dim, g)
     mask[0, n // 2] = False
     pair = pair.to(dtype).cuda()
     mask = mask.cuda()
@@ -2181,10 +2183,13 @@ def test_training_forward_gate_from_x_hat(direction, batch, n, saves, dtype, mon
         ref = reference.cuda()(pair.double(), mask)
         poison_allocator()
         inference = new(pair, mask)
+    inference_requests = len(folds)
     poison_allocator()
     trained = new(pair.clone().requires_grad_(), mask)
-    assert len(folds) == 1, f"the training forward folded the gate {len(folds)} times"
-    label = f"{direction} {(batch, n, 384, hidden)} {dtype} (seed {seed})"
+    label = f"{direction} {(batch, n, pair_dim, hidden)} {dtype} (seed {seed})"
+    assert len(folds) - inference_requests == 1, f"{label}: the training forward asked for the folded gate " \
+        f"{len(folds) - inference_requests} times"
+    assert sum(folds) == 1, f"{label}: the gate folded {sum(folds)} times"
     assert trained.dtype == dtype and not trained.isnan().any(), label
     err, err_inference = rel_error(trained, ref), rel_error(inference, ref)
     assert err < tolerance and rel_error(trained, inference) < tolerance, \
@@ -2241,14 +2246,15 @@ def test_gate_reads_x_hat_rule():
 @HOPPER
 @pytest.mark.parametrize("pair_dim, hidden, n, dtype, takes", [(384, 128, 72, torch.bfloat16, True),
                                                                 (384, 128, 72, torch.float32, True),
-                                                                (128, 128, 72, torch.bfloat16, False),
+                                                                (128, 128, 72, torch.bfloat16, True),
+                                                                (128, 128, 72, torch.float32, True),
                                                                 (384, 64, 72, torch.bfloat16, False),
                                                                 (384, 128, 33, torch.bfloat16, False),
                                                                 (384, 128, 72, torch.float16, False)])
 def test_forward_plan_says_gate_rows(pair_dim, hidden, n, dtype, takes):
-    """forward_plan's "gate_rows": the output role's default order takes the gate on bf16 rows at pair_dim 384,
-    hidden 128 with a z buffer (N > 64) in the 16-bit-product modes (wgmma_rs_384, registered as reading them) and
-    nowhere else; an output pass handed gate_rows where no output kernel reads them is refused with a message, not
+    """forward_plan's "gate_rows": the output role's default order takes the gate on bf16 rows at pair_dim 128 or
+    384, hidden 128 with a z buffer (N > 64) in the 16-bit-product modes (wgmma_rs, wgmma_rs_384, registered as
+    reading them) and nowhere else; an output pass handed gate_rows where no output kernel reads them is refused with a message, not
     run on pair."""
     steps = _gate_rows_steps(pair_dim, hidden, n, dtype)
     assert steps.plan["gate_rows"] is takes, steps.plan

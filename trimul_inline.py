@@ -935,9 +935,9 @@ def _f16x3_weights(w_in, w_gate, w_out, ln_w, ln_b, pair_dim: int, hidden: int, 
 # them for the backward) and whose gate reads the normalized input runs its output pass with the gate on x_hat as
 # a raw gate, LayerNorm_in's affine folded into out_gate: the same gate, sigmoid(x_hat (W diag(w))^T + b + W b_ln),
 # with no LayerNorm in the pass, and fp32 pairs' gate reading bf16 rows. Where: an output kernel registered as
-# reading gate rows takes the call (forward_plan's "gate_rows": wgmma_rs_384, pair_dim 384; the normalized gate's
-# pass there, wgmma_ws, is the slower one; at pair_dim 128 the gate on x_hat gained no step: bench/NOTES.md), under
-# the output role's default order (a named output kernel runs as named).
+# reading gate rows takes the call (forward_plan's "gate_rows": wgmma_rs_384 at pair_dim 384, whose normalized
+# gate's pass, wgmma_ws, is the slower one; wgmma_rs at pair_dim 128, its in-register LayerNorm skipped:
+# bench/NOTES.md), under the output role's default order (a named output kernel runs as named).
 def _gate_reads_x_hat(plan: dict, x_hat: Optional[torch.Tensor], output_kernel: Optional[str],
                       gate_normalized: bool) -> bool:
     """Whether the training forward's output pass reads x_hat as a raw gate (the rule above); plan: the forward's

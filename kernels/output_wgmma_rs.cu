@@ -18,7 +18,9 @@ namespace output_pass {
 // rows), and with the gate on LayerNorm_in(pair) the rows are normalized in registers (statistics over the
 // quad that holds a row). Per 64 output channels: the gate product and out_proj's (K = 128 each), then out =
 // sigmoid(gate + b) * (rstd proj + b) through a per-warp staging tile (row-swizzled), so each store
-// instruction writes whole 128-byte lines of output rows instead of 16 bytes of eight rows.
+// instruction writes whole 128-byte lines of output rows instead of 16 bytes of eight rows. With
+// ForwardArgs::gate_rows (kGateRows) the gate's rows are those bf16 rows instead of pair's (the training
+// forward's x_hat, a raw gate), and out keeps pair's dtype.
 namespace wgmma_rs {
 
 using namespace ::trimul::tma;
@@ -87,10 +89,11 @@ struct EightChannels {
   }
 };
 
-template <typename TIn>
+template <typename TIn, bool kGateRows>
 __global__ void __launch_bounds__(kThreads, 1)
     kernel(const ForwardArgs args, const __grid_constant__ CUtensorMap map_z, int64_t tiles_per_batch) {
   using Op = __nv_bfloat16;
+  using TRow = std::conditional_t<kGateRows, Op, TIn>;  // the gate rows' type
   constexpr int kRowBytes = stage_row_bytes<TIn>();
   extern __shared__ uint8_t smem_raw[];
   uint8_t* w_gate = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);  // [part][k-tile], k permuted
@@ -111,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int64_t n = args.n, plane = n * args.ldz, tiles = args.batch * tiles_per_batch;
   const int64_t stride = int64_t(gridDim.x) * kGroups;
   int64_t tile = int64_t(blockIdx.x) * kGroups + group;
-  const bool normalized = args.gate_normalized;
+  const bool normalized = !kGateRows && args.gate_normalized;
   const auto load_z = [&](int64_t at) { load_z_tile(z_tile, &map_z, &z_full[group], at, tiles_per_batch); };
   if (threadIdx.x == 0) {
     for (int i = 0; i < kGroups; ++i) mbar_init(&z_full[i], 1);
@@ -133,11 +136,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   fence_proxy_async();  // (the weights were written by st.shared; wgmma reads them through the async proxy)
   __syncthreads();
 
-  const TIn* pair = static_cast<const TIn*>(args.pair);
+  const TRow* gate_rows = static_cast<const TRow*>(kGateRows ? args.gate_rows : args.pair);
   TIn* out = static_cast<TIn*>(args.out);
   // This thread's gate rows of a tile (positions 16 warp4 + g and + 8: its rows of the A fragments), channels
   // 32u + 8t .. + 7 of each, and the rows' output offsets (-1: no position).
-  const auto load_rows = [&](int64_t at, EightChannels<TIn> (&rows)[2][4], int64_t (&out_off)[2]) {
+  const auto load_rows = [&](int64_t at, EightChannels<TRow> (&rows)[2][4], int64_t (&out_off)[2]) {
     const int64_t batch = at / tiles_per_batch, q0 = (at - batch * tiles_per_batch) * kPositions;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
@@ -145,16 +148,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t q = static_cast<uint32_t>(q0 + 16 * warp4 + g + 8 * hf);
       const uint32_t i = q / static_cast<uint32_t>(args.ldz), j = q - i * static_cast<uint32_t>(args.ldz);
       const bool valid = at < tiles && q < plane && j < n;
-      const int64_t row = valid ? batch * args.pair_sb + i * args.pair_sr + j * args.pair_sc : -1;
       out_off[hf] = valid ? ((batch * n + i) * n + j) * kC : -1;
+      // (gate rows [P, kC]: a position's row starts where its out row does)
+      const int64_t row = !valid ? -1 : kGateRows ? out_off[hf] : batch * args.pair_sb + i * args.pair_sr + j * args.pair_sc;
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        if (row >= 0) rows[hf][u].load(pair + row + 32 * u + 8 * t);
+        if (row >= 0) rows[hf][u].load(gate_rows + row + 32 * u + 8 * t);
         else rows[hf][u].clear();
       }
     }
   };
-  EightChannels<TIn> rows[2][4];
+  EightChannels<TRow> rows[2][4];
   int64_t out_off[2];
   load_rows(tile, rows, out_off);
   int z_parity = 0;
@@ -204,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        if constexpr (std::is_same<TIn, Op>::value) {
+        if constexpr (std::is_same<TRow, Op>::value) {
           if (!normalized) {  // (bf16 rows: the pairs are the operands as they are)
             xf[2 * u][hf] = rows[hf][u].raw[0].x;
             xf[2 * u][2 + hf] = rows[hf][u].raw[0].y;
@@ -263,15 +267,27 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // Whether it takes these sizes: sm_90a on Hopper, "medium" (bf16 operands and z), pair_dim and H 128 exactly
-// (out_gate / out_proj rows of 128), rows in 16-byte vectors, a separate contraction's z whose planes TMA can
-// read (rows of 16-byte multiples), planes below 2^32 positions.
+// (out_gate / out_proj rows of 128), rows in 16-byte vectors (pair's, or gate_rows 16-byte aligned, read as a
+// raw gate), a separate contraction's z whose planes TMA can read (rows of 16-byte multiples), planes below 2^32
+// positions.
 template <Mode M, typename TIn>
 bool applicable(const ForwardArgs& args) {
+  const bool rows_ok = args.gate_rows != nullptr
+                           ? reinterpret_cast<uintptr_t>(args.gate_rows) % 16 == 0 && !args.gate_normalized
+                           : rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair);
   return tensor_map_encoder() != nullptr && args.z != nullptr && args.z_dtype == Dtype::bf16 && args.c == kC &&
-         args.c_pad == kC && args.h == kH && args.h_pad == kH &&
-         rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair) &&
+         args.c_pad == kC && args.h == kH && args.h_pad == kH && rows_ok &&
          (args.n * args.ldz) % 8 == 0 && args.n * args.ldz < (int64_t(1) << 32) &&
          args.batch * kH < (int64_t(1) << 31) && smem_bytes<TIn>() <= max_smem_optin();
+}
+
+template <typename TIn, bool kGateRows>
+cudaError_t launch_grid(const ForwardArgs& args, const CUtensorMap& map_z, int64_t blocks, int64_t tiles_per_batch) {
+  constexpr int64_t bytes = smem_bytes<TIn>();
+  const cudaError_t status = allow_smem<kernel<TIn, kGateRows>>(bytes);
+  if (status != cudaSuccess) return status;
+  kernel<TIn, kGateRows><<<static_cast<unsigned>(blocks), kThreads, bytes, args.stream>>>(args, map_z, tiles_per_batch);
+  return cudaGetLastError();
 }
 
 template <Mode M, typename TIn>
@@ -281,11 +297,8 @@ cudaError_t launch(const ForwardArgs& args) {
   if (!encode_kmajor_map<__nv_bfloat16>(&map_z, args.z, 0, args.batch * kH, plane, kH)) return cudaErrorNotSupported;
   const int64_t tiles_per_batch = ceil_div(plane, kPositions);
   const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, kGroups));
-  constexpr int64_t bytes = smem_bytes<TIn>();
-  const cudaError_t status = allow_smem<kernel<TIn>>(bytes);
-  if (status != cudaSuccess) return status;
-  kernel<TIn><<<static_cast<unsigned>(blocks), kThreads, bytes, args.stream>>>(args, map_z, tiles_per_batch);
-  return cudaGetLastError();
+  return args.gate_rows != nullptr ? launch_grid<TIn, true>(args, map_z, blocks, tiles_per_batch)
+                                   : launch_grid<TIn, false>(args, map_z, blocks, tiles_per_batch);
 }
 
 }  // namespace wgmma_rs
@@ -293,4 +306,4 @@ cudaError_t launch(const ForwardArgs& args) {
 }  // namespace output_pass
 }  // namespace trimul
 
-TRIMUL_REGISTER_PASS(output, wgmma_rs, trimul::output_pass::wgmma_rs, trimul::fused::kBf16Mode);
+TRIMUL_REGISTER_OUTPUT_PASS_READING_GATE_ROWS(wgmma_rs, trimul::output_pass::wgmma_rs, trimul::fused::kBf16Mode);
