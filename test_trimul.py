@@ -379,7 +379,7 @@ def test_planned_calls_skip_checks_until_a_parameter_changes(monkeypatch):
     class FakeExtension:
         kernel_library = "fake"
 
-        def forward(self, pair, mask, weights, options):
+        def forward(self, pair, mask, weights, options, gate_weights):
             calls.append(options)
             return pair
 
@@ -390,12 +390,12 @@ def test_planned_calls_skip_checks_until_a_parameter_changes(monkeypatch):
     with torch.no_grad():
         assert model._forward_planned(pair, mask) is None  # nothing planned yet
         model._prepared_weights("bf16")
-        model._plans[model._plan_key(pair, mask)] = ("bf16", ti.Kernels(), options, ti._DEFAULT_EXTENSION)
+        model._plans[model._plan_key(pair, mask)] = ("bf16", ti.Kernels(), options, ti._DEFAULT_EXTENSION, False)
         assert model(pair, mask) is pair and calls == [options]
         assert model._forward_planned(pair.double(), mask) is None  # another signature
         model.out_proj.weight.mul_(2.0)
         assert model._forward_planned(pair, mask) is None and not model._plans  # re-validate
-    model._plans[model._plan_key(pair, mask)] = ("bf16", ti.Kernels(), options, ti._DEFAULT_EXTENSION)
+    model._plans[model._plan_key(pair, mask)] = ("bf16", ti.Kernels(), options, ti._DEFAULT_EXTENSION, False)
     assert model._forward_planned(pair, mask) is None  # grad mode: the autograd-aware path
     with torch.no_grad():
         monkeypatch.setattr(ti, "_DEFAULT_EXTENSION", FakeExtension())  # another extension (a reload)
@@ -2284,6 +2284,45 @@ def _steps_up_to_output(steps):
 def _gate_options(steps, hidden, gate_normalized):
     """ForwardOptions for the steps' mode, the default order, outgoing, with the gate normalized or raw."""
     return ti._forward_options(ti.Kernels(), steps._mode, False, gate_normalized, 1e-5, 1e-5, hidden)
+
+
+@HOPPER
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("direction, n", [("outgoing", 129), ("incoming", 97)])
+def test_inference_gate_on_x_hat(direction, n, dtype):
+    """The inference forward with the normalized gate at pair_dim 384, hidden 128 (forward_plan's
+    "inference_gate_rows"): the input pass also writes x_hat and the output pass reads it as a raw gate, out_gate
+    folded with LayerNorm_in's affine. The output (poisoned memory) within the precision's tolerance of fp64 and of
+    the normalized gate in the pass (output=wgmma_ws named: the plan then says no; N large enough for its tiles to
+    give every SM one), with masks that zero rows; the planned second call bit for bit the first; at pair_dim 128
+    the plan says no (one kernel does both gates)."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(384, 128, direction, "normalized").double(), g)
+    if dtype == torch.bfloat16:
+        reference.load_state_dict({k: v.bfloat16().double() for k, v in reference.state_dict().items()})
+    new = _make_new(reference, dtype, precision="medium")
+    in_pass = _make_new(reference, dtype, kernels="output=wgmma_ws", precision="medium")
+    pair, mask = random_inputs(1, n, 384, g)
+    mask[0, n // 3] = False
+    pair, mask = pair.to(dtype).cuda(), mask.cuda()
+    tolerance = TOLERANCE[torch.bfloat16] if dtype == torch.bfloat16 else FUSED_TOLERANCE["medium"]
+    narrow = ti.ModelNew(128, 128, gate_input="normalized", precision="medium").cuda().to(dtype)
+    with torch.no_grad():
+        assert new.forward_steps(pair, mask).plan["inference_gate_rows"]
+        assert not in_pass.forward_steps(pair, mask).plan["inference_gate_rows"]
+        assert not narrow.forward_steps(pair[..., :128].contiguous(), mask).plan["inference_gate_rows"]
+        ref = reference.cuda()(pair.double(), mask)
+        poison_allocator()
+        out = new(pair, mask)
+        again = new(pair, mask)
+        poison_allocator()
+        other = in_pass(pair, mask)
+    label = f"{direction} N = {n} {dtype} (seed {seed})"
+    assert any(getattr(w, "x_hat_gate", None) is not None for _, w in new._weights_cache.values()), label
+    err = rel_error(out, ref)
+    assert err < tolerance and rel_error(out, other) < tolerance, f"{label}: {err:.2e} against fp64"
+    assert torch.equal(out, again), label
 
 
 @HOPPER

@@ -2180,7 +2180,8 @@ class ModelNew(_TriMulLayers):
         self.kernels, self.precision, self.backward_saves = parse_kernels(kernels), precision, backward_saves
         self.process_group = process_group  # not state: a process group does not pickle
         self._weights_cache = {}  # mode -> (parameter versions, prepared weights); not state
-        self._plans = {}  # call signature -> (mode, kernels, ForwardOptions, extension) (see _plan_key)
+        self._plans = {}  # call signature -> (mode, kernels, ForwardOptions, extension, gated) (see _plan_key)
+        self._gate_choices = {}  # call signature -> (extension, whether forward() gates on x_hat there)
         self._fast = None  # (extension, the last planned signature's decisions checked in C++: _fast_plan)
 
     def extra_repr(self) -> str:
@@ -2205,6 +2206,7 @@ class ModelNew(_TriMulLayers):
         state["_fast"] = None
         state["process_group"] = None
         state["_plans"] = {}
+        state["_gate_choices"] = {}
         return state
 
     def __setstate__(self, state):
@@ -2212,6 +2214,7 @@ class ModelNew(_TriMulLayers):
         self.__dict__.setdefault("_fast", None)
         self.__dict__.setdefault("process_group", None)
         self.__dict__.setdefault("backward_saves", None)
+        self.__dict__.setdefault("_gate_choices", {})
 
     def forward(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor,
                 chunk_size: Optional[int] = None) -> torch.Tensor:
@@ -2332,13 +2335,14 @@ class ModelNew(_TriMulLayers):
         plan = self._plans.get(self._plan_key(pair_repr, pair_mask))
         if plan is None:
             return None
-        mode, kernels, options, extension = plan
+        mode, kernels, options, extension, gated = plan
         weights, refreshed = self._prepared_weights_and_freshness(mode)
         if refreshed or extension is not _extension():  # parameters changed (device, dtype...), or a reload
             self._plans.clear()
             return None
+        gate_weights = self._x_hat_gate_weights(weights) if gated else None
         with _bmm_precision(kernels, mode):
-            return extension.forward(pair_repr, pair_mask, weights, options)
+            return extension.forward(pair_repr, pair_mask, weights, options, gate_weights)
 
     def refresh_weights(self) -> None:
         """Drops the kernel-layout copies of the weights. They refresh by themselves when a
@@ -2384,8 +2388,9 @@ class ModelNew(_TriMulLayers):
         weights = self._prepared_weights(mode)
         options = _forward_options(kernels, *values)
         try:
+            gate_weights = self._inference_gate_weights(pair_repr, pair_mask, mode, kernels, weights, options)
             with _bmm_precision(kernels, mode):
-                out = _extension().forward(pair_repr, pair_mask, weights, options)
+                out = _extension().forward(pair_repr, pair_mask, weights, options, gate_weights)
         except NotImplementedError:  # nothing of a default order takes this call: the unfused path
             return self._forward_unfused(*original)
         if (not torch.is_grad_enabled() and not _is_torch_kernel("contract", kernels.contract)
@@ -2393,8 +2398,9 @@ class ModelNew(_TriMulLayers):
                 and pair_repr.numel() // pair_repr.shape[-1] <= _CHUNK_CHECK_POSITIONS):  # (larger: memory per call)
             # This signature passed check_inputs and needs no copy or conversion: plan it.
             extension = _extension()
-            self._plans[self._plan_key(pair_repr, pair_mask)] = (mode, kernels, options, extension)
-            fast = self._fast_plan(pair_repr, pair_mask, self.resolved_precision(), weights, options)
+            self._plans[self._plan_key(pair_repr, pair_mask)] = (mode, kernels, options, extension,
+                                                                 gate_weights is not None)
+            fast = self._fast_plan(pair_repr, pair_mask, self.resolved_precision(), weights, options, gate_weights)
             self._fast = None if fast is None else (extension, fast)
         return out
 
@@ -2415,7 +2421,28 @@ class ModelNew(_TriMulLayers):
         except NotImplementedError as error:
             raise ValueError(f"trimul_inline: the fused kernels do not take this call ({error})") from error
 
-    def _fast_plan(self, pair_repr, pair_mask, precision, weights, options):
+    def _x_hat_gate_weights(self, weights):
+        """The prepared weights with out_gate folded with LayerNorm_in's affine (_x_hat_gate_weights, kept beside
+        `weights` once made)."""
+        return _x_hat_gate_weights(weights, _with_zero_biases(_param_list_eager(self)))
+
+    def _inference_gate_weights(self, pair_repr, pair_mask, mode, kernels, weights, options):
+        """The folded gate weights where the inference forward gates on x_hat (forward_plan's
+        "inference_gate_rows", asked once per call signature; see the extension's gate_rows_plan: at pair_dim 384
+        the normalized gate's output pass is the slower kernel), else None; None too where x_hat's [B*N*N, C] bf16
+        would not fit beside the fused buffers."""
+        if self.gate_input != "normalized" or mode != "bf16" or kernels.output:
+            return None
+        extension, key = _extension(), self._plan_key(pair_repr, pair_mask)
+        choice = self._gate_choices.get(key)
+        if choice is None or choice[0] is not extension:
+            plan = extension.forward_plan(pair_repr, pair_mask, weights, options)
+            choice = self._gate_choices[key] = (extension, plan["inference_gate_rows"])
+        if not choice[1] or not _fused_buffers_fit(pair_repr, self.hidden_dim, mode, x_hat=True):
+            return None
+        return self._x_hat_gate_weights(weights)
+
+    def _fast_plan(self, pair_repr, pair_mask, precision, weights, options, gate_weights=None):
         """The C++ side of the planned path (the extension's PlannedForward): the signature and
         what _plan_key and the weights' freshness read, compared without Python per call. None
         under autocast or with parameters outside the modules' own dicts (parametrizations)."""
@@ -2435,7 +2462,7 @@ class ModelNew(_TriMulLayers):
         attributes = [(None, name, getattr(self, name)) for name in ("kernels", "direction", "gate_input")]
         attributes += [(modules[name], "eps", modules[name].eps) for name in ("layer_norm_in", "layer_norm_out")]
         return _extension().PlannedForward(entries, attributes, params, pair_repr, pair_mask, precision, weights,
-                                           options)
+                                           options, gate_weights)
 
     def _forward_sharded(self, pair_repr, pair_mask):
         """This rank's rows of the update (process_group): the per-position layers on its rows, the contraction
@@ -2519,14 +2546,14 @@ def _free_bytes(device: torch.device) -> int:
 _CHUNK_CHECK_POSITIONS = 1 << 22  # smaller problems never chunk by themselves (and skip the memory query)
 
 
-def _fused_buffers_fit(pair: torch.Tensor, hidden: int, mode: str) -> bool:
-    """Whether the fused forward's buffers (a and b, z, the output) fit in the free GPU memory; problems under
-    _CHUNK_CHECK_POSITIONS positions are taken to fit."""
+def _fused_buffers_fit(pair: torch.Tensor, hidden: int, mode: str, x_hat: bool = False) -> bool:
+    """Whether the fused forward's buffers (a and b, z, the output; x_hat: LayerNorm_in's bf16 rows too) fit in
+    the free GPU memory; problems under _CHUNK_CHECK_POSITIONS positions are taken to fit."""
     batch, n, _, c = pair.shape
     if not pair.is_cuda or batch * n * n <= _CHUNK_CHECK_POSITIONS or torch.compiler.is_compiling():
         return True
     operand = _chunk_operand(pair.dtype, mode).itemsize
-    needed = 3 * batch * hidden * n * n * operand + pair.numel() * pair.element_size()
+    needed = 3 * batch * hidden * n * n * operand + pair.numel() * pair.element_size() + x_hat * 2 * pair.numel()
     return needed * 1.05 <= _free_bytes(pair.device)
 
 

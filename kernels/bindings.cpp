@@ -413,16 +413,46 @@ at::Tensor new_out(const at::Tensor& pair) {
   return at::empty_like(pair, pair.options().memory_format(at::MemoryFormat::Contiguous));
 }
 
-// The whole forward in one call: input pass -> contraction -> output pass.
+// The output step's plan with the gate on x_hat as a raw gate (gate_weights: prepare_weights' list with out_gate
+// folded with LayerNorm_in's affine, trimul_inline._x_hat_gate_weights), where forward() takes that path: the
+// normalized gate, the output role not chosen by name, an input kernel that writes x_hat, a z buffer, and an
+// output kernel of the default order that reads gate rows which is not the normalized gate's own (where one
+// kernel does both, its in-register LayerNorm costs less than writing x_hat: bench/NOTES.md), a contiguous pair.
+// Else none.
+c10::optional<Planned> gate_rows_plan(const Planned& p, const at::Tensor& pair, const at::Tensor& mask,
+                                      const std::vector<at::Tensor>& gate_weights, const ForwardOptions& options) {
+  const int output = static_cast<int>(trimul::Role::output);
+  if (!options.gate_normalized || p.plan.chosen[output] || !p.plan.x_hat_rows || !p.plan.output_gate_rows ||
+      !p.plan.z_buffer || !pair.is_contiguous())  // (x_hat's rows in position order: input_pass's condition)
+    return c10::nullopt;
+  ForwardOptions raw = options;
+  raw.gate_normalized = false;
+  // (a placeholder for the rows while planning: applies() tests presence and alignment only)
+  Planned q = plan_call(pair, mask, gate_weights, raw, reinterpret_cast<const void*>(uintptr_t(1) << 12));
+  if (q.plan.kernels[output] == p.plan.kernels[output] || !q.plan.z_buffer) return c10::nullopt;
+  return q;
+}
+
+// The whole forward in one call: input pass -> contraction -> output pass. gate_weights (16-bit-product modes,
+// the normalized gate): out_gate folded with LayerNorm_in's affine, for the gate on x_hat where gate_rows_plan
+// takes it (x_hat then written by the input pass, [B*N*N, C] bf16 more memory until the output pass).
 at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
-                   const ForwardOptions& options) {
+                   const ForwardOptions& options, const c10::optional<std::vector<at::Tensor>>& gate_weights) {
   const c10::cuda::CUDAGuard guard(pair.device());
   Planned p = plan_call(pair, mask, weights, options);
   if (p.args.batch == 0 || p.args.n == 0) return new_out(pair);
+  c10::optional<Planned> gated =
+      gate_weights.has_value() ? gate_rows_plan(p, pair, mask, *gate_weights, options) : c10::nullopt;
   p.args.output_follows_input = true;  // (one call: nothing runs between the passes)
   const auto options_for = [&](trimul::Dtype dtype) { return pair.options().dtype(scalar_type(dtype)); };
   // a_t and b_t in one allocation (a small forward's host time is mostly per-call work like each at::empty)
   at::Tensor ab = at::empty(ab_shape(p), options_for(p.plan.ab_dtype));
+  at::Tensor x_hat;
+  if (gated.has_value()) {
+    x_hat = at::empty(x_hat_shape(p), pair.options().dtype(at::kBFloat16));
+    p.args.x_hat = x_hat.data_ptr();
+    gated->args.gate_rows = x_hat.data_ptr();
+  }
   run_input(p, ab);
   if (!p.plan.z_buffer) {
     at::Tensor out = new_out(pair);
@@ -431,9 +461,9 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
   }
   at::Tensor z = at::empty(z_shape(p), options_for(p.args.z_dtype));
   run_contraction(p, ab, z);
-  ab.reset();  // back to the allocator, so `out` can reuse its memory (peak: z + max(a+b, out))
+  ab.reset();  // back to the allocator, so `out` can reuse its memory (peak: z + max(a+b, out), + x_hat)
   at::Tensor out = new_out(pair);
-  run_output(p, at::Tensor(), z, out);
+  run_output(gated.has_value() ? *gated : p, at::Tensor(), z, out);
   return out;
 }
 
@@ -458,6 +488,9 @@ py::dict forward_plan(const at::Tensor& pair, const at::Tensor& mask, const std:
   // (whether the output role's default order also takes the call with the gate on such rows: output_pass's
   // gate_rows, a raw gate with out_gate folded with LayerNorm_in's affine)
   d["gate_rows"] = p.plan.output_gate_rows;
+  // (whether forward() given gate weights takes the gate on x_hat: gate_rows_plan; weights stand in for the
+  // folded ones, whose shapes and dtypes they share)
+  d["inference_gate_rows"] = gate_rows_plan(p, pair, mask, weights, options).has_value();
   return d;
 }
 
@@ -1495,7 +1528,8 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
 class PlannedForward {
  public:
   PlannedForward(py::list entries, py::list attributes, std::vector<at::Tensor> params, const at::Tensor& pair,
-                 const at::Tensor& mask, py::str precision, std::vector<at::Tensor> weights, ForwardOptions options)
+                 const at::Tensor& mask, py::str precision, std::vector<at::Tensor> weights, ForwardOptions options,
+                 c10::optional<std::vector<at::Tensor>> gate_weights)
       : params_(std::move(params)),
         pair_sizes_(pair.sizes().vec()),
         mask_sizes_(mask.sizes().vec()),
@@ -1505,7 +1539,8 @@ class PlannedForward {
         pair_channel_stride_(pair.stride(-1)),
         precision_(std::move(precision)),
         weights_(std::move(weights)),
-        options_(std::move(options)) {
+        options_(std::move(options)),
+        gate_weights_(std::move(gate_weights)) {
     // (raw pointers into tuples that held_ keeps alive: the per-call checks skip pybind's accessors)
     for (const auto& entry : entries) {
       const auto t = entry.cast<py::tuple>();
@@ -1555,7 +1590,8 @@ class PlannedForward {
 
   py::object run(py::handle module, py::handle pair, py::handle mask, py::handle precision) const {
     if (!matches(module, pair, mask, precision)) return py::none();
-    return py::cast(forward(THPVariable_Unpack(pair.ptr()), THPVariable_Unpack(mask.ptr()), weights_, options_));
+    return py::cast(
+        forward(THPVariable_Unpack(pair.ptr()), THPVariable_Unpack(mask.ptr()), weights_, options_, gate_weights_));
   }
 
  private:
@@ -1575,6 +1611,7 @@ class PlannedForward {
   py::str precision_;
   std::vector<at::Tensor> weights_;
   ForwardOptions options_;
+  c10::optional<std::vector<at::Tensor>> gate_weights_;
 };
 
 }  // namespace
@@ -1592,7 +1629,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("kernels"), py::arg("mode"), py::arg("incoming"), py::arg("gate_normalized"), py::arg("eps_in"),
            py::arg("eps_out"), py::arg("hidden"));
-  m.def("forward", &forward, "the fused forward: input pass, contraction, output pass");
+  m.def("forward", &forward, "the fused forward: input pass, contraction, output pass (the gate on x_hat where "
+        "gate weights are given and forward_plan says inference_gate_rows)", py::arg("pair"), py::arg("mask"),
+        py::arg("weights"), py::arg("options"), py::arg("gate_weights") = py::none());
   m.def("forward_plan", &forward_plan, "each role's kernel and the buffers of the steps, for a call");
   m.def("input_pass", &input_pass, "the input pass into ab (and x_hat, where given)", py::arg("pair"), py::arg("mask"),
         py::arg("weights"), py::arg("options"), py::arg("ab"), py::arg("x_hat") = py::none(),
@@ -1620,7 +1659,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the whole backward on the library's backward kernels and cuBLAS ([] where a role is a torch baseline)");
   py::class_<PlannedForward>(m, "PlannedForward", "a checked eager call's decisions (ModelNew._fast)")
       .def(py::init<py::list, py::list, std::vector<at::Tensor>, const at::Tensor&, const at::Tensor&, py::str,
-                    std::vector<at::Tensor>, ForwardOptions>())
+                    std::vector<at::Tensor>, ForwardOptions, c10::optional<std::vector<at::Tensor>>>())
       .def("matches", &PlannedForward::matches, "whether run() would take this call")
       .def("run", &PlannedForward::run, "forward() for a call that matches, else None");
 }
