@@ -2203,8 +2203,8 @@ def test_training_forward_gate_from_x_hat(direction, batch, n, saves, pair_dim, 
 def test_training_x_hat_from_a_non_contiguous_pair(dtype, monkeypatch):
     """A training step whose pair_repr is a transposed view (channel stride 1, rows strided) at pair_dim 384, where
     the input pass writes x_hat for the backward and the output gate reads it: output and every gradient equal,
-    bit for bit, those of the same values made contiguous first (x_hat's rows in position order either way), and
-    an input pass asked to write x_hat from a non-contiguous pair refuses with a message."""
+    bit for bit, those of the same values made contiguous first, and so do the x_hat rows an input pass writes from
+    either (in pair_repr's position order, whatever its strides)."""
     monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)  # (x_hat is kept for a 16-bit backward at any size)
     g = torch.Generator().manual_seed(fresh_seed())
     reference = random_layers(ti.Model(384, 128, "outgoing", "normalized"), g)
@@ -2225,10 +2225,14 @@ def test_training_x_hat_from_a_non_contiguous_pair(dtype, monkeypatch):
     (out_t, grad_t, params_t), (out_c, grad_c, params_c) = runs
     assert torch.equal(out_t, out_c) and torch.equal(grad_t, grad_c)
     assert all(torch.equal(a, b) for a, b in zip(params_t, params_c))
-    steps = new.forward_steps(pair.transpose(1, 2), mask)
-    if steps.plan["x_hat_shape"] is not None:
-        with pytest.raises(ValueError, match="contiguous pair"):
-            steps.input_pass(steps.new_ab(), steps.new_x_hat())
+    x_hats = []
+    for view in (pair.transpose(1, 2), pair.transpose(1, 2).contiguous()):
+        steps = new.forward_steps(view, mask)
+        x_hat = steps.new_x_hat()
+        assert x_hat is not None, steps.plan
+        steps.input_pass(steps.new_ab(), x_hat)
+        x_hats.append(x_hat)
+    assert torch.equal(*x_hats)
 
 
 def test_gate_reads_x_hat_rule():
@@ -2294,8 +2298,9 @@ def test_inference_gate_on_x_hat(direction, n, dtype):
     "inference_gate_rows"): the input pass also writes x_hat and the output pass reads it as a raw gate, out_gate
     folded with LayerNorm_in's affine. The output (poisoned memory) within the precision's tolerance of fp64 and of
     the normalized gate in the pass (output=wgmma_ws named: the plan then says no; N large enough for its tiles to
-    give every SM one), with masks that zero rows; the planned second call bit for bit the first; at pair_dim 128
-    the plan says no (one kernel does both gates)."""
+    give every SM one), with masks that zero rows; the planned second call bit for bit the first; a strided view of
+    pair takes the path too (x_hat's rows by position); at pair_dim 128 the plan says no (one kernel does both
+    gates)."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(384, 128, direction, "normalized").double(), g)
@@ -2318,11 +2323,15 @@ def test_inference_gate_on_x_hat(direction, n, dtype):
         again = new(pair, mask)
         poison_allocator()
         other = in_pass(pair, mask)
+        strided = pair.transpose(1, 2).contiguous().transpose(1, 2)  # (pair's values, channel stride 1, rows strided)
+        assert new.forward_steps(strided, mask).plan["inference_gate_rows"]
+        from_view = new(strided, mask)
     label = f"{direction} N = {n} {dtype} (seed {seed})"
     assert any(getattr(w, "x_hat_gate", None) is not None for _, w in new._weights_cache.values()), label
     err = rel_error(out, ref)
     assert err < tolerance and rel_error(out, other) < tolerance, f"{label}: {err:.2e} against fp64"
     assert torch.equal(out, again), label
+    assert rel_error(from_view, out) < tolerance, f"{label}: a strided view of pair"
 
 
 @HOPPER

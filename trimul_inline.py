@@ -1938,8 +1938,6 @@ def _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_n
         out = _run_fused_forward(pair, mask, weights, chosen[:len(FORWARD_ROLES)], mode, incoming, gate_normalized,
                                  eps_in, eps_out, hidden)
         return out if keep_z is None else (out, None, None, None, None)
-    if not pair.is_contiguous():  # (x_hat's rows go in position order: an input kernel may write them at pair's)
-        pair = pair.contiguous()
     options = _forward_options(chosen[:len(FORWARD_ROLES)], mode, incoming, gate_normalized, eps_in, eps_out, hidden)
     steps = ForwardSteps(pair, mask, weights, options, mode)
     operand = _backward_dtype(mode, pair)

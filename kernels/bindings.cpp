@@ -417,13 +417,12 @@ at::Tensor new_out(const at::Tensor& pair) {
 // folded with LayerNorm_in's affine, trimul_inline._x_hat_gate_weights), where forward() takes that path: the
 // normalized gate, the output role not chosen by name, an input kernel that writes x_hat, a z buffer, and an
 // output kernel of the default order that reads gate rows which is not the normalized gate's own (where one
-// kernel does both, its in-register LayerNorm costs less than writing x_hat: bench/NOTES.md), a contiguous pair.
-// Else none.
+// kernel does both, its in-register LayerNorm costs less than writing x_hat: bench/NOTES.md). Else none.
 c10::optional<Planned> gate_rows_plan(const Planned& p, const at::Tensor& pair, const at::Tensor& mask,
                                       const std::vector<at::Tensor>& gate_weights, const ForwardOptions& options) {
   const int output = static_cast<int>(trimul::Role::output);
   if (!options.gate_normalized || p.plan.chosen[output] || !p.plan.x_hat_rows || !p.plan.output_gate_rows ||
-      !p.plan.z_buffer || !pair.is_contiguous())  // (x_hat's rows in position order: input_pass's condition)
+      !p.plan.z_buffer)
     return c10::nullopt;
   ForwardOptions raw = options;
   raw.gate_normalized = false;
@@ -510,9 +509,6 @@ void input_pass(const at::Tensor& pair, const at::Tensor& mask, const std::vecto
   const c10::cuda::CUDAGuard guard(pair.device());
   Planned p = plan_step(pair, mask, weights, options, ab);
   if (x_hat.has_value()) {
-    // (wgmma_rs_384 writes a row at its pair row's offset: position order only for a contiguous pair)
-    TORCH_CHECK_VALUE(pair.is_contiguous(), "trimul_inline: the input pass writes x_hat only for a contiguous pair "
-                      "(its rows go in pair's position order); call it with pair.contiguous()");
     TORCH_CHECK_VALUE(p.plan.x_hat_rows, "trimul_inline: the input kernel '",
                       kernel_name(p.plan.kernels[static_cast<int>(trimul::Role::input)]),
                       "' does not write x_hat for this call (forward_plan's x_hat_shape is None)");

@@ -33,15 +33,16 @@ inline int64_t smem_bytes(int64_t rows_ab) {
   return 1023 + tiles * (kStageBytes + 8) + kGroups * kScratchBytes + rows_ab * 4;
 }
 
-// The x_hat row of one position (ForwardArgs::x_hat, at the pair row's offset) from its centred fragments:
+// The x_hat row of one position (ForwardArgs::x_hat, row `position` in pair_repr's order, whatever pair's
+// strides) from its centred fragments:
 // (x - mean) as the fragments hold it, times rstd, rounded again (the forward multiplies those fragments and
 // scales by rstd after: the backward's operand is as close to what the forward used as a recompute's). A quad's
 // four 8-byte stores per k-step fill one 32-byte sector. With it the row's rstd (ForwardArgs::x_hat_rstd).
 template <typename Op>
-__device__ __forceinline__ void store_x_hat_row(const ForwardArgs& args, int64_t off, const uint32_t (&frag)[kSteps][4],
-                                                int hf, float rstd, int t) {
-  if (t == 0 && args.x_hat_rstd != nullptr) args.x_hat_rstd[off / kC] = rstd;
-  uint2* dst = reinterpret_cast<uint2*>(static_cast<Op*>(args.x_hat) + off + 4 * t);
+__device__ __forceinline__ void store_x_hat_row(const ForwardArgs& args, int64_t position,
+                                                const uint32_t (&frag)[kSteps][4], int hf, float rstd, int t) {
+  if (t == 0 && args.x_hat_rstd != nullptr) args.x_hat_rstd[position] = rstd;
+  uint2* dst = reinterpret_cast<uint2*>(static_cast<Op*>(args.x_hat) + position * kC + 4 * t);
   const auto scaled = [&](uint32_t pair) {
     const float2 v = unpack_pair<Op>(pair);
     return pack_pair<Op>(v.x * rstd, v.y * rstd);
@@ -127,7 +128,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       rstd[hf] = rsqrtf(quad_sum(sum_sq) * (1.f / kC) + args.eps_in);
       if constexpr (kXHat) {
-        if (hf == side && off >= 0) store_x_hat_row<Op>(args, off, frag, hf, rstd[hf], t);
+        if (hf == side && off >= 0) {  // (the position from the plane's f, k: locate_fk's row and column)
+          const uint32_t p = static_cast<uint32_t>(p0 + row0 + 8 * hf);
+          const uint32_t f = p / static_cast<uint32_t>(args.ld), k = p - f * static_cast<uint32_t>(args.ld);
+          const int64_t i = args.incoming ? k : f, j = args.incoming ? f : k;
+          store_x_hat_row<Op>(args, (batch * args.n + i) * args.n + j, frag, hf, rstd[hf], t);
+        }
       }
     }
 
