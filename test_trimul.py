@@ -1111,11 +1111,13 @@ def test_default_input_kernel_at_medium(pair_dim, dtype, kernel):
 @HOPPER
 @pytest.mark.parametrize("hidden, gate_input, dtype, kernel", [(128, "raw", torch.float32, "wgmma_rs_384"),
                                                                (128, "raw", torch.bfloat16, "wgmma_rs_384"),
-                                                               (128, "normalized", torch.float32, "wgmma_ws"),
-                                                               (96, "raw", torch.float32, "wgmma_ws")])
+                                                               (128, "normalized", torch.float32, "wgmma_rs_384"),
+                                                               (96, "raw", torch.float32, "wgmma_ws"),
+                                                               (96, "normalized", torch.float32, "wgmma_ws")])
 def test_default_output_kernel_at_384(hidden, gate_input, dtype, kernel):
-    """The output role's default order at "medium", pair_dim 384: wgmma_rs_384 for H 128 and the raw gate, the
-    wgmma_ws kernel otherwise; correct either way."""
+    """The output role's default order at "medium", pair_dim 384: wgmma_rs_384 for H 128 (the normalized gate on
+    the input pass's x_hat rows: forward_plan's "inference_gate_rows"), the wgmma_ws kernel otherwise; correct
+    either way."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     reference = random_layers(ti.Model(384, hidden, "outgoing", gate_input).double(), g)
