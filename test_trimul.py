@@ -2337,6 +2337,63 @@ def test_inference_gate_on_x_hat(direction, n, dtype):
 
 
 @HOPPER
+@pytest.mark.parametrize("pair_dim", [128, 384])
+def test_x_hat_gate_follows_parameter_changes(pair_dim, monkeypatch):
+    """The gate on x_hat folds out_gate with LayerNorm_in's affine once per prepared weights: after each supported
+    way of changing those parameters (in place, load_state_dict, a replaced Parameter, a .data edit with
+    refresh_weights) the inference forward (pair_dim 384: forward_plan's "inference_gate_rows"; the planned path
+    too) and the training forward (both pair_dims) match the fp64 reference with the new values. A stale fold
+    would be a silently wrong output."""
+    monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)  # (x_hat kept for a 16-bit backward at any size)
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(pair_dim, 128, "outgoing", "normalized").double(), g)
+    new = _make_new(reference, torch.float32, precision="medium")
+    new.backward_saves = "z"
+    pair, mask = random_inputs(1, 97, pair_dim, g)
+    mask[0, 40] = False
+    pair, mask = pair.cuda(), mask.cuda()
+    tolerance = FUSED_TOLERANCE["medium"]
+    with torch.no_grad():
+        assert new.forward_steps(pair, mask).plan["inference_gate_rows"] == (pair_dim == 384)
+    folds = []
+    original = ti._x_hat_gate_weights
+    monkeypatch.setattr(ti, "_x_hat_gate_weights",
+                        lambda *a: folds.append(getattr(a[0], "x_hat_gate", None) is None) or original(*a))
+
+    def check(label):
+        with torch.no_grad():
+            ref = reference.cuda()(pair.double(), mask)
+            poison_allocator()
+            inference = [new(pair, mask) for _ in range(2)]  # (the second call: the planned path)
+        poison_allocator()
+        trained = new(pair.clone().requires_grad_(), mask)
+        for name, out in (("inference", inference[0]), ("planned", inference[1]), ("training", trained)):
+            err = rel_error(out, ref)
+            assert err < tolerance, f"{label}, {name} forward: {err:.2e} against fp64 (seed {seed})"
+
+    check("initial")
+    with torch.no_grad():  # in place, as an optimizer step does
+        for module in (reference, new):
+            module.layer_norm_in.weight.mul_(-1.5)
+            module.out_gate.bias.add_(0.5)
+    check("in-place update")
+    other = random_layers(ti.Model(pair_dim, 128, "outgoing", "normalized").double(), g)
+    reference.load_state_dict(other.state_dict())
+    new.load_state_dict(other.state_dict())
+    check("load_state_dict")
+    replacement = torch.randn(pair_dim, pair_dim, generator=g, dtype=torch.float64) / pair_dim ** 0.5
+    reference.out_gate.weight = torch.nn.Parameter(replacement.clone())
+    new.out_gate.weight = torch.nn.Parameter(replacement.float().cuda())
+    check("replaced parameter")
+    reference.layer_norm_in.bias.data.add_(0.75)
+    new.layer_norm_in.bias.data.add_(0.75)
+    new.refresh_weights()  # .data edits bypass version tracking (documented)
+    check(".data edit + refresh_weights")
+    assert sum(folds) == 5, f"the gate folded {sum(folds)} times for 5 parameter states (seed {seed})"
+
+
+@HOPPER
 def test_output_pass_gate_rows_bad_input():
     """output_pass with gate_rows: rows of the wrong dtype or shape, or with the normalized gate's options (the rows
     are read as a raw gate), raise ValueError naming the problem; nothing runs."""
