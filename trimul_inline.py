@@ -2421,7 +2421,10 @@ class ModelNew(_TriMulLayers):
 
     def _x_hat_gate_weights(self, weights):
         """The prepared weights with out_gate folded with LayerNorm_in's affine (_x_hat_gate_weights, kept beside
-        `weights` once made)."""
+        `weights` once made: the parameter list is only built to make them)."""
+        folded = getattr(weights, "x_hat_gate", None)
+        if folded is not None:
+            return folded
         return _x_hat_gate_weights(weights, _with_zero_biases(_param_list_eager(self)))
 
     def _inference_gate_weights(self, pair_repr, pair_mask, mode, kernels, weights, options):

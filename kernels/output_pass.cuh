@@ -10,6 +10,16 @@ namespace output_pass {
 using namespace ::trimul::mma;
 using namespace ::trimul::fused;
 
+// Whether the register-row output kernels read the gate's rows in 16-byte vectors: ForwardArgs::gate_rows
+// 16-byte aligned (bf16 rows of exactly c channels, read as a raw gate: gate_normalized false), else pair's rows
+// (rows_vectorizable). Host side, for their applicable().
+template <typename TIn>
+inline bool gate_rows_vectorizable(const ForwardArgs& args) {
+  if (args.gate_rows != nullptr)
+    return reinterpret_cast<uintptr_t>(args.gate_rows) % 16 == 0 && !args.gate_normalized;
+  return rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair);
+}
+
 // The register-row output kernels' z box: [128 h][64 positions] bf16 (its tensor map's box; the kernels' tile).
 constexpr int kZBoxH = 128, kZBoxPositions = 64, kZBoxBytes = kZBoxH * kZBoxPositions * 2;
 

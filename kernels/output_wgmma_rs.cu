@@ -272,11 +272,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // positions.
 template <Mode M, typename TIn>
 bool applicable(const ForwardArgs& args) {
-  const bool rows_ok = args.gate_rows != nullptr
-                           ? reinterpret_cast<uintptr_t>(args.gate_rows) % 16 == 0 && !args.gate_normalized
-                           : rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair);
   return tensor_map_encoder() != nullptr && args.z != nullptr && args.z_dtype == Dtype::bf16 && args.c == kC &&
-         args.c_pad == kC && args.h == kH && args.h_pad == kH && rows_ok &&
+         args.c_pad == kC && args.h == kH && args.h_pad == kH && gate_rows_vectorizable<TIn>(args) &&
          (args.n * args.ldz) % 8 == 0 && args.n * args.ldz < (int64_t(1) << 32) &&
          args.batch * kH < (int64_t(1) << 31) && smem_bytes<TIn>() <= max_smem_optin();
 }
