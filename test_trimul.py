@@ -298,7 +298,7 @@ def test_registry_lists_each_role_in_rank_order_with_a_kernel_file():
                 (r"^TRIMUL_REGISTER_OUTPUT_PASS_READING_GATE_ROWS\(()(\w+),", "output"),
                 (r"^TRIMUL_REGISTER_CONTRACTION\(()(\w+),", "contract"),
                 (r"^TRIMUL_REGISTER_CONTRACTION_IN_OUTPUT_PASS\(()(\w+),", "contract"),
-                (r"^TRIMUL_REGISTER_BACKWARD\((output_backward|contract_backward|input_backward), (\w+),", None))
+                (r"^TRIMUL_REGISTER_BACKWARD\((output_backward|contract_backward|input_backward|position_gemm), (\w+),", None))
     for name, text in sources.items():
         for pattern, fixed_role in patterns:
             for role, kernel in re.findall(pattern, text, re.M):
@@ -2350,7 +2350,7 @@ def test_x_hat_gate_follows_parameter_changes(pair_dim, monkeypatch):
     reference = random_layers(ti.Model(pair_dim, 128, "outgoing", "normalized").double(), g)
     new = _make_new(reference, torch.float32, precision="medium")
     new.backward_saves = "z"
-    pair, mask = random_inputs(1, 97, pair_dim, g)
+    pair, mask = random_inputs(1, 97, pair_dim, g, dtype=torch.float32)  # (the model's dtype; fp64 for the reference)
     mask[0, 40] = False
     pair, mask = pair.cuda(), mask.cuda()
     tolerance = FUSED_TOLERANCE["medium"]
@@ -3261,6 +3261,57 @@ def test_backward_host_path_equals_the_python_steps(precision, direction, gate_i
     for a, b in zip(baseline, slow):
         if a is not None:
             assert torch.allclose(a, b, rtol=1e-2, atol=1e-2 * b.abs().max().item())
+
+
+@HOPPER
+@pytest.mark.parametrize("kernel", ["wgmma_tf32x3", "cublas"])
+def test_position_gemm_against_fp64(kernel):
+    """position_gemm (the "highest" backward's GEMMs over positions): rows @ W^T + bias against fp64 at sizes that
+    are not multiples of its tiles (M, K, N from 1 up; K past one 32-k tile and past 256), rows inside a wider
+    buffer, a transposed weight view (the d x_hat GEMMs multiply by W), no bias; fresh outputs over a poisoned
+    allocator. The kernel's error stays within 3x cuBLAS fp32's on the same operands (~1e-7 relative: the tf32
+    parts keep 22 bits, each 32-k tile's sum is added in fp32), far below "highest"'s 1e-5."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    for m, k, n, pitch, with_bias, transposed in [(1, 4, 1, 4, True, False), (7, 12, 9, 12, True, True),
+                                                  (33, 36, 260, 40, False, False), (257, 100, 72, 128, True, True),
+                                                  (1000, 640, 128, 1024, True, False), (4097, 896, 384, 896, True, True),
+                                                  (130, 384, 512, 388, False, True)]:
+        rows = (torch.randn(m, pitch, generator=g) * 2 + 0.3).cuda()[:, :k]
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).cuda()
+        weight = w.t().contiguous().t() if transposed else w  # (same values, strides (1, n))
+        bias = torch.randn(n, generator=g).cuda() if with_bias else None
+        ref = rows.double() @ w.double().t() + (bias.double() if with_bias else 0)
+        poison_allocator()
+        out = ti._extension().position_gemm(kernel, rows, weight, bias, ti._PRECISION_CODE["highest"])
+        cublas = torch.addmm(bias, rows, w.t()) if with_bias else rows @ w.t()
+        assert out.shape == (m, n) and out.dtype == torch.float32
+        err, cublas_err = rel_error(out, ref), rel_error(cublas, ref)
+        assert err <= max(3 * cublas_err, 1e-7), f"{kernel} ({m}, {k}, {n}): {err:.2e} vs cuBLAS {cublas_err:.2e}"
+        again = ti._extension().position_gemm(kernel, rows, weight, bias, ti._PRECISION_CODE["highest"])
+        assert torch.equal(out, again)  # (deterministic: no atomics, a fixed order of sums)
+
+
+@HOPPER
+def test_position_gemm_bad_input():
+    """position_gemm refuses what it cannot multiply with a clear exception, and a kernel chosen where it does not
+    apply (wgmma_tf32x3 at "high", or on rows not contiguous in k) names why; nothing runs."""
+    rows, weight = torch.randn(64, 32, device="cuda"), torch.randn(16, 32, device="cuda")
+    highest, high = ti._PRECISION_CODE["highest"], ti._PRECISION_CODE["high"]
+    gemm = ti._extension().position_gemm
+    with pytest.raises(TypeError, match="fp32"):
+        gemm("", rows.bfloat16(), weight, None, highest)
+    with pytest.raises(ValueError, match="weight"):
+        gemm("", rows, torch.randn(16, 31, device="cuda"), None, highest)
+    with pytest.raises(ValueError, match="bias"):
+        gemm("", rows, weight, torch.randn(15, device="cuda"), highest)
+    with pytest.raises(ValueError, match="wgmma_tf32x3.*applies when"):
+        gemm("wgmma_tf32x3", rows, weight, None, high)
+    with pytest.raises(ValueError, match="wgmma_tf32x3.*applies when"):
+        gemm("wgmma_tf32x3", rows.t().contiguous().t(), weight, None, highest)
+    with pytest.raises(ValueError, match="no position_gemm kernel 'nope'|nope"):
+        gemm("nope", rows, weight, None, highest)
+    # the default order falls back to cuBLAS where the kernel does not apply: the same values as torch's
+    assert torch.equal(gemm("", rows, weight, None, high), rows @ weight.t())
 
 
 @cuda

@@ -104,7 +104,7 @@ class Model(_TriMulLayers):
 # ------------------------------------------------------------------------------------------------
 # Every kernel role, in the order a training step runs them: the forward's three, then the backward's.
 FORWARD_ROLES = ("input", "contract", "output")
-BACKWARD_ROLES = ("output_backward", "contract_backward", "input_backward")
+BACKWARD_ROLES = ("output_backward", "contract_backward", "input_backward", "position_gemm")
 ROLES = FORWARD_ROLES + BACKWARD_ROLES
 
 
@@ -149,13 +149,15 @@ class Kernels(NamedTuple):
     """The kernel of each role a ModelNew runs: a registry name, or None for the role's default order
     (the first kernel that takes the call). `input` and `output` choose the fused passes' kernels;
     `contract` the contraction (in the fused forward and in the unfused path's contraction op); the
-    `*_backward` roles the backward's steps (training)."""
+    `*_backward` roles the backward's steps (training); `position_gemm` the backward's GEMMs over positions
+    (rows times a weight) at "highest"."""
     input: Optional[str] = None
     contract: Optional[str] = None
     output: Optional[str] = None
     output_backward: Optional[str] = None
     contract_backward: Optional[str] = None
     input_backward: Optional[str] = None
+    position_gemm: Optional[str] = None
 
     def __str__(self) -> str:
         return ",".join(f"{role}={name}" for role, name in zip(ROLES, self) if name is not None) or "auto"
@@ -1104,13 +1106,27 @@ _COMPUTE_DTYPE = {"bf16": torch.bfloat16, "f16": torch.bfloat16, "high": torch.f
 class _Products:
     """The backward's matrix products in a mode: 16-bit operands multiply as they are, with fp32 accumulation;
     fp32 ones at the matmul precision around the backward (TF32 at "high", fp32 at "highest"); fp64 (the CPU)
-    in fp64."""
+    in fp64. The GEMMs over positions (a weight times rows: linear, rows_mm) of fp32 rows on CUDA at "highest"
+    go to the position_gemm role instead (the extension's position_gemm: its kernel, or cuBLAS for the torch
+    baseline), as the C++ backward's do (the same bits)."""
+
+    def __init__(self, gemm: Optional[str] = None):
+        self._gemm = gemm  # position_gemm's choice ("": the default order); None: cuBLAS for every product
+
+    def _by_role(self, rows) -> bool:
+        return self._gemm is not None and rows.is_cuda and rows.dtype == torch.float32
 
     @staticmethod
     def mm(x, y, out_dtype):
         if x.dtype in (torch.bfloat16, torch.float16) and out_dtype != x.dtype and x.is_cuda:
             return torch.mm(x, y, out_dtype=out_dtype)
         return torch.mm(x, y).to(out_dtype)
+
+    def rows_mm(self, rows, weight_kn, out_dtype):
+        """rows [P, K] @ weight_kn [K, N], a GEMM over positions (K: channels), in out_dtype."""
+        if self._by_role(rows):
+            return _extension().position_gemm(self._gemm, rows, weight_kn.t(), None, _PRECISION_CODE["highest"])
+        return self.mm(rows, weight_kn, out_dtype)
 
     @staticmethod
     def bmm(x, y):
@@ -1125,9 +1141,10 @@ class _Products:
         else:
             total.addmm_(x.to(total.dtype), y.to(total.dtype))
 
-    @staticmethod
-    def linear(rows, weight, bias):
+    def linear(self, rows, weight, bias):
         """rows @ weight^T + bias in the rows' dtype."""
+        if self._by_role(rows):
+            return _extension().position_gemm(self._gemm, rows, weight, bias, _PRECISION_CODE["highest"])
         return torch.addmm(bias.to(rows.dtype), rows, weight.to(rows.dtype).t())
 
 
@@ -1525,7 +1542,7 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
             graphed = all(t is None for t in saved) and not lean and \
                 (host == "graph" or (host == "auto" and _graphs_backward(pair, mode)))
             call = (grad_out, pair, mask, params, kernels.output_backward or "", kernels.input_backward or "",
-                    kernels.contract_backward or "", _precision_code(mode),
+                    kernels.contract_backward or "", kernels.position_gemm or "", _precision_code(mode),
                     _COMPUTE_DTYPE[mode] == torch.float32, incoming, gate_normalized, eps_in, eps_out, mask_grad,
                     None if graphed else saved, lean)
             grads = _BACKWARD_GRAPHS.run(call) if graphed else None
@@ -1778,7 +1795,7 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
                                 operand, mode)
     positions = batch * n * n
     pair_rows, mask_rows = pair.reshape(positions, pair_dim).contiguous(), mask.reshape(positions).contiguous()
-    products = _Products
+    products = _Products(kernels.position_gemm or "" if mode == "highest" and on_device else None)
     contractions = _KernelContractions(contract) if contract else _BmmContractions(products)
 
     # The forward again, up to z: x_hat, proj = [pa | ga | pb | gb], a and b planes.
@@ -1844,7 +1861,7 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
         dz_planes = outputs.dz_planes_multiplied(d_o, w_out_f, z_hat, rstd_out)
         del d_o
     else:
-        d_z_hat = products.mm(d_o, w_out_f.to(dtype), acc)
+        d_z_hat = products.rows_mm(d_o, w_out_f.to(dtype), acc)
         del d_o
         dz_planes = outputs.dz_planes(d_z_hat, z_hat, rstd_out, batch, n, dtype)
         del d_z_hat
@@ -1873,22 +1890,22 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     if d_pair_in_proj:
         del d_proj
     elif d_x_hat_in_pass:
-        raw_gate_share = None if gate_normalized else products.mm(d_gate, gate_w.to(dtype), acc)
+        raw_gate_share = None if gate_normalized else products.rows_mm(d_gate, gate_w.to(dtype), acc)
         gate_share = (d_gate, w_gate) if gate_normalized else (None, None)
         d_pair = inputs.d_pair_multiplied(pair_rows, eps_in, d_proj, w_in_f, *gate_share, raw_gate_share)
         del d_proj
     elif joined:
-        d_x_hat = products.mm(d_rows, torch.cat([w_in_f, w_gate]).to(dtype), acc)
+        d_x_hat = products.rows_mm(d_rows, torch.cat([w_in_f, w_gate]).to(dtype), acc)
         del d_proj, d_rows
         d_pair = inputs.d_pair(pair_rows, eps_in, d_x_hat)
         del d_x_hat
     else:
-        d_x_hat = products.mm(d_proj, w_in_f.to(dtype), acc)
+        d_x_hat = products.rows_mm(d_proj, w_in_f.to(dtype), acc)
         del d_proj
         if gate_normalized:
             products.add_mm_(d_x_hat, d_gate, w_gate.to(dtype))
         # (after d proj is freed: the two [P, C] fp32 buffers, not three, at this point's peak)
-        raw_gate_share = None if gate_normalized else products.mm(d_gate, gate_w.to(dtype), acc)
+        raw_gate_share = None if gate_normalized else products.rows_mm(d_gate, gate_w.to(dtype), acc)
         d_pair = inputs.d_pair(pair_rows, eps_in, d_x_hat, raw_gate_share)
         del d_x_hat
     del d_gate

@@ -22,10 +22,11 @@ enum class Role : int {
   output = 2,
   output_backward = 3,
   contract_backward = 4,
-  input_backward = 5
+  input_backward = 5,
+  position_gemm = 6  // the backward's GEMMs over positions: rows [P, K] times a weight [N, K]^T
 };
 constexpr int kForwardRoles = 3;
-constexpr int kRoles = 6;
+constexpr int kRoles = 7;
 
 // z[batch, i, j] = sum_k a[batch, i, k] * b[batch, j, k], row-major with row strides lda (a and
 // b) and ldz. The forward lays a and b out as [B*H, N, ld] so both directions of the triangle
@@ -208,6 +209,8 @@ enum class BackwardPass : int {
                    // ForwardArgs::x_hat_rstd): the pair rows are not read (the gate on LayerNorm_in's rows)
   dz_planes_g_out, // dz_planes from d_o (d_rows null), and g_out = d o^T z_hat as per-block partials  output_backward
                    // (g_out, below): out_proj's weight-gradient GEMM in the same pass
+  split_weight,    // gemm_w -> gemm_w_split: a position GEMM's weight as its kernel multiplies it   position_gemm
+  rows_gemm,       // gemm_rows, gemm_w_split, gemm_bias -> gemm_out                                position_gemm
 };
 
 // One backward pass's arguments: sizes, then the buffers each pass reads and writes (BackwardPass says
@@ -282,8 +285,25 @@ struct BackwardArgs {
   void* parts;
   void* parts_t;
   Precision precision;  // of the backward's fp32 products (contract_backward's kernels apply per precision)
+  // position_gemm: gemm_out [gemm_m, gemm_n] fp32 (row pitch gemm_ld_out) = gemm_rows [gemm_m, gemm_k] fp32 (row
+  // pitch gemm_ld, contiguous in k) x W^T + gemm_bias ([gemm_n] fp32, or nullptr). split_weight reads W
+  // [gemm_n, gemm_k] fp32 at gemm_w with strides gemm_w_sn, gemm_w_sk and writes gemm_w_split, the kernel's own
+  // layout of gemm_w_split_floats floats (position_gemm_split_floats); rows_gemm reads gemm_w_split.
+  const float* gemm_rows;
+  int64_t gemm_ld, gemm_m, gemm_k, gemm_n;
+  const float* gemm_w;
+  int64_t gemm_w_sn, gemm_w_sk;
+  float* gemm_w_split;
+  int64_t gemm_w_split_floats;
+  const float* gemm_bias;
+  float* gemm_out;
+  int64_t gemm_ld_out;
   cudaStream_t stream;
 };
+
+// The floats a position_gemm kernel's split weight takes for a weight [n, k] (BackwardArgs::gemm_w_split): its
+// hi and lo tf32 parts, n padded to 128 rows and k to 64 columns (zeros).
+inline int64_t position_gemm_split_floats(int64_t n, int64_t k) { return 2 * ((n + 127) / 128 * 128) * ((k + 63) / 64 * 64); }
 
 // Rows of the partial sums of the backward passes that sum over positions (BackwardArgs::sums): the most
 // blocks such a pass runs (the rows passes: 512 blocks, the same bits on every GPU; the persistent wgmma passes:
@@ -425,7 +445,7 @@ cudaError_t launch_mask_scales(const void* mask, MaskKind kind, int64_t count, c
 
 // Changes whenever a struct above changes, so a library and an extension built from different
 // versions of this file refuse each other.
-constexpr uint32_t kKernelAbi = 15;
+constexpr uint32_t kKernelAbi = 16;
 
 }  // namespace trimul
 

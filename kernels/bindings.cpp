@@ -53,7 +53,8 @@ const trimul::KernelLibrary& library() {
 }
 
 const char* const kRoleNames[trimul::kRoles] = {"input",           "contract",          "output",
-                                                "output_backward", "contract_backward", "input_backward"};
+                                                "output_backward", "contract_backward", "input_backward",
+                                                "position_gemm"};
 
 // (role, name, rank, torch, in_registry, built, applies, summary) of every kernel the library knows.
 std::vector<py::tuple> kernels() {
@@ -845,6 +846,61 @@ bool gate_grad_from_z(const std::string& kernel, int64_t batch, int64_t n, int64
                         incoming, like, precision);
 }
 
+// ---- the backward's GEMMs over positions (the position_gemm role) ------------------------------------
+// rows [M, K] @ weight^T (+ bias) in fp32: weight [N, K] fp32 with any strides (a transposed view multiplies
+// by W itself), bias [N] or none. By the role's kernel for this call (chosen, else the default order's first
+// that takes it), or cuBLAS's addmm / mm where that is the torch baseline (the same call the backward made
+// before the role existed). The Python and the C++ backward both call this: the same bits either way.
+at::Tensor position_gemm(const std::string& chosen, const at::Tensor& rows, const at::Tensor& weight,
+                         const c10::optional<at::Tensor>& bias, int64_t precision) {
+  TORCH_CHECK_VALUE(rows.is_cuda() && rows.dim() == 2 && weight.dim() == 2 && weight.device() == rows.device() &&
+                        weight.size(1) == rows.size(1),
+                    "trimul_inline: position_gemm takes CUDA rows [M, K] and a weight [N, K] on their device, got ",
+                    text(rows.sizes()), " and ", text(weight.sizes()));
+  TORCH_CHECK_TYPE(rows.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+                   "trimul_inline: position_gemm multiplies fp32 rows and weights, got ", rows.scalar_type(), " and ",
+                   weight.scalar_type());
+  TORCH_CHECK_VALUE(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == weight.size(0) &&
+                                          bias->scalar_type() == at::kFloat && bias->device() == rows.device()),
+                    "trimul_inline: position_gemm's bias must be fp32 [N] on the rows' device");
+  TORCH_CHECK_VALUE(precision >= 0 && precision <= 2, "trimul_inline: precision code ", text(precision));
+  const c10::cuda::CUDAGuard guard(rows.device());
+  const int64_t m = rows.size(0), k = rows.size(1), n = weight.size(0);
+  trimul::BackwardArgs args{};
+  args.pass = trimul::BackwardPass::rows_gemm;
+  args.batch = 1;
+  args.n = 1;
+  args.c = k;  // (plan_backward's messages name them pair_dim and hidden)
+  args.h = n;
+  args.operand = trimul::Dtype::f32;
+  args.precision = static_cast<trimul::Precision>(precision);
+  args.gemm_rows = rows.data_ptr<float>();
+  args.gemm_ld = rows.stride(1) == 1 ? rows.stride(0) : 0;  // (0: rows not contiguous in k, which no kernel takes)
+  args.gemm_m = m;
+  args.gemm_k = k;
+  args.gemm_n = n;
+  args.stream = c10::cuda::getCurrentCUDAStream(rows.device().index()).stream();
+  const int kernel = plan_backward_kernel(trimul::Role::position_gemm, chosen, args);
+  if (kernel < 0 || m == 0 || n == 0) {
+    return bias.has_value() ? at::addmm(*bias, rows, weight.t()) : at::mm(rows, weight.t());
+  }
+  const at::Tensor split = at::empty({trimul::position_gemm_split_floats(n, k)}, rows.options());
+  const at::Tensor out = at::empty({m, n}, rows.options());
+  args.pass = trimul::BackwardPass::split_weight;
+  args.gemm_w = weight.data_ptr<float>();
+  args.gemm_w_sn = weight.stride(0);
+  args.gemm_w_sk = weight.stride(1);
+  args.gemm_w_split = split.data_ptr<float>();
+  args.gemm_w_split_floats = split.numel();
+  check_launch(library().run_backward(kernel, &args), "position_gemm's weight split");
+  args.pass = trimul::BackwardPass::rows_gemm;
+  args.gemm_bias = bias.has_value() ? bias->contiguous().data_ptr<float>() : nullptr;
+  args.gemm_out = out.data_ptr<float>();
+  args.gemm_ld_out = n;
+  check_launch(library().run_backward(kernel, &args), "position_gemm");
+  return out;
+}
+
 // ---- the training backward's host path ----------------------------------------------------------
 // trimul_inline._training_backward for a call whose output_backward and input_backward roles both run
 // library kernels: the same GEMMs and passes in the same order on the same operands (equal gradients, bit
@@ -1258,7 +1314,8 @@ std::vector<at::Tensor> parameter_grads(const std::vector<at::Tensor>& params,
 std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::Tensor& pair, const at::Tensor& mask,
                                           const std::vector<at::Tensor>& params, const std::string& output_kernel,
                                           const std::string& input_kernel, const std::string& contract_kernel,
-                                          int64_t precision, bool operand_f32, bool incoming,
+                                          const std::string& gemm_kernel, int64_t precision, bool operand_f32,
+                                          bool incoming,
                                           bool gate_normalized, double eps_in, double eps_out, bool mask_grad,
                                           const py::object& saved, bool lean) {
   using namespace host_backward;
@@ -1277,6 +1334,16 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   outputs.kernel = role_kernel("output_backward", output_kernel, outputs);
   if (inputs.kernel.empty() || outputs.kernel.empty()) return {};
   const std::string contracts = role_kernel("contract_backward", contract_kernel, inputs);  // ("": cuBLAS's bmm)
+  // The GEMMs over positions: fp32 rows at "highest" by the position_gemm role (position_gemm), the others
+  // cuBLAS's at the mode's operand dtype.
+  const bool rows_by_role = operand_f32 && precision == static_cast<int64_t>(trimul::Precision::highest);
+  const auto rows_linear = [&](const at::Tensor& rows, const at::Tensor& weight, const at::Tensor& bias) {
+    return rows_by_role ? position_gemm(gemm_kernel, rows, weight, bias, precision) : linear(rows, weight, bias);
+  };
+  const auto rows_times = [&](const at::Tensor& rows, const at::Tensor& weight_kn) {  // rows @ weight_kn, fp32
+    return rows_by_role ? position_gemm(gemm_kernel, rows, weight_kn.t(), c10::nullopt, precision)
+                        : mm_to(rows, in_type(weight_kn, dtype), acc);
+  };
   c10::optional<at::Tensor> saved_z, saved_ab, saved_x_hat, saved_rstd;
   if (!saved.is_none()) {
     const py::list kept = saved.cast<py::list>();
@@ -1338,9 +1405,9 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     a_planes = saved_ab->select(0, 0).narrow(2, 0, n);
     b_planes = saved_ab->select(0, 1).narrow(2, 0, n);
     saved_ab.reset();  // (the two views hold it: freed with the later of them)
-    if (!lean && !proj_in_pass) proj = linear(x_hat, w_in_f, b_in_f);  // (for d_proj; lean makes it there)
+    if (!lean && !proj_in_pass) proj = rows_linear(x_hat, w_in_f, b_in_f);  // (for d_proj; lean makes it there)
   } else {
-    proj = linear(x_hat, w_in_f, b_in_f);
+    proj = rows_linear(x_hat, w_in_f, b_in_f);
     a_planes = planes();
     b_planes = planes();
     inputs.run(P::gated_planes, 0.0, {{"proj", proj}, {"mask", mask_rows}, {"a_planes", a_planes}, {"b_planes", b_planes}});
@@ -1386,8 +1453,8 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   } else {
     outputs.run(P::z_rows, eps_out, {{"a_planes", z_planes}, {"rows", z_hat}, {"rstd", rstd_out}});
     z_planes.reset();
-    d_o = linear(z_hat, w_out_f, b_out_f);
-    d_gate = linear(gate_rows, w_gate, b_gate);
+    d_o = rows_linear(z_hat, w_out_f, b_out_f);
+    d_gate = rows_linear(gate_rows, w_gate, b_gate);
     // (o and gate_pre become d o and d gate; joined, d gate goes to its part of d_rows)
     std::unordered_map<std::string, at::Tensor> gate_tensors{{"d_out", d_out_rows}, {"o", d_o}, {"gate_pre", d_gate},
                                                              {"sums", out_sums}};
@@ -1415,7 +1482,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     dz_tensors["d_o"] = d_o;  // (d z_hat multiplied in the pass, never written)
     dz_tensors["w_out_f"] = w_out_f.contiguous();
   } else {
-    dz_tensors["d_rows"] = mm_to(d_o, in_type(w_out_f, dtype), acc);
+    dz_tensors["d_rows"] = rows_times(d_o, w_out_f);
   }
   d_o.reset();
   at::Tensor dz = dz_tensors["a_planes"] = planes();
@@ -1439,7 +1506,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   dz.reset();
 
   // input_backward
-  if (lean && !proj_in_pass) proj = linear(x_hat, w_in_f, b_in_f);
+  if (lean && !proj_in_pass) proj = rows_linear(x_hat, w_in_f, b_in_f);
   // (lean: in place, d_proj reads a row before it writes it)
   at::Tensor d_proj = proj_in_pass ? rows_of(4 * h, dtype)
                      : lean       ? proj
@@ -1484,18 +1551,18 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
         pair_tensors["w_gate_f"] = w_gate.contiguous();
       }
     } else if (joined) {
-      pair_tensors["d_rows"] = mm_to(d_rows, in_type(at::cat({w_in_f, w_gate}), dtype), acc);
+      pair_tensors["d_rows"] = rows_times(d_rows, at::cat({w_in_f, w_gate}));
       d_rows.reset();
       d_proj.reset();
       d_gate.reset();
     } else {
-      at::Tensor d_x_hat = mm_to(d_proj, in_type(w_in_f, dtype), acc);
+      at::Tensor d_x_hat = rows_times(d_proj, w_in_f);
       d_proj.reset();
       if (gate_normalized) add_mm_(d_x_hat, d_gate, in_type(w_gate, dtype));
       pair_tensors["d_rows"] = d_x_hat;
     }
     // (the raw gate's w_gate is out_gate's own weight)
-    if (!gate_normalized) pair_tensors["d_rows_add"] = mm_to(d_gate, in_type(w_gate, dtype), acc);
+    if (!gate_normalized) pair_tensors["d_rows_add"] = rows_times(d_gate, w_gate);
     pair_tensors["d_pair"] = d_pair = at::empty_like(pair_rows);
     inputs.run(P::d_pair, eps_in, pair_tensors);
   }
@@ -1639,6 +1706,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_takes", &fused_takes, "whether the fused passes take these sizes in this mode");
   m.def("backward_kernel", &backward_kernel, "the kernel a backward role runs ('': a torch baseline's passes)");
   m.def("backward_pass", &backward_pass, "one memory pass of the backward (trimul::BackwardPass) on given tensors");
+  m.def("position_gemm", &position_gemm, "rows [M, K] @ weight^T (+ bias), fp32, by the position_gemm role's kernel",
+        py::arg("kernel"), py::arg("rows"), py::arg("weight"), py::arg("bias"), py::arg("precision"));
   m.def("contract_backward_products", &contract_backward_products,
         "contract_backward on a library kernel: [z = a b^T] without dz, else [da = dz b, db = dz^T a]",
         py::arg("kernel"), py::arg("a"), py::arg("b"), py::arg("dz"), py::arg("planes_per_call") = py::none());

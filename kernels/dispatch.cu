@@ -30,7 +30,8 @@ constexpr Entry kRegistry[] = {
 };
 
 const char* const kRoleNames[kRoles] = {"input",           "contract",          "output",
-                                        "output_backward", "contract_backward", "input_backward"};
+                                        "output_backward", "contract_backward", "input_backward",
+                                        "position_gemm"};
 const char* const kModeNames[] = {"bf16", "f16", "high", "highest"};
 
 // The kernel files' registrations, in the order their static initialisers ran (construct on first
@@ -420,10 +421,11 @@ PlanStatus plan_backward(Role role, const BackwardArgs* args, const char* chosen
            (impl != nullptr && impl->backward_launch != nullptr && impl->backward_applies(*args));
   }, kernel);
   if (status == PlanStatus::ok && lib.kernels[*kernel].torch) *kernel = -1;
-  if (status == PlanStatus::not_applies)
-    say(message, size, "trimul_inline: the %s kernel '%s' does not take this call (pair_dim %lld, hidden %lld); it "
-        "applies when: %s", kRoleNames[role_index(role)], lib.kernels[pick].name, static_cast<long long>(args->c),
-        static_cast<long long>(args->h), lib.kernels[pick].applies);
+  if (status == PlanStatus::not_applies)  // (position_gemm's sizes are its product's K and N, in c and h)
+    say(message, size, "trimul_inline: the %s kernel '%s' does not take this call (%s %lld, %s %lld); it "
+        "applies when: %s", kRoleNames[role_index(role)], lib.kernels[pick].name,
+        role == Role::position_gemm ? "K" : "pair_dim", static_cast<long long>(args->c),
+        role == Role::position_gemm ? "N" : "hidden", static_cast<long long>(args->h), lib.kernels[pick].applies);
   if (status == PlanStatus::no_kernel)
     say(message, size, "trimul_inline: no %s kernel takes this call", kRoleNames[role_index(role)]);
   return status;
