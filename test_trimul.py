@@ -750,9 +750,10 @@ def test_no_wgmma_kernel_is_serialized():
     """ptxas serializes every wgmma of a kernel (C7514: a note in the build log, not an error) where
     it finds accumulators that a wgmma in flight could still write being read; descriptor arithmetic
     once did that to the split input kernel unnoticed (bench/NOTES-archive.md, v16). In the built kernel
-    library's SASS every kernel with wgmmas (HGMMA) must keep some in flight somewhere
-    (WARPGROUP.DEPBAR.LE gsb0 with a count above 0: 1, or 2 where a k-tile is two commit groups), as
-    each of ours is written to."""
+    library's SASS every kernel with wgmmas (HGMMA) must keep more than one in flight somewhere, as each of
+    ours is written to: a WARPGROUP.DEPBAR.LE gsb0 with a count above 0 (1, or 2 where a k-tile is two commit
+    groups), or two HGMMAs with no DEPBAR between them (position_gemm's kernel waits for each k-tile's group
+    before adding it into fp32 registers, by design; serialized, it would wait after every HGMMA)."""
     if ti.target_arch() != "90a":
         pytest.skip(f"the wgmma kernels are in sm_90a builds only (this build: sm_{ti.target_arch()})")
     tool = _cuobjdump()
@@ -764,8 +765,13 @@ def test_no_wgmma_kernel_is_serialized():
     kernels = dict(f.split("\n", 1) for f in re.split(r"\n\s*Function : ", sass)[1:])
     with_wgmma = {name.strip(): body for name, body in kernels.items() if "HGMMA" in body}
     assert len(with_wgmma) >= 30, sorted(with_wgmma)  # (input, output and contraction kernels)
-    serialized = [name for name, body in with_wgmma.items()
-                  if not re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9]", body)]
+    def in_flight(body):
+        if re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9]", body):
+            return True
+        marks = re.findall(r"\b(HGMMA|WARPGROUP\.DEPBAR)\b", body)
+        return any(a == b == "HGMMA" for a, b in zip(marks, marks[1:]))
+
+    serialized = [name for name, body in with_wgmma.items() if not in_flight(body)]
     assert not serialized, serialized
 
 
@@ -3269,8 +3275,8 @@ def test_position_gemm_against_fp64(kernel):
     """position_gemm (the "highest" backward's GEMMs over positions): rows @ W^T + bias against fp64 at sizes that
     are not multiples of its tiles (M, K, N from 1 up; K past one 32-k tile and past 256), rows inside a wider
     buffer, a transposed weight view (the d x_hat GEMMs multiply by W), no bias; fresh outputs over a poisoned
-    allocator. The kernel's error stays within 3x cuBLAS fp32's on the same operands (~1e-7 relative: the tf32
-    parts keep 22 bits, each 32-k tile's sum is added in fp32), far below "highest"'s 1e-5."""
+    allocator. The kernel's error stays within 3x cuBLAS fp32's on the same operands, or 5e-7 (the tf32 parts keep
+    22 bits, each 32-k tile's sum is added in fp32), far below "highest"'s 1e-5."""
     g = torch.Generator().manual_seed(fresh_seed())
     for m, k, n, pitch, with_bias, transposed in [(1, 4, 1, 4, True, False), (7, 12, 9, 12, True, True),
                                                   (33, 36, 260, 40, False, False), (257, 100, 72, 128, True, True),
@@ -3286,7 +3292,9 @@ def test_position_gemm_against_fp64(kernel):
         cublas = torch.addmm(bias, rows, w.t()) if with_bias else rows @ w.t()
         assert out.shape == (m, n) and out.dtype == torch.float32
         err, cublas_err = rel_error(out, ref), rel_error(cublas, ref)
-        assert err <= max(3 * cublas_err, 1e-7), f"{kernel} ({m}, {k}, {n}): {err:.2e} vs cuBLAS {cublas_err:.2e}"
+        # (5e-7: tf32x3's dropped lo.lo term, ~2^-22 of a product, where cuBLAS's error is smaller still at tiny K;
+        # the tensor cores' sums over all of K instead of per 32-k tile reach 4.4e-6 at K = 896)
+        assert err <= max(3 * cublas_err, 5e-7), f"{kernel} ({m}, {k}, {n}): {err:.2e} vs cuBLAS {cublas_err:.2e}"
         again = ti._extension().position_gemm(kernel, rows, weight, bias, ti._PRECISION_CODE["highest"])
         assert torch.equal(out, again)  # (deterministic: no atomics, a fixed order of sums)
 
