@@ -3274,9 +3274,9 @@ def test_backward_host_path_equals_the_python_steps(precision, direction, gate_i
 def test_position_gemm_against_fp64(kernel):
     """position_gemm (the "highest" backward's GEMMs over positions): rows @ W^T + bias against fp64 at sizes that
     are not multiples of its tiles (M, K, N from 1 up; K past one 32-k tile and past 256), rows inside a wider
-    buffer, a transposed weight view (the d x_hat GEMMs multiply by W), no bias; fresh outputs over a poisoned
-    allocator. The kernel's error stays within 3x cuBLAS fp32's on the same operands, or 5e-7 (the tf32 parts keep
-    22 bits, each 32-k tile's sum is added in fp32), far below "highest"'s 1e-5."""
+    buffer, a transposed weight view (the d x_hat GEMMs multiply by W), a strided bias, no bias; fresh outputs
+    over a poisoned allocator. The kernel's error stays within 3x cuBLAS fp32's on the same operands, or 5e-7
+    (the tf32 parts keep 22 bits, each 32-k tile's sum is added in fp32), far below "highest"'s 1e-5."""
     g = torch.Generator().manual_seed(fresh_seed())
     for m, k, n, pitch, with_bias, transposed in [(1, 4, 1, 4, True, False), (7, 12, 9, 12, True, True),
                                                   (33, 36, 260, 40, False, False), (257, 100, 72, 128, True, True),
@@ -3285,7 +3285,9 @@ def test_position_gemm_against_fp64(kernel):
         rows = (torch.randn(m, pitch, generator=g) * 2 + 0.3).cuda()[:, :k]
         w = (torch.randn(n, k, generator=g) / k ** 0.5).cuda()
         weight = w.t().contiguous().t() if transposed else w  # (same values, strides (1, n))
-        bias = torch.randn(n, generator=g).cuda() if with_bias else None
+        # (a strided bias where the weight is transposed: the call makes its own contiguous copy)
+        bias = (torch.randn(2 * n, generator=g).cuda()[::2] if transposed else torch.randn(n, generator=g).cuda()) \
+            if with_bias else None
         ref = rows.double() @ w.double().t() + (bias.double() if with_bias else 0)
         poison_allocator()
         out = ti._extension().position_gemm(kernel, rows, weight, bias, ti._PRECISION_CODE["highest"])

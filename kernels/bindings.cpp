@@ -893,8 +893,9 @@ at::Tensor position_gemm(const std::string& chosen, const at::Tensor& rows, cons
   args.gemm_w_split = split.data_ptr<float>();
   args.gemm_w_split_floats = split.numel();
   check_launch(library().run_backward(kernel, &args), "position_gemm's weight split");
+  const at::Tensor bias_rows = bias.has_value() ? bias->contiguous() : at::Tensor();  // (alive to the launch)
   args.pass = trimul::BackwardPass::rows_gemm;
-  args.gemm_bias = bias.has_value() ? bias->contiguous().data_ptr<float>() : nullptr;
+  args.gemm_bias = bias_rows.defined() ? bias_rows.data_ptr<float>() : nullptr;
   args.gemm_out = out.data_ptr<float>();
   args.gemm_ld_out = n;
   check_launch(library().run_backward(kernel, &args), "position_gemm");
