@@ -3269,6 +3269,23 @@ def test_backward_host_path_equals_the_python_steps(precision, direction, gate_i
             assert torch.allclose(a, b, rtol=1e-2, atol=1e-2 * b.abs().max().item())
 
 
+def test_position_gemm_choice_outside_highest_is_refused():
+    """A position_gemm kernel chosen by name where the backward does not run it (the CPU here; any mode but
+    "highest") raises a ValueError naming it and where it applies, instead of being ignored; the torch baseline
+    (cublas) is taken anywhere, with the same gradients as the default's."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(16, 8), g)
+    params = [p.detach() for p in ti._param_list(model)]
+    pair, mask = random_inputs(1, 5, 16, g, dtype=torch.float32)
+    grad_out = torch.randn(pair.shape, generator=g)
+    options = ("highest", False, True, 1e-5, 1e-5, False)
+    with pytest.raises(ValueError, match="position_gemm kernel 'wgmma_tf32x3' does not take this call.*applies when"):
+        ti.training_backward(grad_out, pair, mask, params, ti.parse_kernels("position_gemm=wgmma_tf32x3"), *options)
+    chosen = ti.training_backward(grad_out, pair, mask, params, ti.parse_kernels("position_gemm=cublas"), *options)
+    default = ti.training_backward(grad_out, pair, mask, params, ti.Kernels(), *options)
+    _assert_equal_gradients(chosen, default)
+
+
 @HOPPER
 @pytest.mark.parametrize("kernel", ["wgmma_tf32x3", "cublas"])
 def test_position_gemm_against_fp64(kernel):

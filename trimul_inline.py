@@ -1509,6 +1509,19 @@ def _unfolded_grads(g_folded, s_folded, weight, ln_weight, ln_bias):
             s_folded @ weight)
 
 
+def _check_position_gemm_choice(name: Optional[str], mode: str, pair: torch.Tensor) -> None:
+    """A position_gemm kernel chosen by name takes the fp32 GEMMs of a CUDA backward at "highest" only (elsewhere
+    the backward's GEMMs are cuBLAS's in the mode's operand dtype): named for any other call, a ValueError saying
+    so, as a chosen kernel of another role that does not take its call raises, instead of a choice silently
+    ignored."""
+    if name is None or _is_torch_kernel("position_gemm", name) or \
+            (mode == "highest" and pair.is_cuda and pair.dtype != torch.float64):
+        return
+    applies = next((e.applies for e in kernel_registry() if e.role == "position_gemm" and e.name == name), "")
+    raise ValueError(f"trimul_inline: the position_gemm kernel {name!r} does not take this call (a {mode!r} backward "
+                     f"on {pair.device.type}); it applies when: {applies}")
+
+
 def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: str, incoming: bool,
                       gate_normalized: bool, eps_in: float, eps_out: float, mask_grad: bool, host: str = "auto",
                       saved_z: Optional[torch.Tensor] = None, lean: bool = False,
@@ -1537,6 +1550,7 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
                          "x_hat's rstd or None]")
     del saved_z, saved_ab, saved_x_hat, saved_x_hat_rstd
     mode = _backward_mode(mode, pair)
+    _check_position_gemm_choice(kernels.position_gemm, mode, pair)
     with _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
         if pair.is_cuda and pair.dtype != torch.float64 and host != "python":
             graphed = all(t is None for t in saved) and not lean and \
@@ -1795,7 +1809,7 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
                                 operand, mode)
     positions = batch * n * n
     pair_rows, mask_rows = pair.reshape(positions, pair_dim).contiguous(), mask.reshape(positions).contiguous()
-    products = _Products(kernels.position_gemm or "" if mode == "highest" and on_device else None)
+    products = _Products((kernels.position_gemm or "") if mode == "highest" and on_device else None)
     contractions = _KernelContractions(contract) if contract else _BmmContractions(products)
 
     # The forward again, up to z: x_hat, proj = [pa | ga | pb | gb], a and b planes.
