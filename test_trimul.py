@@ -3598,7 +3598,10 @@ def test_backward_math_matches_autograd_on_cpu(direction, gate_input, batch, n, 
         if name == "pair_mask" and not float_mask:
             assert grad is None
             continue
-        assert _grad_error(grad, ref[name]) < 1e-12, f"{name} (seed {seed})"
+        # (1e-11: float64's rounding, amplified where a small gradient is a difference of large terms; over 600 draws
+        # at N = 1 the worst was 2.4e-13, and seed 1660144931 reaches 1.9e-12 on gate_a.weight; a wrong formula is
+        # off by 1e-3 or more)
+        assert _grad_error(grad, ref[name]) < 1e-11, f"{name} (seed {seed})"
 
 
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
