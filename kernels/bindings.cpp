@@ -870,7 +870,7 @@ at::Tensor position_gemm(const std::string& chosen, const at::Tensor& rows, cons
   args.pass = trimul::BackwardPass::rows_gemm;
   args.batch = 1;
   args.n = 1;
-  args.c = k;  // (plan_backward's messages name them pair_dim and hidden)
+  args.c = k;  // (plan_backward's messages name them K and N for this role)
   args.h = n;
   args.operand = trimul::Dtype::f32;
   args.precision = static_cast<trimul::Precision>(precision);

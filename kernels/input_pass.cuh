@@ -11,6 +11,13 @@ using namespace ::trimul::mma;
 using namespace ::trimul::fused;
 
 
+// The position (b, i, j) of pair_repr, flattened, at row f, column k of a batch's operand plane (incoming planes
+// are transposed): a row of ForwardArgs::x_hat, in pair_repr's order whatever pair's strides.
+__device__ __forceinline__ int64_t plane_position(const ForwardArgs& args, int64_t batch, uint32_t f, uint32_t k) {
+  const int64_t i = args.incoming ? k : f, j = args.incoming ? f : k;
+  return (batch * args.n + i) * args.n + j;
+}
+
 // Pair-row element offset (-1: no position) and mask of the position at row f, column k of a batch's [N, ld]
 // operand plane (valid: the position exists, not padding): the mask's value, or its bits as loaded
 // (uint32_t: load_mask_bits, for a prefetch that converts them later with mask_value).

@@ -17,8 +17,7 @@ __device__ __forceinline__ void store_x_hat(const ForwardArgs& args, int64_t bat
     const uint32_t f = static_cast<uint32_t>(p) / static_cast<uint32_t>(args.ld);
     const uint32_t k = static_cast<uint32_t>(p) - f * static_cast<uint32_t>(args.ld);
     if (p >= plane || k >= args.n) continue;
-    const int64_t i = args.incoming ? k : f, j = args.incoming ? f : k;  // (pair_repr's row and column)
-    const int64_t position = (batch * args.n + i) * args.n + j;
+    const int64_t position = plane_position(args, batch, f, k);
     uint2* dst = reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(args.x_hat) + position * kC + 4 * t);
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) dst[4 * s] = make_uint2(frag[s][hf], frag[s][2 + hf]);

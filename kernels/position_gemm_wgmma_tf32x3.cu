@@ -25,16 +25,9 @@ constexpr int kThreads = 256 + 32;
 constexpr int kSmemBytes = 1023 + kStages * kStageBytes + 2 * kStages * 8;
 static_assert(kBN == 128 && kBM == 128, "position_gemm_split_floats (api.cuh) pads N to 128 and K to 64");
 
-__device__ __forceinline__ uint32_t tf32_rna(float x) {
-  uint32_t r = __float_as_uint(x);
-#ifdef TRIMUL_SM90A
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-#endif
-  return r;
-}
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
-  hi = tf32_rna(x);
-  lo = tf32_rna(x - __uint_as_float(hi));
+  hi = mma::to_tf32(x);
+  lo = mma::to_tf32(x - __uint_as_float(hi));
 }
 
 // One k8 step of a 64x128 product, A (tf32, 64 x 8) from registers: a[0] row lane / 4 of the warp's 16, k lane %
@@ -176,18 +169,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// A 2-D fp32 map [rows][cols] of row pitch `pitch` elements, boxes of 32 cols (128 bytes) x box_rows, 128-byte
-// swizzle, zeros past the edges.
-bool encode_map(CUtensorMap* map, const void* base, int64_t rows, int64_t cols, int64_t pitch, int box_rows) {
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(pitch * 4)};
-  const cuuint32_t box[2] = {kBK, static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t element_strides[2] = {1, 1};
-  return tensor_map_encoder()(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<void*>(base), dims, strides, box,
-                              element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 int64_t padded(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 // fp32 rows at "highest" (at "high" cuBLAS's one-pass TF32 is the mode's own rounding), contiguous in k with a
@@ -203,7 +184,8 @@ bool applies(const BackwardArgs& args) {
 cudaError_t launch(const BackwardArgs& args) {
   if (!applies(args)) return cudaErrorInvalidValue;
   const int64_t n_pad = padded(args.gemm_n, kBN), k_pad = padded(args.gemm_k, 64);
-  if (args.gemm_w_split == nullptr || args.gemm_w_split_floats < 2 * n_pad * k_pad) return cudaErrorInvalidValue;
+  if (args.gemm_w_split == nullptr || args.gemm_w_split_floats < position_gemm_split_floats(args.gemm_n, args.gemm_k))
+    return cudaErrorInvalidValue;
   if (args.pass == BackwardPass::split_weight) {
     if (args.gemm_w == nullptr) return cudaErrorInvalidValue;
     const int64_t blocks = std::min<int64_t>(ceil_div(n_pad * k_pad, 256), 4096);
@@ -215,8 +197,8 @@ cudaError_t launch(const BackwardArgs& args) {
     return cudaErrorInvalidValue;
   if (args.gemm_m == 0) return cudaSuccess;
   CUtensorMap map_rows, map_w;
-  if (!encode_map(&map_rows, args.gemm_rows, args.gemm_m, args.gemm_k, args.gemm_ld, kBM) ||
-      !encode_map(&map_w, args.gemm_w_split, 2 * n_pad, k_pad, k_pad, kBN))
+  if (!encode_kmajor_map<float>(&map_rows, args.gemm_rows, 0, args.gemm_m, args.gemm_k, kBM, args.gemm_ld) ||
+      !encode_kmajor_map<float>(&map_w, args.gemm_w_split, 0, 2 * n_pad, k_pad, kBN))
     return cudaErrorNotSupported;
   const cudaError_t status = fused::allow_smem<gemm_kernel>(kSmemBytes);
   if (status != cudaSuccess) return status;

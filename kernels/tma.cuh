@@ -614,15 +614,16 @@ constexpr CUtensorMapDataType map_type() {
 
 
 // A K-major operand [planes][rows][cols] (planes = 0: a 2-D map [rows][cols]) of row pitch
-// `cols` elements, read as boxes of 128 bytes of k x box_rows (x 1 plane) into the 128-byte
+// `pitch` elements (0: cols), read as boxes of 128 bytes of k x box_rows (x 1 plane) into the 128-byte
 // swizzle wgmma reads; zeros past the edges. False where the driver refuses it.
 template <typename Op>
 bool encode_kmajor_map(CUtensorMap* map, const void* base, int64_t planes, int64_t rows, int64_t cols,
-                       int box_rows) {
+                       int box_rows, int64_t pitch = 0) {
+  if (pitch == 0) pitch = cols;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
                               static_cast<cuuint64_t>(planes)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols * sizeof(Op)),
-                                 static_cast<cuuint64_t>(rows * cols * sizeof(Op))};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(pitch * sizeof(Op)),
+                                 static_cast<cuuint64_t>(rows * pitch * sizeof(Op))};
   const cuuint32_t box[3] = {static_cast<cuuint32_t>(128 / sizeof(Op)), static_cast<cuuint32_t>(box_rows), 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   return tensor_map_encoder()(map, map_type<Op>(), planes == 0 ? 2 : 3, const_cast<void*>(base), dims, strides,
