@@ -6,6 +6,7 @@ import contextlib
 import copy
 import functools
 import gc
+import math
 import os
 import random
 import re
@@ -773,6 +774,49 @@ def test_no_wgmma_kernel_is_serialized():
 
     serialized = [name for name, body in with_wgmma.items() if not in_flight(body)]
     assert not serialized, serialized
+
+
+def _resource_usage(tool, library):
+    """{kernel: (registers, block threads or None)} of a built library: registers from cuobjdump's resource usage,
+    the block size a kernel declares (__launch_bounds__: EIATTR_MAX_THREADS) from its ELF attributes."""
+    usage = subprocess.run([tool, "--dump-resource-usage", library], capture_output=True, text=True, timeout=600,
+                           check=True).stdout
+    registers, name = {}, None
+    for line in usage.splitlines():
+        if (found := re.match(r"\s*Function (\S+):", line)):
+            name = found.group(1)
+        elif (found := re.match(r"\s*REG:(\d+)", line)) and name:
+            registers[name] = max(registers.get(name, 0), int(found.group(1)))
+    elf = subprocess.run([tool, "-elf", library], capture_output=True, text=True, timeout=600, check=True).stdout
+    threads = {}
+    for section in re.split(r"\n\.nv\.info\.", elf)[1:]:
+        found = re.search(r"EIATTR_MAX_THREADS\s*\n\s*Format:\s*\S+\s*\n\s*Value:\s*(0x[0-9a-f]+) (0x[0-9a-f]+) "
+                          r"(0x[0-9a-f]+)", section)
+        if found:
+            threads[section.split("\n", 1)[0].strip()] = math.prod(int(v, 16) for v in found.groups())
+    return {kernel: (regs, threads.get(kernel)) for kernel, regs in registers.items()}
+
+
+def test_every_kernel_fits_the_register_file():
+    """A block must fit one SM's 64K registers, and the hardware charges a block's registers as if its warps were a
+    multiple of four (the SM's sub-partitions; cuda_occupancy.h's launch check): 288 threads at more than 168
+    registers do not launch ("too many resources requested for launch"), which no CPU build or test would show.
+    ptxas fits a kernel to the block size its __launch_bounds__ declare; nothing fits one without them (or one
+    with __maxnreg__). So every kernel of the built library declares its block size and its registers fit it, or
+    it uses at most 64 registers (any block of up to 1024 threads fits)."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit, PATH or triton) to read the library with")
+    module = ti.load_extension(KERNEL_DIR)
+    kernels = _resource_usage(tool, module.kernel_library)
+    assert len(kernels) >= 100, sorted(kernels)
+    def fits(registers, threads):
+        if threads is None:
+            return registers <= 64
+        per_warp = -(-registers * 32 // 256) * 256  # (allocated per warp in units of 256)
+        return per_warp * -(-threads // 128) * 4 <= 65536
+    unfit = {kernel: usage for kernel, usage in kernels.items() if not fits(*usage)}
+    assert not unfit, unfit
 
 
 _BUNDLE_CHECK = r"""
