@@ -3,7 +3,7 @@
 pair_dim 128 and 384 (hidden 128), time and error against fp64; then odd sizes (P, K, N not multiples of the
 tiles, a row pitch wider than K, no bias, a transposed weight) for correctness.
 
-    python dev/rows_gemm_probe.py [--calls 10] [--positions 1048576]
+    python dev/rows_gemm_probe.py [--calls 10] [--positions 1048576] [--kernel wgmma_tf32x3]
 
 The kernel's unpromoted variant (the tensor cores' sums over all of K, no fp32 adds per 32-k tile) is
 dev/position_gemm_unpromoted.diff: `git apply` it, rebuild, run this again. With
@@ -31,15 +31,17 @@ GEMMS = {
 
 
 class Product:
-    """position_gemm's wgmma_tf32x3 through the extension (the weight split inside the call)."""
+    """A position_gemm kernel through the extension (the weight split inside the call)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
 
     @staticmethod
     def split_weight(w):
         return w
 
-    @staticmethod
-    def gemm(rows, w, n, bias):
-        return ti._extension().position_gemm("wgmma_tf32x3", rows, w, bias, ti._PRECISION_CODE["highest"])
+    def gemm(self, rows, w, n, bias):
+        return ti._extension().position_gemm(self.kernel, rows, w, bias, ti._PRECISION_CODE["highest"])
 
 
 def rel(x, ref):
@@ -65,10 +67,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--positions", type=int, default=1 << 20)
+    parser.add_argument("--kernel", default="wgmma_tf32x3", help="the position_gemm kernel to time (registry name)")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
-    ext = Product()
+    ext = Product(args.kernel)
     print("odd sizes (m, k, n, pitch, bias): ours err / cuBLAS err / transposed-weight split equal")
     for m, k, n, pitch, with_bias in [(1, 4, 1, None, True), (7, 12, 9, None, True), (1000, 100, 72, None, False),
                                       (4097, 640, 128, 1024, True), (333, 36, 260, 40, True),
@@ -77,7 +80,7 @@ def main():
         flag = "ok" if ours <= max(3 * cublas, 5e-7) and same else "FAIL"
         print(f"  {m:6d} {k:4d} {n:4d} {str(pitch):5s} {with_bias!s:5s}: {ours:.2e} / {cublas:.2e} / {same}  {flag}")
     p = args.positions
-    print(f"\nP = {p}: median ms (cuBLAS fp32 -> ours), TFLOP/s of ours, errors vs fp64 (first 8192 rows)")
+    print(f"\nP = {p}: median ms (cuBLAS fp32 -> {args.kernel}), TFLOP/s of ours, errors vs fp64 (first 8192 rows)")
     for c, gemms in GEMMS.items():
         for name, k, n in gemms:
             rows = torch.randn(p, k, device="cuda")
