@@ -96,6 +96,27 @@ for unit in range(1024):
         if logical_k != p: bad += 1
 print("tf32 grad B tile:", "ok" if bad == 0 else f"{bad} mismatches")
 failures += bad
+# ---- f16 weight-gradient kernel: split_b_f16 (two lanes a column, positions 8c + 4u + e; 8-byte stores at chunk
+# c ^ (n & 7), byte 8u) and load_grad_fragments (d column 32 box + m, positions 16j + 2t (+1, +8, +9))
+bad = 0
+for w in range(8):
+    for lane in range(32):
+        n, u = 16 * w + (lane >> 1), lane & 1
+        for c in range(8):
+            for e in range(4):
+                p = 8 * c + 4 * u + e
+                read_chunk = ((n & 31) >> 2) ^ (p & 7)
+                if 4 * (read_chunk ^ (p & 7)) + (n & 3) + 32 * (n >> 5) != n: bad += 1
+                byte = 16 * ((c ^ (n & 7)) ^ (n & 7)) + 8 * u + 2 * e  # (the hardware's logical byte of that half)
+                if byte // 2 != p: bad += 1
+for wg in range(2):
+    for w4 in range(4):
+        for g in range(8):
+            for r8 in range(2):
+                if 32 * (2 * wg + (w4 >> 1)) + 16 * (w4 & 1) + g + 8 * r8 != 64 * wg + 16 * w4 + g + 8 * r8: bad += 1
+print("f16 grad B tile and A columns:", "ok" if bad == 0 else f"{bad} mismatches")
+failures += bad
+
 torch.manual_seed(0)
 
 
@@ -139,6 +160,24 @@ for k, n in [(128, 128), (384, 512), (896, 384), (640, 128)]:
     ref = rows.double() @ w.double().t() + b.double()
     rel = lambda o: ((o.double() - ref).norm() / ref.norm()).item()
     print(f"K={k} N={n}: fp32 {rel(rows @ w.t() + b):.2e}  f16x3 {rel(f16x3(rows, w, b)):.2e}  tf32x3 {rel(tf32x3(rows, w, b)):.2e}")
+# the weight gradients' scales: d's and x's columns per 64-position tile
+def f16x3_grad(d, x):
+    total = torch.zeros(d.shape[1], x.shape[1])
+    for p0 in range(0, d.shape[0], 64):
+        dt, xt = d[p0:p0 + 64], x[p0:p0 + 64]
+        s_d, inv_d = scale_for(dt.abs().amax(0))
+        s_x, inv_x = scale_for(xt.abs().amax(0))
+        dh, dl = parts(dt * s_d)
+        xh, xl = parts(xt * s_x)
+        acc = dl.float().t() @ xh.float() + dh.float().t() @ xl.float() + dh.float().t() @ xh.float()
+        total += acc * inv_d[:, None] * inv_x[None, :]
+    return total
+d = torch.randn(8192, 200) * 0.1 * torch.exp2(torch.randint(-20, 21, (200,)).float())
+x = (torch.randn(8192, 130) * 2 + 0.3) * torch.exp2(torch.randint(-20, 21, (130,)).float())
+unscale = (d.abs().amax(0).double()[:, None] * x.abs().amax(0).double()[None, :])
+ref = d.double().t() @ x.double()
+rel = lambda o: (((o.double() - ref) / unscale).norm() / (ref / unscale).norm()).item()
+print(f"weight gradient, wide columns: fp32 {rel(d.t() @ x):.2e}  f16x3 {rel(f16x3_grad(d, x)):.2e}")
 # wide ranges
 m, k, n = 515, 200, 140
 rows = torch.randn(m, k, dtype=torch.float64) * torch.exp2(torch.randint(-60, 61, (m, k)).double())

@@ -98,7 +98,7 @@ def main():
                   f"({tflops:5.1f} TFLOP/s, the weight's split included)  err {err_cublas:.2e} -> {err_ours:.2e}")
             del rows
     if hasattr(ti._extension(), "position_gemm_grad"):  # (dev/position_gemm_weight_grads.diff applied)
-        grads(args.calls, p)
+        grads(args.calls, p, args.kernel)
 
 
 # (name, N, K) per pair_dim C, hidden H: the weight gradients d_rows[P, N]^T rows[P, K] the "highest" step runs
@@ -108,20 +108,20 @@ GRADS = {
 }
 
 
-def grads(calls, p):
+def grads(calls, p, kernel):
     """position_gemm_grad against cuBLAS fp32 at the weight gradients' shapes: time, and error against fp64 over all
     p positions (the sums are the point)."""
-    print(f"\nweight gradients over P = {p}: median ms (cuBLAS fp32 -> ours), TFLOP/s of ours, errors vs fp64")
+    print(f"\nweight gradients over P = {p}: median ms (cuBLAS fp32 -> {kernel}), TFLOP/s of ours, errors vs fp64")
     highest = ti._PRECISION_CODE["highest"]
     for c, shapes in GRADS.items():
         for name, n, k in shapes:
             d_rows = torch.randn(p, n, device="cuda") * 0.01
             rows = torch.randn(p, k, device="cuda")
             t_cublas = bench.time_cuda(lambda: d_rows.t() @ rows, min_reps=calls, budget_s=0.0)[0]
-            t_ours = bench.time_cuda(lambda: ti._extension().position_gemm_grad("wgmma_tf32x3", d_rows, rows, highest),
+            t_ours = bench.time_cuda(lambda: ti._extension().position_gemm_grad(kernel, d_rows, rows, highest),
                                      min_reps=calls, budget_s=0.0)[0]
             ref = d_rows.double().t() @ rows.double()
-            err_ours = rel(ti._extension().position_gemm_grad("wgmma_tf32x3", d_rows, rows, highest), ref)
+            err_ours = rel(ti._extension().position_gemm_grad(kernel, d_rows, rows, highest), ref)
             err_cublas = rel(d_rows.t() @ rows, ref)
             tflops = 2.0 * p * k * n / (t_ours * 1e-6) / 1e12
             print(f"  C={c} {name:7s} N={n:4d} K={k:4d}: {t_cublas / 1e3:7.3f} -> {t_ours / 1e3:7.3f} ms "
