@@ -11,11 +11,25 @@ using namespace ::trimul::mma;
 using namespace ::trimul::fused;
 
 
+// Row f and column k of position p of a batch's flattened [N, ld] operand plane (f = p / ld, k = p % ld; k >= n
+// and p >= plane are padding). plane < 2^32 (checked at launch): 32-bit division is a fraction of a 64-bit one's
+// cost.
+__device__ __forceinline__ void plane_fk(const ForwardArgs& args, int64_t p, uint32_t& f, uint32_t& k) {
+  f = static_cast<uint32_t>(p) / static_cast<uint32_t>(args.ld);
+  k = static_cast<uint32_t>(p) - f * static_cast<uint32_t>(args.ld);
+}
+
 // The position (b, i, j) of pair_repr, flattened, at row f, column k of a batch's operand plane (incoming planes
 // are transposed): a row of ForwardArgs::x_hat, in pair_repr's order whatever pair's strides.
 __device__ __forceinline__ int64_t plane_position(const ForwardArgs& args, int64_t batch, uint32_t f, uint32_t k) {
   const int64_t i = args.incoming ? k : f, j = args.incoming ? f : k;
   return (batch * args.n + i) * args.n + j;
+}
+// The same at position p of the flattened plane.
+__device__ __forceinline__ int64_t plane_position(const ForwardArgs& args, int64_t batch, int64_t p) {
+  uint32_t f, k;
+  plane_fk(args, p, f, k);
+  return plane_position(args, batch, f, k);
 }
 
 // Pair-row element offset (-1: no position) and mask of the position at row f, column k of a batch's [N, ld]
@@ -35,13 +49,12 @@ __device__ __forceinline__ void locate_fk(const ForwardArgs& args, int64_t batch
   locate_fk(args, batch, f, k, valid, row_off, bits);
   mask = mask_value(bits, args.mask_kind);
 }
-// The same for position p of the flattened plane (f = p / ld, k = p % ld; k >= n and p >= plane are
-// padding). plane < 2^32 (checked at launch): 32-bit division is a fraction of a 64-bit one's cost.
+// The same for position p of the flattened plane (plane_fk).
 template <typename MaskOut>
 __device__ __forceinline__ void locate_position(const ForwardArgs& args, int64_t batch, int64_t p, int64_t plane,
                                                 int64_t& row_off, MaskOut& mask) {
-  const uint32_t f = static_cast<uint32_t>(p) / static_cast<uint32_t>(args.ld);
-  const uint32_t k = static_cast<uint32_t>(p) - f * static_cast<uint32_t>(args.ld);
+  uint32_t f, k;
+  plane_fk(args, p, f, k);
   locate_fk(args, batch, f, k, p < plane && k < args.n, row_off, mask);
 }
 

@@ -14,8 +14,8 @@ __device__ __forceinline__ void store_x_hat(const ForwardArgs& args, int64_t bat
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int64_t p = row + 8 * hf;
-    const uint32_t f = static_cast<uint32_t>(p) / static_cast<uint32_t>(args.ld);
-    const uint32_t k = static_cast<uint32_t>(p) - f * static_cast<uint32_t>(args.ld);
+    uint32_t f, k;
+    plane_fk(args, p, f, k);
     if (p >= plane || k >= args.n) continue;
     const int64_t position = plane_position(args, batch, f, k);
     uint2* dst = reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(args.x_hat) + position * kC + 4 * t);

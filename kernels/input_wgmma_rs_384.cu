@@ -128,11 +128,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       rstd[hf] = rsqrtf(quad_sum(sum_sq) * (1.f / kC) + args.eps_in);
       if constexpr (kXHat) {
-        if (hf == side && off >= 0) {  // (the position from the plane's f, k, as locate_position finds them)
-          const uint32_t p = static_cast<uint32_t>(p0 + row0 + 8 * hf);
-          const uint32_t f = p / static_cast<uint32_t>(args.ld), k = p - f * static_cast<uint32_t>(args.ld);
-          store_x_hat_row<Op>(args, plane_position(args, batch, f, k), frag, hf, rstd[hf], t);
-        }
+        if (hf == side && off >= 0)
+          store_x_hat_row<Op>(args, plane_position(args, batch, p0 + row0 + 8 * hf), frag, hf, rstd[hf], t);
       }
     }
 
