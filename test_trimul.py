@@ -1495,6 +1495,32 @@ def test_scaled_f16_passes_take_rows_of_any_layout(precision, gate_input, rows):
     assert err < FUSED_TOLERANCE[precision], f"{precision} {rows} {gate_input}: error {err:.2e} (seed {seed})"
 
 
+def _follow_parameter_changes(reference, new, check, in_place, other, replaced, data_edit):
+    """check(label) first, then after each supported way of changing parameters, made alike in `reference` (fp64)
+    and `new` (fp32, CUDA): in_place(module) under no_grad, as an optimizer step does; load_state_dict of other()'s;
+    a replaced Parameter (replaced: the module's name and a maker of its new fp64 weight); data_edit(module), a
+    .data edit, which bypasses version tracking (documented), then new.refresh_weights(). (other() and the
+    replacement are made where each route needs them, in this order.)"""
+    check("initial")
+    with torch.no_grad():
+        for model in (reference, new):
+            in_place(model)
+    check("in-place update")
+    state = other().state_dict()
+    reference.load_state_dict(state)
+    new.load_state_dict(state)
+    check("load_state_dict")
+    name, make = replaced
+    replacement = make()
+    getattr(reference, name).weight = torch.nn.Parameter(replacement.clone())
+    getattr(new, name).weight = torch.nn.Parameter(replacement.float().cuda())
+    check("replaced parameter")
+    for model in (reference, new):
+        data_edit(model)
+    new.refresh_weights()
+    check(".data edit + refresh_weights")
+
+
 @cuda
 def test_prepared_weights_follow_parameter_changes():
     """The eager path caches kernel-layout weights: every supported way of changing a parameter
@@ -1508,23 +1534,10 @@ def test_prepared_weights_follow_parameter_changes():
     def check(label):
         _check_model(new, reference, pair, mask, 1e-5, seed, label)
 
-    check("initial")
-    with torch.no_grad():  # in place, as an optimizer step does
-        reference.out_proj.weight.mul_(-1.5)
-        new.out_proj.weight.mul_(-1.5)
-    check("in-place update")
-    other = random_layers(ti.Model(32, 16).double(), g)
-    reference.load_state_dict(other.state_dict())
-    new.load_state_dict(other.state_dict())
-    check("load_state_dict")
-    replacement = torch.randn(16, 32, generator=g, dtype=torch.float64)
-    reference.proj_b.weight = torch.nn.Parameter(replacement.clone())
-    new.proj_b.weight = torch.nn.Parameter(replacement.float().cuda())
-    check("replaced parameter")
-    reference.gate_a.bias.data.add_(0.75)
-    new.gate_a.bias.data.add_(0.75)
-    new.refresh_weights()  # .data edits bypass version tracking (documented)
-    check(".data edit + refresh_weights")
+    _follow_parameter_changes(reference, new, check, in_place=lambda m: m.out_proj.weight.mul_(-1.5),
+                              other=lambda: random_layers(ti.Model(32, 16).double(), g),
+                              replaced=("proj_b", lambda: torch.randn(16, 32, generator=g, dtype=torch.float64)),
+                              data_edit=lambda m: m.gate_a.bias.data.add_(0.75))
 
 
 @cuda
@@ -2422,24 +2435,16 @@ def test_x_hat_gate_follows_parameter_changes(pair_dim, monkeypatch):
             err = rel_error(out, ref)
             assert err < tolerance, f"{label}, {name} forward: {err:.2e} against fp64 (seed {seed})"
 
-    check("initial")
-    with torch.no_grad():  # in place, as an optimizer step does
-        for module in (reference, new):
-            module.layer_norm_in.weight.mul_(-1.5)
-            module.out_gate.bias.add_(0.5)
-    check("in-place update")
-    other = random_layers(ti.Model(pair_dim, 128, "outgoing", "normalized").double(), g)
-    reference.load_state_dict(other.state_dict())
-    new.load_state_dict(other.state_dict())
-    check("load_state_dict")
-    replacement = torch.randn(pair_dim, pair_dim, generator=g, dtype=torch.float64) / pair_dim ** 0.5
-    reference.out_gate.weight = torch.nn.Parameter(replacement.clone())
-    new.out_gate.weight = torch.nn.Parameter(replacement.float().cuda())
-    check("replaced parameter")
-    reference.layer_norm_in.bias.data.add_(0.75)
-    new.layer_norm_in.bias.data.add_(0.75)
-    new.refresh_weights()  # .data edits bypass version tracking (documented)
-    check(".data edit + refresh_weights")
+    def in_place(model):
+        model.layer_norm_in.weight.mul_(-1.5)
+        model.out_gate.bias.add_(0.5)
+
+    _follow_parameter_changes(
+        reference, new, check, in_place,
+        other=lambda: random_layers(ti.Model(pair_dim, 128, "outgoing", "normalized").double(), g),
+        replaced=("out_gate",
+                  lambda: torch.randn(pair_dim, pair_dim, generator=g, dtype=torch.float64) / pair_dim ** 0.5),
+        data_edit=lambda m: m.layer_norm_in.bias.data.add_(0.75))
     assert sum(folds) == 5, f"the gate folded {sum(folds)} times for 5 parameter states (seed {seed})"
 
 
