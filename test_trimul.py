@@ -797,6 +797,32 @@ def _resource_usage(tool, library):
     return {kernel: (regs, threads.get(kernel)) for kernel, regs in registers.items()}
 
 
+def test_builds_for_gpus_the_kernels_are_for_only(monkeypatch):
+    """target_arch: TRIMUL_CUDA_ARCH as given from sm_80 on; below MIN_COMPUTE_CAPABILITY (tf32 and bf16 mma.sync are
+    sm_80 instructions) a RuntimeError naming it before nvcc runs, from the variable or from the GPU found;
+    _kernels_run_on likewise per device."""
+    for arch in ("80", "86", "90a", "100", "120"):
+        monkeypatch.setenv("TRIMUL_CUDA_ARCH", arch)
+        assert ti.target_arch() == arch
+    monkeypatch.setenv("TRIMUL_CUDA_ARCH", "75")
+    with pytest.raises(RuntimeError, match=r"need compute capability 8\.0 or newer; TRIMUL_CUDA_ARCH=75 is sm_75"):
+        ti.plan_build()
+    monkeypatch.setenv("TRIMUL_CUDA_ARCH", "sm90")
+    with pytest.raises(RuntimeError, match="not an nvcc arch"):
+        ti.target_arch()
+    monkeypatch.delenv("TRIMUL_CUDA_ARCH")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(RuntimeError, match="this GPU is sm_75"):
+        ti.target_arch()
+    monkeypatch.setattr(ti, "_KERNEL_DEVICES", {})
+    assert not ti._kernels_run_on(0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert ti.target_arch() == "80" and ti._kernels_run_on(1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert ti.target_arch() == "90a"
+
+
 def test_every_kernel_fits_the_register_file():
     """A block must fit one SM's 64K registers, and the hardware charges a block's registers as if its warps were a
     multiple of four (the SM's sub-partitions; cuda_occupancy.h's launch check): 288 threads at more than 168
@@ -2019,6 +2045,38 @@ def test_cuda_bad_input_raises_and_float64_runs_the_reference(monkeypatch):
     with pytest.warns(UserWarning, match="torch.float64 tensors; running the reference"):
         out = model(pair.double(), mask)
     assert torch.equal(out, reference(pair.double(), mask))
+
+
+@cuda
+def test_gpus_older_than_the_kernels_run_the_reference(monkeypatch):
+    """A GPU below MIN_COMPUTE_CAPABILITY (simulated: _kernels_run_on says no, and the extension must not be
+    asked for): ModelNew's forward and backward are the reference computation's, with one warning naming the
+    compute capability; forward_steps refuses, naming it."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    reference = random_layers(ti.Model(12, 20, "incoming", "normalized"), g).cuda()
+    model = ti.ModelNew(12, 20, "incoming", "normalized").cuda()
+    model.load_state_dict(reference.state_dict())
+    pair, mask = (t.cuda() for t in random_inputs(2, 7, 12, g, dtype=torch.float32))
+    monkeypatch.setattr(ti, "_reference_warned", set())
+    monkeypatch.setattr(ti, "_kernels_run_on", lambda index: False)
+
+    def no_extension():
+        raise AssertionError("the extension was asked for on a GPU the kernels are not for")
+    monkeypatch.setattr(ti, "_extension", no_extension)
+    capability = ".".join(map(str, torch.cuda.get_device_capability()))
+    with pytest.warns(UserWarning, match=f"compute capability {capability}; running the reference"):
+        with torch.no_grad():
+            out = model(pair, mask)
+    assert rel_error(out, reference(pair, mask)) < 1e-6
+    pair_new, pair_ref = pair.clone().requires_grad_(), pair.clone().requires_grad_()
+    grad_out = torch.randn(pair.shape, generator=g).cuda()
+    model(pair_new, mask).backward(grad_out)
+    reference(pair_ref, mask).backward(grad_out)
+    assert rel_error(pair_new.grad, pair_ref.grad) < 1e-6
+    for (name, p_new), p_ref in zip(model.named_parameters(), reference.parameters()):
+        assert rel_error(p_new.grad, p_ref.grad) < 1e-6, name
+    with pytest.raises(ValueError, match="compute capability 8.0 or newer"):
+        model.forward_steps(pair, mask)
 
 
 # ---- training: the fused forward's op (trimul) and its backward (trimul_backward) ----------------------------

@@ -425,15 +425,40 @@ def find_toolkit(environ=None) -> Toolkit:
         f"and libcudart) was found ({where}). Install the CUDA toolkit or set CUDA_HOME to it.")
 
 
+# The kernels' oldest GPU: tf32 conversions and bf16 mma.sync are sm_80 instructions. Older GPUs (a T4, sm_75) run
+# ModelNew as the reference computation, and a build for them is refused before nvcc runs.
+MIN_COMPUTE_CAPABILITY = (8, 0)
+
+
 def target_arch() -> str:
-    """nvcc arch suffix: the current GPU's (sm_90a on Hopper, for wgmma); 90a with no GPU."""
+    """nvcc arch suffix: the current GPU's (sm_90a on Hopper, for wgmma); 90a with no GPU. A RuntimeError for a
+    GPU or TRIMUL_CUDA_ARCH below MIN_COMPUTE_CAPABILITY."""
     env = os.environ.get("TRIMUL_CUDA_ARCH")
     if env:
-        return env
-    if torch.cuda.is_available():
+        arch, source = env, f"TRIMUL_CUDA_ARCH={env}"
+    elif torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
-        return f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
-    return "90a"
+        arch, source = f"{major}{minor}" + ("a" if (major, minor) == (9, 0) else ""), "this GPU"
+    else:
+        return "90a"
+    digits = re.match(r"\d+", arch)
+    if digits is None or len(digits.group()) < 2:
+        raise RuntimeError(f"trimul_inline: {source}: not an nvcc arch (e.g. 80, 90a, 100)")
+    if (int(digits.group()[:-1]), int(digits.group()[-1])) < MIN_COMPUTE_CAPABILITY:
+        raise RuntimeError(f"trimul_inline: the CUDA kernels need compute capability "
+                           f"{'.'.join(map(str, MIN_COMPUTE_CAPABILITY))} or newer; {source} is sm_{arch}. On "
+                           f"such a GPU ModelNew runs the PyTorch reference computation without building them.")
+    return arch
+
+
+def _kernels_run_on(device_index: int) -> bool:
+    """Whether CUDA device `device_index` is one the kernels are for (MIN_COMPUTE_CAPABILITY and newer)."""
+    if device_index not in _KERNEL_DEVICES:
+        _KERNEL_DEVICES[device_index] = torch.cuda.get_device_capability(device_index) >= MIN_COMPUTE_CAPABILITY
+    return _KERNEL_DEVICES[device_index]
+
+
+_KERNEL_DEVICES = {}
 
 
 def _digest(*parts) -> str:
@@ -2122,8 +2147,16 @@ def _fused_takes_now(pair_dim: int, hidden: int, mode: str, pair_dtype: torch.dt
 _float32_matmul_precision_now = torch.compiler.assume_constant_result(_float32_matmul_precision_now)
 _fused_takes_now = torch.compiler.assume_constant_result(_fused_takes_now)
 _kernels_override = torch.compiler.assume_constant_result(_kernels_override)
+_kernels_run_on = torch.compiler.assume_constant_result(_kernels_run_on)
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the CUDA kernels take
+
+
+def _kernels_take(t: torch.Tensor) -> bool:
+    """Whether the CUDA kernels take tensors like t: a dtype they compute in, on a GPU they are for."""
+    return t.is_cuda and t.dtype in _KERNEL_DTYPES and _kernels_run_on(t.device.index)
+
+
 _FUSED_MASK_DTYPES = (torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32,
                       torch.bfloat16, torch.float16)  # read as they are by the fused kernels
 _reference_warned = set()
@@ -2167,13 +2200,18 @@ def check_inputs(layers: _TriMulLayers, pair_repr, pair_mask, rows: Optional[int
 
 
 def _warn_reference_once(pair_repr) -> None:
-    key = (pair_repr.device.type, pair_repr.dtype)
+    key = (pair_repr.device.type, pair_repr.device.index, pair_repr.dtype)
     if key in _reference_warned:
         return
     _reference_warned.add(key)
-    what = "CPU tensors" if pair_repr.device.type == "cpu" else f"{pair_repr.dtype} tensors"
-    warnings.warn(f"trimul_inline: ModelNew got {what}; running the reference computation (the CUDA "
-                  "kernels take float32, bfloat16 and float16 on a GPU)", stacklevel=3)
+    if pair_repr.device.type == "cpu" or pair_repr.dtype not in _KERNEL_DTYPES:
+        what = "CPU tensors" if pair_repr.device.type == "cpu" else f"{pair_repr.dtype} tensors"
+        why = "the CUDA kernels take float32, bfloat16 and float16 on a GPU"
+    else:
+        capability = ".".join(map(str, torch.cuda.get_device_capability(pair_repr.device.index)))
+        what = f"tensors on {pair_repr.device}, a GPU of compute capability {capability}"
+        why = f"the CUDA kernels need {'.'.join(map(str, MIN_COMPUTE_CAPABILITY))} or newer"
+    warnings.warn(f"trimul_inline: ModelNew got {what}; running the reference computation ({why})", stacklevel=3)
 
 
 def _contraction_layout(t: torch.Tensor, direction: str) -> torch.Tensor:
@@ -2264,7 +2302,7 @@ class ModelNew(_TriMulLayers):
         if out is not None:
             return out
         check_inputs(self, pair_repr, pair_mask)
-        if not pair_repr.is_cuda or pair_repr.dtype not in _KERNEL_DTYPES:
+        if not _kernels_take(pair_repr):
             _warn_reference_once(pair_repr)
             return _functional_reference(pair_repr, pair_mask, _param_list(self), self.direction == "incoming",
                                          self.gate_input == "normalized", self.layer_norm_in.eps,
@@ -2438,9 +2476,10 @@ class ModelNew(_TriMulLayers):
         the same checks, precision and kernel choice as a call; a ValueError where the call would not
         take the fused kernels (CPU, float64, sizes they do not take)."""
         check_inputs(self, pair_repr, pair_mask)
-        if not pair_repr.is_cuda or pair_repr.dtype not in _KERNEL_DTYPES:
-            raise ValueError(f"trimul_inline: the fused steps take CUDA float32/bfloat16/float16 inputs, not "
-                             f"{pair_repr.device.type} {pair_repr.dtype}")
+        if not _kernels_take(pair_repr):
+            raise ValueError(f"trimul_inline: the fused steps take CUDA float32/bfloat16/float16 inputs on a GPU "
+                             f"of compute capability {'.'.join(map(str, MIN_COMPUTE_CAPABILITY))} or newer, not "
+                             f"{pair_repr.device} {pair_repr.dtype}")
         mode = compute_mode(pair_repr.dtype, self.resolved_precision())
         kernels = _with_override(self.kernels)
         pair_repr, pair_mask = self._fused_inputs(pair_repr, pair_mask)
@@ -2949,7 +2988,7 @@ def _block_product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x @ y^T over the last two dims ([B, H, m, k] and [B, H, n, k] -> [B, H, m, n], x's dtype) at the current
     fp32 matmul precision: the contraction kernels' default order for CUDA operands they take (fp32, bf16,
     fp16), PyTorch's matmul otherwise (the CPU, float64)."""
-    if not (x.is_cuda and x.dtype in _DTYPE_CODE and x.numel() and y.numel()):
+    if not (_kernels_take(x) and x.numel() and y.numel()):
         return x @ y.transpose(-1, -2)
     planes = _as_planes(x).contiguous()
     z = planes.new_empty((planes.shape[0], planes.shape[1], y.shape[-2]))
