@@ -3630,7 +3630,11 @@ def test_training_under_torch_compile_fullgraph(precision):
 
 
 @cuda
-def test_training_under_activation_checkpointing():
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_training_under_activation_checkpointing(use_reentrant):
+    """Gradients through torch.utils.checkpoint bitwise equal the plain step's, in both of its modes: the
+    reentrant one (OpenFold's and older code's) runs the first forward without gradients (the inference forward)
+    and the recomputed one in the backward."""
     g = torch.Generator().manual_seed(fresh_seed())
     model = random_layers(ti.ModelNew(32, 16, precision="highest"), g).cuda()
     pair, mask = random_inputs(1, 40, 32, g, dtype=torch.float32, device="cuda")
@@ -3643,7 +3647,7 @@ def test_training_under_activation_checkpointing():
             self.inner = inner
 
         def forward(self, pair_repr, pair_mask):
-            return torch.utils.checkpoint.checkpoint(self.inner, pair_repr, pair_mask, use_reentrant=False)
+            return torch.utils.checkpoint.checkpoint(self.inner, pair_repr, pair_mask, use_reentrant=use_reentrant)
 
     _, checkpointed = _gradients(Checkpointed(model), pair, mask, grad_out)
     for name, grad in plain.items():
