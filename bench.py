@@ -669,6 +669,7 @@ def trainable_cueq(ref, dtype):
 
 
 BACKWARD_CONTENDERS = "ref-eager,ref-compile,ref-autocast,cueq-bf16,cueq-fp32,new,new-bf16,new-autocast"
+BACKWARD_OPTIONAL = "new-compile"  # (named only: a compile per shape and precision)
 
 
 def backward_contenders(args):
@@ -679,8 +680,7 @@ def backward_contenders(args):
         found.append(TrainingContender("ref-eager", trainable_module, "highest"))
     if "ref-compile" in args.contenders:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        found.append(TrainingContender("ref-compile", lambda ref: trainable_module(ref, torch.compile(ref)),
-                                       "highest"))
+        found.append(TrainingContender("ref-compile", compiled_trainable, "highest"))
     if "ref-autocast" in args.contenders:
         found.append(TrainingContender("ref-autocast", lambda ref: trainable_module(ref, autocast=True),
                                        "bfloat16", informational=True))
@@ -710,7 +710,17 @@ def new_training_contenders(args, kernels):
     if "new-autocast" in args.contenders:
         found.append(TrainingContender(f"new-autocast{tag}", lambda ref: trainable_module(
             make_model_new(ref, kernels), autocast=True), "bfloat16"))
+    if "new-compile" in args.contenders:  # (a model that torch.compile wraps whole: the op traced, not eager)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        for precision in args.precision:
+            found.append(TrainingContender(f"new-compile-{precision}{tag}", lambda ref, p=precision:
+                                           compiled_trainable(make_model_new(ref, kernels, precision=p)), precision))
     return found
+
+
+def compiled_trainable(module):
+    """trainable_module of torch.compile(module), training module's own parameters."""
+    return trainable_module(module, torch.compile(module))
 
 
 def clear_gradients(trainable, pair):
@@ -994,9 +1004,10 @@ def main(argv=None) -> int:
                         help="which of ref-eager, ref-compile, ref-autocast, cueq (when "
                              "cuequivariance_torch imports), new-bf16 (ModelNew with bf16 in/out, as cueq "
                              "bf16 runs), new to run (default: all); with --backward which of "
-                             f"{BACKWARD_CONTENDERS} (cueq-*: when cuequivariance_torch imports; new: one row "
-                             "per --precision; new-bf16: bf16 parameters and inputs; new-autocast: under bf16 "
-                             "autocast; default: all)")
+                             f"{BACKWARD_CONTENDERS},{BACKWARD_OPTIONAL} (cueq-*: when cuequivariance_torch "
+                             "imports; new: one row per --precision; new-bf16: bf16 parameters and inputs; "
+                             "new-autocast: under bf16 autocast; new-compile: torch.compile(ModelNew), one row per "
+                             "--precision; default: all but new-compile)")
     parser.add_argument("--precision", default="highest",
                         help="ModelNew's fp32 precisions, comma-separated (PyTorch's matmul-precision "
                              "names: highest, high, medium)")
@@ -1032,9 +1043,10 @@ def main(argv=None) -> int:
     if args.backward:
         if args.profile or args.repeat_only or args.float_mask:
             parser.error("--profile, --repeat-only and --float-mask apply to the forward mode, not --backward")
-        unknown = args.contenders - set(BACKWARD_CONTENDERS.split(","))
+        known = f"{BACKWARD_CONTENDERS},{BACKWARD_OPTIONAL}"
+        unknown = args.contenders - set(known.split(","))
         if unknown:
-            parser.error(f"--backward: unknown contenders {sorted(unknown)}; known: {BACKWARD_CONTENDERS}")
+            parser.error(f"--backward: unknown contenders {sorted(unknown)}; known: {known}")
         return run_backward(args, argv)
     long_shapes = any(long_shape(b, n) for b, n, _, _ in args.shapes)
     args.bf16_kernels = args.kernels  # (the new-bf16 rows: the choices named, else auto alone)

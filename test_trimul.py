@@ -503,6 +503,17 @@ def test_bench_float_mask_is_a_forward_option(capsys):
     assert "--float-mask apply to the forward mode" in capsys.readouterr().err
 
 
+def test_bench_compiled_model_new_is_a_named_training_contender(capsys):
+    """--backward's new-compile rows (torch.compile of ModelNew, one per --precision) run only when named."""
+    import bench
+    args = types.SimpleNamespace(contenders={"new-compile"}, precision=["medium", "highest"], kernels=None)
+    assert [c.name for c in bench.backward_contenders(args)] == ["new-compile-medium", "new-compile-highest"]
+    assert "new-compile" not in bench.BACKWARD_CONTENDERS.split(",")
+    with pytest.raises(SystemExit):
+        bench.main(["--backward", "--contenders", "new-compile,new-compiled"])
+    assert "unknown contenders ['new-compiled']" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("direction, gate_input", [("outgoing", "normalized"), ("incoming", "raw")])
 def test_bench_directional_check_passes_true_gradients_and_catches_wrong_ones(direction, gate_input):
     """bench.py --backward at shapes too large for whole fp64 gradients: central differences of the chunked
