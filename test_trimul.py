@@ -808,6 +808,15 @@ def _resource_usage(tool, library):
     return {kernel: (regs, threads.get(kernel)) for kernel, regs in registers.items()}
 
 
+def test_torch_older_than_the_ops_need_is_named_at_import():
+    for version in ("2.4.0", "2.11.0+cu130", "2.14.1", "3.0.0a0+git1234"):
+        ti._check_torch_version(version)
+    for version in ("2.3.1+cu121", "1.13.1"):
+        with pytest.raises(ImportError, match=rf"needs torch 2\.4 or newer \(torch.library.custom_op\); this is "
+                                              rf"torch {re.escape(version)}"):
+            ti._check_torch_version(version)
+
+
 def test_builds_for_gpus_the_kernels_are_for_only(monkeypatch):
     """target_arch: TRIMUL_CUDA_ARCH as given from sm_80 on; below MIN_COMPUTE_CAPABILITY (tf32 and bf16 mma.sync are
     sm_80 instructions) a RuntimeError naming it before nvcc runs, from the variable or from the GPU found;

@@ -42,6 +42,19 @@ __all__ = [
     "reference_forward", "check_inputs", "from_module", "replace_modules", "shard_rows",
 ]
 
+MIN_TORCH = (2, 4)  # torch.library.custom_op, register_fake and register_autograd, which the ops are built on
+
+
+def _check_torch_version(version: str) -> None:
+    """An ImportError naming the need where `version` (torch.__version__) is older than MIN_TORCH."""
+    numbers = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
+    if numbers < MIN_TORCH:
+        raise ImportError(f"trimul_inline needs torch {'.'.join(map(str, MIN_TORCH))} or newer "
+                          f"(torch.library.custom_op); this is torch {version}")
+
+
+_check_torch_version(torch.__version__)
+
 DIRECTIONS = ("outgoing", "incoming")
 GATE_INPUTS = ("raw", "normalized")
 PRECISIONS = ("highest", "high", "medium")  # torch.get_float32_matmul_precision() names
