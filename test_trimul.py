@@ -3735,6 +3735,39 @@ def test_backward_math_matches_autograd_on_cpu(direction, gate_input, batch, n, 
         assert _grad_error(grad, ref[name]) < 1e-11, f"{name} (seed {seed})"
 
 
+@cuda
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_second_derivatives_through_model_new_raise_on_the_gpu(precision):
+    """ModelNew's training step on the kernels with create_graph: the first gradient as without it, and a second
+    derivative through it raises instead of missing the kernels' share."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(32, 16, "incoming", "normalized", precision=precision), g).cuda()
+    pair, mask = random_inputs(1, 24, 32, g, dtype=torch.float32, device="cuda")
+    pair_repr = pair.clone().requires_grad_()
+    (d_pair,) = torch.autograd.grad(model(pair_repr, mask).square().sum(), pair_repr, create_graph=True)
+    _, plain = _gradients(model, pair, mask, 2 * model(pair, mask).detach())
+    assert torch.equal(d_pair.detach(), plain["pair_repr"])
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        d_pair.square().sum().backward()
+
+
+def test_second_derivatives_raise_instead_of_coming_out_partial():
+    """The backward is kernels (and, sharded, transfers): not differentiable again. A second derivative through
+    ModelNew's training op raises, in both its forms (the op: no autograd formula for trimul_backward; the eager
+    Function: once_differentiable), rather than returning a gradient that misses the kernels' share."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.Model(12, 20, "outgoing", "normalized").double(), g)
+    pair, mask = random_inputs(2, 7, 12, g)
+    params = ti._param_list(model)
+    options = ("auto", "highest", False, True, 1e-5, 1e-5)
+    for call in (lambda p: ti.trimul(p, mask, params, [], *options),
+                 lambda p: ti._TrimulFunction.apply(p, mask, [], *options, False, False, *params)):
+        pair_repr = pair.clone().requires_grad_()
+        (d_pair,) = torch.autograd.grad(call(pair_repr).square().sum(), pair_repr, create_graph=True)
+        with pytest.raises(RuntimeError, match="no autograd formula|differentiate twice"):
+            d_pair.square().sum().backward()
+
+
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64])
 def test_training_op_on_cpu_matches_autograd_and_passes_opcheck(direction, mask_dtype):

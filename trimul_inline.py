@@ -2046,6 +2046,7 @@ class _TrimulFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # (kernels: a second derivative would be silently partial)
     def backward(ctx, grad_out):
         pair, mask, *params = ctx.saved_tensors
         kernels, *options = ctx.options
@@ -3047,6 +3048,7 @@ class _ShardedContraction(torch.autograd.Function):
         return z
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # (transfers and in-place sums: not differentiable again)
     def backward(ctx, d_z):
         with _float32_matmul_precision(ctx.precision):
             return _ShardedContraction._backward(ctx, d_z)
