@@ -2068,6 +2068,42 @@ def test_cuda_bad_input_raises_and_float64_runs_the_reference(monkeypatch):
 
 
 @cuda
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+def test_broadcast_masks_are_read_through_their_strides(direction):
+    """Pair masks expanded from per-residue ones (stride 0 along one dim, as mask[:, None, :].expand(B, N, N)
+    makes them): a bool mask of kept columns and a float mask of row weights, each given as the view itself.
+    The fused forward at "highest" and "medium" within its tolerance of the fp64 reference, and the training
+    step's gradients (d pair_repr, every parameter, the float mask's) at "highest" within 1e-5."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    batch, n = 2, 33
+    reference = random_layers(ti.Model(32, 16, direction, "normalized").double(), g)
+    pair, _ = random_inputs(batch, n, 32, g)
+    keep = torch.rand(batch, n, generator=g) > 0.25
+    weight = keep.double() * torch.rand(batch, n, generator=g, dtype=torch.float64)
+    masks = {"bool columns": keep.cuda()[:, None, :].expand(batch, n, n),
+             "float rows": weight.float().cuda()[:, :, None].expand(batch, n, n)}
+    for label, mask in masks.items():
+        assert 0 in mask.stride(), label
+        for precision in ("highest", "medium"):
+            _check_model(_make_new(reference, torch.float32, precision=precision), reference, pair, mask,
+                         FUSED_TOLERANCE[precision], seed, f"{label} {precision}")
+        new = _make_new(reference, torch.float32, precision="highest")
+        grad_out = torch.randn(pair.shape, generator=g, dtype=torch.float64).cuda()
+        pair_new, pair_ref = pair.float().cuda().requires_grad_(), pair.cuda().requires_grad_()
+        mask_new = mask.detach().requires_grad_(mask.is_floating_point())  # (the view itself, a leaf)
+        mask_ref = mask.double().contiguous().requires_grad_(mask.is_floating_point())
+        reference.cuda()(pair_ref, mask_ref).backward(grad_out)
+        new(pair_new, mask_new).backward(grad_out.float())
+        assert _grad_error(pair_new.grad, pair_ref.grad) < 1e-5, f"{label} d pair (seed {seed})"
+        if mask.is_floating_point():
+            assert _grad_error(mask_new.grad, mask_ref.grad) < 1e-5, f"{label} d mask (seed {seed})"
+        for (name, p_new), p_ref in zip(new.named_parameters(), reference.parameters()):
+            assert _grad_error(p_new.grad, p_ref.grad) < 1e-5, f"{label} {name} (seed {seed})"
+        reference.zero_grad(set_to_none=True)
+
+
+@cuda
 def test_gpus_older_than_the_kernels_run_the_reference(monkeypatch):
     """A GPU below MIN_COMPUTE_CAPABILITY (simulated: _kernels_run_on says no, and the extension must not be
     asked for): ModelNew's forward and backward are the reference computation's, with one warning naming the
