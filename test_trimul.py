@@ -2068,6 +2068,31 @@ def test_cuda_bad_input_raises_and_float64_runs_the_reference(monkeypatch):
 
 
 @cuda
+@pytest.mark.parametrize("precision, pair_dim", [("medium", 128), ("medium", 384), ("highest", 64)])
+def test_inference_mode_then_training_then_inference_mode(precision, pair_dim):
+    """The README's inference call (torch.inference_mode: the weights' kernel layouts, cached, are then inference
+    tensors), then training steps on the same module, then inference again: outputs and gradients bitwise those of
+    a fresh module that never ran under inference_mode, and inference equal before and after."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    reference = random_layers(ti.Model(pair_dim, 128, "outgoing", "normalized").double(), g)
+    pair, mask = random_inputs(1, 48, pair_dim, g, dtype=torch.float32)
+    pair, mask = pair.cuda(), mask.cuda()
+    grad_out = torch.randn(pair.shape, generator=g).cuda()
+    used, fresh = (_make_new(reference, torch.float32, precision=precision) for _ in range(2))
+    with torch.inference_mode():
+        before = used(pair, mask)
+        assert torch.equal(used(pair, mask), before)  # (the planned path)
+    for _ in range(2):
+        out_used, grads_used = _gradients(used, pair, mask, grad_out)
+        out_fresh, grads_fresh = _gradients(fresh, pair, mask, grad_out)
+        assert torch.equal(out_used, out_fresh)
+        for name, grad in grads_fresh.items():
+            assert torch.equal(grads_used[name], grad), name
+    with torch.inference_mode():
+        assert torch.equal(used(pair, mask), before)
+
+
+@cuda
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 def test_broadcast_masks_are_read_through_their_strides(direction):
     """Pair masks expanded from per-residue ones (stride 0 along one dim, as mask[:, None, :].expand(B, N, N)
