@@ -2068,6 +2068,38 @@ def test_cuda_bad_input_raises_and_float64_runs_the_reference(monkeypatch):
 
 
 @cuda
+@pytest.mark.parametrize("precision, pair_dim", [("medium", 128), ("highest", 96)])
+def test_training_under_deterministic_algorithms(precision, pair_dim, monkeypatch):
+    """torch.use_deterministic_algorithms(True) (with the cuBLAS workspace setting it asks for): nothing the
+    forward or the backward calls refuses it, uninitialized memory filled with NaN by it reaches no result, and
+    the step gives what it gives without it (the kernels are deterministic; cuBLAS may pick other algorithms)."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    reference = random_layers(ti.Model(pair_dim, 64, "incoming", "normalized").double(), g)
+    pair, mask = random_inputs(2, 40, pair_dim, g, dtype=torch.float32)
+    pair, mask = pair.cuda(), mask.cuda()
+    grad_out = torch.randn(pair.shape, generator=g).cuda()
+    model = _make_new(reference, torch.float32, precision=precision)
+    out_plain, grads_plain = _gradients(model, pair, mask, grad_out)
+    with torch.no_grad():
+        inferred_plain = model(pair, mask)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    deterministic, warn_only = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        fresh = _make_new(reference, torch.float32, precision=precision)
+        out, grads = _gradients(fresh, pair, mask, grad_out)
+        with torch.no_grad():
+            inferred = fresh(pair, mask)
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    tolerance = 1e-6 if precision == "highest" else 5e-3  # (medium: bf16 intermediates may round otherwise)
+    assert rel_error(out, out_plain) < tolerance and rel_error(inferred, inferred_plain) < tolerance
+    for name, grad in grads_plain.items():
+        assert not grads[name].isnan().any() and _grad_error(grads[name], grad) < tolerance, name
+
+
+@cuda
 @pytest.mark.parametrize("precision, pair_dim", [("medium", 128), ("medium", 384), ("highest", 64)])
 def test_inference_mode_then_training_then_inference_mode(precision, pair_dim):
     """The README's inference call (torch.inference_mode: the weights' kernel layouts, cached, are then inference
