@@ -2068,6 +2068,33 @@ def test_cuda_bad_input_raises_and_float64_runs_the_reference(monkeypatch):
 
 
 @cuda
+def test_training_under_distributed_data_parallel(tmp_path):
+    """ModelNew wrapped in DistributedDataParallel (one process, NCCL; gradients as bucket views): two steps give
+    the plain module's gradients bitwise (DDP's hooks on the gradient accumulators, its parameter broadcast at
+    construction, an in-place copy the weights' cache must follow)."""
+    import datetime
+    import torch.distributed as dist
+    g = torch.Generator().manual_seed(fresh_seed())
+    reference = random_layers(ti.Model(128, 128, "outgoing", "normalized").double(), g)
+    pair, mask = random_inputs(1, 64, 128, g, dtype=torch.float32)
+    pair, mask = pair.cuda(), mask.cuda()
+    grad_out = torch.randn(pair.shape, generator=g).cuda()
+    plain, wrapped = (_make_new(reference, torch.float32, precision="medium") for _ in range(2))
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(wrapped, gradient_as_bucket_view=True)
+        for _ in range(2):
+            _, expected = _gradients(plain, pair, mask, grad_out)
+            _, got = _gradients(ddp, pair, mask, grad_out,
+                                params={name.removeprefix("module."): p for name, p in ddp.named_parameters()})
+            for name, grad in expected.items():
+                assert torch.equal(got[name], grad), name
+    finally:
+        dist.destroy_process_group()
+
+
+@cuda
 @pytest.mark.parametrize("precision, pair_dim", [("medium", 128), ("highest", 96)])
 def test_training_under_deterministic_algorithms(precision, pair_dim, monkeypatch):
     """torch.use_deterministic_algorithms(True) (with the cuBLAS workspace setting it asks for): nothing the
