@@ -2152,6 +2152,27 @@ def test_inference_mode_then_training_then_inference_mode(precision, pair_dim):
 
 
 @cuda
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_empty_problems_on_the_gpu(precision):
+    """B = 0 and N = 0 (a dataloader's empty tail, a padded batch of nothing): the forward returns the empty output
+    and the training step zero parameter gradients and an empty d pair_repr, no launch of an empty grid."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(16, 8, precision=precision), g).cuda()
+    for shape in ((0, 5, 5, 16), (2, 0, 0, 16)):
+        pair = torch.randn(shape, device="cuda")
+        mask = torch.ones(shape[:3], device="cuda", dtype=torch.bool)
+        with torch.no_grad():
+            assert model(pair, mask).shape == shape
+        pair.requires_grad_()
+        model.zero_grad(set_to_none=True)
+        model(pair, mask).square().sum().backward()
+        torch.cuda.synchronize()
+        assert pair.grad.shape == shape, shape
+        for name, p in model.named_parameters():
+            assert p.grad is None or not p.grad.any(), (shape, name)
+
+
+@cuda
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 def test_broadcast_masks_are_read_through_their_strides(direction):
     """Pair masks expanded from per-residue ones (stride 0 along one dim, as mask[:, None, :].expand(B, N, N)
