@@ -3555,18 +3555,20 @@ def test_position_gemm_choice_outside_highest_is_refused():
 
 
 @HOPPER
-@pytest.mark.parametrize("kernel", ["wgmma_tf32x3", "cublas"])
+@pytest.mark.parametrize("kernel", ["wgmma_tf32x3", "wgmma_f16x3", "cublas"])
 def test_position_gemm_against_fp64(kernel):
     """position_gemm (the "highest" backward's GEMMs over positions): rows @ W^T + bias against fp64 at sizes that
     are not multiples of its tiles (M, K, N from 1 up; K past one 32-k tile and past 256), rows inside a wider
-    buffer, a transposed weight view (the d x_hat GEMMs multiply by W), a strided bias, no bias; fresh outputs
-    over a poisoned allocator. The kernel's error stays within 3x cuBLAS fp32's on the same operands, or 5e-7
+    buffer, a transposed weight view (the d x_hat GEMMs multiply by W), a strided bias, no bias, more tiles than
+    SMs; fresh outputs over a poisoned allocator. The kernel's error stays within 3x cuBLAS fp32's on the same operands, or 5e-7
     (the tf32 parts keep 22 bits, each 32-k tile's sum is added in fp32), far below "highest"'s 1e-5."""
     g = torch.Generator().manual_seed(fresh_seed())
     for m, k, n, pitch, with_bias, transposed in [(1, 4, 1, 4, True, False), (7, 12, 9, 12, True, True),
                                                   (33, 36, 260, 40, False, False), (257, 100, 72, 128, True, True),
                                                   (1000, 640, 128, 1024, True, False), (4097, 896, 384, 896, True, True),
-                                                  (130, 384, 512, 388, False, True)]:
+                                                  (130, 384, 512, 388, False, True),
+                                                  (40000, 128, 300, 128, True, False), (20011, 36, 130, 40, False, True)]:
+        # (the last two: several tiles per block of wgmma_tf32x3's persistent grid, n tiles beside each other)
         rows = (torch.randn(m, pitch, generator=g) * 2 + 0.3).cuda()[:, :k]
         w = (torch.randn(n, k, generator=g) / k ** 0.5).cuda()
         weight = w.t().contiguous().t() if transposed else w  # (same values, strides (1, n))
@@ -3584,6 +3586,75 @@ def test_position_gemm_against_fp64(kernel):
         assert err <= max(3 * cublas_err, 5e-7), f"{kernel} ({m}, {k}, {n}): {err:.2e} vs cuBLAS {cublas_err:.2e}"
         again = ti._extension().position_gemm(kernel, rows, weight, bias, ti._PRECISION_CODE["highest"])
         assert torch.equal(out, again)  # (deterministic: no atomics, a fixed order of sums)
+
+
+@HOPPER
+@pytest.mark.parametrize("kernel", ["wgmma_tf32x3", "wgmma_f16x3"])
+def test_position_gemm_scales_wide_ranges(kernel):
+    """Values over much of fp32's range within a row and a weight column (elements scaled by 2^-60 .. 2^60 and
+    2^-20 .. 2^20), a zero row, a zero weight column, rows of 1e20 and of 1e-20: against fp64 row by row within 3x
+    cuBLAS fp32's error, or 5e-7. (wgmma_f16x3 scales each row's 64-k tile and each weight column by a power of two
+    into fp16's range: its parts must neither overflow nor lose the small values' bits beyond that bound. The
+    magnitudes keep every tf32 part's product a normal float, which the tensor cores may flush otherwise.)"""
+    g = torch.Generator().manual_seed(fresh_seed())
+    m, k, n = 515, 200, 140
+    rows = torch.randn(m, k, generator=g, dtype=torch.float64) * \
+        torch.exp2(torch.randint(-60, 61, (m, k), generator=g).double())
+    rows[3] = 0
+    rows[4] *= 1e20 / rows[4].abs().max()
+    rows[5] *= 1e-20 / rows[5].abs().max()
+    w = torch.randn(n, k, generator=g, dtype=torch.float64) * \
+        torch.exp2(torch.randint(-20, 21, (n, k), generator=g).double())
+    w[7] = 0
+    rows, w = rows.float().cuda(), w.float().cuda()
+    ref = rows.double() @ w.double().t()
+    out = ti._extension().position_gemm(kernel, rows, w, None, ti._PRECISION_CODE["highest"])
+    cublas = rows @ w.t()
+    assert torch.isfinite(out).all()
+    for i in range(m):  # (row by row: one row's error must not hide in another's norm)
+        err, cublas_err = rel_error(out[i], ref[i]), rel_error(cublas[i], ref[i])
+        assert err <= max(3 * cublas_err, 5e-7) or ref[i].abs().max() == 0, f"row {i}: {err:.2e} vs {cublas_err:.2e}"
+    assert out[3].abs().max() == 0 and out[:, 7].abs().max() == 0
+
+
+@HOPPER
+@pytest.mark.parametrize("kernel", ["wgmma_tf32x3", "wgmma_f16x3", "cublas"])
+def test_position_gemm_grad_against_fp64(kernel):
+    """position_gemm_grad (the "highest" backward's weight gradients, d_rows^T rows summed over positions) against
+    fp64: positions within one 8192-position chunk and across several with a ragged last one, N and K not multiples
+    of the 128-wide tiles, d_rows inside a wider buffer (d gate's part of [d proj | d gate]), and columns of both
+    operands scaled by 2^-20 .. 2^20 (compared after dividing each output by its two column scales, so that small
+    columns count); fresh outputs over a poisoned allocator, repeatable bit for bit. The error stays within 3x
+    cuBLAS fp32's on the same operands, or 5e-7."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    for positions, n, k, pitch, wide in [(1, 4, 4, 4, False), (37, 9, 12, 16, False), (1000, 72, 100, 72, False),
+                                         (16461, 260, 36, 300, False), (3 * 8192 + 5, 128, 384, 640, False),
+                                         (20000, 200, 132, 200, True)]:
+        base = torch.randn(positions, pitch, generator=g) * 0.1
+        rows = torch.randn(positions, k, generator=g) * 2 + 0.3
+        d_scale, scale = torch.ones(n), torch.ones(k)
+        if wide:
+            d_scale, scale = (torch.exp2(torch.randint(-20, 21, (size,), generator=g).float()) for size in (n, k))
+            base[:, pitch - n:] *= d_scale
+            rows *= scale
+        base, rows = base.cuda(), rows.cuda()
+        d_rows = base[:, pitch - n:]  # (the last n columns: a row pitch wider than n, the base 16-byte aligned
+        #  only where pitch - n is a multiple of 4)
+        unscale = (d_scale[:, None] * scale[None, :]).double().cuda()
+        ref = d_rows.double().t() @ rows.double() / unscale
+        grad = ti._extension().position_gemm_grad
+        used = kernel
+        if kernel != "cublas" and (pitch - n) % 4 != 0:  # (d_rows' base not 16-byte aligned: the kernel declines,
+            with pytest.raises(ValueError, match="applies when"):  # named; the default order takes cuBLAS)
+                grad(kernel, d_rows, rows, ti._PRECISION_CODE["highest"])
+            used = ""
+        poison_allocator()
+        out = grad(used, d_rows, rows, ti._PRECISION_CODE["highest"])
+        cublas = d_rows.t() @ rows
+        assert out.shape == (n, k) and out.dtype == torch.float32
+        err, cublas_err = rel_error(out / unscale, ref), rel_error(cublas / unscale, ref)
+        assert err <= max(3 * cublas_err, 5e-7), f"{kernel} ({positions}, {n}, {k}): {err:.2e} vs {cublas_err:.2e}"
+        assert torch.equal(out, grad(used, d_rows, rows, ti._PRECISION_CODE["highest"]))
 
 
 @HOPPER

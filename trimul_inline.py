@@ -1166,6 +1166,12 @@ class _Products:
             return _extension().position_gemm(self._gemm, rows, weight_kn.t(), None, _PRECISION_CODE["highest"])
         return self.mm(rows, weight_kn, out_dtype)
 
+    def rows_grad(self, d_rows, rows, out_dtype):
+        """d_rows^T @ rows summed over the positions (a weight gradient), in out_dtype."""
+        if self._by_role(rows) and d_rows.dtype == torch.float32:
+            return _extension().position_gemm_grad(self._gemm, d_rows, rows, _PRECISION_CODE["highest"])
+        return self.mm(d_rows.t(), rows, out_dtype)
+
     @staticmethod
     def bmm(x, y):
         """x @ y per plane, in x's dtype."""
@@ -1902,10 +1908,10 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
                                                        None if d_rows is None else d_rows[:, 4 * hidden:])
         del o, gate_pre
     del d_out
-    g_gate = products.mm(d_gate.t(), gate_rows, acc)
+    g_gate = products.rows_grad(d_gate, gate_rows, acc)
     del gate_rows
     g_out_in_pass = outputs.g_out_in_dz_planes()  # (d z_hat and g_out multiplied in the pass)
-    g_out = None if g_out_in_pass else products.mm(d_o.t(), z_hat, acc)
+    g_out = None if g_out_in_pass else products.rows_grad(d_o, z_hat, acc)
     if g_out_in_pass:
         dz_planes, g_out = outputs.dz_planes_g_out(d_o, w_out_f, z_hat, rstd_out)
         del d_o
@@ -1938,7 +1944,7 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
         d_proj, d_mask, s_in = inputs.d_proj(proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad,
                                              in_place=lean, out=None if d_rows is None else d_rows[:, :4 * hidden])
     del proj, da_planes, db_planes
-    g_in = products.mm(d_proj.t(), x_hat, acc)
+    g_in = products.rows_grad(d_proj, x_hat, acc)
     if d_pair_in_proj:
         del d_proj
     elif d_x_hat_in_pass:

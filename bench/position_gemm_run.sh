@@ -1,23 +1,14 @@
 #!/bin/bash
-# bench/position_gemm_run.sh OUT [N]: one device call for position_gemm's dev diffs (bench/NOTES.md, session 42):
-# applies the first N (default all four) of dev/position_gemm_{overlap,weight_grads,persistent,f16x3}.diff in that
-# order (each applies on the one before), builds, runs position_gemm's tests with the register-file and
+# bench/position_gemm_run.sh OUT: one device call for the position_gemm kernels (bench/NOTES.md, sessions 42-43):
+# builds, runs position_gemm's tests with the register-file and
 # serialized-wgmma rules under a timeout (a wrong setmaxnreg hand-over would hang, not fail), then
 # dev/rows_gemm_probe.py for each position_gemm kernel of the build, and ncu's speed-of-light and memory sections
 # on each one's rows GEMM at P = 2^20, K = 384, N = 512 (where ncu cannot read the counters its log says so);
 # logs under OUT. About 8 minutes on a fresh machine. The working tree is the device's copy: nothing to revert.
-#   bench/position_gemm_run.sh $OUT        # all four
-#   bench/position_gemm_run.sh $OUT 2      # overlap and weight_grads only (bisecting a failure)
 set -uo pipefail
-out=${1:?usage: bench/position_gemm_run.sh OUT [N]}
-count=${2:-4}
+out=${1:?usage: bench/position_gemm_run.sh OUT}
 cd "$(dirname "$0")/.."
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-.build}
-diffs=(overlap weight_grads persistent f16x3)
-for d in "${diffs[@]:0:count}"; do
-  git apply "dev/position_gemm_$d.diff" || { echo "dev/position_gemm_$d.diff does not apply"; exit 1; }
-done
-echo "applied: ${diffs[*]:0:count}"
 python3 trimul_inline.py build > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
 grep "^position_gemm" "$out/build.log"
 timeout 300 python3 -m pytest -q test_trimul.py \

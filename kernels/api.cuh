@@ -211,6 +211,7 @@ enum class BackwardPass : int {
                    // (g_out, below): out_proj's weight-gradient GEMM in the same pass
   split_weight,    // gemm_w -> gemm_w_split: a position GEMM's weight as its kernel multiplies it   position_gemm
   rows_gemm,       // gemm_rows, gemm_w_split, gemm_bias -> gemm_out                                position_gemm
+  rows_grad,       // gemm_d, gemm_rows -> gemm_out = gemm_d^T gemm_rows (via gemm_partials)          position_gemm
 };
 
 // One backward pass's arguments: sizes, then the buffers each pass reads and writes (BackwardPass says
@@ -298,12 +299,24 @@ struct BackwardArgs {
   const float* gemm_bias;
   float* gemm_out;
   int64_t gemm_ld_out;
+  // rows_grad: gemm_out [gemm_n, gemm_k] = gemm_d^T gemm_rows summed over the gemm_m positions: gemm_d [gemm_m,
+  // gemm_n] fp32 (row pitch gemm_ld_d, contiguous in n); gemm_partials, gemm_partial_floats floats of scratch
+  // (position_gemm_grad_partial_floats), the kernel's per-chunk sums.
+  const float* gemm_d;
+  int64_t gemm_ld_d;
+  float* gemm_partials;
+  int64_t gemm_partial_floats;
   cudaStream_t stream;
 };
 
 // The floats a position_gemm kernel's split weight takes for a weight [n, k] (BackwardArgs::gemm_w_split): its
 // hi and lo tf32 parts, n padded to 128 rows and k to 64 columns (zeros).
 inline int64_t position_gemm_split_floats(int64_t n, int64_t k) { return 2 * ((n + 127) / 128 * 128) * ((k + 63) / 64 * 64); }
+// The scratch floats a position_gemm kernel's rows_grad takes for out [n, k] over `positions` (BackwardArgs::
+// gemm_partials): [chunk][n][k] per-chunk sums, chunks of 8192 positions.
+inline int64_t position_gemm_grad_partial_floats(int64_t positions, int64_t n, int64_t k) {
+  return (positions + 8191) / 8192 * n * k;
+}
 
 // Rows of the partial sums of the backward passes that sum over positions (BackwardArgs::sums): the most
 // blocks such a pass runs (the rows passes: 512 blocks, the same bits on every GPU; the persistent wgmma passes:
@@ -445,7 +458,7 @@ cudaError_t launch_mask_scales(const void* mask, MaskKind kind, int64_t count, c
 
 // Changes whenever a struct above changes, so a library and an extension built from different
 // versions of this file refuse each other.
-constexpr uint32_t kKernelAbi = 16;
+constexpr uint32_t kKernelAbi = 17;
 
 }  // namespace trimul
 

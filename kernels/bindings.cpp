@@ -902,6 +902,49 @@ at::Tensor position_gemm(const std::string& chosen, const at::Tensor& rows, cons
   return out;
 }
 
+// d_rows^T @ rows in fp32, summed over the positions (a weight gradient): d_rows [P, N], rows [P, K], both fp32 with
+// adjacent channels, -> [N, K]. By the position_gemm role's kernel (chosen, else the default order's first that
+// takes it), or cuBLAS's mm where that is the torch baseline. Both backward paths call this: the same bits.
+at::Tensor position_gemm_grad(const std::string& chosen, const at::Tensor& d_rows, const at::Tensor& rows,
+                              int64_t precision) {
+  TORCH_CHECK_VALUE(rows.is_cuda() && rows.dim() == 2 && d_rows.dim() == 2 && d_rows.device() == rows.device() &&
+                        d_rows.size(0) == rows.size(0),
+                    "trimul_inline: position_gemm_grad takes CUDA d_rows [P, N] and rows [P, K] on one device, got ",
+                    text(d_rows.sizes()), " and ", text(rows.sizes()));
+  TORCH_CHECK_TYPE(rows.scalar_type() == at::kFloat && d_rows.scalar_type() == at::kFloat,
+                   "trimul_inline: position_gemm_grad multiplies fp32 rows, got ", d_rows.scalar_type(), " and ",
+                   rows.scalar_type());
+  TORCH_CHECK_VALUE(precision >= 0 && precision <= 2, "trimul_inline: precision code ", text(precision));
+  const c10::cuda::CUDAGuard guard(rows.device());
+  const int64_t positions = rows.size(0), k = rows.size(1), n = d_rows.size(1);
+  trimul::BackwardArgs args{};
+  args.pass = trimul::BackwardPass::rows_grad;
+  args.batch = 1;
+  args.n = 1;
+  args.c = k;
+  args.h = n;
+  args.operand = trimul::Dtype::f32;
+  args.precision = static_cast<trimul::Precision>(precision);
+  args.gemm_rows = rows.data_ptr<float>();
+  args.gemm_ld = rows.stride(1) == 1 ? rows.stride(0) : 0;  // (0: not adjacent channels, which no kernel takes)
+  args.gemm_d = d_rows.data_ptr<float>();
+  args.gemm_ld_d = d_rows.stride(1) == 1 ? d_rows.stride(0) : 0;
+  args.gemm_m = positions;
+  args.gemm_k = k;
+  args.gemm_n = n;
+  args.stream = c10::cuda::getCurrentCUDAStream(rows.device().index()).stream();
+  const int kernel = plan_backward_kernel(trimul::Role::position_gemm, chosen, args);
+  if (kernel < 0 || positions == 0 || n == 0 || k == 0) return at::mm(d_rows.t(), rows);
+  const at::Tensor partials = at::empty({trimul::position_gemm_grad_partial_floats(positions, n, k)}, rows.options());
+  const at::Tensor out = at::empty({n, k}, rows.options());
+  args.gemm_partials = partials.data_ptr<float>();
+  args.gemm_partial_floats = partials.numel();
+  args.gemm_out = out.data_ptr<float>();
+  args.gemm_ld_out = k;
+  check_launch(library().run_backward(kernel, &args), "position_gemm_grad");
+  return out;
+}
+
 // ---- the training backward's host path ----------------------------------------------------------
 // trimul_inline._training_backward for a call whose output_backward and input_backward roles both run
 // library kernels: the same GEMMs and passes in the same order on the same operands (equal gradients, bit
@@ -1345,6 +1388,9 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     return rows_by_role ? position_gemm(gemm_kernel, rows, weight_kn.t(), c10::nullopt, precision)
                         : mm_to(rows, in_type(weight_kn, dtype), acc);
   };
+  const auto rows_grad = [&](const at::Tensor& d_rows, const at::Tensor& rows) {  // d_rows^T @ rows, fp32
+    return rows_by_role ? position_gemm_grad(gemm_kernel, d_rows, rows, precision) : mm_to(d_rows.t(), rows, acc);
+  };
   c10::optional<at::Tensor> saved_z, saved_ab, saved_x_hat, saved_rstd;
   if (!saved.is_none()) {
     const py::list kept = saved.cast<py::list>();
@@ -1467,7 +1513,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     gate_tensors.clear();
     if (joined) d_gate = d_rows.narrow(1, 4 * h, c);
   }
-  const at::Tensor g_gate = mm_to(d_gate.t(), gate_rows, acc);
+  const at::Tensor g_gate = rows_grad(d_gate, gate_rows);
   gate_rows.reset();
   std::unordered_map<std::string, at::Tensor> dz_tensors{{"rows", z_hat}, {"rstd", rstd_out}};
   // g_out_in_pass: g_out = d o^T z_hat as the dz pass's per-block partials, summed here (no GEMM reading both again)
@@ -1477,7 +1523,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     g_out_partials = at::empty({g_out_partial_rows(like), c, h}, like.options().dtype(acc));
     dz_tensors["g_out"] = g_out_partials;
   } else {
-    g_out = mm_to(d_o.t(), z_hat, acc);
+    g_out = rows_grad(d_o, z_hat);
   }
   if (g_out_in_pass || dz_planes_from_d_o(outputs.kernel, batch, n, c, h, incoming, like, precision)) {
     dz_tensors["d_o"] = d_o;  // (d z_hat multiplied in the pass, never written)
@@ -1541,7 +1587,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   da.reset();
   db.reset();
   rstd_in.reset();
-  const at::Tensor g_in = mm_to(d_proj.t(), x_hat, acc);
+  const at::Tensor g_in = rows_grad(d_proj, x_hat);
   if (!d_pair_in_proj) {  // (else d_proj_d_pair wrote d pair)
     std::unordered_map<std::string, at::Tensor> pair_tensors{{"pair", pair_rows}};
     if (d_x_hat_in_pass) {
@@ -1707,6 +1753,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_takes", &fused_takes, "whether the fused passes take these sizes in this mode");
   m.def("backward_kernel", &backward_kernel, "the kernel a backward role runs ('': a torch baseline's passes)");
   m.def("backward_pass", &backward_pass, "one memory pass of the backward (trimul::BackwardPass) on given tensors");
+  m.def("position_gemm_grad", &position_gemm_grad, "d_rows^T @ rows over positions, fp32, by the position_gemm role's kernel",
+        py::arg("kernel"), py::arg("d_rows"), py::arg("rows"), py::arg("precision"));
   m.def("position_gemm", &position_gemm, "rows [M, K] @ weight^T (+ bias), fp32, by the position_gemm role's kernel",
         py::arg("kernel"), py::arg("rows"), py::arg("weight"), py::arg("bias"), py::arg("precision"));
   m.def("contract_backward_products", &contract_backward_products,

@@ -4,24 +4,25 @@
 // the rows and W alike; hi.hi + hi.lo + lo.hi drops lo.lo (~2^-22 relative). The tensor cores' fp32 sums truncate,
 // and over all of K their error grows linearly with K (bench/NOTES.md): each 32-k tile's
 // products start from zero and are added into fp32 registers (rounded), so the truncating sums run over 32 k.
-// Layout: a block is two consumer warpgroups (64 rows each) and a producer warp over a 128 x 128 output tile. Each
+// Layout: a block is two consumer warpgroups (64 rows each) and a producer warpgroup over a 128 x 128 output tile
+// (one of its threads issues the TMA loads; the group hands its registers to the consumers: setmaxnreg). Each
 // of 4 stages holds the block's 128 rows x 32 k (TMA, 128-byte swizzle, zeros past M and K) and 128 n x 32 k of W's
 // hi and lo parts (BackwardPass::split_weight lays W out once per call as [2][N_pad][K_pad], k permuted within
 // each 32-k tile so that a thread's two 16-byte chunks of a row hold its A fragments of all four k8 steps). A
 // thread reads its rows' chunks from shared memory, splits them and issues each k8 step's three products with A
 // from registers (lo.hi, hi.lo, hi.hi).
-#include "tma.cuh"
+#include "position_gemm.cuh"
 
 namespace trimul {
 namespace position_gemm_tf32x3 {
 
 using namespace ::trimul::tma;
+using namespace ::trimul::position_gemm;
 
-constexpr int kBM = 128, kBN = 128, kBK = 32;  // block tile; k per stage: one 128-byte row of fp32
+constexpr int kBK = 32;  // k per stage: one 128-byte row of fp32
 constexpr int kStages = 4;
 constexpr int kPartBytes = kBM * kBK * 4;  // 16 KiB: the rows' box, W hi's, W lo's
 constexpr int kStageBytes = 3 * kPartBytes;
-constexpr int kThreads = 256 + 32;
 constexpr int kSmemBytes = 1023 + kStages * kStageBytes + 2 * kStages * 8;
 static_assert(kBN == 128 && kBM == 128, "position_gemm_split_floats (api.cuh) pads N to 128 and K to 64");
 
@@ -30,20 +31,6 @@ __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
   lo = mma::to_tf32(x - __uint_as_float(hi));
 }
 
-// One k8 step of a 64x128 product, A (tf32, 64 x 8) from registers: a[0] row lane / 4 of the warp's 16, k lane %
-// 4; a[1] the row 8 further; a[2], a[3] the same at k + 4 (CUTLASS's ALayout_64x8); B K-major in shared memory.
-// The registers must stay unchanged until the group is waited for.
-__device__ __forceinline__ void wgmma_tf32_rs_64x128(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
-                                                     int accumulate) {
-#ifdef TRIMUL_SM90A
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
-               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-               "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-#endif
-}
 
 // The k a split weight's slot q (0..31) of a 32-k tile holds: step j = q / 8 reads slots 8j .. 8j + 7 as its k
 // 0..7; the thread with lane % 4 = t holds k t and t + 4 of every step, from its 16-byte chunks 2t and 2t + 1 of a
@@ -91,98 +78,196 @@ __device__ __forceinline__ void load_fragments(uint32_t (&hi)[4][4], uint32_t (&
 
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_kernel(const __grid_constant__ CUtensorMap map_rows, const __grid_constant__ CUtensorMap map_w, int64_t m,
-                int64_t n, int k_tiles, int n_pad, int n_tiles, const float* __restrict__ bias,
+                int64_t n, int k_tiles, int n_pad, int n_tiles, int tiles, const float* __restrict__ bias,
                 float* __restrict__ out, int64_t ld_out) {
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* smem = aligned_smem(smem_raw);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
   uint64_t* empty = full + kStages;
-  const int n0 = static_cast<int>(blockIdx.x % n_tiles) * kBN;  // (n tiles of one row block run side by side)
-  const int64_t m0 = int64_t(blockIdx.x / n_tiles) * kBM;
-  if (threadIdx.x == 0) {
-    init_barrier_pairs(full, 1, empty, 256, kStages);  // (empty: every consumer thread, after its own reads)
-    mbar_init_fence();
-  }
-  __syncthreads();
-  if (threadIdx.x >= 256) {  // the producer warp: one thread issues every stage's three boxes
-    if (threadIdx.x == 256) {
-      FillRing ring{empty, kStages};
-      for (int kt = 0; kt < k_tiles; ++kt) {
-        ring.wait_free();
-        uint8_t* stage = smem + ring.slot * kStageBytes;
-        mbar_expect_tx(&full[ring.slot], kStageBytes);
-        tma_load_2d(stage, &map_rows, kt * kBK, static_cast<int>(m0), &full[ring.slot]);
-        tma_load_2d(stage + kPartBytes, &map_w, kt * kBK, n0, &full[ring.slot]);
-        tma_load_2d(stage + 2 * kPartBytes, &map_w, kt * kBK, n_pad + n0, &full[ring.slot]);
-        ring.advance();
+  // Persistent (fill_tiles: one block per SM), so that the producer fills the next tile's stages while the
+  // consumers finish this one (with K = 128 a tile is four stages: its fill and epilogue would otherwise be a third
+  // of its time).
+  const int my_tiles = (tiles - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1;
+  const auto fill = [&](FillRing& ring) {  // every stage's three boxes
+    fill_tiles(ring, smem, full, kStageBytes, tiles, n_tiles, k_tiles,
+               [&](uint8_t* stage, uint64_t* barrier, int m0, int n0, int kt) {
+                 tma_load_2d(stage, &map_rows, kt * kBK, m0, barrier);
+                 tma_load_2d(stage + kPartBytes, &map_w, kt * kBK, n0, barrier);
+                 tma_load_2d(stage + 2 * kPartBytes, &map_w, kt * kBK, n_pad + n0, barrier);
+               });
+  };
+  const auto consume = [&] {  // (two fragment sets, the accumulators and their fp32 sums: more than 168 registers)
+    const int wg = threadIdx.x >> 7, w4 = warp_index() & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    // While a k-tile's products run, the next k-tile's fragments (the next output tile's first, after a tile's last)
+    // are loaded and split into the other fragment set; the k-tile's group is waited for within its step (a group
+    // in flight across the loop's back edge, its accumulators live across it, made ptxas serialize every wgmma).
+    // Stages and their phases count the block's k-tiles over all its tiles (`it`), as the producer fills them.
+    float acc[64], total[64];
+    uint32_t hi[2][4][4], lo[2][4][4];
+    const int iterations = my_tiles * k_tiles;
+    const auto fragments = [&](uint32_t(&h)[4][4], uint32_t(&l)[4][4], int it) {
+      mbar_wait(&full[it % kStages], (it / kStages) & 1);
+      load_fragments(h, l, smem + (it % kStages) * kStageBytes + wg * 64 * 128, w4, g, t);
+    };
+    const auto step = [&](int it, int kt, const uint32_t(&h)[4][4], const uint32_t(&l)[4][4],
+                          uint32_t(&h_next)[4][4], uint32_t(&l_next)[4][4]) {
+      uint8_t* stage = smem + (it % kStages) * kStageBytes;
+      const uint64_t desc_hi = smem_descriptor(stage + kPartBytes), desc_lo = smem_descriptor(stage + 2 * kPartBytes);
+      products<float>(acc, h, l, desc_hi, desc_lo);
+      if (it + 1 < iterations) fragments(h_next, l_next, it + 1);
+      wgmma_wait<0>();
+      fence_accumulators(acc);
+      fence_proxy_async();  // (this thread's ld.shared of the stage before TMA refills it)
+      mbar_arrive(&empty[it % kStages]);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) total[i] = kt > 0 ? total[i] + acc[i] : acc[i];
+    };
+    fragments(hi[0], lo[0], 0);
+    int it = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const int64_t m0 = int64_t(tile / n_tiles) * kBM;
+      const int n0 = (tile % n_tiles) * kBN;
+      for (int kt = 0; kt < k_tiles; kt += 2, it += 2) {  // (k_tiles even: K is padded to 64)
+        step(it, kt, hi[0], lo[0], hi[1], lo[1]);
+        step(it + 1, kt + 1, hi[1], lo[1], hi[0], lo[0]);
       }
+      store_tile<false>(total, m0 + 64 * wg + 16 * w4 + g, n0, t, m, n, nullptr, bias, out, ld_out);
     }
-    return;
-  }
-  const int wg = threadIdx.x >> 7, w4 = warp_index() & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  float acc[64], total[64];
-  uint32_t hi[4][4], lo[4][4];
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    const int s = kt % kStages;
-    mbar_wait(&full[s], (kt / kStages) & 1);
-    uint8_t* stage = smem + s * kStageBytes;
-    load_fragments(hi, lo, stage + wg * 64 * 128, w4, g, t);
-    const uint64_t desc_hi = smem_descriptor(stage + kPartBytes), desc_lo = smem_descriptor(stage + 2 * kPartBytes);
-    wgmma_fence();
+  };
+  run_block(full, empty, kStages, fill, consume);
+}
+
+// ---- rows_grad: out[N, K] = d[P, N]^T x[P, K], the weight gradients (K = positions in GEMM terms) -------------
+// Both operands are position-major and tf32 wgmma reads B K-major only, so the block's consumer threads lay B out
+// themselves: each stage holds 32 positions of d (128 of its columns: A) and of x (128 of its columns: B) by TMA;
+// the threads split x's into tf32 hi/lo B tiles [128 n][32 positions] (K-major, 128-byte swizzle) for the next
+// tile while this tile's products run, and build their A fragments (d's values at a fragment's (position, column))
+// from the stage with scalar loads. Each 32-position tile's 12 products are added into fp32 registers, as in
+// rows_gemm: the tensor cores' truncating sums then run over 32 positions, not over ~10^6. Blocks take fixed
+// chunks of kGradChunk positions and write [chunk][N][K] partials that grad_sum adds in chunk order: the same bits
+// on any GPU.
+constexpr int kGradBoxBytes = 32 * 32 * 4;               // 32 positions x 32 columns
+constexpr int kGradStageBytes = 8 * kGradBoxBytes;       // d's four boxes, then x's four
+constexpr int kGradPartBytes = kBN * kBK * 4;            // one split part of a B tile
+constexpr int kGradSmemBytes = 1023 + kStages * kGradStageBytes + 2 * 2 * kGradPartBytes + 2 * kStages * 8;
+
+// x's 32 positions x 128 columns of a stage (four boxes of 32 columns, 128-byte swizzle) -> the B tiles `hi` and `lo`
+// [128 n][32 positions]: each of the 256 consumer threads takes four (column, 4-position chunk) units, a warp 32
+// consecutive columns of one chunk (conflict-free reads and 16-byte stores).
+__device__ __forceinline__ void split_b_tile(const uint8_t* x, uint8_t* hi, uint8_t* lo) {
+  const int tid = threadIdx.x;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      wgmma_tf32_rs_64x128(acc, lo[j], desc_add(desc_hi, 2 * j), j > 0);
-      wgmma_tf32_rs_64x128(acc, hi[j], desc_add(desc_lo, 2 * j), 1);
-      wgmma_tf32_rs_64x128(acc, hi[j], desc_add(desc_hi, 2 * j), 1);
+  for (int i = 0; i < 4; ++i) {
+    const int unit = tid + kConsumerThreads * i, n = unit & 127, c = unit >> 7;  // (c: positions 4c .. 4c + 3)
+    const uint8_t* box = x + (n >> 5) * kGradBoxBytes;
+    const int nn = n & 31;
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int p = 4 * c + e;
+      v[e] = *reinterpret_cast<const float*>(box + p * 128 + ((((nn >> 2) ^ (p & 7))) << 4) + (nn & 3) * 4);
     }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_accumulators(acc);
-    fence_proxy_async();  // (this thread's ld.shared of the stage before TMA refills it)
-    mbar_arrive(&empty[s]);
-#pragma unroll
-    for (int i = 0; i < 64; ++i) total[i] = kt > 0 ? total[i] + acc[i] : acc[i];
-  }
-  // The accumulators' layout: per n8 block j, total[4j], [4j + 1] row g of this warp's 16, columns 8j + 2t, + 1;
-  // total[4j + 2], [4j + 3] the row 8 further.
-  const int64_t row0 = m0 + 64 * wg + 16 * w4 + g, row8 = row0 + 8;
-  const bool pairs = (ld_out & 1) == 0;  // (8-byte stores need even row pitches)
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int64_t col = n0 + 8 * j + 2 * t;
-    if (col >= n) continue;
-    const bool two = col + 1 < n;
-    const float b0 = bias != nullptr ? bias[col] : 0.0f, b1 = bias != nullptr && two ? bias[col + 1] : 0.0f;
-    const float v[4] = {total[4 * j] + b0, total[4 * j + 1] + b1, total[4 * j + 2] + b0, total[4 * j + 3] + b1};
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t row = r == 0 ? row0 : row8;
-      if (row >= m) continue;
-      float* p = out + row * ld_out + col;
-      if (two && pairs) {
-        *reinterpret_cast<float2*>(p) = make_float2(v[2 * r], v[2 * r + 1]);
-      } else {
-        p[0] = v[2 * r];
-        if (two) p[1] = v[2 * r + 1];
-      }
-    }
+    uint4 h, l;
+    split(v[0], h.x, l.x);
+    split(v[1], h.y, l.y);
+    split(v[2], h.z, l.z);
+    split(v[3], h.w, l.w);
+    const int offset = n * 128 + ((c ^ (n & 7)) << 4);
+    *reinterpret_cast<uint4*>(hi + offset) = h;
+    *reinterpret_cast<uint4*>(lo + offset) = l;
   }
 }
 
-int64_t padded(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+// This thread's A fragments of a stage's 32 positions: A[m][k] = d[position k][column m] for its warpgroup's 64
+// columns (boxes 2 wg and 2 wg + 1 of the stage's d), split into tf32 parts (hi[j], lo[j]: k8 step j).
+__device__ __forceinline__ void load_grad_fragments(uint32_t (&hi)[4][4], uint32_t (&lo)[4][4], const uint8_t* d,
+                                                    int wg, int w4, int g, int t) {
+  const uint8_t* box = d + (2 * wg + (w4 >> 1)) * kGradBoxBytes;
+  const int m0 = 16 * (w4 & 1) + g;  // (this thread's two columns: m0 and m0 + 8 of the box)
+  const auto at = [&](int p, int m) {
+    return *reinterpret_cast<const float*>(box + p * 128 + (((m >> 2) ^ (p & 7)) << 4) + (m & 3) * 4);
+  };
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    split(at(8 * j + t, m0), hi[j][0], lo[j][0]);
+    split(at(8 * j + t, m0 + 8), hi[j][1], lo[j][1]);
+    split(at(8 * j + t + 4, m0), hi[j][2], lo[j][2]);
+    split(at(8 * j + t + 4, m0 + 8), hi[j][3], lo[j][3]);
+  }
+}
 
-// fp32 rows at "highest" (at "high" cuBLAS's one-pass TF32 is the mode's own rounding), contiguous in k with a
-// 16-byte row pitch and base (TMA), K >= 1, TMA's 32-bit coordinates, and Hopper's shared memory.
+__global__ void __launch_bounds__(kThreads, 1)
+    grad_kernel(const __grid_constant__ CUtensorMap map_d, const __grid_constant__ CUtensorMap map_x, int64_t positions,
+                int64_t n, int64_t k, int m_tiles, int n_tiles, float* __restrict__ partials) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = aligned_smem(smem_raw);
+  uint8_t* b_tiles = smem + kStages * kGradStageBytes;  // [buffer][hi | lo], kGradPartBytes each
+  uint64_t* full = reinterpret_cast<uint64_t*>(b_tiles + 4 * kGradPartBytes);
+  uint64_t* empty = full + kStages;
+  const GradBlock block = grad_block(positions, m_tiles, n_tiles, kBK);
+  const int m0 = block.m0, n0 = block.n0, k_tiles = block.k_tiles;  // (m: d's columns, n: x's)
+  const auto fill = [&](FillRing& ring) {
+    fill_grad_stages(ring, smem, full, kGradStageBytes, kBK, block, &map_d, &map_x);
+  };
+  const auto consume = [&] {
+    const int wg = threadIdx.x >> 7, w4 = warp_index() & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float acc[64], total[64];
+    uint32_t hi[2][4][4], lo[2][4][4];
+    const auto b_part = [&](int buffer, int part) { return b_tiles + (2 * buffer + part) * kGradPartBytes; };
+    // Tile kt's operands: x split into B buffer kt % 2, d's fragments into fragment set kt % 2; then the stage is
+    // released (every read of it done).
+    const auto operands = [&](int kt, uint32_t(&h)[4][4], uint32_t(&l)[4][4]) {
+      const int s = kt % kStages;
+      uint8_t* stage = smem + s * kGradStageBytes;
+      mbar_wait(&full[s], (kt / kStages) & 1);
+      split_b_tile(stage + 4 * kGradBoxBytes, b_part(kt & 1, 0), b_part(kt & 1, 1));
+      load_grad_fragments(h, l, stage, wg, w4, g, t);
+      fence_proxy_async();  // (the B tile's stores before wgmma reads them; the stage's reads before TMA refills it)
+      mbar_arrive(&empty[s]);
+    };
+    // Tile kt's products while tile kt + 1's operands are laid out; the barrier after it: tile kt + 1's B tile
+    // written by every thread, and tile kt's products done in both groups (its B buffer is tile kt + 2's).
+    const auto step = [&](int kt, const uint32_t(&h)[4][4], const uint32_t(&l)[4][4], uint32_t(&h_next)[4][4],
+                          uint32_t(&l_next)[4][4]) {
+      const uint64_t desc_hi = smem_descriptor(b_part(kt & 1, 0)), desc_lo = smem_descriptor(b_part(kt & 1, 1));
+      products<float>(acc, h, l, desc_hi, desc_lo);
+      if (kt + 1 < k_tiles) operands(kt + 1, h_next, l_next);
+      wgmma_wait<0>();
+      fence_accumulators(acc);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) total[i] = kt > 0 ? total[i] + acc[i] : acc[i];
+      named_barrier(1, kConsumerThreads);
+    };
+    operands(0, hi[0], lo[0]);
+    named_barrier(1, kConsumerThreads);
+    for (int kt = 0; kt < k_tiles; kt += 2) {
+      step(kt, hi[0], lo[0], hi[1], lo[1]);
+      if (kt + 1 < k_tiles) step(kt + 1, hi[1], lo[1], hi[0], lo[0]);
+    }
+    store_partials(total, partials + int64_t(block.chunk) * n * k, m0 + 64 * wg + 16 * w4 + g, n0, t, n, k);
+  };
+  run_block(full, empty, kStages, fill, consume);
+}
+
+// fp32 rows at "highest" (at "high" cuBLAS's one-pass TF32 is the mode's own rounding) that TMA reads, K >= 1,
+// TMA's 32-bit coordinates, and Hopper's shared memory; rows_grad: d likewise.
 bool applies(const BackwardArgs& args) {
-  return args.operand == Dtype::f32 && args.precision == Precision::highest && tensor_map_encoder() != nullptr &&
-         args.gemm_k >= 1 && args.gemm_n >= 1 && args.gemm_ld >= args.gemm_k && args.gemm_ld % 4 == 0 &&
-         reinterpret_cast<uintptr_t>(args.gemm_rows) % 16 == 0 && args.gemm_m < (int64_t(1) << 31) &&
-         padded(args.gemm_k, 64) < (int64_t(1) << 31) && 2 * padded(args.gemm_n, kBN) < (int64_t(1) << 31) &&
-         kSmemBytes <= max_smem_optin();
+  const bool sizes = args.operand == Dtype::f32 && args.precision == Precision::highest &&
+                     tensor_map_encoder() != nullptr && args.gemm_k >= 1 && args.gemm_n >= 1 &&
+                     args.gemm_m < (int64_t(1) << 31) && padded(args.gemm_k, 64) < (int64_t(1) << 31) &&
+                     2 * padded(args.gemm_n, kBN) < (int64_t(1) << 31);
+  if (args.pass == BackwardPass::rows_grad)
+    return sizes && rows_take(args.gemm_rows, args.gemm_ld, args.gemm_k) &&
+           rows_take(args.gemm_d, args.gemm_ld_d, args.gemm_n) && kGradSmemBytes <= max_smem_optin();
+  // (rows_gemm: a block's k-tiles over all its tiles, and the tiles, counted in int)
+  const bool counts = ceil_div(args.gemm_m, kBM) * (padded(args.gemm_n, kBN) / kBN) * (padded(args.gemm_k, 64) / kBK) <
+                      (int64_t(1) << 31);
+  return sizes && counts && rows_take(args.gemm_rows, args.gemm_ld, args.gemm_k) && kSmemBytes <= max_smem_optin();
 }
 
 cudaError_t launch(const BackwardArgs& args) {
   if (!applies(args)) return cudaErrorInvalidValue;
+  if (args.pass == BackwardPass::rows_grad) return launch_grad<grad_kernel>(args, 32, kGradSmemBytes);
   const int64_t n_pad = padded(args.gemm_n, kBN), k_pad = padded(args.gemm_k, 64);
   if (args.gemm_w_split == nullptr || args.gemm_w_split_floats < position_gemm_split_floats(args.gemm_n, args.gemm_k))
     return cudaErrorInvalidValue;
@@ -193,21 +278,7 @@ cudaError_t launch(const BackwardArgs& args) {
         args.gemm_w, args.gemm_w_sn, args.gemm_w_sk, args.gemm_n, args.gemm_k, n_pad, k_pad, args.gemm_w_split);
     return cudaGetLastError();
   }
-  if (args.pass != BackwardPass::rows_gemm || args.gemm_out == nullptr || args.gemm_ld_out < args.gemm_n)
-    return cudaErrorInvalidValue;
-  if (args.gemm_m == 0) return cudaSuccess;
-  CUtensorMap map_rows, map_w;
-  if (!encode_kmajor_map<float>(&map_rows, args.gemm_rows, 0, args.gemm_m, args.gemm_k, kBM, args.gemm_ld) ||
-      !encode_kmajor_map<float>(&map_w, args.gemm_w_split, 0, 2 * n_pad, k_pad, kBN))
-    return cudaErrorNotSupported;
-  const cudaError_t status = fused::allow_smem<gemm_kernel>(kSmemBytes);
-  if (status != cudaSuccess) return status;
-  const int n_tiles = static_cast<int>(n_pad / kBN);
-  const int64_t blocks = ceil_div(args.gemm_m, kBM) * n_tiles;
-  gemm_kernel<<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, args.stream>>>(
-      map_rows, map_w, args.gemm_m, args.gemm_n, static_cast<int>(k_pad / kBK), static_cast<int>(n_pad), n_tiles,
-      args.gemm_bias, args.gemm_out, args.gemm_ld_out);
-  return cudaGetLastError();
+  return launch_rows<gemm_kernel, float>(args, n_pad, k_pad, kBK, kSmemBytes);
 }
 
 }  // namespace position_gemm_tf32x3
