@@ -934,7 +934,11 @@ at::Tensor position_gemm_grad(const std::string& chosen, const at::Tensor& d_row
   args.gemm_n = n;
   args.stream = c10::cuda::getCurrentCUDAStream(rows.device().index()).stream();
   const int kernel = plan_backward_kernel(trimul::Role::position_gemm, chosen, args);
-  if (kernel < 0 || positions == 0 || n == 0 || k == 0) return at::mm(d_rows.t(), rows);
+  // The default order's rule: a kernel's grid is one block per 8192-position chunk and 128 x 128 output tile; under
+  // half the SMs (few positions, small outputs) it loses to cuBLAS's split over K, which then takes the call.
+  const int64_t blocks = (positions + 8191) / 8192 * ((n + 127) / 128) * ((k + 127) / 128);
+  const bool fills = 2 * blocks >= at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  if (kernel < 0 || positions == 0 || n == 0 || k == 0 || (chosen.empty() && !fills)) return at::mm(d_rows.t(), rows);
   const at::Tensor partials = at::empty({trimul::position_gemm_grad_partial_floats(positions, n, k)}, rows.options());
   const at::Tensor out = at::empty({n, k}, rows.options());
   args.gemm_partials = partials.data_ptr<float>();
