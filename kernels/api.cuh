@@ -312,10 +312,16 @@ struct BackwardArgs {
 // The floats a position_gemm kernel's split weight takes for a weight [n, k] (BackwardArgs::gemm_w_split): its
 // hi and lo tf32 parts, n padded to 128 rows and k to 64 columns (zeros).
 inline int64_t position_gemm_split_floats(int64_t n, int64_t k) { return 2 * ((n + 127) / 128 * 128) * ((k + 63) / 64 * 64); }
+// Positions per chunk of a position_gemm kernel's rows_grad: each chunk's sums are a partial, added in chunk order.
+constexpr int64_t kPositionGemmGradChunk = 8192;
+// The chunks of rows_grad over `positions`.
+inline int64_t position_gemm_grad_chunks(int64_t positions) {
+  return (positions + kPositionGemmGradChunk - 1) / kPositionGemmGradChunk;
+}
 // The scratch floats a position_gemm kernel's rows_grad takes for out [n, k] over `positions` (BackwardArgs::
-// gemm_partials): [chunk][n][k] per-chunk sums, chunks of 8192 positions.
+// gemm_partials): [chunk][n][k] per-chunk sums.
 inline int64_t position_gemm_grad_partial_floats(int64_t positions, int64_t n, int64_t k) {
-  return (positions + 8191) / 8192 * n * k;
+  return position_gemm_grad_chunks(positions) * n * k;
 }
 
 // Rows of the partial sums of the backward passes that sum over positions (BackwardArgs::sums): the most

@@ -847,6 +847,26 @@ bool gate_grad_from_z(const std::string& kernel, int64_t batch, int64_t n, int64
 }
 
 // ---- the backward's GEMMs over positions (the position_gemm role) ------------------------------------
+// The BackwardArgs of a position_gemm call: fp32 rows [m, K] (K = rows' columns) against n output channels.
+trimul::BackwardArgs position_gemm_args(trimul::BackwardPass pass, const at::Tensor& rows, int64_t m, int64_t n,
+                                        int64_t precision) {
+  trimul::BackwardArgs args{};
+  args.pass = pass;
+  args.batch = 1;
+  args.n = 1;
+  args.c = rows.size(1);  // (plan_backward's messages name them K and N for this role)
+  args.h = n;
+  args.operand = trimul::Dtype::f32;
+  args.precision = static_cast<trimul::Precision>(precision);
+  args.gemm_rows = rows.data_ptr<float>();
+  args.gemm_ld = rows.stride(1) == 1 ? rows.stride(0) : 0;  // (0: rows not contiguous in k, which no kernel takes)
+  args.gemm_m = m;
+  args.gemm_k = rows.size(1);
+  args.gemm_n = n;
+  args.stream = c10::cuda::getCurrentCUDAStream(rows.device().index()).stream();
+  return args;
+}
+
 // rows [M, K] @ weight^T (+ bias) in fp32: weight [N, K] fp32 with any strides (a transposed view multiplies
 // by W itself), bias [N] or none. By the role's kernel for this call (chosen, else the default order's first
 // that takes it), or cuBLAS's addmm / mm where that is the torch baseline (the same call the backward made
@@ -866,20 +886,7 @@ at::Tensor position_gemm(const std::string& chosen, const at::Tensor& rows, cons
   TORCH_CHECK_VALUE(precision >= 0 && precision <= 2, "trimul_inline: precision code ", text(precision));
   const c10::cuda::CUDAGuard guard(rows.device());
   const int64_t m = rows.size(0), k = rows.size(1), n = weight.size(0);
-  trimul::BackwardArgs args{};
-  args.pass = trimul::BackwardPass::rows_gemm;
-  args.batch = 1;
-  args.n = 1;
-  args.c = k;  // (plan_backward's messages name them K and N for this role)
-  args.h = n;
-  args.operand = trimul::Dtype::f32;
-  args.precision = static_cast<trimul::Precision>(precision);
-  args.gemm_rows = rows.data_ptr<float>();
-  args.gemm_ld = rows.stride(1) == 1 ? rows.stride(0) : 0;  // (0: rows not contiguous in k, which no kernel takes)
-  args.gemm_m = m;
-  args.gemm_k = k;
-  args.gemm_n = n;
-  args.stream = c10::cuda::getCurrentCUDAStream(rows.device().index()).stream();
+  trimul::BackwardArgs args = position_gemm_args(trimul::BackwardPass::rows_gemm, rows, m, n, precision);
   const int kernel = plan_backward_kernel(trimul::Role::position_gemm, chosen, args);
   if (kernel < 0 || m == 0 || n == 0) {
     return bias.has_value() ? at::addmm(*bias, rows, weight.t()) : at::mm(rows, weight.t());
@@ -917,26 +924,13 @@ at::Tensor position_gemm_grad(const std::string& chosen, const at::Tensor& d_row
   TORCH_CHECK_VALUE(precision >= 0 && precision <= 2, "trimul_inline: precision code ", text(precision));
   const c10::cuda::CUDAGuard guard(rows.device());
   const int64_t positions = rows.size(0), k = rows.size(1), n = d_rows.size(1);
-  trimul::BackwardArgs args{};
-  args.pass = trimul::BackwardPass::rows_grad;
-  args.batch = 1;
-  args.n = 1;
-  args.c = k;
-  args.h = n;
-  args.operand = trimul::Dtype::f32;
-  args.precision = static_cast<trimul::Precision>(precision);
-  args.gemm_rows = rows.data_ptr<float>();
-  args.gemm_ld = rows.stride(1) == 1 ? rows.stride(0) : 0;  // (0: not adjacent channels, which no kernel takes)
+  trimul::BackwardArgs args = position_gemm_args(trimul::BackwardPass::rows_grad, rows, positions, n, precision);
   args.gemm_d = d_rows.data_ptr<float>();
   args.gemm_ld_d = d_rows.stride(1) == 1 ? d_rows.stride(0) : 0;
-  args.gemm_m = positions;
-  args.gemm_k = k;
-  args.gemm_n = n;
-  args.stream = c10::cuda::getCurrentCUDAStream(rows.device().index()).stream();
   const int kernel = plan_backward_kernel(trimul::Role::position_gemm, chosen, args);
-  // The default order's rule: a kernel's grid is one block per 8192-position chunk and 128 x 128 output tile; under
-  // half the SMs (few positions, small outputs) it loses to cuBLAS's split over K, which then takes the call.
-  const int64_t blocks = (positions + 8191) / 8192 * ((n + 127) / 128) * ((k + 127) / 128);
+  // The default order's rule: a kernel's grid is one block per chunk and 128 x 128 output tile; under half the SMs
+  // (few positions, small outputs) it loses to cuBLAS's split over K, which then takes the call.
+  const int64_t blocks = trimul::position_gemm_grad_chunks(positions) * ((n + 127) / 128) * ((k + 127) / 128);
   const bool fills = 2 * blocks >= at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   if (kernel < 0 || positions == 0 || n == 0 || k == 0 || (chosen.empty() && !fills)) return at::mm(d_rows.t(), rows);
   const at::Tensor partials = at::empty({trimul::position_gemm_grad_partial_floats(positions, n, k)}, rows.options());

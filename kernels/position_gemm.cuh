@@ -22,7 +22,7 @@ constexpr int kConsumerThreads = 256, kThreads = kConsumerThreads + 128;
 constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * 168,
               "the consumers' registers come from the producer group's");
-constexpr int kGradChunk = 8192;  // positions per weight-gradient chunk (position_gemm_grad_partial_floats')
+constexpr int kGradChunk = static_cast<int>(kPositionGemmGradChunk);  // positions per weight-gradient chunk
 
 inline int64_t padded(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
@@ -256,7 +256,7 @@ cudaError_t launch_rows(const BackwardArgs& args, int64_t n_pad, int64_t k_pad, 
 // sum into gemm_out: the same bits on any GPU.
 template <auto Kernel>
 cudaError_t launch_grad(const BackwardArgs& args, int box_positions, int smem_bytes) {
-  const int64_t chunks = ceil_div(args.gemm_m, kGradChunk);
+  const int64_t chunks = position_gemm_grad_chunks(args.gemm_m);
   if (args.gemm_out == nullptr || args.gemm_ld_out < args.gemm_k || args.gemm_partials == nullptr ||
       args.gemm_partial_floats < chunks * args.gemm_n * args.gemm_k)
     return cudaErrorInvalidValue;
