@@ -34,7 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -620,10 +620,12 @@ def cpu_comparison():
 
 class Trainable(NamedTuple):
     """A contender ready for training steps: forward(pair, mask), the tensors its gradients land on
-    (`leaves`) and gradients() -> {Model's parameter name: its gradient}."""
+    (`leaves`) and gradients() -> {Model's parameter name: its gradient}; `checked`: the gradients it makes
+    (None: pair_repr's and every parameter's)."""
     forward: Callable
     leaves: list
     gradients: Callable
+    checked: Optional[frozenset] = None
 
 
 class TrainingContender:
@@ -649,6 +651,14 @@ def trainable_module(module, forward=None, autocast=False):
     return Trainable(run, list(params.values()), lambda: {name: p.grad for name, p in params.items()})
 
 
+def frozen_trainable(module):
+    """Trainable of a module whose parameters are frozen (requires_grad False: a frozen layer that gradients pass
+    through, as in fine-tuning around it or design by gradient): only d pair_repr is made and checked."""
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return Trainable(module, [], dict, frozenset({"pair_repr"}))
+
+
 def cueq_gradients(leaves):
     """{Model's parameter name: gradient} from the gradients of cuEquivariance's weight arguments
     (`leaves`, by argument name): the stacked ones split in halves, as CUEQ_WEIGHTS stacks them."""
@@ -669,7 +679,7 @@ def trainable_cueq(ref, dtype):
 
 
 BACKWARD_CONTENDERS = "ref-eager,ref-compile,ref-autocast,cueq-bf16,cueq-fp32,new,new-bf16,new-autocast"
-BACKWARD_OPTIONAL = "new-compile"  # (named only: a compile per shape and precision)
+BACKWARD_OPTIONAL = "new-compile,new-frozen"  # (named only: a compile per shape and precision; a use case's row)
 
 
 def backward_contenders(args):
@@ -710,6 +720,10 @@ def new_training_contenders(args, kernels):
     if "new-autocast" in args.contenders:
         found.append(TrainingContender(f"new-autocast{tag}", lambda ref: trainable_module(
             make_model_new(ref, kernels), autocast=True), "bfloat16"))
+    if "new-frozen" in args.contenders:
+        for precision in args.precision:
+            found.append(TrainingContender(f"new-frozen-{precision}{tag}", lambda ref, p=precision: frozen_trainable(
+                make_model_new(ref, kernels, precision=p)), precision))
     if "new-compile" in args.contenders:  # (a model that torch.compile wraps whole: the op traced, not eager)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         for precision in args.precision:
@@ -779,13 +793,15 @@ class DirectionalReference:
             del pair
             return out.square().mean().item()
 
-    def errors(self, gradients):
+    def errors(self, gradients, names=None):
         """{tensor name + " (direction)": |g|^2 - central difference| / |g|^2} for pair_repr and each parameter
-        (inf where a gradient is missing)."""
+        (those in `names` where given; inf where a gradient is missing)."""
         errors = {}
         norm = lambda t: torch.linalg.vector_norm(t, dtype=torch.float64).item()  # noqa: E731
         base = self.model.state_dict()
         for name in ["pair_repr"] + list(base):
+            if names is not None and name not in names:
+                continue
             g = gradients.get(name)
             if g is None:
                 errors[f"{name} (direction)"] = math.inf
@@ -803,16 +819,16 @@ class DirectionalReference:
         return errors
 
 
-def gradient_check(gradients, expected, tolerance_key):
+def gradient_check(gradients, expected, tolerance_key, names=None):
     """(errors, passed): the relative error ||g - g_ref|| / ||g_ref|| of each gradient in `gradients`
-    against `expected` (fp64, same names; a missing gradient: inf), and whether pair_repr's and each
-    parameter's are within GRAD_TOLERANCE[tolerance_key] (NaN is not)."""
+    against `expected` (fp64, same names; those in `names` where given; a missing gradient: inf), and whether
+    pair_repr's and each parameter's are within GRAD_TOLERANCE[tolerance_key] (NaN is not)."""
     if isinstance(expected, DirectionalReference):
-        errors = expected.errors(gradients)
+        errors = expected.errors(gradients, names)
         return errors, all(error <= DIRECTIONAL_TOLERANCE for error in errors.values())
     pair_tolerance, parameter_tolerance = GRAD_TOLERANCE[tolerance_key]
     errors = {name: math.inf if gradients.get(name) is None else relative_error(gradients[name], reference)
-              for name, reference in expected.items()}
+              for name, reference in expected.items() if names is None or name in names}
     passed = all(error <= (pair_tolerance if name == "pair_repr" else parameter_tolerance)
                  for name, error in errors.items())
     return errors, passed
@@ -835,7 +851,8 @@ def bench_backward_contender(contender, ref, pair, mask, expected, shape, label,
         pair_in = pair.detach().to(contender.dtype).requires_grad_(True)
         step = training_step(trainable, pair_in, mask.to(contender.mask_dtype))
         step()
-        errors, passed = gradient_check(step_gradients(trainable, pair_in), expected, contender.tolerance_key)
+        errors, passed = gradient_check(step_gradients(trainable, pair_in), expected, contender.tolerance_key,
+                                        trainable.checked)
         worst_name, worst_error = worst_gradient(errors)
         row.update(grad_errors=errors, worst_tensor=worst_name, worst_error=worst_error, over_tolerance=not passed)
         tolerance = "d pair_repr {:.0e}, parameters {:.0e}".format(*GRAD_TOLERANCE[contender.tolerance_key])
@@ -1007,7 +1024,8 @@ def main(argv=None) -> int:
                              f"{BACKWARD_CONTENDERS},{BACKWARD_OPTIONAL} (cueq-*: when cuequivariance_torch "
                              "imports; new: one row per --precision; new-bf16: bf16 parameters and inputs; "
                              "new-autocast: under bf16 autocast; new-compile: torch.compile(ModelNew), one row per "
-                             "--precision; default: all but new-compile)")
+                             "--precision; new-frozen: ModelNew with frozen parameters (d pair_repr only), one row "
+                             "per --precision; default: all but new-compile and new-frozen)")
     parser.add_argument("--precision", default="highest",
                         help="ModelNew's fp32 precisions, comma-separated (PyTorch's matmul-precision "
                              "names: highest, high, medium)")

@@ -2,6 +2,7 @@
 
     python -m pytest test_trimul.py
 """
+import collections
 import contextlib
 import copy
 import functools
@@ -512,6 +513,27 @@ def test_bench_compiled_model_new_is_a_named_training_contender(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--backward", "--contenders", "new-compile,new-compiled"])
     assert "unknown contenders ['new-compiled']" in capsys.readouterr().err
+
+
+def test_bench_frozen_rows_check_d_pair_only():
+    """--backward's new-frozen rows (one per --precision, named only): ModelNew with frozen parameters, whose step
+    makes d pair_repr alone; the check covers that gradient, which must still be right, and no parameter's."""
+    import bench
+    args = types.SimpleNamespace(contenders={"new-frozen"}, precision=["medium", "highest"], kernels=None)
+    assert [c.name for c in bench.backward_contenders(args)] == ["new-frozen-medium", "new-frozen-highest"]
+    assert "new-frozen" not in bench.BACKWARD_CONTENDERS.split(",")
+    ref, pair, mask = bench.seeded_case((1, 9, 16, 12), types.SimpleNamespace(direction="outgoing",
+                                                                              gate_input="normalized"),
+                                        fresh_seed(), device="cpu")
+    trainable = bench.frozen_trainable(bench.make_model_new(ref))
+    pair_in = pair.detach().requires_grad_(True)
+    bench.training_step(trainable, pair_in, mask)()
+    gradients = bench.step_gradients(trainable, pair_in)
+    expected = bench.fp64_gradients(ref, pair, mask)
+    errors, passed = bench.gradient_check(gradients, expected, "highest", trainable.checked)
+    assert passed and list(errors) == ["pair_repr"] and all(p.grad is None for p in trainable.forward.parameters())
+    wrong = {"pair_repr": gradients["pair_repr"] * 1.01}
+    assert not bench.gradient_check(wrong, expected, "highest", trainable.checked)[1]
 
 
 @pytest.mark.parametrize("direction, gate_input", [("outgoing", "normalized"), ("incoming", "raw")])
@@ -4204,7 +4226,115 @@ def test_backward_op_passes_opcheck_on_cpu():
     for mask_grad in (False, True):
         torch.library.opcheck(ti.trimul_backward, (torch.randn_like(pair), pair, mask, params, "auto", "highest", True,
                                                    True, 1e-5, 1e-5, mask_grad))
+    for pair_grad, params_grad in ((False, True), (True, False), (False, False)):
+        torch.library.opcheck(ti.trimul_backward, (torch.randn_like(pair), pair, mask, params, "auto", "highest", True,
+                                                   True, 1e-5, 1e-5, True, pair_grad, params_grad))
 
+
+def _partial_gradients(call, pair, mask, grad_out, params, wanted):
+    """The gradients of sum(grad_out * call(pair, mask)) with only `wanted` ("pair", "params", "mask") requiring
+    grad: {name: grad or None} over pair_repr, the parameters ({name: tensor}) and pair_mask."""
+    for p in params.values():
+        p.grad = None
+        p.requires_grad_(wanted == "params")
+    pair = pair.detach().clone().requires_grad_(wanted == "pair")
+    mask = mask.detach().clone().requires_grad_(wanted == "mask")
+    try:
+        call(pair, mask).backward(grad_out)
+    finally:
+        for p in params.values():
+            p.requires_grad_(True)
+    return {"pair_repr": pair.grad, "pair_mask": mask.grad, **{name: p.grad for name, p in params.items()}}
+
+
+@pytest.mark.parametrize("wanted", ["pair", "params", "mask"])
+@pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
+def test_frozen_or_first_layer_gets_only_its_gradients_on_cpu(wanted, gate_input, monkeypatch):
+    """A frozen layer (only pair_repr needs a gradient), a first layer (only the parameters) and a float mask alone:
+    the op, its compiled form and the eager Function return the wanted gradient as autograd of the reference does
+    (float64) and no other, and skip the unwanted work: no weight-gradient GEMM over positions for frozen
+    parameters, no d_pair pass where pair_repr needs none."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = random_layers(ti.Model(12, 20, "outgoing", gate_input).double(), g)
+    pair, mask = random_inputs(2, 7, 12, g, mask_dtype=torch.float64)
+    mask = mask * torch.rand(mask.shape, generator=g, dtype=mask.dtype)
+    grad_out = torch.randn(pair.shape, generator=g, dtype=torch.float64)
+    _, ref = _gradients(model, pair, mask, grad_out)
+    params = ti._param_list(model)
+    named = dict(model.named_parameters())
+    options = ("auto", "highest", False, gate_input == "normalized", 1e-5, 1e-5)
+    calls = collections.Counter()
+    rows_grad, d_pair = ti._Products.rows_grad, ti._TorchBackwardPasses.d_pair
+    monkeypatch.setattr(ti._Products, "rows_grad", lambda *a, **k: calls.update(["rows_grad"]) or rows_grad(*a, **k))
+    monkeypatch.setattr(ti._TorchBackwardPasses, "d_pair",
+                        staticmethod(lambda *a, **k: calls.update(["d_pair"]) or d_pair(*a, **k)))
+
+    def op(pair_repr, pair_mask):
+        return ti.trimul(pair_repr, pair_mask, params, [], *options)
+
+    def eager(pair_repr, pair_mask):
+        return ti._TrimulFunction.apply(pair_repr, pair_mask, [], *options, False, False, *params)
+
+    for fn in (op, torch.compile(op, fullgraph=True, backend="aot_eager"), eager):
+        calls.clear()
+        got = _partial_gradients(fn, pair, mask, grad_out, named, wanted)
+        for name, grad in got.items():
+            is_wanted = name == "pair_repr" if wanted == "pair" else name == "pair_mask" if wanted == "mask" else \
+                name in named
+            if not is_wanted:
+                assert grad is None, f"{name} got a gradient it did not ask for ({fn})"
+                continue
+            assert grad is not None and _grad_error(grad, ref[name]) < 1e-12, f"{name} (seed {seed}, {fn})"
+        assert calls["rows_grad"] == (3 if wanted == "params" else 0), (fn, calls)
+        assert calls["d_pair"] == (1 if wanted == "pair" else 0), (fn, calls)
+
+
+
+@cuda
+@pytest.mark.parametrize("precision, gate_input, pair_dim, hidden, n, saves",
+                         [("medium", "normalized", 128, 128, 40, "z"), ("medium", "raw", 24, 40, 37, "inputs"),
+                          ("highest", "normalized", 64, 32, 33, "z"), ("high", "raw", 32, 16, 7, None)])
+def test_frozen_or_first_layer_backward_on_the_gpu(precision, gate_input, pair_dim, hidden, n, saves, monkeypatch):
+    """ModelNew with frozen parameters (only pair_repr's gradient) and as a first layer (only the parameters'):
+    those gradients as the full backward gives them, within a quarter of the precision's tolerance (skipping work
+    may change which pass runs, not the arithmetic), None for the rest; the one-call backward with either flag
+    equals its Python steps and its graph bit for bit. (pair_dim = hidden = 128 with z kept: d_proj writes d pair
+    and the dz pass sums g_out, the two passes whose work the flags change.)"""
+    monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = random_layers(ti.ModelNew(pair_dim, hidden, gate_input=gate_input, precision=precision,
+                                      backward_saves=saves), g).cuda()
+    pair, mask = random_inputs(2, n, pair_dim, g, dtype=torch.float32, device="cuda")
+    grad_out = torch.randn(pair.shape, generator=g).cuda()
+    _, full = _gradients(model, pair, mask, grad_out)
+    named = dict(model.named_parameters())
+    tol_pair, tol_param = GRAD_TOLERANCE[precision]
+    for wanted in ("pair", "params"):
+        poison_allocator()
+        got = _partial_gradients(model, pair, mask, grad_out, named, wanted)
+        for name, grad in got.items():
+            if (name == "pair_repr") if wanted == "pair" else (name in named):
+                tolerance = tol_pair if name == "pair_repr" else tol_param
+                assert grad is not None and _grad_error(grad, full[name]) <= tolerance / 4, \
+                    f"{wanted}: {name} {_grad_error(grad, full[name]):.2e} (seed {seed})"
+            else:
+                assert grad is None, f"{wanted}: {name} got a gradient it did not ask for"
+    params = [p.detach() for p in ti._param_list(model)]
+    args = (grad_out, pair, mask, params, ti.Kernels(), ti.compute_mode(torch.float32, precision), False,
+            gate_input == "normalized", 1e-5, 1e-5, False)
+    ti._BACKWARD_GRAPHS.entries.clear()
+    try:
+        for pair_grad, params_grad in ((True, False), (False, True)):
+            flags = dict(pair_grad=pair_grad, params_grad=params_grad)
+            poison_allocator()
+            call = ti.training_backward(*args, host="call", **flags)
+            assert (call[0] is not None) == pair_grad and all((d is not None) == params_grad for d in call[2:])
+            _assert_equal_gradients(ti.training_backward(*args, host="python", **flags), call, flags)
+            _assert_equal_gradients(ti.training_backward(*args, host="graph", **flags), call, flags)
+    finally:
+        ti._BACKWARD_GRAPHS.entries.clear()
 
 # ---- other models' layers: bias=False, from_module, replace_modules, from_alphafold_params ------------------
 class _OpenFoldTriMul(torch.nn.Module):

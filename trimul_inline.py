@@ -1570,9 +1570,11 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
                       gate_normalized: bool, eps_in: float, eps_out: float, mask_grad: bool, host: str = "auto",
                       saved_z: Optional[torch.Tensor] = None, lean: bool = False,
                       saved_ab: Optional[torch.Tensor] = None, saved: Optional[list] = None,
-                      saved_x_hat: Optional[torch.Tensor] = None, saved_x_hat_rstd: Optional[torch.Tensor] = None):
+                      saved_x_hat: Optional[torch.Tensor] = None, saved_x_hat_rstd: Optional[torch.Tensor] = None,
+                      pair_grad: bool = True, params_grad: bool = True):
     """The gradients of sum(grad_out * forward(pair, mask)): [d pair, d mask (None unless mask_grad), then the 16
-    parameters' (_PARAM_PATHS order)], each in its tensor's dtype. Any device; CUDA in the op. host: "auto" runs
+    parameters' (_PARAM_PATHS order)], each in its tensor's dtype; d pair None unless pair_grad, the parameters'
+    None unless params_grad (their work skipped: a frozen layer, a first layer). Any device; CUDA in the op. host: "auto" runs
     a CUDA call whose backward roles are library kernels in one extension call (the same steps in C++: the
     host time of a small step), replayed from a CUDA graph (_BackwardGraphs) for problems of at most
     GRAPHED_BACKWARD_POSITIONS positions and GRAPHED_BACKWARD_BYTES of pair-sized operands (_graphs_backward);
@@ -1602,18 +1604,18 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
             call = (grad_out, pair, mask, params, kernels.output_backward or "", kernels.input_backward or "",
                     kernels.contract_backward or "", kernels.position_gemm or "", _precision_code(mode),
                     _COMPUTE_DTYPE[mode] == torch.float32, incoming, gate_normalized, eps_in, eps_out, mask_grad,
-                    None if graphed else saved, lean)
+                    pair_grad, params_grad, None if graphed else saved, lean)
             grads = _BACKWARD_GRAPHS.run(call) if graphed else None
             if grads is None:
                 grads = _extension().training_backward(*call)
             if grads:  # (empty: a backward role runs a torch baseline, which the Python path below runs)
                 return grads
         grads = _training_backward(grad_out, pair, mask, [p.detach() for p in params], kernels, mode, incoming,
-                                   gate_normalized, eps_in, eps_out, mask_grad, saved, lean)
+                                   gate_normalized, eps_in, eps_out, mask_grad, saved, lean, pair_grad, params_grad)
     d_pair, d_mask, d_params = grads
-    return _distinct([d_pair.view(pair.shape).to(pair.dtype),
+    return _distinct([None if d_pair is None else d_pair.view(pair.shape).to(pair.dtype),
                       None if d_mask is None else d_mask.view(mask.shape).to(mask.dtype)] +
-                     [g.to(p.dtype) for g, p in zip(d_params, params)])
+                     [None if g is None else g.to(p.dtype) for g, p in zip(d_params, params)])
 
 
 # What the training forward keeps for its backward (ModelNew's backward_saves): "inputs" (pair_repr, the mask,
@@ -1828,7 +1830,7 @@ def _distinct(tensors: list) -> list:
 
 
 def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
-                       mask_grad, saved, lean=False):
+                       mask_grad, saved, lean=False, pair_grad=True, params_grad=True):
     saved_z, saved_ab, saved_x_hat, saved_rstd = saved
     saved.clear()  # (the caller's list held the only other references: each is freed once used)
     acc = _accumulate(pair)
@@ -1867,7 +1869,8 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     # (proj_in_pass: d_proj recomputes proj from x_hat itself, so proj lives only until gated_planes)
     proj_in_pass, proj = inputs.d_proj_from_x_hat(), None
     # d_pair_in_proj: d_proj writes d pair too, from the kept x_hat and rstd (training_backward in bindings.cpp)
-    d_pair_in_proj = rstd_in is not None and gate_normalized and proj_in_pass and inputs.d_pair_in_d_proj()
+    d_pair_in_proj = pair_grad and rstd_in is not None and gate_normalized and proj_in_pass and \
+        inputs.d_pair_in_d_proj()
     if saved_ab is not None:
         a_planes, b_planes = _saved_ab_planes(saved_ab, saved_z, batch, n, hidden, dtype)
         del saved_ab
@@ -1893,7 +1896,8 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
     d_x_hat_in_pass = not d_pair_in_proj and inputs.d_pair_from_d_proj()
     # joined: d proj and d gate as the two parts of one [P, 4H + C] buffer, so that d x_hat is one GEMM against
     # [W_in_f; W_gate_f] (training_backward in bindings.cpp says why)
-    joined = gate_normalized and not d_x_hat_in_pass and not proj_in_pass and not lean and not gate_from_z
+    joined = pair_grad and gate_normalized and not d_x_hat_in_pass and not proj_in_pass and not lean and \
+        not gate_from_z
     d_rows = x_hat.new_empty((positions, 4 * hidden + pair_dim)) if joined else None
     if gate_from_z:  # (one pass: o and gate_pre never written)
         z_hat, rstd_out, d_o, d_gate, s_out, s_gate = outputs.z_gate_grad(z_planes, eps_out, gate_rows, w_out_f,
@@ -1908,10 +1912,10 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
                                                        None if d_rows is None else d_rows[:, 4 * hidden:])
         del o, gate_pre
     del d_out
-    g_gate = products.rows_grad(d_gate, gate_rows, acc)
+    g_gate = products.rows_grad(d_gate, gate_rows, acc) if params_grad else None
     del gate_rows
-    g_out_in_pass = outputs.g_out_in_dz_planes()  # (d z_hat and g_out multiplied in the pass)
-    g_out = None if g_out_in_pass else products.rows_grad(d_o, z_hat, acc)
+    g_out_in_pass = params_grad and outputs.g_out_in_dz_planes()  # (d z_hat and g_out multiplied in the pass)
+    g_out = products.rows_grad(d_o, z_hat, acc) if params_grad and not g_out_in_pass else None
     if g_out_in_pass:
         dz_planes, g_out = outputs.dz_planes_g_out(d_o, w_out_f, z_hat, rstd_out)
         del d_o
@@ -1944,8 +1948,11 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
         d_proj, d_mask, s_in = inputs.d_proj(proj, da_planes, db_planes, mask_rows, batch, n, incoming, mask_grad,
                                              in_place=lean, out=None if d_rows is None else d_rows[:, :4 * hidden])
     del proj, da_planes, db_planes
-    g_in = products.rows_grad(d_proj, x_hat, acc)
-    if d_pair_in_proj:
+    g_in = products.rows_grad(d_proj, x_hat, acc) if params_grad else None
+    if not pair_grad:
+        d_pair = None
+        del d_proj
+    elif d_pair_in_proj:
         del d_proj
     elif d_x_hat_in_pass:
         raw_gate_share = None if gate_normalized else products.rows_mm(d_gate, gate_w.to(dtype), acc)
@@ -1970,6 +1977,8 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
 
     # Parameter gradients from the folded GEMMs' (H x C and C x C matrices: no position loop); on CUDA the
     # extension's param_grads, as the one-call backward runs it (the same bits).
+    if not params_grad:
+        return d_pair, d_mask, [None] * len(params)
     if on_device:
         folded_grads = [t.float() for t in (g_in, s_in, g_out, s_out, g_gate, s_gate)]
         return d_pair, d_mask, _extension().param_grads(list(params), params_acc, *folded_grads, gate_normalized)
@@ -2062,7 +2071,8 @@ class _TrimulFunction(torch.autograd.Function):
         ctx.z = ctx.ab = ctx.x_hat = ctx.x_hat_rstd = None
         d_pair, d_mask, *d_params = training_backward(grad_out.contiguous(), pair, mask, params,
                                                       parse_kernels(kernels), *options, bool(wanted[1]),
-                                                      saved=saved, lean=lean)
+                                                      saved=saved, lean=lean, pair_grad=bool(wanted[0]),
+                                                      params_grad=any(wanted[11:]))
         return (d_pair if wanted[0] else None, d_mask if wanted[1] else None) + (None,) * 9 + \
             tuple(g if w else None for g, w in zip(d_params, wanted[11:]))
 
@@ -2110,9 +2120,10 @@ def _trimul_setup_context(ctx, inputs, output):
 
 def _trimul_backward(ctx, grad_out):
     pair, mask, *params = ctx.saved_tensors
-    mask_grad = bool(ctx.needs_input_grad[1])
-    d_pair, d_mask, *d_params = trimul_backward(grad_out.contiguous(), pair, mask, params, *ctx.options, mask_grad)
     wanted = ctx.needs_input_grad
+    mask_grad = bool(wanted[1])
+    d_pair, d_mask, *d_params = trimul_backward(grad_out.contiguous(), pair, mask, params, *ctx.options, mask_grad,
+                                                bool(wanted[0]), any(wanted[2]))
     return (d_pair if wanted[0] else None, d_mask if mask_grad else None,
             [g if w else None for g, w in zip(d_params, wanted[2])], [None] * ctx.weight_count, None, None, None, None,
             None, None)
@@ -2124,13 +2135,14 @@ trimul.register_autograd(_trimul_backward, setup_context=_trimul_setup_context)
 @torch.library.custom_op("trimul_inline::trimul_backward", mutates_args=())
 def trimul_backward(grad_out: torch.Tensor, pair: torch.Tensor, mask: torch.Tensor, params: list[torch.Tensor],
                     kernels: str, mode: str, incoming: bool, gate_normalized: bool, eps_in: float, eps_out: float,
-                    mask_grad: bool) -> list[torch.Tensor]:
-    """trimul's backward (training_backward): [d pair, d mask (empty unless mask_grad), d params...]."""
+                    mask_grad: bool, pair_grad: bool = True, params_grad: bool = True) -> list[torch.Tensor]:
+    """trimul's backward (training_backward): [d pair, d mask, d params...], each empty where not wanted (d mask
+    unless mask_grad, d pair unless pair_grad, the parameters' unless params_grad: their work skipped)."""
     grads = training_backward(grad_out, pair, mask, params, parse_kernels(kernels), mode, incoming, gate_normalized,
-                              eps_in, eps_out, mask_grad)
+                              eps_in, eps_out, mask_grad, pair_grad=pair_grad, params_grad=params_grad)
     if grads[1] is None:
         grads[1] = mask.new_empty((0,), dtype=_grad_mask_dtype(mask))
-    return grads
+    return [t.new_empty((0,)) if g is None else g for g, t in zip(grads, [pair, mask] + list(params))]
 
 
 def _grad_mask_dtype(mask):
@@ -2139,10 +2151,10 @@ def _grad_mask_dtype(mask):
 
 @trimul_backward.register_fake
 def _trimul_backward_fake(grad_out, pair, mask, params, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
-                          mask_grad):
+                          mask_grad, pair_grad=True, params_grad=True):
     d_mask = torch.empty_like(mask) if mask_grad else mask.new_empty((0,), dtype=_grad_mask_dtype(mask))
-    return [torch.empty_like(pair, memory_format=torch.contiguous_format), d_mask] + \
-        [torch.empty_like(p) for p in params]
+    d_pair = torch.empty_like(pair, memory_format=torch.contiguous_format) if pair_grad else pair.new_empty((0,))
+    return [d_pair, d_mask] + [torch.empty_like(p) if params_grad else p.new_empty((0,)) for p in params]
 
 
 # ------------------------------------------------------------------------------------------------

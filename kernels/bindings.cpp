@@ -1352,14 +1352,16 @@ std::vector<at::Tensor> parameter_grads(const std::vector<at::Tensor>& params,
 // `saved` is None or the list [saved_z or None, saved_ab or None, saved_x_hat or None, saved_x_hat_rstd or None],
 // which this call empties (once it knows it runs
 // the backward), so that each buffer is freed as soon as its last use is done rather than when the caller
-// returns.
+// returns. pair_grad / params_grad: whether d pair / the 16 parameters' gradients are wanted; an unwanted one is
+// returned undefined and its work skipped (params: the three weight-gradient GEMMs, g_out's partials and
+// param_grads; pair: d x_hat and the d_pair pass), which is what a frozen layer or a first layer saves.
 std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::Tensor& pair, const at::Tensor& mask,
                                           const std::vector<at::Tensor>& params, const std::string& output_kernel,
                                           const std::string& input_kernel, const std::string& contract_kernel,
                                           const std::string& gemm_kernel, int64_t precision, bool operand_f32,
                                           bool incoming,
                                           bool gate_normalized, double eps_in, double eps_out, bool mask_grad,
-                                          const py::object& saved, bool lean) {
+                                          bool pair_grad, bool params_grad, const py::object& saved, bool lean) {
   using namespace host_backward;
   using P = trimul::BackwardPass;
   TORCH_CHECK_VALUE(pair.is_cuda() && pair.dim() == 4 && params.size() == 16 && grad_out.sizes().equals(pair.sizes()),
@@ -1435,7 +1437,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   // d_pair_in_proj: d_proj writes d pair too (d x_hat from its d proj tiles and d gate, LayerNorm_in's backward on
   // the kept x_hat with the kept rstd), so d proj is read once after it (d W_in's GEMM) and pair not at all;
   // where the gate reads LayerNorm_in's rows (the raw gate's share is outside LayerNorm_in's backward).
-  const bool d_pair_in_proj = rstd_in.defined() && gate_normalized && proj_in_pass &&
+  const bool d_pair_in_proj = pair_grad && rstd_in.defined() && gate_normalized && proj_in_pass &&
                               d_pair_in_d_proj(inputs.kernel, batch, n, c, h, incoming, like, precision);
   // d_x_hat_in_pass: d_pair multiplies d proj (and d gate) by the weights itself, so d x_hat is never written.
   const bool d_x_hat_in_pass =
@@ -1483,7 +1485,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   // ld_rows apart), so that d x_hat is one GEMM against [W_in_f; W_gate_f], not a second GEMM adding d gate
   // W_gate_f into the first's fp32 result (a read and a write of [P, C] fp32 more). Where d x_hat is a GEMM here
   // and the gate reads x_hat.
-  const bool joined = gate_normalized && !d_x_hat_in_pass && !proj_in_pass && !lean && !gate_from_z;
+  const bool joined = pair_grad && gate_normalized && !d_x_hat_in_pass && !proj_in_pass && !lean && !gate_from_z;
   at::Tensor d_rows;  // (joined: [d proj | d gate])
   if (gate_from_z) {
     // (z_rows, both products and gate_grad in one pass: o and gate_pre never written)
@@ -1511,16 +1513,17 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     gate_tensors.clear();
     if (joined) d_gate = d_rows.narrow(1, 4 * h, c);
   }
-  const at::Tensor g_gate = rows_grad(d_gate, gate_rows);
+  const at::Tensor g_gate = params_grad ? rows_grad(d_gate, gate_rows) : at::Tensor();
   gate_rows.reset();
   std::unordered_map<std::string, at::Tensor> dz_tensors{{"rows", z_hat}, {"rstd", rstd_out}};
   // g_out_in_pass: g_out = d o^T z_hat as the dz pass's per-block partials, summed here (no GEMM reading both again)
-  const bool g_out_in_pass = dz_planes_g_out(outputs.kernel, batch, n, c, h, incoming, like, precision);
+  const bool g_out_in_pass =
+      params_grad && dz_planes_g_out(outputs.kernel, batch, n, c, h, incoming, like, precision);
   at::Tensor g_out, g_out_partials;
   if (g_out_in_pass) {
     g_out_partials = at::empty({g_out_partial_rows(like), c, h}, like.options().dtype(acc));
     dz_tensors["g_out"] = g_out_partials;
-  } else {
+  } else if (params_grad) {
     g_out = rows_grad(d_o, z_hat);
   }
   if (g_out_in_pass || dz_planes_from_d_o(outputs.kernel, batch, n, c, h, incoming, like, precision)) {
@@ -1585,8 +1588,8 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   da.reset();
   db.reset();
   rstd_in.reset();
-  const at::Tensor g_in = rows_grad(d_proj, x_hat);
-  if (!d_pair_in_proj) {  // (else d_proj_d_pair wrote d pair)
+  const at::Tensor g_in = params_grad ? rows_grad(d_proj, x_hat) : at::Tensor();
+  if (pair_grad && !d_pair_in_proj) {  // (else d_proj_d_pair wrote d pair, or none is wanted)
     std::unordered_map<std::string, at::Tensor> pair_tensors{{"pair", pair_rows}};
     if (d_x_hat_in_pass) {
       pair_tensors["rows"] = d_proj;
@@ -1614,9 +1617,13 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   d_proj.reset();
   d_gate.reset();
 
-  std::vector<at::Tensor> grads{d_pair.view(pair.sizes()),  // (the pass wrote pair's dtype)
+  std::vector<at::Tensor> grads{pair_grad ? d_pair.view(pair.sizes()) : at::Tensor(),  // (the pass wrote pair's dtype)
                                 mask_grad ? in_type(d_mask.view(mask.sizes()), mask.is_floating_point() ? mask.scalar_type() : acc)
                                           : at::Tensor()};
+  if (!params_grad) {
+    grads.resize(2 + params.size());
+    return grads;
+  }
   for (at::Tensor& g : parameter_grads(params, p, g_in, in_sums, g_out, out_sums.narrow(1, 0, c), g_gate,
                                        out_sums.narrow(1, c, c), gate_normalized))
     grads.push_back(std::move(g));
