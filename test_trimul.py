@@ -3680,6 +3680,27 @@ def test_position_gemm_grad_against_fp64(kernel):
 
 
 @HOPPER
+def test_position_gemm_grad_default_leaves_small_grids_to_cublas():
+    """The default order's rule (dispatch.cu): a weight gradient whose grid (a block per 8192-position chunk and
+    128 x 128 output tile) would fill under half the SMs is cuBLAS's mm, bit for bit; one that fills them is the
+    first kernel's, bit for bit as that kernel named."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    grad, highest = ti._extension().position_gemm_grad, ti._PRECISION_CODE["highest"]
+    first = ti.default_order("position_gemm")[0]
+    for chunks, n, k in [(1, 128, 128), (2, 200, 36), ((sms + 7) // 8, 512, 256)]:
+        positions = chunks * 8192 - 3
+        d_rows, rows = (torch.randn(positions, width, generator=g).cuda() for width in (n, k))
+        blocks = chunks * -(-n // 128) * -(-k // 128)
+        with ti._float32_matmul_precision("highest"):  # (cuBLAS's fp32 products, as the backward sets them)
+            cublas = torch.mm(d_rows.t(), rows)
+            default = grad("", d_rows, rows, highest)
+        expected = cublas if 2 * blocks < sms else grad(first, d_rows, rows, highest)
+        assert torch.equal(default, expected), (chunks, n, k, blocks, sms)
+        assert rel_error(default, cublas) < 1e-6
+
+
+@HOPPER
 def test_position_gemm_bad_input():
     """position_gemm refuses what it cannot multiply with a clear exception, and a kernel chosen where it does not
     apply (wgmma_tf32x3 at "high", or on rows not contiguous in k) names why; nothing runs."""

@@ -927,12 +927,8 @@ at::Tensor position_gemm_grad(const std::string& chosen, const at::Tensor& d_row
   trimul::BackwardArgs args = position_gemm_args(trimul::BackwardPass::rows_grad, rows, positions, n, precision);
   args.gemm_d = d_rows.data_ptr<float>();
   args.gemm_ld_d = d_rows.stride(1) == 1 ? d_rows.stride(0) : 0;
-  const int kernel = plan_backward_kernel(trimul::Role::position_gemm, chosen, args);
-  // The default order's rule: a kernel's grid is one block per chunk and 128 x 128 output tile; under half the SMs
-  // (few positions, small outputs) it loses to cuBLAS's split over K, which then takes the call.
-  const int64_t blocks = trimul::position_gemm_grad_chunks(positions) * ((n + 127) / 128) * ((k + 127) / 128);
-  const bool fills = 2 * blocks >= at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  if (kernel < 0 || positions == 0 || n == 0 || k == 0 || (chosen.empty() && !fills)) return at::mm(d_rows.t(), rows);
+  const int kernel = plan_backward_kernel(trimul::Role::position_gemm, chosen, args);  // (dispatch.cu's rules)
+  if (kernel < 0 || positions == 0 || n == 0 || k == 0) return at::mm(d_rows.t(), rows);
   const at::Tensor partials = at::empty({trimul::position_gemm_grad_partial_floats(positions, n, k)}, rows.options());
   const at::Tensor out = at::empty({n, k}, rows.options());
   args.gemm_partials = partials.data_ptr<float>();

@@ -128,6 +128,20 @@ bool torch_contraction_by_default(const ForwardArgs& args, const Format& format)
   return format.ab == Dtype::bf16 && !format.split && args.n >= 256 && args.n <= 1024;
 }
 
+// Whether the default order leaves a weight gradient (position_gemm's rows_grad) to the cuBLAS baseline: the
+// kernels' grid is one block per position chunk and 128 x 128 output tile, and where it would fill under half
+// the SMs (few positions, small outputs) cuBLAS's split over K measured faster (bench/NOTES.md).
+bool torch_weight_gradient_by_default(const BackwardArgs& args) {
+  if (args.pass != BackwardPass::rows_grad) return false;
+  const int64_t blocks =
+      position_gemm_grad_chunks(args.gemm_m) * ((args.gemm_n + 127) / 128) * ((args.gemm_k + 127) / 128);
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return false;  // (the kernel's launch then reports the device's error)
+  return 2 * blocks < sms;
+}
+
 Precision contraction_precision(Mode mode) {
   switch (mode) {
     case Mode::highest: return Precision::highest;
@@ -415,10 +429,11 @@ PlanStatus plan_backward(Role role, const BackwardArgs* args, const char* chosen
   const Library& lib = library();
   const int pick = chosen_kernel(role, chosen, message, size);
   if (pick == -2) return PlanStatus::invalid;
+  const bool torch_first = pick < 0 && role == Role::position_gemm && torch_weight_gradient_by_default(*args);
   const PlanStatus status = pick_in_order(role, pick, [&](int index) {
     const Implementation* impl = lib.implementation[index];
     return lib.kernels[index].torch ||
-           (impl != nullptr && impl->backward_launch != nullptr && impl->backward_applies(*args));
+           (!torch_first && impl != nullptr && impl->backward_launch != nullptr && impl->backward_applies(*args));
   }, kernel);
   if (status == PlanStatus::ok && lib.kernels[*kernel].torch) *kernel = -1;
   if (status == PlanStatus::not_applies)  // (position_gemm's sizes are its product's K and N, in c and h)
