@@ -679,7 +679,8 @@ def trainable_cueq(ref, dtype):
 
 
 BACKWARD_CONTENDERS = "ref-eager,ref-compile,ref-autocast,cueq-bf16,cueq-fp32,new,new-bf16,new-autocast"
-BACKWARD_OPTIONAL = "new-compile,new-frozen"  # (named only: a compile per shape and precision; a use case's row)
+# (named only: a compile per shape and precision; use cases' rows)
+BACKWARD_OPTIONAL = "new-compile,new-frozen,new-bf16-checkpoint"
 
 
 def backward_contenders(args):
@@ -720,6 +721,9 @@ def new_training_contenders(args, kernels):
     if "new-autocast" in args.contenders:
         found.append(TrainingContender(f"new-autocast{tag}", lambda ref: trainable_module(
             make_model_new(ref, kernels), autocast=True), "bfloat16"))
+    if "new-bf16-checkpoint" in args.contenders:  # (as models train long crops: a layer per checkpoint)
+        found.append(TrainingContender(f"new-bf16-checkpoint{tag}", lambda ref: checkpointed_trainable(
+            make_model_new(ref, kernels).to(bf16)), "bfloat16", dtype=bf16))
     if "new-frozen" in args.contenders:
         for precision in args.precision:
             found.append(TrainingContender(f"new-frozen-{precision}{tag}", lambda ref, p=precision: frozen_trainable(
@@ -730,6 +734,13 @@ def new_training_contenders(args, kernels):
             found.append(TrainingContender(f"new-compile-{precision}{tag}", lambda ref, p=precision:
                                            compiled_trainable(make_model_new(ref, kernels, precision=p)), precision))
     return found
+
+
+def checkpointed_trainable(module):
+    """trainable_module of module under torch.utils.checkpoint (non-reentrant): the forward again in the
+    backward."""
+    return trainable_module(module, lambda pair, mask: torch.utils.checkpoint.checkpoint(module, pair, mask,
+                                                                                         use_reentrant=False))
 
 
 def compiled_trainable(module):
@@ -1025,7 +1036,8 @@ def main(argv=None) -> int:
                              "imports; new: one row per --precision; new-bf16: bf16 parameters and inputs; "
                              "new-autocast: under bf16 autocast; new-compile: torch.compile(ModelNew), one row per "
                              "--precision; new-frozen: ModelNew with frozen parameters (d pair_repr only), one row "
-                             "per --precision; default: all but new-compile and new-frozen)")
+                             "per --precision; new-bf16-checkpoint: new-bf16 under torch.utils.checkpoint; default: "
+                             "all but new-compile, new-frozen and new-bf16-checkpoint)")
     parser.add_argument("--precision", default="highest",
                         help="ModelNew's fp32 precisions, comma-separated (PyTorch's matmul-precision "
                              "names: highest, high, medium)")

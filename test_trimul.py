@@ -522,6 +522,8 @@ def test_bench_frozen_rows_check_d_pair_only():
     args = types.SimpleNamespace(contenders={"new-frozen"}, precision=["medium", "highest"], kernels=None)
     assert [c.name for c in bench.backward_contenders(args)] == ["new-frozen-medium", "new-frozen-highest"]
     assert "new-frozen" not in bench.BACKWARD_CONTENDERS.split(",")
+    args.contenders = {"new-bf16-checkpoint"}
+    assert [c.name for c in bench.backward_contenders(args)] == ["new-bf16-checkpoint"]
     ref, pair, mask = bench.seeded_case((1, 9, 16, 12), types.SimpleNamespace(direction="outgoing",
                                                                               gate_input="normalized"),
                                         fresh_seed(), device="cpu")
@@ -2392,27 +2394,41 @@ def test_training_with_saved_z(precision, direction, n, pair_dim, monkeypatch):
 
 
 @cuda
-def test_checkpointed_training_keeps_nothing_in_its_first_forward(monkeypatch):
-    """Under torch.utils.checkpoint (non-reentrant) the first forward keeps no z or a/b on the autograd context
-    (its saved-tensor hooks would not see them: checkpointing would hold them anyway); nor does the recompute
-    inside the backward (it runs under checkpoint's recomputation hooks, and its autograd context is dropped:
-    the backward runs the first forward's nodes, which recompute z); the gradients equal the unchecked step's
-    within the precision's reach."""
-    g = torch.Generator().manual_seed(fresh_seed())
-    model = random_layers(ti.ModelNew(32, 24, gate_input="normalized"), g).cuda()
-    pair, mask = random_inputs(2, 257, 32, g, dtype=torch.float32, device="cuda")  # (132098 positions)
-    kept = []
-    original = ti._trimul_forward
-    monkeypatch.setattr(ti, "_trimul_forward", lambda *a, **k: kept.append(k.get("keep_z")) or original(*a, **k))
-    grads = []
-    for checkpointed in (False, True):
+@pytest.mark.parametrize("precision", ["medium", "highest"])
+def test_checkpointed_training_hands_the_recomputed_buffers_to_the_backward(precision, monkeypatch):
+    """Under torch.utils.checkpoint (non-reentrant) the kept buffers are saved tensors: the first forward keeps
+    only checkpoint's placeholders (what it leaves allocated is the output alone, nothing of z), the recompute
+    inside the backward hands z (in bf16 also the a/b planes and x_hat) to the backward, which skips their
+    recompute: the same gradients, bit for bit, as the unchecked step's. Under other saved-tensor hooks
+    (save_on_cpu) nothing is kept, and the backward recomputes."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = random_layers(ti.ModelNew(32, 24, gate_input="normalized", precision=precision), g).cuda()
+    pair, mask = random_inputs(2, 257, 32, g, dtype=torch.float32, device="cuda")  # (132098 positions: not graphed)
+    handed = []
+    original = ti.training_backward
+    monkeypatch.setattr(ti, "training_backward", lambda *a, **k: handed.append(
+        [t is not None for t in k["saved"]]) or original(*a, **k))
+    runs = {"plain": lambda leaf: model(leaf, mask),
+            "checkpoint": lambda leaf: torch.utils.checkpoint.checkpoint(model, leaf, mask, use_reentrant=False)}
+    grads, left = {}, {}
+    for name, run in [*runs.items(), ("save_on_cpu", runs["plain"])]:
+        model.zero_grad(set_to_none=True)
         leaf = pair.clone().requires_grad_()
-        out = torch.utils.checkpoint.checkpoint(model, leaf, mask, use_reentrant=False) if checkpointed else \
-            model(leaf, mask)
+        before = torch.cuda.memory_allocated()
+        with torch.autograd.graph.save_on_cpu() if name == "save_on_cpu" else contextlib.nullcontext():
+            out = run(leaf)
+        left[name] = torch.cuda.memory_allocated() - before
         out.square().mean().backward()
-        grads.append(leaf.grad)
-    assert kept == [True, False, False]  # (plain forward; checkpoint's first forward; its recompute)
-    assert rel_error(grads[1], grads[0]) < 1e-2
+        grads[name] = [leaf.grad] + [p.grad for p in model.parameters()]
+        del out
+    z_bytes = 2 * 24 * 257 * 257 * (4 if precision == "highest" else 2)
+    out_bytes = pair.numel() * 4
+    assert handed[0][0] and handed[1] == handed[0] and not any(handed[2]), handed
+    assert left["plain"] >= out_bytes + z_bytes and left["checkpoint"] < out_bytes + z_bytes // 4, left
+    for a, b in zip(grads["checkpoint"], grads["plain"]):
+        assert torch.equal(a, b), f"seed {seed}"
+    assert rel_error(grads["save_on_cpu"][0], grads["plain"][0]) < GRAD_TOLERANCE[precision][0], f"seed {seed}"
 
 
 @cuda
@@ -4131,7 +4147,47 @@ def test_backward_saves_rule():
     assert not ti._saves_z(None, False, True, hooked=True) and not ti._saves_z("z", False, True, hooked=True)
     assert not ti._saved_tensor_hooks_active()
     with torch.autograd.graph.save_on_cpu():
-        assert ti._saved_tensor_hooks_active()
+        assert ti._saved_tensor_hooks_active() and not ti._checkpoint_hooks_active()
+    seen = []
+
+    def probe(x):  # (checkpoint's first forward, then its recompute in the backward)
+        seen.append((ti._saved_tensor_hooks_active(), ti._checkpoint_hooks_active()))
+        return x * x
+    torch.utils.checkpoint.checkpoint(probe, torch.ones(2, requires_grad=True), use_reentrant=False).sum().backward()
+    assert seen == [(True, True), (True, True)]
+
+
+def test_checkpointed_saved_buffers_reach_the_backward_on_cpu(monkeypatch):
+    """The kept-buffer list travels through checkpoint's saved tensors (the first forward's placeholders, the
+    recompute's tensors) to the backward, in its order, Nones included; the gradients are autograd's of the
+    reference. (On the CPU the buffers are stand-ins: the forward there makes none.)"""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = random_layers(ti.Model(12, 20, "outgoing", "normalized").double(), g)
+    pair, mask = random_inputs(2, 7, 12, g)
+    grad_out = torch.randn(pair.shape, generator=g, dtype=torch.float64)
+    _, ref = _gradients(model, pair, mask, grad_out)
+    params = ti._param_list(model)
+    options = ("auto", "highest", False, True, 1e-5, 1e-5)
+    forward = ti._trimul_forward
+    stand_in = lambda *a, **k: (forward(*a, **k)[0], pair.new_full((3,), 2.0), None, pair.new_ones(4), None)  # noqa
+    monkeypatch.setattr(ti, "_trimul_forward", stand_in)
+    handed, backward = [], ti.training_backward
+
+    def take(*args, saved, **kwargs):
+        handed.append([None if t is None else t.tolist() for t in saved])
+        return backward(*args, saved=[None] * 4, **kwargs)
+    monkeypatch.setattr(ti, "training_backward", take)
+
+    def eager(pair_repr, pair_mask):
+        return ti._TrimulFunction.apply(pair_repr, pair_mask, [], *options, True, False, *params)
+    for checkpointed in (False, True):
+        run = (lambda p, m: torch.utils.checkpoint.checkpoint(eager, p, m, use_reentrant=False)) if checkpointed \
+            else eager
+        _, got = _gradients(run, pair, mask, grad_out, params=dict(model.named_parameters()))
+        for name, grad in ref.items():
+            assert _grad_error(got[name], grad) < 1e-12, f"{name} (seed {seed})"
+    assert handed == [[[2.0] * 3, None, [1.0] * 4, None]] * 2, handed
 
 
 def test_backward_saves_is_checked():

@@ -1633,11 +1633,12 @@ LEAN_BACKWARD_POSITIONS = 1 << 22
 
 def _saves_z(choice: Optional[str], graphed: bool, cuda: bool, hooked: bool = False) -> bool:
     """Whether the eager training forward keeps z (the backward_saves rule above); graphed: its backward would replay
-    a graph (_graphs_backward). hooked: saved-tensor hooks are
-    active (torch.utils.checkpoint's first forward, save_on_cpu): the kept buffers live on the autograd context,
-    outside what such hooks see, so nothing is kept and the backward recomputes (a reentrant checkpoint's
-    recompute runs with no hooks and its backward uses what it keeps; a non-reentrant one's recompute runs under
-    checkpoint's own hooks and keeps nothing either, as its backward runs the first forward's nodes)."""
+    a graph (_graphs_backward). hooked: saved-tensor hooks other than torch.utils.checkpoint's are active
+    (save_on_cpu, a user's): the kept buffers (several times the pair's bytes) would be theirs to move, so nothing
+    is kept and the backward recomputes. Under a non-reentrant checkpoint the buffers are saved tensors
+    (_TrimulFunction): its first forward keeps a placeholder for each, its recompute in the backward hands them to
+    the first forward's node, whose backward then skips their recompute; a reentrant checkpoint's recompute runs
+    with no hooks and its backward uses what it keeps."""
     if hooked:
         return False
     if choice is not None:
@@ -1647,8 +1648,20 @@ def _saves_z(choice: Optional[str], graphed: bool, cuda: bool, hooked: bool = Fa
 
 def _saved_tensor_hooks_active() -> bool:
     """Whether saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks) are in effect now."""
+    return _top_saved_tensor_hooks() is not None
+
+
+def _checkpoint_hooks_active() -> bool:
+    """Whether the saved-tensor hooks in effect are torch.utils.checkpoint's own (non-reentrant: its first
+    forward's and its recompute's, the same answer for both, so both save the same tensors)."""
+    hooks = _top_saved_tensor_hooks()
+    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
+
+
+def _top_saved_tensor_hooks():
+    """(pack, unpack) of the innermost saved-tensor hooks in effect, or None."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is not None and top(False) is not None
+    return None if top is None else top(False)
 
 
 def _runs_lean(choice: Optional[str], positions: int) -> bool:
@@ -2046,18 +2059,21 @@ class _TrimulFunction(torch.autograd.Function):
     of a small training step). torch.compile traces the op, opcheck checks it, and tests hold the two to equal
     gradients. apply(pair, mask, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out, keep_z,
     lean, *params); keep_z: the forward's z planes kept for the backward (ModelNew's backward_saves), which then
-    runs lean if `lean` (training_backward)."""
+    runs lean if `lean` (training_backward). The kept buffers are intermediates: on the context, so that the
+    backward can free each after its last use; under torch.utils.checkpoint's hooks saved tensors instead
+    (_saves_z says why)."""
 
     @staticmethod
     def forward(ctx, pair, mask, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out, keep_z, lean,
                 *params):
-        ctx.save_for_backward(pair, mask, *params)
         ctx.options = (kernels, mode, incoming, gate_normalized, eps_in, eps_out)
         ctx.lean = lean
-        out, ctx.z, ab, ctx.x_hat, ctx.x_hat_rstd = _trimul_forward(pair, mask, list(params), weights, kernels, mode,
-                                                                    incoming, gate_normalized, eps_in, eps_out,
-                                                                    keep_z=keep_z)
-        ctx.ab = ab if ctx.z is not None else None
+        out, z, ab, x_hat, x_hat_rstd = _trimul_forward(pair, mask, list(params), weights, kernels, mode, incoming,
+                                                        gate_normalized, eps_in, eps_out, keep_z=keep_z)
+        kept = [z, ab if z is not None else None, x_hat, x_hat_rstd]
+        ctx.kept_saved = keep_z and _checkpoint_hooks_active()
+        ctx.save_for_backward(pair, mask, *params, *(kept if ctx.kept_saved else []))
+        ctx.kept = None if ctx.kept_saved else kept
         return out
 
     @staticmethod
@@ -2066,9 +2082,11 @@ class _TrimulFunction(torch.autograd.Function):
         pair, mask, *params = ctx.saved_tensors
         kernels, *options = ctx.options
         wanted = ctx.needs_input_grad
-        # (intermediates, not inputs or outputs: kept on ctx, handed over so that each is freed once used)
-        saved, lean = [ctx.z, ctx.ab, ctx.x_hat, ctx.x_hat_rstd], ctx.z is not None and ctx.lean
-        ctx.z = ctx.ab = ctx.x_hat = ctx.x_hat_rstd = None
+        # (intermediates, not inputs or outputs: handed over so that each is freed once used; checkpoint's
+        # recompute held them only until unpacked)
+        saved = params[-4:] if ctx.kept_saved else ctx.kept
+        params, ctx.kept = params[:16], None
+        lean = saved[0] is not None and ctx.lean
         d_pair, d_mask, *d_params = training_backward(grad_out.contiguous(), pair, mask, params,
                                                       parse_kernels(kernels), *options, bool(wanted[1]),
                                                       saved=saved, lean=lean, pair_grad=bool(wanted[0]),
@@ -2406,7 +2424,7 @@ class ModelNew(_TriMulLayers):
             params = _with_zero_biases(_param_list(self))
             return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values)
         keep_z = _saves_z(self.backward_saves, _graphs_backward(pair_repr, mode), pair_repr.is_cuda,
-                          _saved_tensor_hooks_active())
+                          _saved_tensor_hooks_active() and not _checkpoint_hooks_active())
         lean = _runs_lean(self.backward_saves, pair_repr.shape[0] * pair_repr.shape[1] * pair_repr.shape[2])
         try:
             return _TrimulFunction.apply(pair_repr, pair_mask, self._prepared_weights(mode), str(kernels), *values,
