@@ -3712,8 +3712,8 @@ def test_position_gemm_grad_default_leaves_small_grids_to_cublas():
             cublas = torch.mm(d_rows.t(), rows)
             default = grad("", d_rows, rows, highest)
         expected = cublas if 2 * blocks < sms else grad(first, d_rows, rows, highest)
-        assert torch.equal(default, expected), (chunks, n, k, blocks, sms)
-        assert rel_error(default, cublas) < 1e-6
+        assert torch.equal(default, expected), (chunks, n, k, blocks, sms, rel_error(default, expected))
+        assert rel_error(default, d_rows.double().t() @ rows.double()) < 1e-5
 
 
 @HOPPER
