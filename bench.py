@@ -656,7 +656,7 @@ def frozen_trainable(module):
     through, as in fine-tuning around it or design by gradient): only d pair_repr is made and checked."""
     for p in module.parameters():
         p.requires_grad_(False)
-    return Trainable(module, [], dict, frozenset({"pair_repr"}))
+    return Trainable(module, [], lambda: {}, frozenset({"pair_repr"}))
 
 
 def cueq_gradients(leaves):

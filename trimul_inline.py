@@ -2084,8 +2084,9 @@ class _TrimulFunction(torch.autograd.Function):
         wanted = ctx.needs_input_grad
         # (intermediates, not inputs or outputs: handed over so that each is freed once used; checkpoint's
         # recompute held them only until unpacked)
-        saved = params[-4:] if ctx.kept_saved else ctx.kept
-        params, ctx.kept = params[:16], None
+        saved = params[16:] if ctx.kept_saved else ctx.kept  # (saved tensors: after the 16 parameters)
+        del params[16:]
+        ctx.kept = None
         lean = saved[0] is not None and ctx.lean
         d_pair, d_mask, *d_params = training_backward(grad_out.contiguous(), pair, mask, params,
                                                       parse_kernels(kernels), *options, bool(wanted[1]),

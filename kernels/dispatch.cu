@@ -1,6 +1,7 @@
 // dispatch.cu — the registry on the C++ side (host code only): registry.def's entries matched to the
 // kernels the kernel files register, each role's default order, a forward's plan (which kernel of each
 // role, and the contraction operands' format) and the library's entry point, trimul_kernel_library().
+#include "common.cuh"
 #include "registry.cuh"
 
 #include <algorithm>
@@ -134,12 +135,8 @@ bool torch_contraction_by_default(const ForwardArgs& args, const Format& format)
 bool torch_weight_gradient_by_default(const BackwardArgs& args) {
   if (args.pass != BackwardPass::rows_grad) return false;
   const int64_t blocks =
-      position_gemm_grad_chunks(args.gemm_m) * ((args.gemm_n + 127) / 128) * ((args.gemm_k + 127) / 128);
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return false;  // (the kernel's launch then reports the device's error)
-  return 2 * blocks < sms;
+      position_gemm_grad_chunks(args.gemm_m) * ceil_div(args.gemm_n, 128) * ceil_div(args.gemm_k, 128);
+  return 2 * blocks < sm_count();  // (0 where the device cannot be read: the kernel's launch then reports it)
 }
 
 Precision contraction_precision(Mode mode) {
