@@ -3860,7 +3860,7 @@ def test_eager_training_function_equals_the_op(direction, mask_dtype):
     options = ("auto", "bf16", direction == "incoming", True, 1e-5, 1e-5)
     weights = ti.prepare_weights(params, "bf16")
     runs = []
-    for fn in (lambda p, m: ti.trimul(p, m, params, weights, *options),
+    for fn in (lambda p, m: ti.trimul(p, m, params, weights, *options)[0],
                lambda p, m: ti._TrimulFunction.apply(p, m, weights, *options, False, False, *params)):
         runs.append(_gradients(fn, pair, mask, grad_out, params=dict(model.named_parameters())))
     assert torch.equal(runs[0][0], runs[1][0])
@@ -3918,6 +3918,30 @@ def test_training_under_torch_compile_fullgraph(precision):
     tolerance = 1e-6 if precision == "highest" else 1e-2
     for name in eager:
         assert rel_error(traced[name], eager[name]) < tolerance, name
+
+
+@cuda
+def test_compiled_training_keeps_what_the_eager_step_keeps():
+    """Under torch.compile(fullgraph=True), past the graphed backward's sizes, the op keeps z, the a/b planes and
+    x_hat as its outputs (saved tensors of the traced graph), as the eager step keeps them: its backward skips
+    their recompute (no gated_planes launch; with backward_saves="inputs", the control, it runs) and gives the
+    eager step's gradients."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(128, 128, gate_input="normalized", precision="medium"), g).cuda()
+    pair, mask = random_inputs(1, 368, 128, g, dtype=torch.float32, device="cuda")
+    assert not ti._graphs_backward(pair, "bf16")
+    grad_out = torch.randn_like(pair)
+    _, eager = _gradients(model, pair, mask, grad_out)
+    for saves, recomputes in ((None, False), ("inputs", True)):
+        model.backward_saves = saves
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True)
+        _gradients(compiled, pair, mask, grad_out)  # (compiles)
+        traced = []
+        names = _cuda_kernels_launched(lambda: traced.append(_gradients(compiled, pair, mask, grad_out)[1]))
+        assert any("gated_planes_kernel" in k for k in names) == recomputes, (saves, names)
+        for name in eager:
+            assert rel_error(traced[0][name], eager[name]) < (1e-6 if saves is None else 1e-2), (saves, name)
 
 
 @cuda
@@ -4031,7 +4055,7 @@ def test_second_derivatives_raise_instead_of_coming_out_partial():
     pair, mask = random_inputs(2, 7, 12, g)
     params = ti._param_list(model)
     options = ("auto", "highest", False, True, 1e-5, 1e-5)
-    for call in (lambda p: ti.trimul(p, mask, params, [], *options),
+    for call in (lambda p: ti.trimul(p, mask, params, [], *options)[0],
                  lambda p: ti._TrimulFunction.apply(p, mask, [], *options, False, False, *params)):
         pair_repr = pair.clone().requires_grad_()
         (d_pair,) = torch.autograd.grad(call(pair_repr).square().sum(), pair_repr, create_graph=True)
@@ -4055,13 +4079,20 @@ def test_training_op_on_cpu_matches_autograd_and_passes_opcheck(direction, mask_
     options = ("auto", "highest", direction == "incoming", True, 1e-5, 1e-5)
 
     def call(pair_repr, pair_mask):
-        return ti.trimul(pair_repr, pair_mask, params, [], *options)
+        return ti.trimul(pair_repr, pair_mask, params, [], *options)[0]
+
+    def keeping(pair_repr, pair_mask):  # (off CUDA nothing is kept: the four empty, the backward recomputes)
+        return ti.trimul(pair_repr, pair_mask, params, [], *options, True, True)[0]
+
+    kept = ti.trimul(pair.detach().requires_grad_(), mask, params, [], *options, True, True)[1:]
+    assert [t.numel() for t in kept] == [0] * 4 and not any(t.requires_grad for t in kept)
 
     def eager(pair_repr, pair_mask):  # (what ModelNew runs outside torch.compile: the same steps, no dispatcher)
         return ti._TrimulFunction.apply(pair_repr, pair_mask, [], *options, False, False, *params)
 
     results = []
-    for fn in (call, torch.compile(call, fullgraph=True, backend="aot_eager"), eager):
+    for fn in (call, torch.compile(call, fullgraph=True, backend="aot_eager"), eager, keeping,
+               torch.compile(keeping, fullgraph=True, backend="aot_eager")):
         _, got = _gradients(fn, pair, mask, grad_out, params=dict(model.named_parameters()))
         results.append(got)
         for name, grad in ref.items():
@@ -4070,6 +4101,7 @@ def test_training_op_on_cpu_matches_autograd_and_passes_opcheck(direction, mask_
         assert torch.equal(results[0][name], results[2][name]), name
     pair.requires_grad_()
     torch.library.opcheck(ti.trimul, (pair, mask.requires_grad_(mask.is_floating_point()), params, [], *options))
+    torch.library.opcheck(ti.trimul, (pair, mask, params, [], *options, True, True))  # (kept: sizes known at run time)
 
 
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
@@ -4101,6 +4133,14 @@ def test_backward_with_saved_z_and_lean_equals_the_plain_steps_on_cpu(direction)
     kept = [padded.clone(), ab.clone(), x_hat.clone(), rstd.clone()]
     handed = ti.training_backward(*args, lean=True, saved=kept)  # (the call takes the buffers: the list emptied)
     assert kept == []
+    flat = [t.clone().reshape(-1) for t in (padded, ab, x_hat, rstd)]  # (the op trimul's kept outputs)
+    by_op = ti.trimul_backward(grad_out, pair, mask, params, "auto", "highest", direction == "incoming", True, 1e-5,
+                               1e-5, False, True, True, *flat, True)
+    assert by_op[1].numel() == 0 and all(rel_error(got, expected) < 1e-12
+                                         for got, expected in zip(by_op[:1] + by_op[2:], plain[:1] + plain[2:]))
+    torch.library.opcheck(ti.trimul_backward, (grad_out, pair, mask, params, "auto", "highest",
+                                               direction == "incoming", True, 1e-5, 1e-5, False, True, True, *flat,
+                                               True))
     with pytest.raises(ValueError, match="saved list"):
         ti.training_backward(*args, lean=True, saved=[padded.clone(), ab.clone(), x_hat.clone()])
     with_ab = ti.training_backward(*args, saved_z=padded, lean=True, saved_ab=ab)
@@ -4348,7 +4388,7 @@ def test_frozen_or_first_layer_gets_only_its_gradients_on_cpu(wanted, gate_input
                         staticmethod(lambda *a, **k: calls.update(["d_pair"]) or d_pair(*a, **k)))
 
     def op(pair_repr, pair_mask):
-        return ti.trimul(pair_repr, pair_mask, params, [], *options)
+        return ti.trimul(pair_repr, pair_mask, params, [], *options)[0]
 
     def eager(pair_repr, pair_mask):
         return ti._TrimulFunction.apply(pair_repr, pair_mask, [], *options, False, False, *params)
@@ -4853,7 +4893,7 @@ def test_bias_false_has_no_bias_parameters_and_matches_the_reference():
         assert rel_error(new(pair, mask), reference(pair, mask)) < 1e-12
     params = ti._with_zero_biases(ti._param_list(reference))
     assert all(p is not None for p in params)
-    out = ti.trimul(pair, mask.double(), params, [], "auto", "highest", True, True, 1e-5, 1e-5)
+    out = ti.trimul(pair, mask.double(), params, [], "auto", "highest", True, True, 1e-5, 1e-5)[0]
     assert rel_error(out, reference(pair, mask)) < 1e-12, f"seed {seed}"
 
 

@@ -2011,30 +2011,56 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
 
 @torch.library.custom_op("trimul_inline::trimul", mutates_args=())
 def trimul(pair: torch.Tensor, mask: torch.Tensor, params: list[torch.Tensor], weights: list[torch.Tensor],
-           kernels: str, mode: str, incoming: bool, gate_normalized: bool, eps_in: float, eps_out: float) -> torch.Tensor:
+           kernels: str, mode: str, incoming: bool, gate_normalized: bool, eps_in: float, eps_out: float,
+           keep: bool = False, lean: bool = False) -> list[torch.Tensor]:
     """The fused forward with a backward (register_autograd): params are the 16 parameters (_PARAM_PATHS order,
     what the gradients are for), weights their prepare_weights layout (what the forward reads); kernels a
-    Kernels string ("auto", "role=name,...")."""
-    return _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out)
+    Kernels string ("auto", "role=name,..."). Returns [out, z, a/b, x_hat, x_hat's rstd]: out the layer's output,
+    the other four what the forward keeps for the backward where `keep` (ModelNew's backward_saves; else and
+    where the forward cannot keep one: empty), flat (_kept_views gives their shapes back; their sizes depend on
+    the plan, so the fake gives them sizes known only at run time) and not differentiable; the backward then
+    runs lean if `lean` (training_backward)."""
+    out, *kept = _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_normalized, eps_in,
+                                 eps_out, keep_z=keep)
+    return [out] + [pair.new_empty((0,), dtype=dtype) if t is None or t.dtype != dtype else t.reshape(-1)
+                    for t, dtype in zip(kept, _kept_dtypes(mode, pair))]
+
+
+def _kept_dtypes(mode: str, pair: torch.Tensor) -> list[torch.dtype]:
+    """The dtypes of what a training forward keeps (_trimul_forward): z and a/b in the backward's operand dtype,
+    x_hat bf16, its rstd fp32."""
+    operand = _backward_dtype(mode, pair)
+    return [operand, operand, torch.bfloat16, torch.float32]
+
+
+def _kept_views(kept: list[torch.Tensor], pair: torch.Tensor, hidden: int) -> list[Optional[torch.Tensor]]:
+    """trimul's flat kept buffers as training_backward's `saved` list: z [B*H, N, ldz], a/b [2, B*H, N, ld],
+    x_hat [B*N*N, C], its rstd [B*N*N]; None for each not kept (a/b and rstd only with z and x_hat)."""
+    batch, n = pair.shape[0], pair.shape[1]
+    z, ab, x_hat, rstd = (t if t.numel() else None for t in kept)
+    z = None if z is None else z.view(batch * hidden, n, -1)
+    ab = None if ab is None or z is None else ab.view(2, batch * hidden, n, -1)
+    x_hat = None if x_hat is None else x_hat.view(batch * n * n, -1)
+    return [z, ab, x_hat, None if x_hat is None else rstd]
 
 
 def _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
-                    keep_z=None):
-    """trimul's forward, for the op and for _TrimulFunction. keep_z (True / False; None for the op): return
-    (out, z, ab, x_hat, x_hat_rstd), z the forward's planes [B*H, N, ldz] where they can stand in for the backward's
+                    keep_z: bool):
+    """trimul's forward, for the op and for _TrimulFunction: (out, z, ab, x_hat, x_hat_rstd), the last four None
+    unless keep_z: z the forward's planes [B*H, N, ldz] where they can stand in for the backward's
     recomputed ones (the fused steps write z in the backward's operand dtype; else None), ab its a/b planes
     [2, B*H, N, ld] where they can (whole values in the operand dtype: the 16-bit modes; else None), x_hat
     LayerNorm_in's rows [B*N*N, C] where the input kernel wrote them in the operand dtype (bf16; else None),
     x_hat_rstd their rstd [B*N*N] fp32 (with x_hat)."""
     if not pair.is_cuda:  # (the op runs anywhere: off CUDA it is the reference computation)
         out = _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in, eps_out)
-        return out if keep_z is None else (out, None, None, None, None)
+        return out, None, None, None, None
     chosen = parse_kernels(kernels)
     hidden = params[2].shape[0]
     if not keep_z:
         out = _run_fused_forward(pair, mask, weights, chosen[:len(FORWARD_ROLES)], mode, incoming, gate_normalized,
                                  eps_in, eps_out, hidden)
-        return out if keep_z is None else (out, None, None, None, None)
+        return out, None, None, None, None
     options = _forward_options(chosen[:len(FORWARD_ROLES)], mode, incoming, gate_normalized, eps_in, eps_out, hidden)
     steps = ForwardSteps(pair, mask, weights, options, mode)
     operand = _backward_dtype(mode, pair)
@@ -2126,26 +2152,33 @@ def _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in,
 
 
 @trimul.register_fake
-def _trimul_fake(pair, mask, params, weights, *options):
-    return torch.empty_like(pair, memory_format=torch.contiguous_format)
+def _trimul_fake(pair, mask, params, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out, keep=False,
+                 lean=False):
+    out = torch.empty_like(pair, memory_format=torch.contiguous_format)
+    sizes = [torch.library.get_ctx().new_dynamic_size() if keep else 0 for _ in range(4)]
+    return [out] + [pair.new_empty((size,), dtype=dtype) for size, dtype in zip(sizes, _kept_dtypes(mode, pair))]
 
 
 def _trimul_setup_context(ctx, inputs, output):
     pair, mask, params, weights, *options = inputs
-    ctx.save_for_backward(pair, mask, *params)
-    ctx.options = options
+    ctx.save_for_backward(pair, mask, *params, *output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.options = options[:6]
+    ctx.lean = options[7] if len(options) > 7 else False
     ctx.weight_count = len(weights)
 
 
-def _trimul_backward(ctx, grad_out):
+def _trimul_backward(ctx, grads):
     pair, mask, *params = ctx.saved_tensors
+    kept = params[16:]
+    del params[16:]
     wanted = ctx.needs_input_grad
     mask_grad = bool(wanted[1])
-    d_pair, d_mask, *d_params = trimul_backward(grad_out.contiguous(), pair, mask, params, *ctx.options, mask_grad,
-                                                bool(wanted[0]), any(wanted[2]))
+    d_pair, d_mask, *d_params = trimul_backward(grads[0].contiguous(), pair, mask, params, *ctx.options, mask_grad,
+                                                bool(wanted[0]), any(wanted[2]), *kept, ctx.lean)
     return (d_pair if wanted[0] else None, d_mask if mask_grad else None,
             [g if w else None for g, w in zip(d_params, wanted[2])], [None] * ctx.weight_count, None, None, None, None,
-            None, None)
+            None, None, None, None)
 
 
 trimul.register_autograd(_trimul_backward, setup_context=_trimul_setup_context)
@@ -2154,11 +2187,20 @@ trimul.register_autograd(_trimul_backward, setup_context=_trimul_setup_context)
 @torch.library.custom_op("trimul_inline::trimul_backward", mutates_args=())
 def trimul_backward(grad_out: torch.Tensor, pair: torch.Tensor, mask: torch.Tensor, params: list[torch.Tensor],
                     kernels: str, mode: str, incoming: bool, gate_normalized: bool, eps_in: float, eps_out: float,
-                    mask_grad: bool, pair_grad: bool = True, params_grad: bool = True) -> list[torch.Tensor]:
+                    mask_grad: bool, pair_grad: bool = True, params_grad: bool = True,
+                    kept_z: Optional[torch.Tensor] = None, kept_ab: Optional[torch.Tensor] = None,
+                    kept_x_hat: Optional[torch.Tensor] = None, kept_x_hat_rstd: Optional[torch.Tensor] = None,
+                    lean: bool = False) -> list[torch.Tensor]:
     """trimul's backward (training_backward): [d pair, d mask, d params...], each empty where not wanted (d mask
-    unless mask_grad, d pair unless pair_grad, the parameters' unless params_grad: their work skipped)."""
+    unless mask_grad, d pair unless pair_grad, the parameters' unless params_grad: their work skipped). kept_*:
+    trimul's four kept buffers (flat, empty where not kept), read instead of recomputed (not written); lean:
+    as training_backward's, where z is kept."""
+    kept = [kept_z, kept_ab, kept_x_hat, kept_x_hat_rstd]
+    saved = None if any(t is None for t in kept) else _kept_views(kept, pair, params[2].shape[0])
     grads = training_backward(grad_out, pair, mask, params, parse_kernels(kernels), mode, incoming, gate_normalized,
-                              eps_in, eps_out, mask_grad, pair_grad=pair_grad, params_grad=params_grad)
+                              eps_in, eps_out, mask_grad, saved=saved,
+                              lean=lean and saved is not None and saved[0] is not None, pair_grad=pair_grad,
+                              params_grad=params_grad)
     if grads[1] is None:
         grads[1] = mask.new_empty((0,), dtype=_grad_mask_dtype(mask))
     return [t.new_empty((0,)) if g is None else g for g, t in zip(grads, [pair, mask] + list(params))]
@@ -2170,7 +2212,8 @@ def _grad_mask_dtype(mask):
 
 @trimul_backward.register_fake
 def _trimul_backward_fake(grad_out, pair, mask, params, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
-                          mask_grad, pair_grad=True, params_grad=True):
+                          mask_grad, pair_grad=True, params_grad=True, kept_z=None, kept_ab=None, kept_x_hat=None,
+                          kept_x_hat_rstd=None, lean=False):
     d_mask = torch.empty_like(mask) if mask_grad else mask.new_empty((0,), dtype=_grad_mask_dtype(mask))
     d_pair = torch.empty_like(pair, memory_format=torch.contiguous_format) if pair_grad else pair.new_empty((0,))
     return [d_pair, d_mask] + [torch.empty_like(p) if params_grad else p.new_empty((0,)) for p in params]
@@ -2421,12 +2464,14 @@ class ModelNew(_TriMulLayers):
         original = (pair_repr, pair_mask)
         pair_repr, pair_mask = self._fused_inputs(pair_repr, pair_mask)
         values = self._option_values(mode)[:-1]
-        if torch.compiler.is_compiling():
+        lean = _runs_lean(self.backward_saves, pair_repr.shape[0] * pair_repr.shape[1] * pair_repr.shape[2])
+        if torch.compiler.is_compiling():  # (kept buffers as the op's outputs: saved tensors of the traced graph)
             params = _with_zero_biases(_param_list(self))
-            return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values)
+            keep = _saves_z(self.backward_saves, _graphs_backward(pair_repr, mode), pair_repr.is_cuda)
+            return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values, keep,
+                          lean)[0]
         keep_z = _saves_z(self.backward_saves, _graphs_backward(pair_repr, mode), pair_repr.is_cuda,
                           _saved_tensor_hooks_active() and not _checkpoint_hooks_active())
-        lean = _runs_lean(self.backward_saves, pair_repr.shape[0] * pair_repr.shape[1] * pair_repr.shape[2])
         try:
             return _TrimulFunction.apply(pair_repr, pair_mask, self._prepared_weights(mode), str(kernels), *values,
                                          keep_z, lean, *_with_zero_biases(_param_list_eager(self)))

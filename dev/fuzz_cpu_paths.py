@@ -58,7 +58,7 @@ def backward_case(rng, g):
     _, expected = t._gradients(model, pair, mask, grad_out)
     params = ti._with_zero_biases(ti._param_list(model))
     options = ("auto", "highest", direction == "incoming", gate == "normalized", 1e-5, 1e-5)
-    forms = (lambda p, m: ti.trimul(p, m, params, [], *options),
+    forms = (lambda p, m: ti.trimul(p, m, params, [], *options)[0],
              lambda p, m: ti._TrimulFunction.apply(p, m, [], *options, False, False, *params))
     worst = 0.0
     for form in forms:
