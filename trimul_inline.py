@@ -2176,9 +2176,9 @@ def _trimul_backward(ctx, grads):
     mask_grad = bool(wanted[1])
     d_pair, d_mask, *d_params = trimul_backward(grads[0].contiguous(), pair, mask, params, *ctx.options, mask_grad,
                                                 bool(wanted[0]), any(wanted[2]), *kept, ctx.lean)
-    return (d_pair if wanted[0] else None, d_mask if mask_grad else None,
-            [g if w else None for g, w in zip(d_params, wanted[2])], [None] * ctx.weight_count, None, None, None, None,
-            None, None, None, None)
+    return ((d_pair if wanted[0] else None, d_mask if mask_grad else None,
+             [g if w else None for g, w in zip(d_params, wanted[2])], [None] * ctx.weight_count) +
+            (None,) * (len(wanted) - 4))  # (one per input passed: the dispatcher drops those equal to defaults)
 
 
 trimul.register_autograd(_trimul_backward, setup_context=_trimul_setup_context)
