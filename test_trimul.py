@@ -3945,6 +3945,25 @@ def test_compiled_training_keeps_what_the_eager_step_keeps():
 
 
 @cuda
+@pytest.mark.parametrize("n", [24, 368])
+def test_training_under_torch_compile_reduce_overhead(n):
+    """torch.compile(mode="reduce-overhead") (inductor's CUDA graphs around the whole step): the graphed backward's
+    size (n = 24: its own graph declines inside the caller's capture) and past it (n = 368: the kept buffers, whose
+    sizes the fake leaves to run time); the third step's gradients equal the eager step's."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(128, 128, gate_input="normalized", precision="medium"), g).cuda()
+    pair, mask = random_inputs(1, n, 128, g, dtype=torch.float32, device="cuda")
+    grad_out = torch.randn_like(pair)
+    _, eager = _gradients(model, pair, mask, grad_out)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):
+        traced = {name: grad.clone() for name, grad in _gradients(compiled, pair, mask, grad_out)[1].items()}
+    for name in eager:
+        assert rel_error(traced[name], eager[name]) < 1e-2, name
+
+
+@cuda
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_training_under_activation_checkpointing(use_reentrant):
     """Gradients through torch.utils.checkpoint bitwise equal the plain step's, in both of its modes: the
