@@ -3945,6 +3945,30 @@ def test_compiled_training_keeps_what_the_eager_step_keeps():
 
 
 @cuda
+def test_training_op_keeping_its_buffers_passes_opcheck():
+    """trimul with keep past the graphed sizes returns z, the a/b planes, x_hat and its rstd (non-empty, flat), and
+    passes opcheck (fake sizes known at run time, autograd registration); trimul_backward reads them without
+    writing them (opcheck's schema check) and gives the gradients of the backward that recomputes them."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(128, 128, gate_input="normalized", precision="medium"), g).cuda()
+    pair, mask = random_inputs(1, 368, 128, g, dtype=torch.float32, device="cuda")
+    params = ti._with_zero_biases(ti._param_list(model))
+    options = ("auto", "bf16", False, True, 1e-5, 1e-5)
+    weights = ti.prepare_weights(params, "bf16")
+    with torch.no_grad():
+        out, *kept = ti.trimul(pair, mask, params, weights, *options, True, False)
+    assert all(t.numel() > 0 and t.dim() == 1 for t in kept), [t.shape for t in kept]
+    torch.library.opcheck(ti.trimul, (pair.requires_grad_(), mask, params, weights, *options, True, False))
+    grad_out = torch.randn_like(pair)
+    detached = (grad_out, pair.detach(), mask, [p.detach() for p in params], *options, False, True, True)
+    torch.library.opcheck(ti.trimul_backward, detached + tuple(kept) + (False,))
+    handed = ti.trimul_backward(*detached, *kept, False)
+    recomputed = ti.trimul_backward(*detached)
+    for got, expected in zip(handed, recomputed):
+        assert got.shape == expected.shape and (got.numel() == 0 or rel_error(got, expected) < 1e-2)
+
+
+@cuda
 @pytest.mark.parametrize("n", [24, 368])
 def test_training_under_torch_compile_reduce_overhead(n):
     """torch.compile(mode="reduce-overhead") (inductor's CUDA graphs around the whole step): the graphed backward's
