@@ -1,0 +1,127 @@
+"""The long forward with its input pass split over the hidden channels, the later parts beside the contraction.
+
+The contraction of planes h needs a and b of those channels at every position, so the input pass can be split by
+channels (each part a ModelNew of hidden H / parts whose projections are rows of the layer's: the same kernels,
+the same products per channel; each part reads the whole pair again) and part p + 1's input pass can run beside
+part p's contraction on a high-priority stream. At N = 8192 the contraction is power-bound (~1.4 GHz), so it may
+lose little to the SMs the input pass takes (dev/overlap_power_probe.py measures that premise alone). Times the
+whole forward's steps, the split steps in sequence and overlapped (median ms of `calls`), and checks that the
+split forward's output equals the whole one's. Built from ForwardSteps only: no kernel changes.
+
+    python dev/split_input_probe.py [--n 8192] [--parts 2,4] [--calls 3]
+"""
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import trimul_inline as ti  # noqa: E402
+
+_CHANNEL_ROWS = ("proj_a", "gate_a", "proj_b", "gate_b")  # (Linears whose output rows are hidden channels)
+
+
+def median_ms(fn, calls: int) -> float:
+    fn()  # (warm-up)
+    times = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def channel_part(model: ti.ModelNew, first: int, count: int) -> ti.ModelNew:
+    """A ModelNew whose input side computes channels [first, first + count) of `model`'s a and b (its output
+    side is unused)."""
+    part = ti.ModelNew(model.pair_dim, count, gate_input=model.gate_input).cuda()
+    with torch.no_grad():
+        part.layer_norm_in.load_state_dict(model.layer_norm_in.state_dict())
+        for name in _CHANNEL_ROWS:
+            getattr(part, name).weight.copy_(getattr(model, name).weight[first:first + count])
+            getattr(part, name).bias.copy_(getattr(model, name).bias[first:first + count])
+    return part
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int, default=8192)
+    parser.add_argument("--parts", default="2,4")
+    parser.add_argument("--calls", type=int, default=3)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = ti.ModelNew(128, 128, gate_input="normalized").cuda()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    pair = torch.randn(1, args.n, args.n, 128, device="cuda", dtype=torch.bfloat16)
+    mask = torch.rand(1, args.n, args.n, device="cuda") > 0.05
+    whole = model.forward_steps(pair, mask)
+    print({role: whole.plan[role] for role in ti.FORWARD_ROLES}, flush=True)
+    z, out = whole.new_z(), whole.new_out()
+    ab = whole.new_ab()
+
+    def forward():
+        whole.input_pass(ab)
+        whole.contraction(ab, z)
+        whole.output_pass(out, z=z, ab=ab)
+
+    times = {"whole forward": median_ms(forward, args.calls),
+             "whole input pass": median_ms(lambda: whole.input_pass(ab), args.calls),
+             "whole contraction": median_ms(lambda: whole.contraction(ab, z), args.calls),
+             "whole output pass": median_ms(lambda: whole.output_pass(out, z=z, ab=ab), args.calls)}
+    for name, ms in times.items():
+        print(f"{name:34s} {ms:8.1f} ms", flush=True)
+    forward()
+    expected = out.clone()
+    del ab
+    torch.cuda.empty_cache()
+    side = torch.cuda.Stream(priority=-1)
+
+    for parts in (int(p) for p in args.parts.split(",")):
+        count = model.hidden_dim // parts
+        steps = [channel_part(model, p * count, count).forward_steps(pair, mask) for p in range(parts)]
+        abs_ = [s.new_ab() for s in steps]
+        zs = [z[p * count:(p + 1) * count] for p in range(parts)]  # (B = 1: channel p's planes are z[p])
+        assert all(tuple(s.plan["z_shape"]) == tuple(zp.shape) for s, zp in zip(steps, zs))
+
+        def in_sequence():
+            for s, ab_p, z_p in zip(steps, abs_, zs):
+                s.input_pass(ab_p)
+                s.contraction(ab_p, z_p)
+            whole.output_pass(out, z=z)
+
+        def overlapped():
+            main = torch.cuda.current_stream()
+            steps[0].input_pass(abs_[0])
+            side.wait_stream(main)
+            ready = []
+            with torch.cuda.stream(side):
+                for s, ab_p in zip(steps[1:], abs_[1:]):
+                    s.input_pass(ab_p)
+                    ready.append(torch.cuda.Event())
+                    ready[-1].record(side)
+            for p, (s, ab_p, z_p) in enumerate(zip(steps, abs_, zs)):
+                if p:
+                    main.wait_event(ready[p - 1])
+                s.contraction(ab_p, z_p)
+            whole.output_pass(out, z=z)
+
+        for name, fn in (("in sequence", in_sequence), ("overlapped", overlapped)):
+            out.fill_(float("nan"))
+            ms = median_ms(fn, args.calls)
+            error = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+            print(f"{parts} parts, {name:22s} {ms:8.1f} ms (output vs the whole forward's: {error:.1e})", flush=True)
+        part_input = median_ms(lambda: steps[0].input_pass(abs_[0]), args.calls)
+        print(f"{parts} parts, one part's input pass {part_input:8.1f} ms", flush=True)
+        del steps, abs_
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
