@@ -11,26 +11,18 @@ the contraction has finished). Median ms of `calls` runs (CUDA events).
 """
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench  # noqa: E402
 import trimul_inline as ti  # noqa: E402
 
 
 def median_ms(fn, calls: int) -> float:
-    fn()  # (warm-up)
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """bench.py's timing (warm-up, CUDA events, median) in ms, at least `calls` timed calls."""
+    return bench.time_cuda(fn, min_reps=calls, budget_s=0.0)[0] / 1e3
 
 
 def main() -> None:

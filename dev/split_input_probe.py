@@ -12,28 +12,20 @@ split forward's output equals the whole one's. Built from ForwardSteps only: no 
 """
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench  # noqa: E402
 import trimul_inline as ti  # noqa: E402
 
 _CHANNEL_ROWS = ("proj_a", "gate_a", "proj_b", "gate_b")  # (Linears whose output rows are hidden channels)
 
 
 def median_ms(fn, calls: int) -> float:
-    fn()  # (warm-up)
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """bench.py's timing (warm-up, CUDA events, median) in ms, at least `calls` timed calls."""
+    return bench.time_cuda(fn, min_reps=calls, budget_s=0.0)[0] / 1e3
 
 
 def channel_part(model: ti.ModelNew, first: int, count: int) -> ti.ModelNew:
