@@ -2027,10 +2027,11 @@ def trimul(pair: torch.Tensor, mask: torch.Tensor, params: list[torch.Tensor], w
 
 
 def _kept_dtypes(mode: str, pair: torch.Tensor) -> list[torch.dtype]:
-    """The dtypes of what a training forward keeps (_trimul_forward): z and a/b in the backward's operand dtype,
-    x_hat bf16, its rstd fp32."""
-    operand = _backward_dtype(mode, pair)
-    return [operand, operand, torch.bfloat16, torch.float32]
+    """The dtypes of what a training forward keeps (_trimul_forward): z, a/b and x_hat in the backward's operand
+    dtype (float64 for a float64 pair, as _training_backward computes; on CUDA x_hat only where that is bf16), its
+    rstd fp32."""
+    operand = torch.float64 if pair.dtype == torch.float64 else _backward_dtype(mode, pair)
+    return [operand, operand, operand, torch.float32]
 
 
 def _kept_views(kept: list[torch.Tensor], pair: torch.Tensor, hidden: int) -> list[Optional[torch.Tensor]]:
@@ -2053,8 +2054,10 @@ def _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_n
     LayerNorm_in's rows [B*N*N, C] where the input kernel wrote them in the operand dtype (bf16; else None),
     x_hat_rstd their rstd [B*N*N] fp32 (with x_hat)."""
     if not pair.is_cuda:  # (the op runs anywhere: off CUDA it is the reference computation)
-        out = _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in, eps_out)
-        return out, None, None, None, None
+        if not keep_z:
+            return _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in, eps_out), \
+                None, None, None, None
+        return _reference_keeping(pair, mask, params, mode, incoming, gate_normalized, eps_in, eps_out)
     chosen = parse_kernels(kernels)
     hidden = params[2].shape[0]
     if not keep_z:
@@ -2120,6 +2123,23 @@ class _TrimulFunction(torch.autograd.Function):
                                                       params_grad=any(wanted[11:]))
         return (d_pair if wanted[0] else None, d_mask if wanted[1] else None) + (None,) * 9 + \
             tuple(g if w else None for g, w in zip(d_params, wanted[11:]))
+
+
+def _reference_keeping(pair, mask, params, mode, incoming, gate_normalized, eps_in, eps_out):
+    """_functional_reference (the same steps, the same output) with what the fused forward keeps, in its layouts
+    and dtypes (_kept_dtypes): z's planes [B*H, N, N], the a/b planes [2, B*H, N, N], LayerNorm_in's rows without
+    the affine [B*N*N, C] and their rstd."""
+    x, a, b = _layers_in(params, pair, mask, eps_in)
+    z = torch.einsum("bkih,bkjh->bijh" if incoming else "bikh,bjkh->bijh", a, b)
+    out = _layers_out(params, z, x if gate_normalized else pair, eps_out)
+    batch, n, _, pair_dim = pair.shape
+    operand, _, _, rstd_dtype = _kept_dtypes(mode, pair)
+    order = (0, 3, 2, 1) if incoming else (0, 3, 1, 2)  # (a_t[b H + h, i, k] = a[b, i, k, h]; incoming a[b, k, i, h])
+    ab = torch.stack([a.permute(order), b.permute(order)]).reshape(2, -1, n, n).to(operand)
+    rows = pair.reshape(-1, pair_dim)
+    rstd = (rows.var(-1, unbiased=False) + eps_in).rsqrt()
+    x_hat = torch.nn.functional.layer_norm(rows, (pair_dim,), eps=eps_in).to(operand)
+    return out, z.permute(0, 3, 1, 2).reshape(-1, n, n).to(operand), ab, x_hat, rstd.to(rstd_dtype)
 
 
 def _layers_in(params, pair, mask, eps_in, cast_mask=False):
