@@ -40,11 +40,52 @@ def channel_part(model: ti.ModelNew, first: int, count: int) -> ti.ModelNew:
     return part
 
 
+def row_blocks(args, whole, ab, z, out, expected, side) -> None:
+    """The whole input pass, then z by row blocks (cuBLAS on the planes' rows) with each finished block's output
+    pass on the high-priority stream beside the next block's product."""
+    n, blocks = args.n, args.row_blocks
+    rows = -(-n // blocks)
+    ranges = [(r * rows, min(n, (r + 1) * rows)) for r in range(blocks)]
+    a_t, b_t = ab[0][:, :, :n], ab[1][:, :, :n]
+
+    def block(r0, r1):
+        torch.bmm(a_t[:, r0:r1], b_t.transpose(1, 2), out=z[:, r0:r1, :n])
+
+    def in_sequence():
+        whole.input_pass(ab)
+        for r0, r1 in ranges:
+            block(r0, r1)
+        for r0, r1 in ranges:
+            whole.output_pass(out, z=z, rows=(r0, r1))
+
+    def overlapped():
+        main = torch.cuda.current_stream()
+        whole.input_pass(ab)
+        side.wait_stream(main)
+        for r0, r1 in ranges:
+            block(r0, r1)
+            done = torch.cuda.Event()
+            done.record(main)
+            side.wait_event(done)
+            with torch.cuda.stream(side):
+                whole.output_pass(out, z=z, rows=(r0, r1))
+        main.wait_stream(side)
+
+    for name, fn in (("row blocks, in sequence", in_sequence), ("row blocks, output beside", overlapped)):
+        out.fill_(float("nan"))
+        ms = median_ms(fn, args.calls)
+        error = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+        print(f"{blocks} {name:30s} {ms:8.1f} ms (output vs the whole forward's: {error:.1e})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=8192)
     parser.add_argument("--parts", default="2,4")
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--row-blocks", type=int, default=0,
+                        help="also z by this many row blocks (cuBLAS), each block's output pass beside the next "
+                             "block's product (needs ForwardSteps.output_pass(rows=...): dev/output_row_ranges.diff)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = ti.ModelNew(128, 128, gate_input="normalized").cuda()
@@ -71,9 +112,11 @@ def main() -> None:
         print(f"{name:34s} {ms:8.1f} ms", flush=True)
     forward()
     expected = out.clone()
+    side = torch.cuda.Stream(priority=-1)
+    if args.row_blocks:
+        row_blocks(args, whole, ab, z, out, expected, side)
     del ab
     torch.cuda.empty_cache()
-    side = torch.cuda.Stream(priority=-1)
 
     for parts in (int(p) for p in args.parts.split(",")):
         count = model.hidden_dim // parts
