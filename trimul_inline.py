@@ -2022,7 +2022,7 @@ def trimul(pair: torch.Tensor, mask: torch.Tensor, params: list[torch.Tensor], w
     runs lean if `lean` (training_backward)."""
     out, *kept = _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_normalized, eps_in,
                                  eps_out, keep_z=keep)
-    return [out] + [pair.new_empty((0,), dtype=dtype) if t is None or t.dtype != dtype else t.reshape(-1)
+    return [out] + [pair.new_empty((0,), dtype=dtype) if t is None else t.reshape(-1)
                     for t, dtype in zip(kept, _kept_dtypes(mode, pair))]
 
 
@@ -2134,12 +2134,10 @@ def _reference_keeping(pair, mask, params, mode, incoming, gate_normalized, eps_
     out = _layers_out(params, z, x if gate_normalized else pair, eps_out)
     batch, n, _, pair_dim = pair.shape
     operand, _, _, rstd_dtype = _kept_dtypes(mode, pair)
-    order = (0, 3, 2, 1) if incoming else (0, 3, 1, 2)  # (a_t[b H + h, i, k] = a[b, i, k, h]; incoming a[b, k, i, h])
-    ab = torch.stack([a.permute(order), b.permute(order)]).reshape(2, -1, n, n).to(operand)
-    rows = pair.reshape(-1, pair_dim)
-    rstd = (rows.var(-1, unbiased=False) + eps_in).rsqrt()
-    x_hat = torch.nn.functional.layer_norm(rows, (pair_dim,), eps=eps_in).to(operand)
-    return out, z.permute(0, 3, 1, 2).reshape(-1, n, n).to(operand), ab, x_hat, rstd.to(rstd_dtype)
+    planes = lambda t, transposed: _planes(t.reshape(-1, t.shape[-1]), batch, n, transposed).to(operand)  # noqa: E731
+    x_hat, rstd = _normalized_rows(pair.reshape(-1, pair_dim), eps_in)
+    return (out, planes(z, False), torch.stack([planes(a, incoming), planes(b, incoming)]), x_hat.to(operand),
+            rstd.reshape(-1).to(rstd_dtype))
 
 
 def _layers_in(params, pair, mask, eps_in, cast_mask=False):
@@ -2485,13 +2483,13 @@ class ModelNew(_TriMulLayers):
         pair_repr, pair_mask = self._fused_inputs(pair_repr, pair_mask)
         values = self._option_values(mode)[:-1]
         lean = _runs_lean(self.backward_saves, pair_repr.shape[0] * pair_repr.shape[1] * pair_repr.shape[2])
-        if torch.compiler.is_compiling():  # (kept buffers as the op's outputs: saved tensors of the traced graph)
-            params = _with_zero_biases(_param_list(self))
-            keep = _saves_z(self.backward_saves, _graphs_backward(pair_repr, mode), pair_repr.is_cuda)
-            return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values, keep,
-                          lean)[0]
+        compiling = torch.compiler.is_compiling()  # (then the hooks are not consulted: DESIGN.md "Saving z")
         keep_z = _saves_z(self.backward_saves, _graphs_backward(pair_repr, mode), pair_repr.is_cuda,
-                          _saved_tensor_hooks_active() and not _checkpoint_hooks_active())
+                          not compiling and _saved_tensor_hooks_active() and not _checkpoint_hooks_active())
+        if compiling:  # (kept buffers as the op's outputs: saved tensors of the traced graph)
+            params = _with_zero_biases(_param_list(self))
+            return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values, keep_z,
+                          lean)[0]
         try:
             return _TrimulFunction.apply(pair_repr, pair_mask, self._prepared_weights(mode), str(kernels), *values,
                                          keep_z, lean, *_with_zero_biases(_param_list_eager(self)))
