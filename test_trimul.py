@@ -4500,10 +4500,11 @@ def test_frozen_or_first_layer_backward_on_the_gpu(precision, gate_input, pair_d
 # ---- other models' layers: bias=False, from_module, replace_modules, from_alphafold_params ------------------
 class _OpenFoldTriMul(torch.nn.Module):
     """Stand-in for OpenFold's / OpenFold3's / Protenix's TriangleMultiplicative update, from the published
-    formulas and parameter names (plain or fused projections; AF3 configurations: no biases)."""
+    formulas and parameter names (plain or fused projections; AF3 configurations: no biases; [*, N, N, C]
+    pairs). outgoing: the `_outgoing` flag the real layers keep (None: none, the class name tells)."""
     incoming = False
 
-    def __init__(self, c_z, c_hidden, bias=True, fused=False):
+    def __init__(self, c_z, c_hidden, bias=True, fused=False, outgoing=None):
         super().__init__()
         linear = lambda i, o: torch.nn.Linear(i, o, bias=bias)  # noqa: E731
         self.layer_norm_in = torch.nn.LayerNorm(c_z)
@@ -4514,9 +4515,12 @@ class _OpenFoldTriMul(torch.nn.Module):
             self.linear_b_p, self.linear_b_g = linear(c_z, c_hidden), linear(c_z, c_hidden)
         self.layer_norm_out = torch.nn.LayerNorm(c_hidden)
         self.linear_z, self.linear_g = linear(c_hidden, c_z), linear(c_z, c_z)
-        self.fused, self.c_hidden = fused, c_hidden
+        self.fused, self.c_z, self.c_hidden = fused, c_z, c_hidden
+        if outgoing is not None:
+            self._outgoing = outgoing
+            self.incoming = not outgoing
 
-    def forward(self, z, mask=None, inplace_safe=False, _add_with_inplace=False, _inplace_chunk_size=256):
+    def update(self, z, mask):
         mask = (z.new_ones(z.shape[:-1]) if mask is None else mask).unsqueeze(-1)
         x = self.layer_norm_in(z)
         if self.fused:
@@ -4525,11 +4529,39 @@ class _OpenFoldTriMul(torch.nn.Module):
         else:
             a = mask * torch.sigmoid(self.linear_a_g(x)) * self.linear_a_p(x)
             b = mask * torch.sigmoid(self.linear_b_g(x)) * self.linear_b_p(x)
-        product = torch.einsum("bkic,bkjc->bijc" if self.incoming else "bikc,bjkc->bijc", a, b)
-        out = torch.sigmoid(self.linear_g(x)) * self.linear_z(self.layer_norm_out(product))
-        if inplace_safe:
-            return z.add_(out) if _add_with_inplace else z.copy_(out)
-        return out
+        product = torch.einsum("...kic,...kjc->...ijc" if self.incoming else "...ikc,...jkc->...ijc", a, b)
+        return torch.sigmoid(self.linear_g(x)) * self.linear_z(self.layer_norm_out(product))
+
+    def forward(self, z, mask=None, inplace_safe=False, _add_with_inplace=False, _inplace_chunk_size=256):
+        out = self.update(z, mask)
+        if not inplace_safe or (self.fused and not _add_with_inplace):  # (the fused layer: z = x, a new tensor)
+            return out
+        return z.add_(out) if _add_with_inplace else z.copy_(out)
+
+
+class _OpenFold3TriMul(_OpenFoldTriMul):
+    """OpenFold3's signature: use_cueq_triangle_kernels (4th) returns the update, superseding inplace_safe."""
+
+    def forward(self, z, mask=None, inplace_safe=False, use_cueq_triangle_kernels=False, _add_with_inplace=False,
+                _inplace_chunk_size=256):
+        if use_cueq_triangle_kernels:
+            return self.update(z, mask)
+        return super().forward(z, mask, inplace_safe, _add_with_inplace, _inplace_chunk_size)
+
+
+class _ProtenixTriMul(_OpenFoldTriMul):
+    """Protenix's signature: triangle_multiplicative="cuequivariance" at c_z = c_hidden returns the update (z +
+    update, a new tensor, with inplace_safe and _add_with_inplace); other values than it and "torch" raise."""
+
+    def forward(self, z, mask=None, inplace_safe=False, _add_with_inplace=False, _inplace_chunk_size=256,
+                triangle_multiplicative="torch"):
+        if triangle_multiplicative == "cuequivariance" and self.c_z == self.c_hidden:
+            out = self.update(z, mask)
+            return out + z if inplace_safe and _add_with_inplace else out
+        if triangle_multiplicative not in ("torch", "cuequivariance"):
+            raise ValueError(f"triangle_multiplicative must be 'cuequivariance' or 'torch', but got "
+                             f"{triangle_multiplicative}")
+        return super().forward(z, mask, inplace_safe, _add_with_inplace, _inplace_chunk_size)
 
 
 class TriangleMultiplicationOutgoing(_OpenFoldTriMul):
@@ -4684,6 +4716,133 @@ def test_replaced_openfold_layer_honours_inplace_arguments():
                 out = holder[0](z, mask, inplace_safe=True, _add_with_inplace=add, _inplace_chunk_size=chunk)
                 assert out is z and rel_error(z, pair + update if add else update) < 1e-12
         assert rel_error(holder[0](pair, None), host(pair, None)) < 1e-12  # (no mask: all ones)
+
+
+def _host_calls(kind):
+    """(args, kwargs) of every call the host's signature allows that this test covers, positional and named."""
+    calls = []
+    for inplace in (False, True):
+        for add in (False, True):
+            if kind == "openfold3":
+                for cueq in (False, True):
+                    calls.append(((inplace, cueq, add), {}))  # (positional: the 4th is use_cueq_triangle_kernels)
+                    calls.append(((), dict(inplace_safe=inplace, use_cueq_triangle_kernels=cueq,
+                                           _add_with_inplace=add, _inplace_chunk_size=3)))
+            elif kind == "protenix":
+                for choice in ("torch", "cuequivariance"):
+                    calls.append(((), dict(inplace_safe=inplace, _add_with_inplace=add,
+                                           triangle_multiplicative=choice)))
+            else:
+                calls.append(((inplace, add), {}))
+    return calls
+
+
+@pytest.mark.parametrize("kind, make", [
+    ("openfold", lambda d: TriangleMultiplicationOutgoing(12, 20, fused=True, outgoing=d == "outgoing")),
+    ("openfold3", lambda d: _OpenFold3TriMul(12, 20, bias=False, outgoing=d == "outgoing")),
+    ("openfold3", lambda d: _OpenFold3TriMul(12, 20, bias=False, fused=True, outgoing=d == "outgoing")),
+    ("protenix", lambda d: _ProtenixTriMul(12, 12, bias=False, outgoing=d == "outgoing")),
+    ("protenix", lambda d: _ProtenixTriMul(8, 16, bias=False, outgoing=d == "outgoing")),  # (c_z != c_hidden)
+], ids=["openfold_fused", "openfold3", "openfold3_fused", "protenix", "protenix_template"])
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+def test_replaced_layers_keep_their_hosts_signatures_and_leading_dims(kind, make, direction):
+    """After replace_modules every call the host's signature allows (OpenFold3's use_cueq_triangle_kernels as
+    its 4th positional argument, Protenix's triangle_multiplicative) returns what the host returns and leaves z
+    as the host leaves it, on pairs [N, N, C] (unbatched inference), [B, N, N, C] and [B, T, N, N, C] (template
+    stacks); the direction from the layers' _outgoing flag (the class name says none)."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    host = _randomized(make(direction), g)
+    holder = torch.nn.Sequential(copy.deepcopy(host))
+    assert ti.replace_modules(holder) == 1
+    layer = holder[0]
+    assert layer.model_new.direction == direction and layer._outgoing == (direction == "outgoing")
+    assert layer.c_z == host.c_z and layer.c_hidden == host.c_hidden  # (the host's plain attributes kept)
+    for lead in ((), (2,), (2, 2)):
+        pair, mask = random_inputs(int(torch.tensor(lead).prod()), 7, host.c_z, g, mask_dtype=torch.float64)
+        pair, mask = pair.reshape(lead + pair.shape[1:]), mask.reshape(lead + mask.shape[1:])
+        for args, kwargs in _host_calls(kind):
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                z_host, z_ours = pair.clone(), pair.clone()
+                expected = host(z_host, mask, *args, **kwargs)
+                got = layer(z_ours, mask, *args, **kwargs)
+            what = f"{kind} {lead} {args} {kwargs} (seed {seed})"
+            assert (got is z_ours) == (expected is z_host), what
+            assert rel_error(got, expected) < 1e-12 and rel_error(z_ours, z_host) < 1e-12, what
+    with pytest.raises(TypeError, match="unexpected keyword argument 'chunk'"):
+        layer(pair, mask, chunk=4)
+
+
+def test_replaced_layer_in_place_on_a_pair_with_no_batched_view():
+    """inplace_safe on a pair whose leading dims have no [B, N, N, C] view (a permuted stack): z is still
+    overwritten with z + update, as the host does it; gradients through a replaced layer on [N, N, C]."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    host = _randomized(TriangleMultiplicationIncoming(12, 20), g)
+    holder = torch.nn.Sequential(copy.deepcopy(host))
+    ti.replace_modules(holder)
+    pair, mask = random_inputs(6, 5, 12, g, mask_dtype=torch.float64)
+    stack = pair.reshape(2, 3, 5, 5, 12).transpose(0, 1)  # [3, 2, N, N, C]: no 4-D view
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = stack + host.update(stack, mask.reshape(2, 3, 5, 5).transpose(0, 1))
+        z = stack.clone().transpose(0, 1).contiguous().transpose(0, 1)
+        assert holder[0](z, mask.reshape(2, 3, 5, 5).transpose(0, 1), inplace_safe=True, _add_with_inplace=True) is z
+    assert rel_error(z, expected) < 1e-12, f"seed {seed}"
+    single = pair[0].clone().requires_grad_()
+    grad_out = torch.randn(single.shape, generator=g, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        host(single, mask[0]).backward(grad_out)
+        expected_grads = [single.grad.clone()] + [p.grad.clone() for p in host.parameters()]
+        single.grad = None
+        holder[0](single, mask[0]).backward(grad_out)
+    for got, want in zip([single.grad] + [p.grad for p in holder[0].parameters()], expected_grads):
+        assert rel_error(got, want) < 1e-12, f"seed {seed}"
+
+
+def test_host_conversion_errors_and_exact_copies():
+    """from_module copies a float64 host bit for bit; the _outgoing flag gives the direction (a direction given
+    against it raises); replace_modules converts every layer before swapping any (an error leaves the model as
+    it was); arguments it cannot keep, non-modules and a host layer as the root raise, naming the problem."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    host = TriangleMultiplicationOutgoing(12, 20).double()
+    with torch.no_grad():
+        for p in host.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))  # (not exact in float32)
+    new = ti.from_module(host)
+    assert all(torch.equal(getattr(getattr(new, ours), name), getattr(getattr(host, theirs), name))
+               for ours, theirs in (("proj_a", "linear_a_p"), ("out_gate", "linear_g"), ("layer_norm_out",
+                                                                                          "layer_norm_out"))
+               for name in ("weight", "bias"))
+    flagged = _OpenFoldTriMul(8, 4, outgoing=False)
+    assert ti.from_module(flagged).direction == "incoming"
+    with pytest.raises(ValueError, match="has _outgoing=False"):
+        ti.from_module(flagged, direction="outgoing")
+    model = torch.nn.Sequential(TriangleMultiplicationOutgoing(8, 4), _OpenFoldTriMul(8, 4))  # (second: no direction)
+    with pytest.raises(ValueError, match="cannot tell the direction"):
+        ti.replace_modules(model)
+    assert [type(m) for m in model] == [TriangleMultiplicationOutgoing, _OpenFoldTriMul]
+    with pytest.raises(TypeError, match="expected a torch.nn.Module, got str"):
+        ti.from_module("linear_a_p")
+    with pytest.raises(ValueError, match="the model itself is a TriangleMultiplicationOutgoing"):
+        ti.replace_modules(TriangleMultiplicationOutgoing(8, 4))
+
+    class Extra(TriangleMultiplicationOutgoing):
+        def forward(self, z, mask=None, inplace_safe=False, scale=1.0):
+            return super().forward(z, mask, inplace_safe) * scale
+    holder = torch.nn.Sequential(Extra(8, 4).double(), _ProtenixTriMul(8, 4).double())
+    holder[0]._outgoing = holder[1]._outgoing = True
+    ti.replace_modules(holder)
+    pair, mask = random_inputs(1, 4, 8, g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        holder[0](pair, mask, scale=1.0)  # (at its default: nothing to keep)
+        with pytest.raises(TypeError, match="argument scale=2.0 is not one trimul_inline knows"):
+            holder[0](pair, mask, scale=2.0)
+        with pytest.raises(ValueError, match="triangle_multiplicative must be 'cuequivariance' or 'torch'"):
+            holder[1](pair, mask, triangle_multiplicative="triton")
 
 
 def _float64_models(pair_dim, hidden, direction, gate_input, g, **options):
@@ -4895,9 +5054,19 @@ def _alphafold_forward(params, act, mask, incoming):
     return z * torch.sigmoid(linear(x, params["gating_linear"]))
 
 
+def _alphafold_fused_form(params):
+    """The same block in AlphaFold-Multimer v2.3's fused form (fuse_projection_weights): left | right halves."""
+    fused = {"left_norm_input": params["layer_norm_input"], "center_norm": params["center_layer_norm"],
+             "output_projection": params["output_projection"], "gating_linear": params["gating_linear"]}
+    for kind in ("projection", "gate"):
+        left, right = params[f"left_{kind}"], params[f"right_{kind}"]
+        fused[kind] = {k: torch.cat([left[k], right[k]], dim=-1) for k in ("weights", "bias")}
+    return fused
+
+
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
-@pytest.mark.parametrize("full_paths", [False, True])
-def test_from_alphafold_params_matches_alphafold(direction, full_paths):
+@pytest.mark.parametrize("form", ["names", "full_paths", "flat_keys", "fused", "fused_flat_keys"])
+def test_from_alphafold_params_matches_alphafold(direction, form):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     c, h = 12, 20
@@ -4908,7 +5077,11 @@ def test_from_alphafold_params_matches_alphafold(direction, full_paths):
                          "right_gate": (c, h), "output_projection": (h, c), "gating_linear": (c, c)}.items():
         params[name] = {"weights": rand(i, o), "bias": rand(o)}
     prefix = f"alphafold/alphafold_iteration/evoformer/evoformer_iteration/triangle_multiplication_{direction}/"
-    given = {prefix + k: v for k, v in params.items()} if full_paths else params
+    given = _alphafold_fused_form(params) if form.startswith("fused") else params
+    if form == "full_paths":
+        given = {prefix + k: v for k, v in given.items()}
+    elif form.endswith("flat_keys"):  # (numpy.load of AlphaFold's .npz: "path/module//parameter")
+        given = {f"{prefix}{k}//{name}": array for k, v in given.items() for name, array in v.items()}
     new = ti.ModelNew.from_alphafold_params(given, direction)
     assert next(new.parameters()).dtype == torch.float64
     pair, mask = random_inputs(2, 6, c, g, mask_dtype=torch.float64)

@@ -21,6 +21,7 @@ import glob
 import hashlib
 import importlib.machinery
 import importlib.util
+import inspect
 import itertools
 import math
 import os
@@ -2371,8 +2372,11 @@ class ModelNew(_TriMulLayers):
         """A ModelNew from one AlphaFold2 triangle-multiplication block's Haiku parameters: a mapping from module
         names (full Haiku paths or their last component: layer_norm_input, left_projection, right_projection,
         left_gate, right_gate, center_layer_norm, output_projection, gating_linear) to {"weights", "bias"} or
-        {"scale", "offset"} arrays (numpy or torch; Linear weights [in, out]). Incoming takes a from the right
-        projections, as AlphaFold2 does; the gate reads the normalized input. In the arrays' dtype, on the CPU."""
+        {"scale", "offset"} arrays (numpy or torch; Linear weights [in, out]), or AlphaFold's flat checkpoint keys
+        ("path/left_projection//weights"). The fused form (AlphaFold-Multimer v2.3: left_norm_input, projection and
+        gate of 2 hidden outputs, left half then right, center_norm) is recognised by its `projection`. Incoming
+        takes a from the right projections, as AlphaFold2 does; the gate reads the normalized input. In the
+        arrays' dtype, on the CPU."""
         return _alphafold_model(cls, params, direction, kernels, precision)
 
     def resolved_precision(self) -> str:
@@ -3307,18 +3311,32 @@ def _host_params(module, layout: _HostLayout) -> list:
     return [_host_tensor(module, layout, ours, name) for ours, name in _PARAM_PATHS]
 
 
-def _host_options(module, layout: _HostLayout, direction: Optional[str]) -> dict:
-    """ModelNew's constructor options for a host layer: sizes, direction (from the class name unless given), the
-    gate on the normalized input, biases (all six Linears alike) and the LayerNorms' eps."""
-    if direction is None:
-        name = type(module).__name__.lower()
-        found = [d for d in DIRECTIONS if d in name]
-        if len(found) != 1:
-            raise ValueError(f"trimul_inline: cannot tell the direction of {type(module).__name__} from its name; "
-                             f"pass direction='outgoing' or 'incoming'")
-        direction = found[0]
-    elif direction not in DIRECTIONS:
+def _host_direction(module, direction: Optional[str]) -> str:
+    """The host layer's direction: its `_outgoing` flag (OpenFold's, OpenFold3's and Protenix's layers keep it),
+    else its class name; a direction given must agree with the flag."""
+    if direction is not None and direction not in DIRECTIONS:
         raise ValueError(f"direction must be None or one of {DIRECTIONS}, got {direction!r}")
+    flag = getattr(module, "_outgoing", None)
+    if isinstance(flag, bool):
+        own = "outgoing" if flag else "incoming"
+        if direction is not None and direction != own:
+            raise ValueError(f"trimul_inline: direction={direction!r} given, but {type(module).__name__} has "
+                             f"_outgoing={flag} ({own})")
+        return own
+    if direction is not None:
+        return direction
+    name = type(module).__name__.lower()
+    found = [d for d in DIRECTIONS if d in name]
+    if len(found) != 1:
+        raise ValueError(f"trimul_inline: cannot tell the direction of {type(module).__name__} from its name; "
+                         f"pass direction='outgoing' or 'incoming'")
+    return found[0]
+
+
+def _host_options(module, layout: _HostLayout, direction: Optional[str]) -> dict:
+    """ModelNew's constructor options for a host layer: sizes, direction (_host_direction), the gate on the
+    normalized input, biases (all six Linears alike) and the LayerNorms' eps."""
+    direction = _host_direction(module, direction)
     biases = {ours: _host_tensor(module, layout, ours, "bias") is not None for ours in _LINEARS}
     if len(set(biases.values())) != 1:
         raise ValueError(f"trimul_inline: {type(module).__name__} has biases on some Linears only "
@@ -3339,35 +3357,83 @@ def _new_for_host(module, layout, direction, kernels, precision):
     return new
 
 
+def _recognised_layout(module, caller: str) -> _HostLayout:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"trimul_inline.{caller}: expected a torch.nn.Module, got {type(module).__name__}")
+    layout = _host_layout(module)
+    if layout is None:
+        raise TypeError(f"trimul_inline.{caller}: {type(module).__name__} is not a recognised triangle "
+                        f"multiplicative update; expected submodules ({_expected_layouts()})")
+    return layout
+
+
 def from_module(module: nn.Module, direction: Optional[str] = None, kernels=None,
                 precision: Optional[str] = None) -> "ModelNew":
     """A ModelNew with a host layer's semantics and a copy of its weights, on its device and dtype: OpenFold's,
     OpenFold3's and Protenix's TriangleMultiplicationOutgoing / Incoming (plain or fused projections, with or
     without biases) and Boltz-1/2's, recognised by their parameter names; the gate reads the normalized input.
-    direction: None takes it from the class name. Anything else raises TypeError naming what is expected."""
-    layout = _host_layout(module)
-    if layout is None:
-        raise TypeError(f"trimul_inline.from_module: {type(module).__name__} is not a recognised triangle "
-                        f"multiplicative update; expected submodules ({_expected_layouts()})")
-    new = _new_for_host(module, layout, direction, kernels, precision)
+    direction: None takes it from the layer's `_outgoing` flag or else its class name. Anything else raises
+    TypeError naming what is expected."""
+    layout = _recognised_layout(module, "from_module")
     source = _host_params(module, layout)
+    weight = source[2]
+    # (moved before the copy: a float64 host's weights must not pass through the default dtype)
+    new = _new_for_host(module, layout, direction, kernels, precision).to(device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         for (ours, name), tensor in zip(_PARAM_PATHS, source):
             if tensor is not None:
                 getattr(getattr(new, ours), name).copy_(tensor)
-    weight = source[2]
-    return new.to(device=weight.device, dtype=weight.dtype)
+    return new
+
+
+# The host forwards' arguments beyond (pair, mask) that replace_modules knows; any other argument passed with a
+# value other than its default raises (its effect on the result is unknown here).
+_HOST_ARGUMENTS = ("inplace_safe", "_add_with_inplace", "_inplace_chunk_size", "use_cueq_triangle_kernels",
+                   "triangle_multiplicative", "use_kernels")
+_HOST_KERNEL_CHOICES = ("torch", "cuequivariance")  # Protenix's triangle_multiplicative values
+
+
+def _host_signature(module):
+    """The host's forward signature without self, or None where Python cannot read it."""
+    try:
+        parameters = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    return inspect.Signature(parameters) if len(parameters) >= 2 else None
+
+
+def _plain_attributes(module) -> dict:
+    """The host instance's plain attributes (sizes, flags such as OpenFold's c_z, c_hidden, _outgoing)."""
+    return {k: v for k, v in vars(module).items() if isinstance(v, (bool, int, float, str)) and k != "training"}
+
+
+def _leading_flattened(t: torch.Tensor, trailing: int) -> torch.Tensor:
+    """t [*, trailing dims] as [B, trailing dims] (a view where t's strides allow one)."""
+    return t.reshape((-1,) + tuple(t.shape[t.dim() - trailing:]))
 
 
 class _HostLayer(nn.Module):
     """A host layer running on ModelNew (replace_modules): the host's own submodules under their names (so the
-    model's state_dict and optimizer see the same parameters), the host's call signature."""
+    model's state_dict and optimizer see the same parameters), its plain attributes, its call signature
+    (arguments bound as the host's forward binds them) and its semantics:
+    - pair [*, N, N, C] and mask [*, N, N] (broadcast to the pair's; None: all ones), any leading dims;
+    - OpenFold's inplace_safe: z is overwritten with the update (with _add_with_inplace: z + update) and
+      returned (under no grad: the chunked forward into z, _inplace_chunk_size rows at a time); the fused
+      layer's inplace_safe without _add_with_inplace returns the update and leaves z as it was;
+    - OpenFold3's use_cueq_triangle_kernels: the update, not in place (its cuEquivariance path);
+    - Protenix's triangle_multiplicative="cuequivariance" at c_z = c_hidden: the update, or z + update in a
+      new tensor with inplace_safe and _add_with_inplace (its cuEquivariance path); other values raise;
+    - Boltz's use_kernels picks Boltz's own kernels: no effect on the result."""
 
     def __init__(self, module, layout, new):
         super().__init__()
         for host, child in module.named_children():  # (all of them, in order: the same state_dict keys)
             self.add_module(host, child)
+        for name, value in _plain_attributes(module).items():
+            setattr(self, name, value)
+        self.training = module.training
         self.layout, self.host_class = layout, type(module).__name__
+        self.host_signature = _host_signature(module)
         # (not a submodule: the parameters it runs on are the host's, read through _source)
         object.__setattr__(self, "model_new", new)
         new._source = self._params
@@ -3375,64 +3441,123 @@ class _HostLayer(nn.Module):
     def _params(self):
         return _host_params(self, self.layout)
 
-    @staticmethod
-    def _mask(pair, mask):
-        """The host's optional mask: None is all ones."""
-        return pair.new_ones(pair.shape[:-1]) if mask is None else mask
+    def _bound(self, args, kwargs) -> tuple:
+        """(pair, mask, the known arguments passed) as the host's forward would bind them."""
+        signature = self.host_signature
+        if signature is None:  # (unreadable: OpenFold's order)
+            signature = inspect.signature(lambda z, mask=None, inplace_safe=False, _add_with_inplace=False,
+                                          _inplace_chunk_size=None: None)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{self.host_class}.forward (on trimul_inline): {error}") from None
+        names = list(signature.parameters)
+        passed = dict(bound.arguments)
+        for name, parameter in signature.parameters.items():
+            if parameter.kind is inspect.Parameter.VAR_KEYWORD and name in passed:
+                passed.update(passed.pop(name))
+        pair, mask = passed.pop(names[0]), passed.pop(names[1], None)
+        for name, value in passed.items():
+            default = signature.parameters[name].default if name in signature.parameters else None
+            at_default = value is default or (isinstance(value, (bool, int, float, str)) and value == default)
+            if name not in _HOST_ARGUMENTS and not at_default:
+                raise TypeError(f"{self.host_class}.forward (on trimul_inline): argument {name}={value!r} is not "
+                                f"one trimul_inline knows ({', '.join(_HOST_ARGUMENTS)}); its effect cannot be kept")
+        return pair, mask, passed
 
     def _update(self, pair, mask):
-        return self.model_new(pair, self._mask(pair, mask))
+        """The update for pair [*, N, N, C] (the layer's output, not added)."""
+        mask = pair.new_ones(pair.shape[:-1]) if mask is None else torch.broadcast_to(mask, pair.shape[:-1])
+        out = self.model_new(_leading_flattened(pair, 3), _leading_flattened(mask, 2))
+        return out.reshape(pair.shape)
+
+    def _into(self, z, mask, add: bool, chunk_size):
+        """z overwritten with the update (add: z + update), chunk_size rows at a time, under no grad; z."""
+        mask = z.new_ones(z.shape[:-1]) if mask is None else torch.broadcast_to(mask, z.shape[:-1])
+        try:
+            z4 = z.view((-1,) + tuple(z.shape[-3:]))
+        except RuntimeError:  # (strides with no 4-D view: work on a copy, written back)
+            z4 = _leading_flattened(z, 3).clone()
+        self.model_new.forward_chunked(z4, _leading_flattened(mask, 2), chunk_size, out=z4, add=add)
+        if z4.data_ptr() != z.data_ptr():
+            z.copy_(z4.view(z.shape))
+        return z
+
+    def forward(self, *args, **kwargs):
+        pair, mask, passed = self._bound(args, kwargs)
+        inplace, add = bool(passed.get("inplace_safe", False)), bool(passed.get("_add_with_inplace", False))
+        choice = passed.get("triangle_multiplicative", "torch")
+        if choice not in _HOST_KERNEL_CHOICES:
+            raise ValueError(f"triangle_multiplicative must be 'cuequivariance' or 'torch', but got {choice!r}")
+        if passed.get("use_cueq_triangle_kernels", False):
+            return self._update(pair, mask)
+        if choice == "cuequivariance" and self.model_new.pair_dim == self.model_new.hidden_dim:
+            update = self._update(pair, mask)
+            return update + pair if inplace and add else update
+        if not inplace:
+            return self._update(pair, mask)
+        if self.layout.kind == "openfold_fused" and not add:
+            return self._update(pair, mask)
+        if not torch.is_grad_enabled():
+            return self._into(pair, mask, add, passed.get("_inplace_chunk_size"))
+        update = self._update(pair, mask)
+        return pair.add_(update) if add else pair.copy_(update)
 
     def extra_repr(self) -> str:
         return f"{self.host_class} on trimul_inline ({self.model_new.direction})"
 
 
-class _OpenFoldLayer(_HostLayer):
-    """OpenFold's forward(z, mask=None, inplace_safe=False, _add_with_inplace=False, _inplace_chunk_size=...):
-    with inplace_safe, z is overwritten with the update (with _add_with_inplace: z + update) and returned."""
-
-    def forward(self, z, mask=None, inplace_safe=False, _add_with_inplace=False, _inplace_chunk_size=None):
-        if inplace_safe and not torch.is_grad_enabled():  # (OpenFold's inference path: chunked, into z)
-            return self.model_new.forward_chunked(z, self._mask(z, mask), _inplace_chunk_size, out=z,
-                                                  add=_add_with_inplace)
-        update = self._update(z, mask)
-        if not inplace_safe:
-            return update
-        return z.add_(update) if _add_with_inplace else z.copy_(update)
-
-
-class _BoltzLayer(_HostLayer):
-    """Boltz's forward(x, mask, use_kernels=False) (use_kernels picks its own kernels: no effect here)."""
-
-    def forward(self, x, mask, use_kernels=False):
-        return self._update(x, mask)
-
-
 def replace_modules(model: nn.Module, kernels=None, precision: Optional[str] = None) -> int:
     """Swaps every recognised triangle multiplicative update inside `model` (from_module's kinds) for one running
     on ModelNew, in place: same parameters (shared, not copied: the state_dict, optimizers and checkpoints are
-    unchanged), the host's call signature. Returns how many it replaced."""
-    replaced = 0
+    unchanged), the host's call signature and semantics (_HostLayer). Returns how many it replaced. Every
+    layer is converted before any is swapped: an error leaves the model as it was."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"trimul_inline.replace_modules: expected a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(model, _HostLayer) and _host_layout(model) is not None:
+        raise ValueError(f"trimul_inline.replace_modules: the model itself is a {type(model).__name__}; it swaps "
+                         "submodules: use from_module(model), or pass the model that holds it")
+    swaps = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, _HostLayer):
                 continue
             layout = _host_layout(child)
-            if layout is None:
-                continue
-            new = _new_for_host(child, layout, None, kernels, precision)
-            layer = (_BoltzLayer if layout.kind == "boltz" else _OpenFoldLayer)(child, layout, new)
-            setattr(parent, name, layer)
-            replaced += 1
-    return replaced
+            if layout is not None:
+                swaps.append((parent, name, _HostLayer(child, layout, _new_for_host(child, layout, None, kernels,
+                                                                                    precision))))
+    for parent, name, layer in swaps:
+        setattr(parent, name, layer)
+    return len(swaps)
 
 
-# AlphaFold2's Haiku module names -> ours, per direction (incoming: a from the right projections).
+# AlphaFold2's Haiku module names -> ours, per direction (incoming: a from the right projections). Its fused
+# form (AlphaFold-Multimer v2.3's fuse_projection_weights) holds left | right as the halves of one projection.
 _ALPHAFOLD_NAMES = {
     "layer_norm_input": "layer_norm_in", "center_layer_norm": "layer_norm_out", "output_projection": "out_proj",
     "gating_linear": "out_gate",
 }
+_ALPHAFOLD_FUSED_NAMES = {
+    "left_norm_input": "layer_norm_in", "center_norm": "layer_norm_out", "output_projection": "out_proj",
+    "gating_linear": "out_gate",
+}
 _ALPHAFOLD_SIDES = {"outgoing": {"left": "a", "right": "b"}, "incoming": {"left": "b", "right": "a"}}
+
+
+def _alphafold_nested(params: Mapping) -> Mapping:
+    """params as {module path: {parameter: array}}: AlphaFold's flat checkpoint keys ("path/module//weights", as
+    numpy.load of its .npz gives them) grouped by module; a nested mapping as it is."""
+    flat = [key for key in params if "//" in str(key)]
+    if not flat:
+        return params
+    if len(flat) != len(params):
+        raise ValueError("trimul_inline.from_alphafold_params: params mixes flat keys ('module//parameter') with "
+                         "module entries")
+    nested = {}
+    for key, value in params.items():
+        module, name = str(key).rsplit("//", 1)
+        nested.setdefault(module, {})[name] = value
+    return nested
 
 
 def _alphafold_entry(params, name: str):
@@ -3442,6 +3567,37 @@ def _alphafold_entry(params, name: str):
         raise ValueError(f"trimul_inline.from_alphafold_params: {'no' if not found else 'several'} entries for "
                          f"{name!r} ({found or sorted(map(str, params))[:8]}); pass one block's parameters")
     return params[found[0]]
+
+
+def _alphafold_linear(entry) -> tuple:
+    return entry["weights"], entry["bias"]
+
+
+def _alphafold_values(params, direction: str) -> dict:
+    """Our (submodule, parameter) -> AlphaFold's array (Linear weights still [in, out]), plain or fused form."""
+    fused = any(str(key).rsplit("/", 1)[-1] == "projection" for key in params)
+    values = {}
+    for haiku, ours in (_ALPHAFOLD_FUSED_NAMES if fused else _ALPHAFOLD_NAMES).items():
+        entry = _alphafold_entry(params, haiku)
+        if ours.startswith("layer_norm"):
+            values[(ours, "weight")], values[(ours, "bias")] = entry["scale"], entry["offset"]
+        else:
+            values[(ours, "weight")], values[(ours, "bias")] = _alphafold_linear(entry)
+    for side, letter in _ALPHAFOLD_SIDES[direction].items():
+        for kind, ours in (("projection", f"proj_{letter}"), ("gate", f"gate_{letter}")):
+            if not fused:
+                values[(ours, "weight")], values[(ours, "bias")] = _alphafold_linear(
+                    _alphafold_entry(params, f"{side}_{kind}"))
+                continue
+            weight, bias = (_as_tensor(v, f"{kind}") for v in _alphafold_linear(_alphafold_entry(params, kind)))
+            if weight.shape[-1] % 2 or bias.shape[-1] != weight.shape[-1]:
+                raise ValueError(f"trimul_inline.from_alphafold_params: the fused {kind!r} has shape "
+                                 f"{tuple(weight.shape)} / bias {tuple(bias.shape)}; expected [in, 2 hidden] / "
+                                 "[2 hidden]")
+            half = weight.shape[-1] // 2
+            part = slice(0, half) if side == "left" else slice(half, None)
+            values[(ours, "weight")], values[(ours, "bias")] = weight[..., part], bias[..., part]
+    return values
 
 
 def _as_tensor(value, what: str) -> torch.Tensor:
@@ -3458,17 +3614,7 @@ def _alphafold_model(cls, params, direction: str, kernels=None, precision: Optio
     if not isinstance(params, Mapping):
         raise TypeError(f"trimul_inline.from_alphafold_params: params must be a mapping of module names to "
                         f"{{parameter: array}}, got {type(params).__name__}")
-    values = {}  # our (submodule, parameter) -> tensor
-    for haiku, ours in _ALPHAFOLD_NAMES.items():
-        entry = _alphafold_entry(params, haiku)
-        if ours.startswith("layer_norm"):
-            values[(ours, "weight")], values[(ours, "bias")] = entry["scale"], entry["offset"]
-        else:
-            values[(ours, "weight")], values[(ours, "bias")] = entry["weights"], entry["bias"]
-    for side, letter in _ALPHAFOLD_SIDES[direction].items():
-        for kind, ours in (("projection", f"proj_{letter}"), ("gate", f"gate_{letter}")):
-            entry = _alphafold_entry(params, f"{side}_{kind}")
-            values[(ours, "weight")], values[(ours, "bias")] = entry["weights"], entry["bias"]
+    values = _alphafold_values(_alphafold_nested(params), direction)
     values = {key: _as_tensor(value, f"{key[0]}.{key[1]}") for key, value in values.items()}
     for key, tensor in values.items():
         expected = 2 if key[1] == "weight" and not key[0].startswith("layer_norm") else 1
