@@ -9,6 +9,7 @@ import functools
 import gc
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -4091,19 +4092,27 @@ def test_second_derivatives_through_model_new_raise_on_the_gpu(precision):
 
 def test_second_derivatives_raise_instead_of_coming_out_partial():
     """The backward is kernels (and, sharded, transfers): not differentiable again. A second derivative through
-    ModelNew's training op raises, in both its forms (the op: no autograd formula for trimul_backward; the eager
-    Function: once_differentiable), rather than returning a gradient that misses the kernels' share."""
+    ModelNew's training op raises, in both its forms, rather than returning a gradient that misses the kernels'
+    share: the op (torch.compile's form) where the second derivative runs (no autograd formula for
+    trimul_backward); the eager Function already at create_graph=True (a second derivative by
+    torch.autograd.grad would not reach once_differentiable's guard)."""
     g = torch.Generator().manual_seed(fresh_seed())
     model = random_layers(ti.Model(12, 20, "outgoing", "normalized").double(), g)
     pair, mask = random_inputs(2, 7, 12, g)
     params = ti._param_list(model)
     options = ("auto", "highest", False, True, 1e-5, 1e-5)
-    for call in (lambda p: ti.trimul(p, mask, params, [], *options)[0],
-                 lambda p: ti._TrimulFunction.apply(p, mask, [], *options, False, False, *params)):
-        pair_repr = pair.clone().requires_grad_()
-        (d_pair,) = torch.autograd.grad(call(pair_repr).square().sum(), pair_repr, create_graph=True)
-        with pytest.raises(RuntimeError, match="no autograd formula|differentiate twice"):
-            d_pair.square().sum().backward()
+    pair_repr = pair.clone().requires_grad_()
+    (d_pair,) = torch.autograd.grad(ti.trimul(pair_repr, mask, params, [], *options)[0].square().sum(), pair_repr,
+                                    create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        d_pair.square().sum().backward()
+    d_params = torch.autograd.grad(ti.trimul(pair_repr, mask, params, [], *options)[0].square().sum(), params,
+                                   create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        torch.autograd.grad(sum(d.square().sum() for d in d_params), params)
+    out = ti._TrimulFunction.apply(pair_repr, mask, [], *options, False, False, *params)
+    with pytest.raises(RuntimeError, match="the layer's backward is not differentiable"):
+        torch.autograd.grad(out.square().sum(), [pair_repr] + params, create_graph=True)
 
 
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
@@ -4390,6 +4399,92 @@ def test_backward_op_passes_opcheck_on_cpu():
     for pair_grad, params_grad in ((False, True), (True, False), (False, False)):
         torch.library.opcheck(ti.trimul_backward, (torch.randn_like(pair), pair, mask, params, "auto", "highest", True,
                                                    True, 1e-5, 1e-5, True, pair_grad, params_grad))
+
+
+def test_training_function_retains_its_graph():
+    """The eager training Function (what ModelNew runs with gradients on a GPU): a second backward after
+    retain_graph=True gives the same gradients (the kept buffers were freed: it recomputes them)."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = random_layers(ti.Model(12, 20, "outgoing", "normalized").double(), g)
+    pair, mask = random_inputs(1, 6, 12, g, mask_dtype=torch.float64)
+    params = ti._param_list(model)
+    options = ("auto", "highest", False, True, 1e-5, 1e-5)
+    for keep in (False, True):
+        x = pair.clone().requires_grad_()
+        out = ti._TrimulFunction.apply(x, mask, [], *options, keep, keep, *params)
+        out.square().sum().backward(retain_graph=True)
+        first = x.grad.clone()
+        out.square().sum().backward()
+        assert rel_error(x.grad, 2 * first) < 1e-13, f"keep {keep} (seed {seed})"
+
+
+def test_compiled_reference_fallback_and_torch_func(monkeypatch):
+    """torch.compile(fullgraph=True) of a ModelNew that runs the reference (CPU tensors) before any eager call has
+    warned; torch.func.grad through the layer's kernel path (forced on the CPU: what a GPU call takes) runs the
+    reference (the kernels have no functorch rules) and gives its gradients."""
+    monkeypatch.setattr(ti, "_reference_warned", set())
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = random_layers(ti.ModelNew(12, 20, "incoming", "normalized"), g).double()
+    reference = ti.Model(12, 20, "incoming", "normalized").double()
+    reference.load_state_dict(model.state_dict())
+    pair, mask = random_inputs(1, 6, 12, g, mask_dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+                assert rel_error(compiled(pair, mask), reference(pair, mask)) < 1e-12
+        monkeypatch.setattr(ti, "_kernels_take", lambda t: True)
+        monkeypatch.setattr(ti, "_fused_takes_now", lambda *a: True)
+        params = dict(model.named_parameters())
+
+        def loss(p, x):
+            return torch.func.functional_call(model, p, (x, mask)).square().sum()
+        got = torch.func.grad(loss, argnums=(0, 1))(params, pair)
+        expected = torch.autograd.grad(reference(pair.clone().requires_grad_(), mask).square().sum(),
+                                       list(reference.parameters()))
+    for (name, grad), want in zip(got[0].items(), expected):
+        assert rel_error(grad, want) < 1e-12, f"{name} (seed {seed})"
+
+
+def test_backward_fake_gradients_are_contiguous_as_the_ops_are():
+    """trimul_backward's fake gives contiguous gradients whatever its inputs' strides (the real op's are views of
+    fresh buffers): opcheck with a transposed float mask needing its gradient and column-major weights; and an
+    inductor-compiled step with them gives the eager gradients."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = random_layers(ti.Model(12, 20, "outgoing", "normalized").double(), g)
+    pair, mask = random_inputs(1, 6, 12, g, mask_dtype=torch.float64)
+    mask = mask.transpose(1, 2).contiguous().transpose(1, 2)
+    params = [p.detach().t().contiguous().t() if p.dim() == 2 else p.detach() for p in ti._param_list(model)]
+    assert not mask.is_contiguous() and not params[2].is_contiguous()
+    torch.library.opcheck(ti.trimul_backward, (torch.randn_like(pair), pair, mask, params, "auto", "highest", False,
+                                               True, 1e-5, 1e-5, True))
+
+
+def test_prepared_weights_follow_parametrized_and_copied_modules():
+    """The kernel-layout weights follow a parametrized weight (fresh at every access: no address and version to
+    cache by) through parameter changes; a pickled copy carries no cached weights."""
+    model = ti.ModelNew(16, 8)
+    torch.nn.utils.parametrize.register_parametrization(model.proj_a, "weight", _Doubled())
+    torch.nn.utils.parametrizations.weight_norm(model.out_proj)
+    originals = (model.proj_a.parametrizations.weight.original, model.out_proj.parametrizations.weight.original1)
+    for step in range(6):
+        model._prepared_weights("highest")
+        with torch.no_grad():
+            originals[step % 2].add_(0.5)
+        fresh = ti.prepare_weights(ti._param_list(model), "highest")
+        assert all(torch.equal(a, b) for a, b in zip(model._prepared_weights("highest"), fresh)), f"step {step}"
+    plain = ti.ModelNew(16, 8)
+    plain._prepared_weights("highest")
+    assert plain._weights_cache and pickle.loads(pickle.dumps(plain))._weights_cache == {}
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, x):
+        return 2 * x
 
 
 def _partial_gradients(call, pair, mask, grad_out, params, wanted):
@@ -5267,11 +5362,32 @@ def _bad_input_worker(rank, world, store):
         expected = "pair_repr has 5 rows on rank 1 of 2, but N = 9 gives this rank 4" if rank == 1 else r"rank\(s\) \[1\] got invalid input"
         with pytest.raises(ValueError, match=expected):
             model(pair, mask)
+        rows = len(ti.shard_rows(9, world, rank))
+        pair, mask = torch.randn(1, rows, 9, 8, dtype=torch.float64), torch.ones(1, rows, 9, dtype=torch.bool)
+        odd = rank == 1  # (rank 1 differs from rank 0 in one thing per case; every rank must raise, naming it)
+        fp32 = ti.ModelNew(8, 4, process_group=dist.group.WORLD)
+        plain = contextlib.nullcontext
+        for what, layer, inputs, context in (
+                ("pair dtype", fp32 if odd else model, (pair.float() if odd else pair, mask), plain),
+                ("hidden_dim", ti.ModelNew(8, 6 if odd else 4, process_group=dist.group.WORLD).double(),
+                 (pair, mask), plain),
+                ("precision mode", ti.ModelNew(8, 4, process_group=dist.group.WORLD,
+                                               precision="medium" if odd else "highest"),
+                 (pair.float(), mask), plain),
+                ("direction", ti.ModelNew(8, 4, "incoming" if odd else "outgoing",
+                                          process_group=dist.group.WORLD).double(), (pair, mask), plain),
+                ("gradients needed", model, (pair, mask), torch.no_grad if odd else plain),
+                ("autocast", fp32, (pair.float(), mask),
+                 (lambda: torch.autocast("cpu", torch.bfloat16)) if odd else plain)):
+            with context(), pytest.raises(ValueError, match=f"the ranks of a sharded call disagree on {what}"):
+                layer(*inputs)
     finally:
         _leave_group(dist, store)
 
 
 def test_sharded_bad_input_raises_on_every_rank(tmp_path):
+    """A bad block (one rank), and ranks that disagree on the operands or the rings they would run (dtype,
+    hidden size, precision, direction, grad mode, autocast): a ValueError on every rank, no rank left waiting."""
     _spawn(_bad_input_worker, 2, tmp_path)
 
 
@@ -5332,7 +5448,7 @@ GPU_COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 @pytest.mark.skipif(GPU_COUNT < 2, reason="needs 2+ GPUs (one NCCL rank per GPU)")
-@pytest.mark.parametrize("world", sorted({2, max(GPU_COUNT, 2)}))
+@pytest.mark.parametrize("world", sorted({2, min(4, max(GPU_COUNT, 2)), max(GPU_COUNT, 2)}))
 def test_sharded_nccl_one_rank_per_gpu(world, tmp_path):
     """One rank per GPU over NCCL (the multi-GPU issue's first run): fp32 at "highest" against the float64 single
     process within 1e-5, both directions and gate inputs, N not a multiple of the world size (and one N below
@@ -5346,16 +5462,26 @@ def test_sharded_nccl_one_rank_per_gpu(world, tmp_path):
 
 
 def test_distributed_bench_runs_on_cpus(tmp_path):
-    """bench/distributed.py under torchrun with gloo on the CPU: one line per shape and a JSON with every rank."""
-    out = tmp_path / "distributed.json"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                          os.path.join(HERE, "bench", "distributed.py"), "--device", "cpu", "--dtype", "fp32",
-                          "--precision", "highest", "--shapes", "1,9,8,4", "--reps", "2", "--backward",
-                          "--direction", "incoming", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert re.search(r"\(1, 9, 8, 4\) P=2 fp32 incoming: forward [\d.]+ ms", run.stdout), run.stdout
+    """bench/distributed.py under torchrun with gloo on the CPU, P = 1 and 2: one line per shape, every rank's
+    records in the JSON lines as measured, and --summarize's table with the efficiency against P = 1."""
+    out = tmp_path / "distributed.jsonl"
+    for world in (1, 2):
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+                              os.path.join(HERE, "bench", "distributed.py"), "--device", "cpu", "--dtype", "fp32",
+                              "--precision", "highest", "--shapes", "1,9,8,4", "--reps", "2", "--backward",
+                              "--direction", "incoming", "--jsonl", str(out), "--commit", "abc"],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert re.search(rf"\(1, 9, 8, 4\) P={world} fp32 incoming: forward [\d.]+ ms", run.stdout), run.stdout
     import json
-    report = json.loads(out.read_text())
-    ranks = report["shapes"]["1,9,8,4"]
-    assert [r["rows"] for r in ranks] == [5, 4] and all("training_step" in r for r in ranks)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    at_two = [r for r in records if r["world"] == 2]
+    assert sorted(r["rows"] for r in at_two if r["kind"] == "forward") == [4, 5]
+    assert {r["kind"] for r in at_two} == {"run", "links", "forward", "training_step", "contraction_parts"}
+    assert all(r["bytes_backward"] > r["bytes_forward"] > 0 for r in at_two if r["kind"] == "contraction_parts")
+    table = subprocess.run([sys.executable, os.path.join(HERE, "bench", "distributed.py"), "--summarize", str(out)],
+                           capture_output=True, text=True, timeout=120)
+    assert table.returncode == 0, table.stderr[-3000:]
+    row = next(line for line in table.stdout.splitlines() if line.startswith("| incoming | 1,9,8,4 | 2 |"))
+    assert re.match(r"\| incoming \| 1,9,8,4 \| 2 \| 2/2 \| [\d.]+ \| [\d.]+ \|", row), row
+    assert "commit abc" in table.stdout

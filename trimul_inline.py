@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import warnings
+import zlib
 from typing import Mapping, NamedTuple, Optional
 
 import torch
@@ -2083,6 +2084,15 @@ def _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_n
     return out, kept_z, ab if whole_ab and operand != torch.float32 else None, x_hat, x_hat_rstd
 
 
+def _refuse_create_graph() -> None:
+    """In a backward: raise where autograd asked for a differentiable one (create_graph=True). The kernels'
+    backward is not differentiable again, and once_differentiable's guard does not reach a second derivative
+    taken by torch.autograd.grad (it would come back silently without the layer's term)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("trimul_inline: the layer's backward is not differentiable (create_graph=True, as for "
+                           "second derivatives or gradient penalties through it, is not supported)")
+
+
 class _TrimulFunction(torch.autograd.Function):
     """`trimul` for eager calls: the op's forward and backward without the dispatcher around them (for an op
     whose arguments are ~35 tensors, flattening and alias checks cost ~0.7 ms per call on the H200's host: most
@@ -2107,14 +2117,14 @@ class _TrimulFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # (kernels: a second derivative would be silently partial)
     def backward(ctx, grad_out):
+        _refuse_create_graph()
         pair, mask, *params = ctx.saved_tensors
         kernels, *options = ctx.options
         wanted = ctx.needs_input_grad
         # (intermediates, not inputs or outputs: handed over so that each is freed once used; checkpoint's
-        # recompute held them only until unpacked)
-        saved = params[16:] if ctx.kept_saved else ctx.kept  # (saved tensors: after the 16 parameters)
+        # recompute held them only until unpacked. A second backward (retain_graph) finds none: it recomputes.)
+        saved = params[16:] if ctx.kept_saved else (ctx.kept or [None] * 4)  # (saved: after the 16 parameters)
         del params[16:]
         ctx.kept = None
         lean = saved[0] is not None and ctx.lean
@@ -2233,9 +2243,10 @@ def _grad_mask_dtype(mask):
 def _trimul_backward_fake(grad_out, pair, mask, params, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
                           mask_grad, pair_grad=True, params_grad=True, kept_z=None, kept_ab=None, kept_x_hat=None,
                           kept_x_hat_rstd=None, lean=False):
-    d_mask = torch.empty_like(mask) if mask_grad else mask.new_empty((0,), dtype=_grad_mask_dtype(mask))
-    d_pair = torch.empty_like(pair, memory_format=torch.contiguous_format) if pair_grad else pair.new_empty((0,))
-    return [d_pair, d_mask] + [torch.empty_like(p) if params_grad else p.new_empty((0,)) for p in params]
+    # (contiguous, as the op's gradients are: views of fresh buffers, whatever the inputs' strides)
+    d_mask = mask.new_empty(mask.shape) if mask_grad else mask.new_empty((0,), dtype=_grad_mask_dtype(mask))
+    d_pair = pair.new_empty(pair.shape) if pair_grad else pair.new_empty((0,))
+    return [d_pair, d_mask] + [p.new_empty(p.shape) if params_grad else p.new_empty((0,)) for p in params]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2312,7 +2323,12 @@ def check_inputs(layers: _TriMulLayers, pair_repr, pair_mask, rows: Optional[int
                         f"convert the model (model.to({pair_repr.dtype})) or use torch.autocast")
 
 
+_functorch_warned = []  # (one warning per process)
+
+
 def _warn_reference_once(pair_repr) -> None:
+    if torch.compiler.is_compiling():  # (dynamo cannot trace warnings.warn: fullgraph would break here)
+        return
     key = (pair_repr.device.type, pair_repr.device.index, pair_repr.dtype)
     if key in _reference_warned:
         return
@@ -2390,6 +2406,7 @@ class ModelNew(_TriMulLayers):
         state["process_group"] = None
         state["_plans"] = {}
         state["_gate_choices"] = {}
+        state["_weights_cache"] = {}  # (kernel-layout copies keyed by addresses: meaningless in a copy)
         return state
 
     def __setstate__(self, state):
@@ -2409,6 +2426,8 @@ class ModelNew(_TriMulLayers):
         if self.process_group is not None:
             return self._forward_sharded(pair_repr, pair_mask)
         if not torch.compiler.is_compiling():
+            if torch._C._are_functorch_transforms_active():  # (torch.func: grad, vmap, jacrev)
+                return self._forward_functorch(pair_repr, pair_mask)
             fast = self._fast
             if fast is not None and fast[0] is _DEFAULT_EXTENSION:  # (planned by the extension in use)
                 out = fast[1].run(self, pair_repr, pair_mask, self.resolved_precision())
@@ -2434,6 +2453,17 @@ class ModelNew(_TriMulLayers):
         if not _fused_buffers_fit(pair_repr, self.hidden_dim, mode):
             return self.forward_chunked(pair_repr, pair_mask)
         return self._forward_fused(pair_repr, pair_mask, mode, kernels)
+
+    def _forward_functorch(self, pair_repr, pair_mask):
+        """Under torch.func's transforms: the reference computation, which composes with them (the kernels'
+        autograd.Function and ops have no functorch or batching rules: they would raise)."""
+        check_inputs(self, pair_repr, pair_mask)
+        if not _functorch_warned:
+            _functorch_warned.append(True)
+            warnings.warn("trimul_inline: ModelNew under torch.func (grad, vmap, jacrev...) runs the reference "
+                          "computation: the kernels have no functorch rules", stacklevel=3)
+        return _functional_reference(pair_repr, pair_mask, _param_list(self), self.direction == "incoming",
+                                     self.gate_input == "normalized", self.layer_norm_in.eps, self.layer_norm_out.eps)
 
     def forward_chunked(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor, chunk_size: Optional[int] = None,
                         out: Optional[torch.Tensor] = None, add: bool = False,
@@ -2541,9 +2571,14 @@ class ModelNew(_TriMulLayers):
         return self._prepared_weights_and_freshness(mode)[0]
 
     def _prepared_weights_and_freshness(self, mode: str):
-        """(prepared weights, whether they were just (re)made)."""
+        """(prepared weights, whether they were just (re)made). Cached by the parameters' addresses and
+        version counters, which only a Parameter (or a view of one: a host's fused half) keeps: a computed
+        weight (a parametrization's, fresh at every access, its address reused) is prepared every call."""
         params = _param_list_eager(self)
         version = [None if p is None else (p.data_ptr(), p._version) for p in params]
+        if not all(p is None or isinstance(p, nn.Parameter) or isinstance(p._base, nn.Parameter) for p in params):
+            self._weights_cache.pop(mode, None)
+            return _CachedWeights(prepare_weights(params, mode)), True
         cached = self._weights_cache.get(mode)
         if cached is not None and cached[0] == version:
             return cached[1], False
@@ -3152,8 +3187,8 @@ class _ShardedContraction(torch.autograd.Function):
         return z
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # (transfers and in-place sums: not differentiable again)
     def backward(ctx, d_z):
+        _refuse_create_graph()  # (transfers and in-place sums: not differentiable again)
         with _float32_matmul_precision(ctx.precision):
             return _ShardedContraction._backward(ctx, d_z)
 
@@ -3224,9 +3259,32 @@ def _sharded_z(planes: list, ring: _Ring, incoming: bool, keep_a: bool):
     return z, a_t
 
 
+# What every rank of a sharded call must agree on beyond valid input: the sizes and the operands the ring moves
+# (a rank with another dtype, hidden size, precision or autocast would send blocks the others misread, or wait in
+# a collective the others never enter), and whether a backward follows (the rings it runs).
+_AGREED = ("B", "N", "pair_dim", "hidden_dim", "direction", "gate_input", "pair dtype", "precision mode",
+           "autocast", "gradients needed")
+
+
+def _code(value) -> int:
+    """A name or dtype as an int that every process computes alike (str hashes differ between processes)."""
+    return zlib.crc32(str(value).encode()) & 0x7FFFFFFF
+
+
+def _sharded_agreement(layers, pair_repr, pair_mask) -> list:
+    """_AGREED's values on this rank (after check_inputs passed), as ints."""
+    batch, _, n, pair_dim = pair_repr.shape
+    device = pair_repr.device.type
+    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    mode = compute_mode(pair_repr.dtype, layers.resolved_precision())
+    return [batch, n, pair_dim, layers.hidden_dim, _code(layers.direction), _code(layers.gate_input),
+            _code(pair_repr.dtype), _code(mode), _code(autocast), int(layers._needs_autograd(pair_repr, pair_mask))]
+
+
 def _check_sharded_inputs(layers, ring: _Ring, pair_repr, pair_mask) -> None:
-    """Every rank checks its block and learns whether any rank's was bad (one all-gather, under the group's
-    timeout), so a bad block raises on every rank instead of leaving the others waiting in the ring."""
+    """Every rank checks its block and learns whether any rank's was bad or disagrees with the others (_AGREED;
+    one all-gather, under the group's timeout), so a bad block raises on every rank instead of leaving the
+    others waiting in the ring or reading blocks of another layout."""
     problem = None
     try:
         if isinstance(pair_repr, torch.Tensor) and pair_repr.dim() == 4:
@@ -3236,22 +3294,33 @@ def _check_sharded_inputs(layers, ring: _Ring, pair_repr, pair_mask) -> None:
                 raise ValueError(f"pair_repr has {rows} rows on rank {ring.rank} of {ring.world}, but N = {n} gives "
                                  f"this rank {expected} (torch.tensor_split(torch.arange(N), world)[rank])")
         check_inputs(layers, pair_repr, pair_mask, rows=ring.counts[ring.rank])
-        sizes = [batch, n]
+        agreed = _sharded_agreement(layers, pair_repr, pair_mask)
     except (ValueError, TypeError) as error:
-        problem, sizes = error, [-1, -1]
-    cuda = isinstance(pair_repr, torch.Tensor) and pair_repr.is_cuda and not ring.stage
-    device = pair_repr.device if cuda else torch.device("cpu")
-    flags = torch.tensor([1 if problem else 0] + sizes, dtype=torch.int64, device=device)
+        problem, agreed = error, [-1] * len(_AGREED)
+    # (on NCCL the flags travel on this process's GPU whatever the input's device: a CPU tensor there would fail
+    # this rank's all-gather alone and leave the others waiting)
+    if ring.dist.get_backend(ring.group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        cuda = isinstance(pair_repr, torch.Tensor) and pair_repr.is_cuda and not ring.stage
+        device = pair_repr.device if cuda else torch.device("cpu")
+    flags = torch.tensor([1 if problem else 0] + agreed, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(flags) for _ in range(ring.world)]
     ring.dist.all_gather(gathered, flags, group=ring.group)
     if problem is not None:
         raise problem
-    bad = [r for r, g in enumerate(gathered) if int(g[0])]
+    gathered = [g.tolist() for g in gathered]
+    bad = [r for r, g in enumerate(gathered) if g[0]]
     if bad:
         raise ValueError(f"trimul_inline: rank(s) {bad} got invalid input (see their errors); rank {ring.rank} "
                          "stops too")
-    if len({(int(g[1]), int(g[2])) for g in gathered}) != 1:
-        raise ValueError(f"trimul_inline: the ranks disagree on (B, N): {[tuple(map(int, g[1:])) for g in gathered]}")
+    differ = [name for i, name in enumerate(_AGREED) if len({g[1 + i] for g in gathered}) != 1]
+    if differ:
+        sizes = {name: [g[1 + _AGREED.index(name)] for g in gathered] for name in ("B", "N", "pair_dim", "hidden_dim")}
+        shown = {k: v for k, v in sizes.items() if k in differ}
+        raise ValueError(f"trimul_inline: the ranks of a sharded call disagree on {', '.join(differ)}"
+                         + (f" (per rank: {shown})" if shown else " (each rank's model, inputs, precision, autocast and "
+                            "grad mode must match)"))
 
 
 # ------------------------------------------------------------------------------------------------

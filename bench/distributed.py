@@ -1,13 +1,21 @@
 """bench/distributed.py — the sharded triangle update (ModelNew(process_group=...)) timed on every rank.
 
-    torchrun --nproc-per-node=2 bench/distributed.py --shapes "1,4096,128,128" --dtype bf16 [--backward]
-    torchrun --nproc-per-node=2 bench/distributed.py --backend gloo --device cpu --shapes "1,64,32,16"   # CPU
+    torchrun --nproc-per-node=8 bench/distributed.py --shapes "1,4096,128,128;1,8192,128,128" --jsonl r.jsonl
+    torchrun --nproc-per-node=2 bench/distributed.py --backend gloo --device cpu --shapes "1,64,32,16" --jsonl r.jsonl
+    python bench/distributed.py --summarize r.jsonl [--fused "4096=38.4,8192=257"]   # the table
 
-Per shape, on each rank: the forward (and with --backward the training step: loss = mean of out², backward)
-timed after warm-up (CUDA events on GPUs, wall clock on the CPU; median and p10-p90 over repetitions); the
-sharded contraction alone, its products alone and its transfers alone, hence the share of the transfers hidden
-behind the products; bytes sent per rank; peak memory per rank (CUDA); the point-to-point bandwidth from rank 0
-to rank 1. Rank 0 prints one line per shape; --json writes every rank's.
+Every rank appends one JSON line per measurement to --jsonl as soon as it has it, so a failure or a timeout
+later keeps what was measured: the run (command, date, device, torch, commit), the links (one way rank 0 -> 1,
+and the ring's exchange: every rank sending to both neighbours at once, as the contraction's ring does), then
+per shape, smallest first: the forward and (--backward) the training step (loss = mean of out², backward),
+each timed after warm-up (CUDA events on GPUs, wall clock on the CPU; median and p10-p90) with its peak memory
+(all of it, and above the inputs); the sharded contraction alone, its products alone (the same calls on a ring
+that moves nothing) and its transfers alone, hence the share of the transfers hidden behind the products; bytes
+sent per rank by the forward and the backward. Rank 0 prints one line per shape. A world of one rank is the
+P = 1 baseline of the same code. --summarize reads the lines of any number of runs and prints the efficiency
+table: forward (and step) time of the slowest rank, efficiency against P = 1 of the same N (where P = 1 ran;
+else "~" from the largest N that did, scaled by N³) and against the fused one-GPU forward (--fused), the
+prediction of bench/shard_model.py, bytes, hidden share, peak per rank.
 """
 import argparse
 import datetime
@@ -55,17 +63,67 @@ def timed(clock, fn, reps):
             "p90_ms": 1e3 * times[(9 * len(times)) // 10]}
 
 
-def transfer_bytes(ring, batch, n, hidden, element, incoming):
-    """Bytes this rank sends in one forward: the blocks it passes on round the ring both ways (P - 1 blocks in
-    all: rank - d's rightwards, rank + d's leftwards) and the incoming direction's all-to-all of a."""
-    rows = ring.counts[ring.rank]
+class Log:
+    """Appends this rank's records, one JSON line each, flushed at once (every rank to the same file)."""
+
+    def __init__(self, path, common):
+        self.path, self.common = path, common
+
+    def __call__(self, **record):
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({**self.common, **record}) + "\n")
+
+
+def _ring_sends(ring) -> int:
+    """Rows of blocks this rank sends round the ring both ways in one pass (rank - d's rightwards, rank + d's
+    leftwards: P - 1 blocks in all)."""
     world, rank = ring.world, ring.rank
-    ring_bytes = sum(ring.counts[(rank - d) % world] for d in range(world // 2)) + \
+    return sum(ring.counts[(rank - d) % world] for d in range(world // 2)) + \
         sum(ring.counts[(rank + d) % world] for d in range((world - 1) // 2))
-    total = ring_bytes * n * hidden * batch * element
+
+
+def transfer_bytes(ring, batch, n, hidden, element, incoming):
+    """Bytes this rank sends in one forward: b's blocks round the ring and incoming's all-to-all of a."""
+    rows = ring.counts[ring.rank]
+    total = _ring_sends(ring) * n * hidden * batch * element
     if incoming:
         total += rows * (n - rows) * hidden * batch * element
     return total
+
+
+def backward_bytes(ring, batch, n, hidden, element, incoming):
+    """Bytes this rank sends in one backward (_ShardedContraction._backward): b's blocks round the ring again,
+    d b's accumulators round the one-way ring (one block of each other rank's rows) and incoming's inverse
+    all-to-all of d a."""
+    world, rank, rows = ring.world, ring.rank, ring.counts[ring.rank]
+    reduce_rows = sum(ring.counts[(rank - step - 1) % world] for step in range(world - 1))
+    total = (_ring_sends(ring) + reduce_rows) * n * hidden * batch * element
+    if incoming:
+        total += rows * (n - rows) * hidden * batch * element
+    return total
+
+
+class SilentRing(ti._Ring):
+    """A ring whose transfers move nothing: each shift and all-to-all hands back an uninitialised block of the
+    shape the real one receives (the same allocations), so the sharded contraction on it is its products
+    alone: the same kernels on the same shapes, no waiting."""
+
+    def __init__(self, group, n, device):
+        super().__init__(group, n, device)
+        self.stage = False
+
+    def shift(self, block, incoming_rows, row_dim, step=1):
+        shape = list(block.shape)
+        shape[row_dim] = incoming_rows
+        received = block.new_empty(shape)
+        return lambda: received
+
+    def start_all_to_all(self, chunks, keep_own=True):
+        received = [None if s == self.rank else chunks[0].new_empty(c.shape[:-2] + (c.shape[-1], c.shape[-2]))
+                    for s, c in enumerate(chunks)]
+        received[self.rank] = chunks[self.rank] if keep_own else None
+        return lambda: list(received)
 
 
 def transfers_only(ring, batch, n, hidden, dtype, device, incoming):
@@ -80,109 +138,288 @@ def transfers_only(ring, batch, n, hidden, dtype, device, incoming):
     return run
 
 
-def contraction_parts(ring, batch, n, hidden, dtype, device, incoming):
-    """Three callables on random planes of this rank's rows: the sharded contraction as the forward runs it,
-    its products alone (every block's product, on blocks already here: no transfers) and its transfers alone.
-    The share of the transfers hidden behind the products: (products + transfers - contraction) / transfers."""
+def contraction_parts(ring, silent, batch, n, hidden, dtype, device, incoming):
+    """(the sharded contraction as the forward runs it, its products alone, its transfers alone) on random
+    planes of this rank's rows. Hidden share: (products + transfers - contraction) / transfers."""
     rows = ring.counts[ring.rank]
-    planes = lambda r, c: torch.randn(batch, hidden, r, c, device=device).to(dtype)  # noqa: E731
-    a_t, b_t = planes(rows, n), planes(rows, n)
-    a_cols = planes(n, rows)  # (incoming: a's column block after the all-to-all)
-    blocks = [planes(ring.counts[s], n) for s in range(ring.world)]
-    columns = ring.columns
-
-    def products():
-        for s, block in enumerate(blocks):
-            if incoming:
-                a_cols[:, :, columns[s]].transpose(-1, -2) @ block
-            else:
-                a_t @ block.transpose(-1, -2)
-    return (lambda: ti._ShardedContraction.apply(a_t, b_t, ring, incoming), products,
+    a_t = torch.randn(batch, hidden, rows, n, device=device).to(dtype)
+    b_t = torch.randn(batch, hidden, rows, n, device=device).to(dtype)
+    return (lambda: ti._ShardedContraction.apply(a_t, b_t, ring, incoming),
+            lambda: ti._ShardedContraction.apply(a_t, b_t, silent, incoming),
             transfers_only(ring, batch, n, hidden, dtype, device, incoming))
 
 
-def bandwidth(device, megabytes=256):
-    """GB/s of a send from rank 0 to rank 1 (one direction), timed on rank 1."""
-    if dist.get_world_size() < 2:
+def link_rates(device, log, megabytes=256):
+    """GB/s of a send from rank 0 to rank 1 alone, and of the ring's exchange (every rank sending a block to
+    rank + 1 and one to rank - 1 at once, receiving two: the contraction ring's pattern), per direction and
+    out of each GPU in all. Logged by every rank; returned for rank 0's line."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world < 2:
         return None
     if dist.get_backend() == "gloo":  # (gloo's point-to-point calls take CPU tensors only: its TCP rate)
         device = torch.device("cpu")
-    buffer = torch.empty(megabytes << 18, dtype=torch.float32, device=device)
+    block = torch.empty(megabytes << 19, dtype=torch.bfloat16, device=device)
     clock = Clock(device)
-    rank = dist.get_rank()
+    ring = ti._Ring(dist.group.WORLD, 0, device)
 
-    def run():
+    def one_way():
         if rank == 0:
-            dist.send(buffer, 1)
+            dist.send(block, 1)
         elif rank == 1:
-            dist.recv(buffer, 0)
-    seconds = timed(clock, run, 5)["median_ms"] / 1e3  # (every rank: the CPU clock's barriers are collective)
-    return None if rank != 1 else buffer.numel() * 4 / seconds / 1e9
+            dist.recv(block, 0)
+
+    def exchange():
+        waits = [ring.shift(block, block.shape[0], 0, 1)]
+        if world > 2:
+            waits.append(ring.shift(block, block.shape[0], 0, -1))
+        for wait in waits:
+            wait()
+    bytes_ = block.numel() * block.element_size()
+    one = bytes_ / (timed(clock, one_way, 5)["median_ms"] / 1e3) / 1e9
+    seconds = timed(clock, exchange, 5)["median_ms"] / 1e3
+    directions = 2 if world > 2 else 1
+    rates = {"one_way_0_to_1_gbps": one if rank == 1 else None, "ring_per_direction_gbps": bytes_ / seconds / 1e9,
+             "ring_out_of_gpu_gbps": directions * bytes_ / seconds / 1e9}
+    log(kind="links", **rates)
+    gathered = torch.tensor([one if rank == 1 else 0.0, rates["ring_per_direction_gbps"]], dtype=torch.float64,
+                            device=device if device.type == "cuda" else "cpu")
+    values = [torch.empty_like(gathered) for _ in range(world)]
+    dist.all_gather(values, gathered)
+    return values[1][0].item(), min(v[1].item() for v in values), directions
 
 
-def bench_shape(shape, args, device):
+def memory_probe(device):
+    """(start(), stop() -> (peak MiB above what was allocated at start, peak MiB in all)) on CUDA; Nones else."""
+    if device.type != "cuda":
+        return (lambda: None), (lambda: (None, None))
+    state = {}
+
+    def start():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        state["base"] = torch.cuda.memory_allocated()
+
+    def stop():
+        peak = torch.cuda.max_memory_allocated()
+        return (peak - state["base"]) / 2**20, peak / 2**20
+    return start, stop
+
+
+def bench_shape(shape, args, device, log):
+    """Every measurement of one shape on this rank, each logged as soon as it is made; rank 0's summary values."""
     batch, n, pair_dim, hidden = shape
     world, rank = dist.get_world_size(), dist.get_rank()
     dtype = DTYPES[args.dtype]
-    model = ti.ModelNew(pair_dim, hidden, args.direction, "normalized", precision=args.precision,
+    model = ti.ModelNew(pair_dim, hidden, args.direction, args.gate_input, precision=args.precision,
                         process_group=dist.group.WORLD).to(device=device, dtype=dtype)
     rows = ti.shard_rows(n, world, rank)
     g = torch.Generator().manual_seed(0)
     pair = torch.randn(batch, len(rows), n, pair_dim, generator=g).to(device=device, dtype=dtype)
     mask = torch.ones(batch, len(rows), n, dtype=torch.bool, device=device)
     clock = Clock(device)
-    ring = ti._Ring(dist.group.WORLD, n, device)
+    start, stop = memory_probe(device)
     incoming = args.direction == "incoming"
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+    key = {"shape": list(shape), "rows": len(rows)}
+    inputs_mib = (pair.numel() * pair.element_size() + mask.numel()) / 2**20
+    start()
     with torch.no_grad():
         forward = timed(clock, lambda: model(pair, mask), args.reps)
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else None
-    contraction, products, transfers = contraction_parts(ring, batch, n, hidden, dtype, device, incoming)
-    with torch.no_grad():
-        result = {"rank": rank, "rows": len(rows), "forward": forward,
-                  "bytes_sent": transfer_bytes(ring, batch, n, hidden, pair.element_size(), incoming),
-                  "contraction": timed(clock, contraction, args.reps), "products": timed(clock, products, args.reps),
-                  "transfers": timed(clock, transfers, args.reps)}
-    moving = result["transfers"]["median_ms"]
-    overlap = result["products"]["median_ms"] + moving - result["contraction"]["median_ms"]
-    result["hidden_share"] = min(1.0, max(0.0, overlap / moving)) if moving > 0 else float("nan")
-    result["peak_mib_forward"] = peak  # (the forward's alone: the parts below allocate planes of their own)
+    above, total = stop()
+    log(kind="forward", **key, **forward, peak_above_inputs_mib=above, peak_mib=total, inputs_mib=inputs_mib)
+    summary = {"forward_ms": forward["median_ms"], "peak_mib": total}
     if args.backward:
         leaf = pair.clone().requires_grad_()
 
         def step():
             model.zero_grad(set_to_none=True)
             model(leaf, mask).float().square().mean().backward()
-        result["training_step"] = timed(clock, step, args.reps)
-    return gather_results(result, device)
+        start()
+        training = timed(clock, step, args.reps)
+        above, total = stop()
+        log(kind="training_step", **key, **training, peak_above_inputs_mib=above, peak_mib=total,
+            inputs_mib=inputs_mib)
+        summary.update(step_ms=training["median_ms"], step_peak_mib=total)
+        del leaf
+        model.zero_grad(set_to_none=True)
+    del pair, mask, model
+    ring = ti._Ring(dist.group.WORLD, n, device)
+    silent = SilentRing(dist.group.WORLD, n, device)
+    element = DTYPES[args.dtype].itemsize
+    parts = contraction_parts(ring, silent, batch, n, hidden, dtype, device, incoming)
+    with torch.no_grad():
+        measured = {name: timed(clock, fn, args.reps) for name, fn in zip(("contraction", "products", "transfers"),
+                                                                            parts)}
+    del parts
+    moving = measured["transfers"]["median_ms"]
+    hidden_share = (measured["products"]["median_ms"] + moving - measured["contraction"]["median_ms"]) / moving \
+        if moving > 0 and world > 1 else None
+    log(kind="contraction_parts", **key, **{f"{k}_median_ms": v["median_ms"] for k, v in measured.items()},
+        **{f"{k}_p10_ms": v["p10_ms"] for k, v in measured.items()},
+        **{f"{k}_p90_ms": v["p90_ms"] for k, v in measured.items()}, hidden_share=hidden_share,
+        bytes_forward=transfer_bytes(ring, batch, n, hidden, element, incoming),
+        bytes_backward=backward_bytes(ring, batch, n, hidden, element, incoming))
+    summary.update(contraction_ms=measured["contraction"]["median_ms"], transfers_ms=moving,
+                   hidden_share=float("nan") if hidden_share is None else hidden_share,
+                   bytes_forward=transfer_bytes(ring, batch, n, hidden, element, incoming))
+    return summary
 
 
-_FIELDS = ("rows", "bytes_sent", "peak_mib_forward", "hidden_share")
-_TIMES = ("forward", "contraction", "products", "transfers", "training_step")
+_SUMMARY = ("forward_ms", "peak_mib", "step_ms", "step_peak_mib", "contraction_ms", "transfers_ms", "hidden_share",
+            "bytes_forward")
 
 
-def gather_results(result, device):
-    """Every rank's result dict (numbers only) on every rank, through one all-gather of a float64 vector
-    (all_gather_object needs numpy, which the machines may not have)."""
-    values = [float(result.get(k) if result.get(k) is not None else float("nan")) for k in _FIELDS]
-    for name in _TIMES:
-        times = result.get(name, {})
-        values += [times.get(k, float("nan")) for k in ("median_ms", "p10_ms", "p90_ms")]
-    mine = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+def rank_summaries(summary, device):
+    """Every rank's summary values on every rank (one all-gather of a float64 vector; NaN where not measured)."""
+    mine = torch.tensor([float("nan") if summary.get(k) is None else float(summary[k]) for k in _SUMMARY],
+                        dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
-    out = []
-    for rank, vector in enumerate(gathered):
-        v = vector.tolist()
-        entry = {"rank": rank, **{k: v[i] for i, k in enumerate(_FIELDS)}}
-        for j, name in enumerate(_TIMES):
-            base = len(_FIELDS) + 3 * j
-            if v[base] == v[base]:  # (not NaN: timed)
-                entry[name] = {"median_ms": v[base], "p10_ms": v[base + 1], "p90_ms": v[base + 2]}
-        out.append(entry)
-    return out
+    return [dict(zip(_SUMMARY, v.tolist())) for v in gathered]
+
+
+def _worst(ranks, key, pick=max):
+    values = [r[key] for r in ranks if r[key] == r[key]]
+    return pick(values) if values else None
+
+
+def shape_line(shape, args, ranks) -> str:
+    parts = [f"{tuple(shape)} P={len(ranks)} {args.dtype} {args.direction}: forward "
+             f"{_worst(ranks, 'forward_ms'):.2f} ms (slowest rank)"]
+    if _worst(ranks, "step_ms") is not None:
+        parts.append(f"training step {_worst(ranks, 'step_ms'):.2f} ms")
+    parts.append(f"contraction {_worst(ranks, 'contraction_ms'):.2f} ms, its transfers alone "
+                 f"{_worst(ranks, 'transfers_ms'):.2f} ms")
+    if _worst(ranks, "hidden_share", min) is not None:
+        parts.append(f"hidden {_worst(ranks, 'hidden_share', min):.0%} (least of the ranks)")
+    parts.append(f"{_worst(ranks, 'bytes_forward') / 1e6:.1f} MB sent per rank")
+    if _worst(ranks, "peak_mib") is not None:
+        parts.append(f"peak {_worst(ranks, 'peak_mib'):.0f} MiB per rank in all")
+    return ", ".join(parts)
+
+
+def _commit() -> str:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        import subprocess
+        head = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (head or "unknown") + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run(args):
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(args.device or (f"cuda:{local}" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
+    # (a rank that fails leaves the others in a collective: the group's timeout ends their wait)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        log = Log(args.jsonl, {"world": world, "rank": rank, "direction": args.direction, "dtype": args.dtype,
+                               "precision": args.precision, "gate_input": args.gate_input})
+        log(kind="run", command=" ".join(sys.argv), backend=backend, torch=torch.__version__,
+            device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=args.commit or _commit())
+        rates = link_rates(device, log) if args.links else None
+        if rank == 0 and rates:
+            print(f"links: rank 0 -> 1 alone {rates[0]:.1f} GB/s; ring exchange {rates[1]:.1f} GB/s per direction "
+                  f"(slowest rank), {rates[1] * rates[2]:.1f} GB/s out of each GPU", flush=True)
+        for shape in sorted(args.shapes, key=lambda s: s[0] * s[1] ** 3 * s[3]):
+            ranks = rank_summaries(bench_shape(shape, args, device, log), device)
+            if rank == 0:
+                print(shape_line(shape, args, ranks), flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        dist.barrier()  # (no rank tears its connections down while a peer still uses them)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- --summarize: the efficiency table from the JSON lines of any number of runs ----------------------------
+def read_records(paths):
+    records = []
+    for path in paths:
+        with open(path) as f:
+            records += [json.loads(line) for line in f if line.strip()]
+    return records
+
+
+def _slowest(records, kind, shape, world, direction, field="median_ms"):
+    values = [r[field] for r in records if r["kind"] == kind and r["shape"] == shape and r["world"] == world
+              and r["direction"] == direction and r.get(field) is not None]
+    return (max(values), len(values)) if values else (None, 0)
+
+
+def _baseline(records, kind, shape, direction):
+    """P = 1's time of this shape, or ("~", time) scaled by N³ from the largest N that ran at P = 1."""
+    same, _ = _slowest(records, kind, shape, 1, direction)
+    if same is not None:
+        return same, ""
+    ran = [r for r in records if r["kind"] == kind and r["world"] == 1 and r["direction"] == direction
+           and r["shape"][0] == shape[0] and r["shape"][2:] == shape[2:]]
+    if not ran:
+        return None, ""
+    largest = max(ran, key=lambda r: r["shape"][1])
+    return largest["median_ms"] * (shape[1] / largest["shape"][1]) ** 3, "~"
+
+
+def _format(value, spec, missing="—"):
+    return missing if value is None else format(value, spec)
+
+
+def summarize(paths, fused: dict) -> str:
+    from shard_model import predict  # (bench/ is on the path: this file's folder)
+    records = read_records(paths)
+    rows = ["| direction | B,N,C,H | P | ranks | forward ms | eff. vs P=1 | eff. vs fused | predicted ms (eff.) | "
+            "step ms | step eff. vs P=1 | hidden | MB sent fwd / bwd per rank | peak GiB per rank (fwd / step) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["direction"], tuple(r["shape"]), r["world"]) for r in records if r["kind"] == "forward"},
+                  key=lambda k: (k[0], k[1][1], k[2]))
+    for direction, shape, world in keys:
+        shape = list(shape)
+        forward, count = _slowest(records, "forward", shape, world, direction)
+        base, approx = _baseline(records, "forward", shape, direction)
+        step, _ = _slowest(records, "training_step", shape, world, direction)
+        step_base, step_approx = _baseline(records, "training_step", shape, direction)
+        parts = [r for r in records if r["kind"] == "contraction_parts" and r["shape"] == shape
+                 and r["world"] == world and r["direction"] == direction]
+        hidden = min((r["hidden_share"] for r in parts if r.get("hidden_share") is not None), default=None)
+        sent = max((r["bytes_forward"] for r in parts), default=None)
+        sent_back = max((r["bytes_backward"] for r in parts), default=None)
+        peak, _ = _slowest(records, "forward", shape, world, direction, "peak_mib")
+        step_peak, _ = _slowest(records, "training_step", shape, world, direction, "peak_mib")
+        n = shape[1]
+        fused_ms = fused.get(n)
+        predicted = None
+        if world > 1 and shape[0] == 1 and shape[3] == 128 and n in (4096, 8192, 16384):
+            total, *_, outgoing, incoming = predict(n, world, None, 450e9)
+            predicted = (outgoing if direction == "outgoing" else incoming) * 1e3, total / world / (
+                outgoing if direction == "outgoing" else incoming)
+        rows.append(
+            f"| {direction} | {','.join(map(str, shape))} | {world} | {count}/{world} | {_format(forward, '.2f')} | "
+            f"{approx}{_format(base / world / forward if base and forward else None, '.2f')} | "
+            f"{_format(fused_ms / world / forward if fused_ms and forward else None, '.2f')} | "
+            f"{'—' if predicted is None else f'{predicted[0]:.1f} ({predicted[1]:.2f})'} | {_format(step, '.2f')} | "
+            f"{step_approx}{_format(step_base / world / step if step_base and step else None, '.2f')} | "
+            f"{_format(hidden, '.0%')} | {_format(sent and sent / 1e6, '.0f')} / "
+            f"{_format(sent_back and sent_back / 1e6, '.0f')} | {_format(peak and peak / 1024, '.1f')} / "
+            f"{_format(step_peak and step_peak / 1024, '.1f')} |")
+    links = [r for r in records if r["kind"] == "links"]
+    lines = rows
+    for world in sorted({r["world"] for r in links}):
+        at = [r for r in links if r["world"] == world]
+        one = [r["one_way_0_to_1_gbps"] for r in at if r.get("one_way_0_to_1_gbps")]
+        ring = [r["ring_per_direction_gbps"] for r in at]
+        lines.append(f"\nP = {world} links: rank 0 -> 1 alone {_format(max(one, default=None), '.1f')} GB/s; ring "
+                     f"exchange {min(ring):.1f}-{max(ring):.1f} GB/s per direction per rank")
+    runs = {(r["world"], r["direction"], r.get("commit"), r.get("device")) for r in records if r["kind"] == "run"}
+    lines.append("\nRuns: " + "; ".join(f"P = {w} {d} (commit {c}, {dev})" for w, d, c, dev in sorted(runs, key=str)))
+    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -190,50 +427,24 @@ def main(argv=None):
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("1,4096,128,128"))
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--precision", default="medium")
+    parser.add_argument("--gate-input", choices=ti.GATE_INPUTS, default="normalized")
     parser.add_argument("--direction", choices=ti.DIRECTIONS, default="outgoing")
-    parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--backward", action="store_true", help="also the training step")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
     parser.add_argument("--device", default=None, help="default: cuda:<LOCAL_RANK> where CUDA exists, else cpu")
-    parser.add_argument("--json")
+    parser.add_argument("--timeout", type=float, default=120.0, help="the process group's, seconds")
+    parser.add_argument("--no-links", dest="links", action="store_false", help="skip the bandwidth measurement")
+    parser.add_argument("--commit", help="recorded in the run's line (default: git's HEAD here, +dirty)")
+    parser.add_argument("--jsonl", help="append every rank's records here, one JSON line each")
+    parser.add_argument("--summarize", nargs="+", metavar="JSONL", help="print the table of these runs and exit")
+    parser.add_argument("--fused", default="", help='one-GPU fused forward ms by N for the table: "8192=257,..."')
     args = parser.parse_args(argv)
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(args.device or (f"cuda:{local}" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = args.backend or ("nccl" if device.type == "cuda" else "gloo")
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=5))
-    try:
-        report = {"command": " ".join(sys.argv), "world": dist.get_world_size(), "backend": backend,
-                  "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
-                  "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                  "bandwidth_gbps_0_to_1": None, "shapes": {}}
-        rate = torch.tensor([bandwidth(device) or 0.0], dtype=torch.float64,
-                            device=device if device.type == "cuda" else "cpu")
-        dist.all_reduce(rate)  # (only rank 1's is not zero)
-        report["bandwidth_gbps_0_to_1"] = rate.item() if dist.get_world_size() > 1 else None
-        for shape in args.shapes:
-            ranks = bench_shape(shape, args, device)
-            report["shapes"][",".join(map(str, shape))] = ranks
-            if dist.get_rank() == 0:
-                slowest = max(r["forward"]["median_ms"] for r in ranks)
-                print(f"{shape} P={len(ranks)} {args.dtype} {args.direction}: forward {slowest:.2f} ms (slowest "
-                      f"rank), contraction {max(r['contraction']['median_ms'] for r in ranks):.2f} ms, its "
-                      f"transfers alone {max(r['transfers']['median_ms'] for r in ranks):.2f} ms, hidden "
-                      f"{min(r['hidden_share'] for r in ranks):.0%} (least of the ranks), "
-                      f"{max(r['bytes_sent'] for r in ranks) / 1e6:.1f} MB sent per rank"
-                      + (f", training step {max(r['training_step']['median_ms'] for r in ranks):.2f} ms"
-                         if args.backward else "")
-                      + (f", peak {max(r['peak_mib_forward'] for r in ranks):.0f} MiB"
-                         if ranks[0]["peak_mib_forward"] == ranks[0]["peak_mib_forward"] else ""), flush=True)
-        if dist.get_rank() == 0:
-            print(f"point-to-point bandwidth rank 0 -> 1: {report['bandwidth_gbps_0_to_1']} GB/s", flush=True)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(report, f, indent=1)
-        dist.barrier()  # (no rank tears its connections down while a peer still uses them)
-    finally:
-        dist.destroy_process_group()
+    if args.summarize:
+        fused = {int(k): float(v) for k, v in (item.split("=") for item in args.fused.split(",") if item)}
+        print(summarize(args.summarize, fused))
+        return
+    run(args)
 
 
 if __name__ == "__main__":
