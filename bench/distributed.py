@@ -142,8 +142,8 @@ def contraction_parts(ring, silent, batch, n, hidden, dtype, device, incoming):
     """(the sharded contraction as the forward runs it, its products alone, its transfers alone) on random
     planes of this rank's rows. Hidden share: (products + transfers - contraction) / transfers."""
     rows = ring.counts[ring.rank]
-    a_t = torch.randn(batch, hidden, rows, n, device=device).to(dtype)
-    b_t = torch.randn(batch, hidden, rows, n, device=device).to(dtype)
+    a_t = torch.randn(batch, hidden, rows, n, device=device, dtype=dtype)
+    b_t = torch.randn(batch, hidden, rows, n, device=device, dtype=dtype)
     return (lambda: ti._ShardedContraction.apply(a_t, b_t, ring, incoming),
             lambda: ti._ShardedContraction.apply(a_t, b_t, silent, incoming),
             transfers_only(ring, batch, n, hidden, dtype, device, incoming))
@@ -213,8 +213,8 @@ def bench_shape(shape, args, device, log):
     model = ti.ModelNew(pair_dim, hidden, args.direction, args.gate_input, precision=args.precision,
                         process_group=dist.group.WORLD).to(device=device, dtype=dtype)
     rows = ti.shard_rows(n, world, rank)
-    g = torch.Generator().manual_seed(0)
-    pair = torch.randn(batch, len(rows), n, pair_dim, generator=g).to(device=device, dtype=dtype)
+    g = torch.Generator(device).manual_seed(rank)  # (drawn where it lives, in its dtype: no fp32 copy on the host)
+    pair = torch.randn(batch, len(rows), n, pair_dim, generator=g, device=device, dtype=dtype)
     mask = torch.ones(batch, len(rows), n, dtype=torch.bool, device=device)
     clock = Clock(device)
     start, stop = memory_probe(device)

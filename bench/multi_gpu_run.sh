@@ -1,34 +1,73 @@
 #!/bin/bash
-# bench/multi_gpu_run.sh OUT P [SHAPES] [--backward]: one device call of the multi-GPU issue's run on a machine of
-# P GPUs (NCCL, one rank per GPU; the machine's NCCL settings as they are), logs and JSON under OUT: the build, the
-# NCCL tests (test_sharded_nccl_one_rank_per_gpu), then bench/distributed.py under torchrun for each shape, both
-# directions, bf16 in/out, medium: forward time (and with --backward the training step), bytes sent per rank,
-# the share of transfers hidden, per-rank peak memory and the point-to-point bandwidth between ranks 0 and 1.
-# P = 1 runs the one-GPU baseline of the same shapes (bench.py's long forward). SHAPES: bench.py's format, default
-# "1,4096,128,128;1,8192,128,128". A call is ten minutes at most: split long lists of shapes over several calls.
-#   bench/multi_gpu_run.sh $OUT 8 "1,8192,128,128"
-#   bench/multi_gpu_run.sh $OUT 8 "1,16384,128,128"
+# bench/multi_gpu_run.sh OUT "P ..." [SHAPES] [--backward] [--tests] [--budget SECONDS]
+# One device call of the multi-GPU issue's run on a machine of several GPUs (NCCL, one rank per GPU; the
+# machine's NCCL settings as they are): the build; with --tests the sharded and distributed tests (NCCL at 2, 4
+# and all GPUs); then for each P of the list bench/distributed.py under torchrun on P of the GPUs, both
+# directions, bf16 in/out, medium, normalized gate (with --backward the training step too). Every rank's records
+# go to OUT/distributed.jsonl as measured (a failure or timeout keeps what came before it); OUT/summary.md is
+# the table (efficiency against P = 1 where P = 1 ran, against the fused one-GPU forward given as
+# FUSED="4096=38.4,8192=257"). The steps share the budget (default 570 s of a call's 600): each torchrun gets
+# the time left over the runs left, the group's timeout 60 s, so a rank that fails cannot hold the others
+# longer. Six files under OUT: run.txt (commit, GPUs, topology, NCCL settings), build.log, tests.log,
+# distributed.log, distributed.jsonl, summary.md. The commit: $COMMIT if set (the device's git metadata may
+# be stale), else git's HEAD here, "+dirty" with uncommitted changes.
+#   bench/multi_gpu_run.sh $OUT "1 2 4 8" "1,4096,128,128;1,8192,128,128" --tests
+#   bench/multi_gpu_run.sh $OUT "8" "1,16384,128,128"
 set -uo pipefail
-out=${1:?usage: bench/multi_gpu_run.sh OUT P [SHAPES] [--backward]}
-gpus=${2:?usage: bench/multi_gpu_run.sh OUT P [SHAPES] [--backward]}
-shapes=${3:-"1,4096,128,128;1,8192,128,128"}
-backward=${4:-}
+usage='usage: bench/multi_gpu_run.sh OUT "P ..." [SHAPES] [--backward] [--tests] [--budget SECONDS]'
+out=$(realpath -m "${1:?$usage}")
+worlds=${2:?$usage}
+shift 2
+shapes="1,4096,128,128;1,8192,128,128"
+backward="" tests="" budget=570
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --backward) backward=--backward ;;
+    --tests) tests=1 ;;
+    --budget) budget=$2; shift ;;
+    -*) echo "$usage" >&2; exit 2 ;;
+    *) shapes=$1 ;;
+  esac
+  shift
+done
+start=$SECONDS
+left() { echo $((budget - (SECONDS - start))); }
+mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-.build}
-git log --oneline -1 > "$out/commit.txt" 2>/dev/null
-nvidia-smi topo -m > "$out/topology.txt" 2>&1
-python3 trimul_inline.py build > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
-if [ "$gpus" -gt 1 ]; then
-  timeout 180 python3 -m pytest -q test_trimul.py -k "nccl_one_rank_per_gpu" > "$out/nccl-tests.log" 2>&1
-  tail -n 1 "$out/nccl-tests.log"
-  for direction in outgoing incoming; do
-    timeout 240 torchrun --nproc-per-node="$gpus" bench/distributed.py --shapes "$shapes" --dtype bf16 \
-      --direction "$direction" $backward --json "$out/distributed-P$gpus-$direction.json" \
-      > "$out/distributed-P$gpus-$direction.log" 2>&1
-    grep -E "P=|bandwidth" "$out/distributed-P$gpus-$direction.log"
-  done
-else
-  timeout 400 python3 bench.py --shapes "$shapes" --bf16-inputs --contenders new-bf16 --precision medium \
-    --json "$out/one-gpu.json" > "$out/one-gpu.log" 2>&1
-  grep -v -i warn "$out/one-gpu.log" | tail -12
+commit=${COMMIT:-$(git rev-parse --short HEAD 2>&1)$([ -n "$(git status --porcelain --untracked-files=no 2>&1)" ] && echo +dirty)}
+{
+  echo "date: $(date -u +%FT%TZ)"; echo "commit: $commit"; echo "worlds: $worlds; shapes: $shapes $backward"
+  nvidia-smi -L; nvidia-smi topo -m; env | grep '^NCCL_' | sort
+} > "$out/run.txt" 2>&1
+echo "commit $commit; $(nvidia-smi -L 2>/dev/null | wc -l) GPUs"
+if ! timeout $(( $(left) < 240 ? $(left) : 240 )) python3 trimul_inline.py build > "$out/build.log" 2>&1; then
+  tail -20 "$out/build.log"; exit 1
 fi
+if [ -n "$tests" ]; then
+  timeout $(( $(left) < 200 ? $(left) : 200 )) python3 -m pytest -q -rs test_trimul.py \
+    -k "nccl_one_rank_per_gpu or sharded or distributed" > "$out/tests.log" 2>&1
+  echo "tests (rc $?): $(tail -n 1 "$out/tests.log")"
+  grep -E "^(FAILED|SKIPPED)" "$out/tests.log" | head -10
+fi
+runs=0
+for p in $worlds; do runs=$((runs + 2)); done
+for p in $worlds; do
+  for direction in outgoing incoming; do
+    slot=$(( $(left) / runs ))
+    runs=$((runs - 1))
+    if [ "$slot" -lt 30 ]; then
+      echo "P=$p $direction: skipped, ${slot} s left for it"; continue
+    fi
+    echo "== P=$p $direction ($slot s)" >> "$out/distributed.log"
+    timeout "$slot" torchrun --nproc-per-node="$p" bench/distributed.py --shapes "$shapes" --dtype bf16 \
+      --direction "$direction" $backward --timeout 60 --commit "$commit" --jsonl "$out/distributed.jsonl" \
+      >> "$out/distributed.log" 2>&1
+    rc=$?
+    sed -n "/^== P=$p $direction /,\$p" "$out/distributed.log" | grep -E "P=$p |^links" 
+    [ "$rc" -ne 0 ] && sed -n "/^== P=$p $direction /,\$p" "$out/distributed.log" | \
+      grep -E "Error|error|Killed|Timeout" | tail -3 && echo "P=$p $direction: rc $rc"
+  done
+done
+python3 bench/distributed.py --summarize "$out/distributed.jsonl" --fused "${FUSED:-}" > "$out/summary.md" 2>&1
+cat "$out/summary.md"

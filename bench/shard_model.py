@@ -1,55 +1,68 @@
 """bench/shard_model.py — the sharded forward's predicted time per rank (DESIGN.md, "Sharded over ranks").
 
-    python bench/shard_model.py [--rate 700] [--bandwidth 450]
+    python bench/shard_model.py [--rate 680] [--egress 360] [--per-position-ns 2.0]
 
-Inputs: one-GPU forward times (bf16 in/out, C = H = 128) measured on an H200, 39 ms at N = 4096 and 363 ms at
-N = 8192 (issue 25's measurements); their per-position part taken as 11 ms x (N / 8192)^2 (the passes at
-N = 8192), the rest the contraction, 2 N^3 H FLOP; N = 16384 extrapolated at 450 TFLOP/s. --rate replaces the
-contraction's rate (TFLOP/s) at every N. Link bandwidth per direction (GB/s): NVLink on H200 systems, ~450.
-Model (outgoing): per-position work / P, then P block products of (N/P) x N x N/P x H each; blocks of b
-((N/P) x N x H bf16) travel both ways round the ring, the next ones in flight during the products in hand, so a
-step costs max(products in hand, one block's transfer). Incoming adds one all-to-all of a ((P-1)/P of a rank's
-block), not overlapped. Efficiency: (one-GPU time / P) / predicted time.
+Inputs: the fused one-GPU forward (bf16 in/out, C = H = 128, normalized gate) measured on an H200, 38.4 ms at
+N = 4096 and 257 ms at N = 8192, of which its two passes ~47 ms x (N / 8192)^2 and the rest the contraction,
+2 N^3 H FLOP (N = 12288 and 16384 at --rate, default 680 TFLOP/s, the contraction's rate at N = 8192). The
+sharded path's per-position layers are PyTorch ops, not the fused passes: --per-position-ns of GPU time per
+position (default 2.0: ~6 KB of traffic per position at ~3 TB/s; a range of 1-3.5 is plausible), divided by P.
+Links: each GPU's NVLink egress (--egress GB/s, default 360: the all-reduce bus bandwidth measured on these
+machines) is shared by the ring's two directions, so a step that sends a block each way takes two blocks'
+bytes / egress. Model (outgoing): per-position work / P, then P block products of (N/P) x N x N/P x H each;
+blocks of b travel both ways round the ring, the next ones in flight during the products in hand, so a step
+costs max(products in hand, its transfers). Incoming adds one all-to-all of a ((P-1)/P of a rank's block),
+not overlapped. Efficiency against the fused one-GPU forward: (fused / P) / predicted; against P = 1 of the
+same code: (contraction + per-position work at P = 1) / P / predicted.
 """
 import argparse
 
-MEASURED = {4096: 39e-3, 8192: 363e-3}  # one-GPU forward, seconds
+MEASURED = {4096: 38.4e-3, 8192: 257e-3}  # fused one-GPU forward, seconds
+FUSED_PASSES_8192 = 47e-3  # its input and output passes at N = 8192
 HIDDEN, BYTES = 128, 2
 
 
 def one_gpu(n, rate):
-    per_position = 11e-3 * (n / 8192) ** 2
-    flops = 2 * n ** 3 * HIDDEN
+    """(contraction, fused passes) seconds at N."""
+    passes = FUSED_PASSES_8192 * (n / 8192) ** 2
     if rate is None and n in MEASURED:
-        return MEASURED[n] - per_position, per_position
-    return flops / (rate or 450e12), per_position
+        return MEASURED[n] - passes, passes
+    return 2 * n ** 3 * HIDDEN / (rate or 680e12), passes
 
 
-def predict(n, p, rate, bandwidth):
-    contraction, per_position = one_gpu(n, rate)
+def predict(n, p, rate, egress, per_position_ns=2.0):
+    """(fused one-GPU s, sharded P = 1 s, block product s, a step's transfers s, outgoing s, incoming s) per rank."""
+    contraction, passes = one_gpu(n, rate)
+    per_position = per_position_ns * 1e-9 * n * n
     product = contraction / p ** 2  # one block's products
-    transfer = (n / p) * n * HIDDEN * BYTES / bandwidth
+    block = (n / p) * n * HIDDEN * BYTES
+    directions = 2 if p > 2 else 1
+    transfer = directions * block / egress  # (both ways at once share the GPU's egress)
     steps = p // 2 + 1
-    exposed = sum(max(0.0, transfer - (product if d == 0 else 2 * product)) for d in range(steps - 1))
+    exposed = sum(max(0.0, transfer - (product if d == 0 else directions * product)) for d in range(steps - 1))
     outgoing = per_position / p + p * product + exposed
-    all_to_all = (n / p) * n * HIDDEN * BYTES * (p - 1) / p / bandwidth
-    total = contraction + per_position
-    return total, product, transfer, outgoing, outgoing + all_to_all
+    all_to_all = block * (p - 1) / p / egress
+    return contraction + passes, contraction + per_position, product, transfer, outgoing, outgoing + all_to_all
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rate", type=float, help="contraction TFLOP/s (default: the measured times)")
-    parser.add_argument("--bandwidth", type=float, default=450.0, help="GB/s per link direction")
+    parser.add_argument("--egress", type=float, default=360.0, help="GB/s out of each GPU, both ring directions")
+    parser.add_argument("--per-position-ns", type=float, default=2.0, help="the sharded layers' ns per position")
     args = parser.parse_args()
     rate = args.rate * 1e12 if args.rate else None
-    print("| N | P | one GPU ms | block product ms | block transfer ms | outgoing ms (eff) | incoming ms (eff) |")
-    print("|---|---|---|---|---|---|---|")
-    for n in (4096, 8192, 16384):
+    print("| N | P | fused one GPU ms | sharded P=1 ms | block product ms | step transfers ms | outgoing ms "
+          "(eff. vs fused / vs P=1) | incoming ms (eff. vs fused / vs P=1) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in (4096, 8192, 12288, 16384):
         for p in (2, 4, 8):
-            total, product, transfer, outgoing, incoming = predict(n, p, rate, args.bandwidth * 1e9)
-            print(f"| {n} | {p} | {total * 1e3:.1f} | {product * 1e3:.2f} | {transfer * 1e3:.2f} | "
-                  f"{outgoing * 1e3:.1f} ({total / p / outgoing:.2f}) | {incoming * 1e3:.1f} ({total / p / incoming:.2f}) |")
+            fused, single, product, transfer, outgoing, incoming = predict(n, p, rate, args.egress * 1e9,
+                                                                           args.per_position_ns)
+            print(f"| {n} | {p} | {fused * 1e3:.1f} | {single * 1e3:.1f} | {product * 1e3:.2f} | "
+                  f"{transfer * 1e3:.2f} | {outgoing * 1e3:.1f} ({fused / p / outgoing:.2f} / "
+                  f"{single / p / outgoing:.2f}) | {incoming * 1e3:.1f} ({fused / p / incoming:.2f} / "
+                  f"{single / p / incoming:.2f}) |")
 
 
 if __name__ == "__main__":
