@@ -830,13 +830,20 @@ def _param_list_eager(layers: "_TriMulLayers"):
     _param_list itself under torch.compile (what dynamo traces)."""
     if torch.compiler.is_compiling():
         return _param_list(layers)
+    direct = _own_parameters(layers)
+    return _param_list(layers) if direct is None else direct
+
+
+def _own_parameters(layers: "_TriMulLayers"):
+    """The 16 parameters from the submodules' own parameter dicts (Parameters or None), or None where they live
+    elsewhere (a parametrization's computed weight, a host layer's tensors)."""
     try:
         if layers.__dict__.get("_source") is None:
             modules = layers._modules
             return [modules[module]._parameters[name] for module, name in _PARAM_PATHS]
     except KeyError:
         pass
-    return _param_list(layers)
+    return None
 
 
 def _with_zero_biases(params):
@@ -2574,11 +2581,14 @@ class ModelNew(_TriMulLayers):
         """(prepared weights, whether they were just (re)made). Cached by the parameters' addresses and
         version counters, which only a Parameter (or a view of one: a host's fused half) keeps: a computed
         weight (a parametrization's, fresh at every access, its address reused) is prepared every call."""
-        params = _param_list_eager(self)
+        params = _own_parameters(self)
+        if params is None:
+            params = _param_list(self)
+            if not all(p is None or isinstance(p, nn.Parameter) or isinstance(p._base, nn.Parameter)
+                       for p in params):
+                self._weights_cache.pop(mode, None)
+                return _CachedWeights(prepare_weights(params, mode)), True
         version = [None if p is None else (p.data_ptr(), p._version) for p in params]
-        if not all(p is None or isinstance(p, nn.Parameter) or isinstance(p._base, nn.Parameter) for p in params):
-            self._weights_cache.pop(mode, None)
-            return _CachedWeights(prepare_weights(params, mode)), True
         cached = self._weights_cache.get(mode)
         if cached is not None and cached[0] == version:
             return cached[1], False
