@@ -926,9 +926,12 @@ def test_every_kernel_fits_the_register_file():
 
 _BUNDLE_CHECK = r"""
 import sys, torch, warnings
-namespace = {}
-exec(compile(open(sys.argv[1]).read(), "trimul_notebook.py", "exec"), namespace)
+bundle, here, seed = sys.argv[1:4]
+sys.argv = ["ipykernel_launcher.py", "-f", "kernel.json"]  # (a notebook's argv: not the module's command line)
+namespace = {"__name__": "__main__"}
+exec(open(bundle).read(), namespace)  # (README's recipe, in a namespace named as a notebook's is)
 assert "__file__" not in namespace
+sys.argv[1:] = [bundle, here, seed]
 sys.path.insert(0, sys.argv[2])
 import trimul_inline as original
 assert namespace["kernel_sources"]() == original.kernel_sources()
@@ -5076,6 +5079,32 @@ def test_in_place_update_stays_within_the_pair(direction, monkeypatch):
     assert rel_error(residual, pair + expected) < 1e-12, f"seed {seed}"
 
 
+def test_chunked_forward_of_empty_problems_and_lean_chunks_within_the_pair(monkeypatch):
+    """B = 0 or N = 0: empty updates from every chunked path (as the fused forward gives). update_(lean=True)
+    with a chunk_size asked for (small, or larger than its plan's) stays within the pair's bytes (live storages
+    counted op by op) and gives pair + the update."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model, reference = _float64_models(16, 16, "incoming", "normalized", g)
+    with torch.no_grad():
+        for batch, n in ((0, 4), (1, 0)):
+            pair, mask = torch.randn(batch, n, n, 16, dtype=torch.float64), torch.ones(batch, n, n)
+            assert model(pair, mask, chunk_size=2).shape == pair.shape
+            assert model.forward_chunked(pair, mask).shape == pair.shape and model.update_(pair, mask) is pair
+    monkeypatch.setattr(ti, "_IN_PLACE_LEAST_BUDGET", 1)
+    pair, mask = random_inputs(1, 64, 16, g)
+    with torch.no_grad():
+        expected = reference(pair, mask)
+        for chunk in (4, 16, 48, 64):
+            residual = pair.clone()
+            counter = LiveBytes([residual, mask, *model.parameters()])
+            with counter:
+                model.update_(residual, mask, chunk_size=chunk, lean=True)
+            pair_bytes = residual.numel() * residual.element_size()
+            assert counter.peak <= pair_bytes, f"chunk {chunk}: peak {counter.peak / pair_bytes:.3f}x the pair"
+            assert rel_error(residual, pair + expected) < 1e-12, f"chunk {chunk} (seed {seed})"
+
+
 def test_chunk_plan_fits_its_budget():
     """_chunk_plan's sizes: the chunk's planes within half the budget, a block's and a fill step's temporaries
     within the other half (1 GiB off CUDA), at least one row / column each."""
@@ -5100,6 +5129,14 @@ def test_chunked_forward_refuses_what_it_cannot_do():
                 model(pair, mask, chunk_size=bad)
         with pytest.raises(ValueError, match="out must be like pair_repr"):
             model.forward_chunked(pair, mask, 2, out=pair[:, :3])
+        with pytest.raises(ValueError, match="add=True adds the update into out"):
+            model.forward_chunked(pair, mask, 2, add=True)
+        with pytest.raises(TypeError, match="out must be a tensor"):
+            model.forward_chunked(pair, mask, 2, out=[1])
+        stacked = torch.cat([pair, pair[:, :1]], dim=1)  # (rows 0-4 and, shifted by a row, 1-5: overlapping)
+        for source, out in ((stacked[:, :5], stacked[:, 1:]), (pair, pair.transpose(1, 2))):
+            with pytest.raises(ValueError, match="out overlaps pair_repr without being it"):
+                model.forward_chunked(source, mask, 2, out=out)
         with pytest.raises(ValueError, match="lean must be"):
             model.update_(pair.clone(), mask, lean="yes")
         with pytest.raises(ValueError, match="pair_repr"):

@@ -2493,13 +2493,11 @@ class ModelNew(_TriMulLayers):
                                        or chunk_size < 1):
             raise ValueError(f"trimul_inline: chunk_size must be a positive int (rows per chunk) or None, got "
                              f"{chunk_size!r}")
-        if out is not None and (out.shape != pair_repr.shape or out.dtype != pair_repr.dtype
-                                or out.device != pair_repr.device):
-            raise ValueError(f"trimul_inline: out must be like pair_repr ({tuple(pair_repr.shape)}, "
-                             f"{pair_repr.dtype}, {pair_repr.device}), got {tuple(out.shape)}, {out.dtype}, "
-                             f"{out.device}")
+        _check_chunked_out(pair_repr, out, add)
         if lean is not None and not isinstance(lean, bool):
             raise ValueError(f"trimul_inline: lean must be True, False or None, got {lean!r}")
+        if pair_repr.numel() == 0:  # (B = 0 or N = 0: nothing to update)
+            return torch.empty_like(pair_repr, memory_format=torch.contiguous_format) if out is None else out
         mode = compute_mode(pair_repr.dtype, self.resolved_precision())
         with torch.no_grad(), torch.autocast(pair_repr.device.type, enabled=False):
             return _chunked_update(self, pair_repr, pair_mask, _chunk_operand(pair_repr.dtype, mode), mode,
@@ -2868,6 +2866,35 @@ class _InPlacePlan(NamedTuple):
     fill: int
 
 
+def _check_chunked_out(pair: torch.Tensor, out, add: bool) -> None:
+    """forward_chunked's out: None (a new tensor; then add has nothing to add to), a tensor like pair_repr apart
+    from it, or pair_repr itself (the same view: in place); a view that overlaps pair_repr otherwise would be
+    read after it was written."""
+    if out is None:
+        if add:
+            raise ValueError("trimul_inline: add=True adds the update into out; pass out (update_ adds into pair_repr)")
+        return
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"trimul_inline: out must be a tensor or None, got {type(out).__name__}")
+    if out.shape != pair.shape or out.dtype != pair.dtype or out.device != pair.device:
+        raise ValueError(f"trimul_inline: out must be like pair_repr ({tuple(pair.shape)}, {pair.dtype}, "
+                         f"{pair.device}), got {tuple(out.shape)}, {out.dtype}, {out.device}")
+    same_view = out.data_ptr() == pair.data_ptr() and out.stride() == pair.stride()
+    if not same_view and out.numel() and out.untyped_storage().data_ptr() == pair.untyped_storage().data_ptr():
+        if _ranges_overlap(out, pair):
+            raise ValueError("trimul_inline: out overlaps pair_repr without being it (another view of its "
+                             "memory); pass pair_repr itself for an in-place update, or a separate tensor")
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes from t's first element to one past its last (strides non-negative)."""
+    return (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _ranges_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() < b.data_ptr() + _span_bytes(b) and b.data_ptr() < a.data_ptr() + _span_bytes(a)
+
+
 def _in_place_plan(pair: torch.Tensor, hidden: int, operand: torch.dtype, chunk_size: Optional[int]) -> _InPlacePlan:
     """Sizes that keep the in-place update within the pair's bytes at H <= C (DESIGN.md "Long sequences"): a
     temporary budget T of a sixteenth of one side (at least _IN_PLACE_LEAST_BUDGET, at most a quarter of the free
@@ -2880,14 +2907,16 @@ def _in_place_plan(pair: torch.Tensor, hidden: int, operand: torch.dtype, chunk_
     budget = max(line * n // _SIDE_SHARE, _IN_PLACE_LEAST_BUDGET)
     if pair.is_cuda:
         budget = min(budget, _free_bytes(pair.device) // 4)
-    first = chunk_size or max(1, n * 9 // 20)
-    rows = max(1, min(n, chunk_size or n // 16))
+    # (a chunk_size asked for is taken where it is smaller than the plan's: larger chunks would hold more lines'
+    # sides at once than the pair's bytes allow)
+    first = max(1, min(chunk_size or n, n * 9 // 20))
+    rows = max(1, min(chunk_size or n, n // 16))
     chunk = max(first, rows)
     cols = max(1, min(n, budget // (2 * batch * hidden * operand.itemsize * (n + chunk))))
     z_bytes = batch * hidden * chunk * cols * operand.itemsize
     positions = max(1, (budget - z_bytes) // (batch * (4 * c + 8 * hidden) * size))
     fill = max(1, min(n, chunk_size or n, budget // 2 // (batch * n * (c + 3 * hidden) * size)))
-    return _InPlacePlan(first, n - first if chunk_size is None else n - n // 2, rows, cols, positions, fill)
+    return _InPlacePlan(first, n - max(1, n * 9 // 20), rows, cols, positions, fill)
 
 
 def _chunked_update(layers, pair, mask, operand, mode, chunk_size, out, add, lean=None):
@@ -3770,5 +3799,5 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__" and not sys._getframe().f_code.co_filename.startswith("<"):
+    sys.exit(main())  # (not when exec'd from text, as a notebook runs the bundle: its argv is not ours)
