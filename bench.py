@@ -778,14 +778,19 @@ def compiled_trainable(module):
 
 
 def clear_gradients(trainable, pair):
-    """Sets the gradients of pair_repr and of the trained tensors to None (their memory released)."""
-    for tensor in (pair, *trainable.leaves):
+    """Sets the gradients of pair_repr and of the trained tensors to None (their memory released) and marks the
+    trained tensors changed, as an optimizer's in-place step would (their version counters, no kernel): a
+    contender that caches work derived from its parameters (ModelNew's kernel-layout weights) redoes it every
+    step, as in training."""
+    pair.grad = None
+    for tensor in trainable.leaves:
         tensor.grad = None
+        torch.autograd.graph.increment_version(tensor)
 
 
 def training_step(trainable, pair, mask):
-    """One training step as --backward times it: the gradients set to None (inside the step: host work
-    that hands their memory back to PyTorch's cache), forward, loss = mean of out² in fp32, backward.
+    """One training step as --backward times it: the gradients set to None and the parameters marked updated
+    (inside the step: host work, clear_gradients), forward, loss = mean of out² in fp32, backward.
     `pair`: a leaf requiring grad."""
     def step():
         clear_gradients(trainable, pair)
