@@ -575,10 +575,11 @@ def profile_kernels(shapes, args, repeat_only=0):
     c1 c2). After the kernels, each choice's forward timed as the table times it (--budget seconds), and
     the kernels' sum again right after that sustained run."""
     rounds = 2 if len(args.kernels) > 1 else 1
-    for shape in shapes:
-        ref, pair, mask = seeded_case(shape, args, args.seed)
+    failed = False
+    for index, shape in enumerate(shapes):
+        ref, pair, mask = seeded_case(shape, args, args.seed + index)  # (the table's inputs for this shape)
         # (long shapes: sampled rows, as the table checks them)
-        rows, expected = fp64_expected(ref, pair, mask) if len(args.kernels) > 1 and not repeat_only else (None, None)
+        rows, expected = fp64_expected(ref, pair, mask, seed=args.seed + index) if not repeat_only else (None, None)
         dtype = torch.bfloat16 if args.bf16_inputs else torch.float32
         pair = pair.to(dtype)  # (--bf16-inputs: bf16 pair and parameters, as new-bf16's row)
         for precision in args.precision:
@@ -603,8 +604,12 @@ def profile_kernels(shapes, args, repeat_only=0):
                 continue
             print(f"\n{shape} {precision}: CUDA time per forward by kernel (TFLOP/s and GB/s from kernel_work's"
                   f" useful FLOPs and fewest bytes)")
+            tolerance = TOLERANCE["bfloat16" if args.bf16_inputs else precision]
             for name in models:
-                error = f"rel error vs fp64 {errors[name]:.1e}; " if name in errors else ""
+                bad = name in errors and not errors[name] <= tolerance  # (NaN too)
+                failed |= bad
+                error = (f"rel error vs fp64 {errors[name]:.1e}{' FAIL' if bad else ''}; " if name in errors
+                         else "")
                 print(f"  new[{name}]: {error}mean of {rounds} round(s), total "
                       f"{sum(sum(t[k][0] for k in t) for t in measured[name]) / rounds:.1f} us")
                 keys = {k for t in measured[name] for k in t}
@@ -620,6 +625,7 @@ def profile_kernels(shapes, args, repeat_only=0):
                     print(f"  forward (events, {f['reps']} back-to-back calls) {f['median']:.1f} us"
                           f" (p10-p90 {f['p10']:.0f}-{f['p90']:.0f}); kernels' sum right after"
                           f" {f['hot_kernels']:.1f} us{clock}")
+    return failed
 
 
 def cpu_comparison():
@@ -1167,8 +1173,7 @@ def main(argv=None) -> int:
     if "cueq" in args.contenders and cuequivariance() is None:
         log("cuequivariance_torch does not import here: no cueq rows")
     if args.profile or args.repeat_only:
-        profile_kernels(args.shapes, args, args.repeat_only)
-        return 0
+        return 1 if profile_kernels(args.shapes, args, args.repeat_only) else 0
     command, details = command_line(argv), run_details(gpu)
 
     def save(rows, geomean_rows=None):
