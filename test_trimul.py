@@ -868,10 +868,10 @@ def _resource_usage(tool, library):
 
 
 def test_torch_older_than_the_ops_need_is_named_at_import():
-    for version in ("2.4.0", "2.11.0+cu130", "2.14.1", "3.0.0a0+git1234"):
+    for version in ("2.11.0+cu130", "2.14.1", "3.0.0a0+git1234"):
         ti._check_torch_version(version)
-    for version in ("2.3.1+cu121", "1.13.1"):
-        with pytest.raises(ImportError, match=rf"needs torch 2\.4 or newer \(torch.library.custom_op\); this is "
+    for version in ("2.7.1", "2.3.1+cu121", "1.13.1"):
+        with pytest.raises(ImportError, match=rf"needs torch 2\.11 or newer \(the oldest tested; .*\); this is "
                                               rf"torch {re.escape(version)}"):
             ti._check_torch_version(version)
 
@@ -4503,7 +4503,8 @@ def test_backward_fake_gradients_are_contiguous_as_the_ops_are():
 
 def test_prepared_weights_follow_parametrized_and_copied_modules():
     """The kernel-layout weights follow a parametrized weight (fresh at every access: no address and version to
-    cache by) through parameter changes; a pickled copy carries no cached weights."""
+    cache by) through parameter changes, and every torch.optim step (fused ones write without bumping versions);
+    a pickled copy carries no cached weights."""
     model = ti.ModelNew(16, 8)
     torch.nn.utils.parametrize.register_parametrization(model.proj_a, "weight", _Doubled())
     torch.nn.utils.parametrizations.weight_norm(model.out_proj)
@@ -4517,6 +4518,16 @@ def test_prepared_weights_follow_parametrized_and_copied_modules():
     plain = ti.ModelNew(16, 8)
     plain._prepared_weights("highest")
     assert plain._weights_cache and pickle.loads(pickle.dumps(plain))._weights_cache == {}
+    for make in (lambda p: torch.optim.Adam(p, lr=0.1, fused=True), lambda p: torch.optim.SGD(p, lr=0.1, fused=True),
+                 lambda p: torch.optim.AdamW(p, lr=0.1, foreach=True)):
+        optimizer = make(plain.parameters())  # (fused: writes the parameters without bumping their versions)
+        for p in plain.parameters():
+            p.grad = torch.randn_like(p)
+        before = plain._prepared_weights("highest")
+        optimizer.step()
+        fresh = ti.prepare_weights(ti._param_list(plain), "highest")
+        got = plain._prepared_weights("highest")
+        assert got is not before and all(torch.equal(a, b) for a, b in zip(got, fresh)), type(optimizer).__name__
 
 
 class _Doubled(torch.nn.Module):
@@ -5118,6 +5129,29 @@ def test_chunk_plan_fits_its_budget():
     assert given.rows == 7 and given.fill == 7
     tiny = ti._chunk_plan(torch.empty(1, 5, 5, 8, device="meta"), 4, torch.float32, 1, None)
     assert tiny == ti._ChunkPlan(5, 5, 5)
+
+
+def test_reference_path_takes_every_documented_mask_dtype_and_names_bad_input():
+    """Off the kernels (CPU tensors), a mask of another floating dtype than the pair (a float32 mask beside a
+    bf16 model, as OpenFold and Boltz pass it; float64 beside float32) gives the pair's dtype and the
+    reference's update; bad input to the chunked forward raises ValueError / TypeError naming it, in grad mode
+    too; shard_rows refuses a rank outside the world."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(8, 4, "incoming", "normalized"), g)
+    pair, mask = random_inputs(1, 5, 8, g, dtype=torch.float32, mask_dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = model(pair, mask.to(torch.bool))
+        for dtype, mask_dtype, tolerance in ((torch.float32, torch.float64, 1e-6), (torch.bfloat16, torch.float32, 3e-2),
+                                             (torch.float16, torch.bfloat16, 1e-2)):
+            out = copy.deepcopy(model).to(dtype)(pair.to(dtype), mask.to(mask_dtype))
+            assert out.dtype == dtype and rel_error(out, expected) < tolerance, (dtype, mask_dtype)
+    with pytest.raises(TypeError):
+        model.forward_chunked([[1.0]], mask)
+    with pytest.raises(ValueError, match="pair_repr"):
+        model.forward_chunked(pair[0], mask, 2)  # (grad mode on, parameters need grad: the input named first)
+    with pytest.raises(ValueError, match="0 <= rank < world"):
+        ti.shard_rows(10, 3, 5)
 
 
 def test_chunked_forward_refuses_what_it_cannot_do():

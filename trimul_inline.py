@@ -36,6 +36,7 @@ from typing import Mapping, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = [
@@ -44,18 +45,31 @@ __all__ = [
     "reference_forward", "check_inputs", "from_module", "replace_modules", "shard_rows",
 ]
 
-MIN_TORCH = (2, 4)  # torch.library.custom_op, register_fake and register_autograd, which the ops are built on
+# The oldest torch built and tested (the GPU machine's): the ops need torch.library.custom_op (2.4), the
+# backward mixed-dtype GEMMs (mm / addmm with out_dtype, added after 2.7); releases in between were not tried.
+MIN_TORCH = (2, 11)
+
+
+# torch.optim steps taken in this process (a global post-step hook). A fused optimizer (fused=True) writes the
+# parameters without bumping their version counters, so the kernel-layout weights cached by (address,
+# version) take any optimizer step as a change of every parameter (ModelNew._prepared_weights_and_freshness).
+_OPTIMIZER_STEPS = [0]
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    _OPTIMIZER_STEPS[0] += 1
 
 
 def _check_torch_version(version: str) -> None:
     """An ImportError naming the need where `version` (torch.__version__) is older than MIN_TORCH."""
     numbers = tuple(int(x) for x in re.findall(r"\d+", version)[:2])
     if numbers < MIN_TORCH:
-        raise ImportError(f"trimul_inline needs torch {'.'.join(map(str, MIN_TORCH))} or newer "
-                          f"(torch.library.custom_op); this is torch {version}")
+        raise ImportError(f"trimul_inline needs torch {'.'.join(map(str, MIN_TORCH))} or newer (the oldest "
+                          f"tested; its GEMMs with out_dtype and torch.library.custom_op); this is torch {version}")
 
 
 _check_torch_version(torch.__version__)
+register_optimizer_step_post_hook(_count_optimizer_step)
 
 DIRECTIONS = ("outgoing", "incoming")
 GATE_INPUTS = ("raw", "normalized")
@@ -1134,13 +1148,14 @@ class ForwardSteps:
 # ------------------------------------------------------------------------------------------------
 # Training: the fused forward as a differentiable op (trimul) and its backward (trimul_backward)
 # ------------------------------------------------------------------------------------------------
-# The backward keeps nothing from the forward but its inputs (pair_repr, the mask, the parameters): it
-# recomputes LayerNorm_in, the gated projections as a/b planes and z, then runs the backward roles
+# The backward takes the forward's inputs (pair_repr, the mask, the parameters) and what the forward kept for
+# it (backward_saves, _saves_z: z, the a/b planes, LayerNorm_in's rows), recomputes the rest, then runs the
+# backward roles
 #   output_backward    LayerNorm_out(z) rows, out_proj, the output gate -> dz planes
-#   contract_backward  z = a b^T, then da = dz b and db = dz^T a per hidden channel ([B*H, N, N] planes)
+#   contract_backward  z = a b^T where not kept, then da = dz b and db = dz^T a per hidden channel
 #   input_backward     LayerNorm_in rows, gates, projections, mask -> d pair_repr
-# GEMMs over positions are cuBLAS's (torch.mm in the mode's operand dtype, fp32 accumulation); the memory
-# passes between them are the role's kernel's. LayerNorm affines are folded into the Linear after them
+#   position_gemm      the GEMMs of rows times a weight and the weight gradients (cuBLAS or scaled fp16 parts)
+# LayerNorm affines are folded into the Linear after them
 # (W diag(w), b + W b_ln), so every pass handles normalized rows, and each LayerNorm's and Linear's
 # gradients come from the folded GEMM's (_unfolded_grads). Weight gradients reduce over positions in a
 # fixed order (GEMMs and sums, no atomics): equal inputs give bitwise-equal gradients.
@@ -2181,8 +2196,9 @@ def _layers_out(params, z, gate_source, eps_out):
 
 
 def _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in, eps_out):
-    """reference_forward on a parameter list (_PARAM_PATHS order)."""
-    x, a, b = _layers_in(params, pair, mask, eps_in)
+    """reference_forward on a parameter list (_PARAM_PATHS order); the mask in a's dtype (a float32 mask beside a
+    bf16 pair would otherwise promote a, z and then LayerNorm_out's input past the parameters' dtype)."""
+    x, a, b = _layers_in(params, pair, mask, eps_in, cast_mask=True)
     z = torch.einsum("bkih,bkjh->bijh" if incoming else "bikh,bjkh->bijh", a, b)
     return _layers_out(params, z, x if gate_normalized else pair, eps_out)
 
@@ -2360,6 +2376,9 @@ def _contraction_layout(t: torch.Tensor, direction: str) -> torch.Tensor:
 class ModelNew(_TriMulLayers):
     """Model's computation on the CUDA kernels of kernels/.
 
+    direction: "outgoing" (z[i, j] = sum_k a[i, k] b[j, k]) or "incoming" (sum_k a[k, i] b[k, j]).
+    gate_input: what the output gate reads: "raw" (the seed's: pair_repr) or "normalized" (LayerNorm_in's
+        output: AlphaFold2, OpenFold, Boltz, cuEquivariance).
     kernels: the kernel of each role (Kernels, a mapping {role: name} or "role=name,..."; see
         `python trimul_inline.py kernels`); None: each role's default order.
     precision: for fp32 inputs, "highest" | "high" | "medium"; None follows
@@ -2369,7 +2388,10 @@ class ModelNew(_TriMulLayers):
         its rows (B, N_r, N, C) and mask (B, N_r, N), rank r holding torch.tensor_split(torch.arange(N), P)[r],
         and gets the same rows of the output; parameter gradients are each rank's rows' share (their sum over the
         group, as DDP's all-reduce gives, is the full gradient).
-    Inputs the CUDA kernels do not take (CPU tensors, float64) run the reference computation (warning once).
+    backward_saves: what the training forward keeps for the backward: "inputs", "z" (z and, in 16 bits, the a/b
+        planes: one N^3 product fewer, a smaller backward peak), None: the rule of _saves_z (README, Training).
+    Inputs the CUDA kernels do not take (CPU tensors, float64, GPUs older than sm_80) and calls under torch.func
+    transforms run the reference computation (warning once).
     """
 
     def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "outgoing",
@@ -2436,7 +2458,8 @@ class ModelNew(_TriMulLayers):
             if torch._C._are_functorch_transforms_active():  # (torch.func: grad, vmap, jacrev)
                 return self._forward_functorch(pair_repr, pair_mask)
             fast = self._fast
-            if fast is not None and fast[0] is _DEFAULT_EXTENSION:  # (planned by the extension in use)
+            # (planned by the extension in use, since the last optimizer step: a fused one bumps no version)
+            if fast is not None and fast[0] is _DEFAULT_EXTENSION and fast[2] == _OPTIMIZER_STEPS[0]:
                 out = fast[1].run(self, pair_repr, pair_mask, self.resolved_precision())
                 if out is not None:
                     return out
@@ -2482,13 +2505,13 @@ class ModelNew(_TriMulLayers):
         add: out += update (a residual). lean (in place only): True keeps the update within the pair's bytes
         (slower: part of the whole side is made twice); False keeps the whole side (the pair's bytes + a
         chunk); None: lean only where the whole side would not fit in the free memory."""
+        check_inputs(self, pair_repr, pair_mask)
         if self._needs_autograd(pair_repr, pair_mask):
             raise RuntimeError("trimul_inline: the chunked forward is for inference; call it under torch.no_grad() "
                                "or torch.inference_mode() (training takes the fused forward and its backward)")
         if self.process_group is not None:
             raise ValueError("trimul_inline: the chunked forward runs on one device (this ModelNew has a "
                              "process_group: its rows are already split over ranks)")
-        check_inputs(self, pair_repr, pair_mask)
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                        or chunk_size < 1):
             raise ValueError(f"trimul_inline: chunk_size must be a positive int (rows per chunk) or None, got "
@@ -2576,21 +2599,19 @@ class ModelNew(_TriMulLayers):
         return self._prepared_weights_and_freshness(mode)[0]
 
     def _prepared_weights_and_freshness(self, mode: str):
-        """(prepared weights, whether they were just (re)made). Cached by the parameters' addresses and
-        version counters, which only a Parameter (or a view of one: a host's fused half) keeps: a computed
-        weight (a parametrization's, fresh at every access, its address reused) is prepared every call."""
-        params = _own_parameters(self)
-        if params is None:
-            params = _param_list(self)
-            if not all(p is None or isinstance(p, nn.Parameter) or isinstance(p._base, nn.Parameter)
-                       for p in params):
-                self._weights_cache.pop(mode, None)
-                return _CachedWeights(prepare_weights(params, mode)), True
+        """(prepared weights, whether they were just (re)made). Cached by the parameters' storages, addresses
+        and version counters, and the count of torch.optim steps taken (_OPTIMIZER_STEPS)."""
+        params = _param_list_eager(self)
         version = [None if p is None else (p.data_ptr(), p._version) for p in params]
+        version.append(_OPTIMIZER_STEPS[0])
         cached = self._weights_cache.get(mode)
         if cached is not None and cached[0] == version:
             return cached[1], False
-        cached = self._weights_cache[mode] = (version, _CachedWeights(prepare_weights(params, mode)))
+        # (the entry holds the storages it was prepared from: while it lives no other tensor can take their
+        # addresses, so an equal (address, version) is the same storage, unchanged through tracked ops; a
+        # parametrization's computed weight or functional_call's tensors of another call miss)
+        held = [None if p is None else p.untyped_storage() for p in params]
+        cached = self._weights_cache[mode] = (version, _CachedWeights(prepare_weights(params, mode)), held)
         return cached[1], True
 
     def _fused_inputs(self, pair_repr, pair_mask):
@@ -2629,7 +2650,7 @@ class ModelNew(_TriMulLayers):
             self._plans[self._plan_key(pair_repr, pair_mask)] = (mode, kernels, options, extension,
                                                                  gate_weights is not None)
             fast = self._fast_plan(pair_repr, pair_mask, self.resolved_precision(), weights, options, gate_weights)
-            self._fast = None if fast is None else (extension, fast)
+            self._fast = None if fast is None else (extension, fast, _OPTIMIZER_STEPS[0])
         return out
 
     def forward_steps(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor) -> ForwardSteps:
@@ -2711,7 +2732,8 @@ class ModelNew(_TriMulLayers):
             # planes [B, H, N_r, N] of this rank's rows (incoming: rows are the contracted index k)
             z = _ShardedContraction.apply(a.permute(0, 3, 1, 2).contiguous(), b.permute(0, 3, 1, 2).contiguous(),
                                           ring, self.direction == "incoming").permute(0, 2, 3, 1)
-            return _layers_out(params, z, pair_repr if self.gate_input == "raw" else x, self.layer_norm_out.eps)
+            out = _layers_out(params, z, pair_repr if self.gate_input == "raw" else x, self.layer_norm_out.eps)
+            return out.to(pair_repr.dtype)  # (under autocast: the layers' bf16, the fused path's dtype instead)
 
     def _sharded_inference(self, pair_repr, pair_mask, ring):
         """_forward_sharded with no gradient needed: the a / b planes [B, H, N_r, N] filled a few rows at a time
@@ -2754,7 +2776,8 @@ class ModelNew(_TriMulLayers):
         z = contract(_contraction_layout(a, self.direction), _contraction_layout(b, self.direction),
                      kernel, self.resolved_precision())
         z = z.view(batch, self.hidden_dim, n, n).permute(0, 2, 3, 1)
-        return _layers_out(params, z, pair_repr if self.gate_input == "raw" else x, self.layer_norm_out.eps)
+        out = _layers_out(params, z, pair_repr if self.gate_input == "raw" else x, self.layer_norm_out.eps)
+        return out.to(pair_repr.dtype)  # (under autocast the layers give bf16: the fused path's dtype instead)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -3056,6 +3079,9 @@ def _in_place_update(pair, hidden, operand, chunk_size, lines, updates, write, w
 # ------------------------------------------------------------------------------------------------
 def shard_rows(n: int, world: int, rank: int) -> range:
     """The rows of pair_repr rank `rank` of `world` holds: torch.tensor_split(torch.arange(n), world)[rank]."""
+    if n < 0 or world < 1 or not 0 <= rank < world:
+        raise ValueError(f"shard_rows: needs N >= 0, world >= 1 and 0 <= rank < world; got N = {n}, world = "
+                         f"{world}, rank = {rank}")
     base, extra = divmod(n, world)
     start = rank * base + min(rank, extra)
     return range(start, start + base + (rank < extra))
@@ -3480,8 +3506,9 @@ def from_module(module: nn.Module, direction: Optional[str] = None, kernels=None
     """A ModelNew with a host layer's semantics and a copy of its weights, on its device and dtype: OpenFold's,
     OpenFold3's and Protenix's TriangleMultiplicationOutgoing / Incoming (plain or fused projections, with or
     without biases) and Boltz-1/2's, recognised by their parameter names; the gate reads the normalized input.
-    direction: None takes it from the layer's `_outgoing` flag or else its class name. Anything else raises
-    TypeError naming what is expected."""
+    direction: None takes it from the layer's `_outgoing` flag or else its class name. A module of no known
+    layout raises TypeError naming what is expected; a direction that cannot be told or contradicts the
+    layer's flag, or biases on some Linears only, ValueError."""
     layout = _recognised_layout(module, "from_module")
     source = _host_params(module, layout)
     weight = source[2]
