@@ -2410,7 +2410,9 @@ class ModelNew(_TriMulLayers):
         self._fast = None  # (extension, the last planned signature's decisions checked in C++: _fast_plan)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, kernels={str(self.kernels)!r}, precision={self.precision!r}"
+        return (f"{super().extra_repr()}, kernels={str(self.kernels)!r}, precision={self.precision!r}"
+                + (f", backward_saves={self.backward_saves!r}" if self.backward_saves is not None else "")
+                + (", process_group=<set>" if self.process_group is not None else ""))
 
     @classmethod
     def from_alphafold_params(cls, params, direction: str, kernels=None, precision: Optional[str] = None):
