@@ -5154,6 +5154,15 @@ def test_reference_path_takes_every_documented_mask_dtype_and_names_bad_input():
         ti.shard_rows(10, 3, 5)
 
 
+def test_contract_into_refuses_a_misaligned_z():
+    """The contraction kernels store z in 8- and 16-byte pairs from its start: a z view at an odd offset raises
+    ValueError before any kernel runs (a misaligned store would leave a sticky CUDA error)."""
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 5, 4)
+    z = torch.empty(2 * 3 * 5 + 1)[1:].view(2, 3, 5)
+    with pytest.raises(ValueError, match="z must start on a 16-byte boundary"):
+        ti.contract_into(z, a, b, "mma", "highest")
+
+
 def test_chunked_forward_refuses_what_it_cannot_do():
     model = ti.ModelNew(8, 4).double()
     pair, mask = random_inputs(1, 5, 8, torch.Generator().manual_seed(fresh_seed()))

@@ -760,6 +760,9 @@ def contract_into(z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, kernel: Opt
             torch.bmm(a, b.transpose(1, 2), out=z) if z.dtype == a.dtype else \
                 z.copy_(torch.bmm(a, b.transpose(1, 2)))
         return z
+    if z.data_ptr() % 16:  # (the kernels store z in 8- and 16-byte pairs from its start)
+        raise ValueError("trimul_inline: z must start on a 16-byte boundary (a fresh tensor does); got an offset "
+                         f"of {z.data_ptr() % 16} bytes")
     _extension().contract(kernel or "", a, b, z, _PRECISION_CODE[precision])
     return z
 

@@ -268,13 +268,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // Whether it takes these sizes: sm_90a on Hopper, "medium" (bf16 operands and z), pair_dim and H 128 exactly
 // (out_gate / out_proj rows of 128), rows in 16-byte vectors (pair's, or gate_rows 16-byte aligned, read as a
-// raw gate), a separate contraction's z whose planes TMA can read (rows of 16-byte multiples), planes below 2^32
-// positions.
+// raw gate), a separate contraction's z whose planes TMA can read (rows of 16-byte multiples), planes below 2^31
+// positions (the z tile's TMA coordinate is a signed 32-bit position within its plane).
 template <Mode M, typename TIn>
 bool applicable(const ForwardArgs& args) {
   return tensor_map_encoder() != nullptr && args.z != nullptr && args.z_dtype == Dtype::bf16 && args.c == kC &&
          args.c_pad == kC && args.h == kH && args.h_pad == kH && gate_rows_vectorizable<TIn>(args) &&
-         (args.n * args.ldz) % 8 == 0 && args.n * args.ldz < (int64_t(1) << 32) &&
+         (args.n * args.ldz) % 8 == 0 && args.n * args.ldz < (int64_t(1) << 31) &&
          args.batch * kH < (int64_t(1) << 31) && smem_bytes<TIn>() <= max_smem_optin();
 }
 

@@ -162,13 +162,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // Whether it takes these sizes: sm_90a on Hopper, "medium" (bf16 operands and z), pair_dim 384 and H 128
 // exactly, the gate on the raw rows in 16-byte vectors (pair's, or gate_rows 16-byte aligned), a separate
-// contraction's z, an even grid.
+// contraction's z, planes below 2^31 positions (the z tile's TMA coordinate is a signed 32-bit position), an even
+// grid.
 template <Mode M, typename TIn>
 bool applicable(const ForwardArgs& args) {
   return tensor_map_encoder() != nullptr && args.z != nullptr && args.z_dtype == Dtype::bf16 && args.c == kC &&
          args.c_pad == kC && args.h == kH && args.h_pad == kH && !args.gate_normalized &&
          gate_rows_vectorizable<TIn>(args) &&
-         (args.n * args.ldz) % 8 == 0 && args.batch * kH < (int64_t(1) << 31) && kSmemBytes <= max_smem_optin() &&
+         (args.n * args.ldz) % 8 == 0 && args.n * args.ldz < (int64_t(1) << 31) &&
+         args.batch * kH < (int64_t(1) << 31) && kSmemBytes <= max_smem_optin() &&
          sm_count() >= 2;
 }
 
