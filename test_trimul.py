@@ -706,6 +706,30 @@ def test_bench_bf16_io_contender_casts_its_inputs_once():
     assert names == ["new[auto] bf16 in/out", "new[contract=bmm] bf16 in/out"]
 
 
+def test_build_cache_knows_its_toolkit_and_cleans_up(monkeypatch, tmp_path):
+    """The toolkit's part of the keys changes with nvcc's environment flags (nvcc reads them: debug or -D objects
+    must not be reused by a plain build) and holds nvcc's own version line where nvcc runs; TRIMUL_VERBOSE's
+    "false" words are off; a temporary that a killed build left is removed once stale, a fresh one (another
+    process building) kept; a kernel text ending in a quote bundles as valid Python."""
+    toolkit = ti.Toolkit("/fake/cuda", "13000", (), ())
+    plain = ti.toolkit_identity(toolkit)
+    monkeypatch.setenv("NVCC_APPEND_FLAGS", "-G")
+    assert ti.toolkit_identity(toolkit) != plain
+    monkeypatch.delenv("NVCC_APPEND_FLAGS")
+    assert ti.toolkit_identity(toolkit) == plain
+    for word, on in (("false", False), ("OFF", False), ("no", False), ("0", False), ("1", True), ("yes", True)):
+        monkeypatch.setenv("TRIMUL_VERBOSE", word)
+        assert ti._verbose() == on, word
+    target = tmp_path / "x.o"
+    stale, fresh = tmp_path / "x.o.1.2.tmp", tmp_path / "x.o.3.4.tmp"
+    stale.write_text("partial"), fresh.write_text("in flight")
+    os.utime(stale, (0, 0))
+    ti._write_atomically(str(target), lambda path: open(path, "w").write("object"))
+    assert target.read_text() == "object" and not stale.exists() and fresh.exists()
+    for text in ("ends in a quote'", "ends in two quotes''", "ends in a backslash\\", "plain\n"):
+        assert eval(ti._python_literal(text)) == text
+
+
 def test_object_keys_follow_each_kernel_file_and_its_headers():
     """The build cache's keys: an edit to one kernel file changes that file's object key only (the
     rest reuse their objects), an edit to a header every file that includes it, and the extension's

@@ -17,6 +17,7 @@ loads; both are cached on disk by content (TRIMUL_VERBOSE=1 shows the build).
 import argparse
 import concurrent.futures
 import contextlib
+import errno
 import glob
 import hashlib
 import importlib.machinery
@@ -25,11 +26,14 @@ import inspect
 import itertools
 import math
 import os
+import platform
 import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import threading
+import time
 import warnings
 import zlib
 from typing import Mapping, NamedTuple, Optional
@@ -497,8 +501,34 @@ def _digest(*parts) -> str:
     return digest.hexdigest()[:16]
 
 
+# nvcc reads these from the environment: flags and host compiler that change the objects it writes.
+_NVCC_ENVIRONMENT = ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN")
+_NVCC_IDENTITIES = {}  # nvcc path -> its version line
+
+
+def _nvcc_identity(home: str) -> str:
+    """nvcc's own version line ("Build cuda_13.0.r13.0/compiler...": the updates of one release share a
+    CUDART_VERSION), once per process; "" where it does not run (the tests' fake toolkits)."""
+    nvcc = os.path.join(home, "bin", "nvcc")
+    if nvcc not in _NVCC_IDENTITIES:
+        try:
+            lines = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout.split("\n")
+            _NVCC_IDENTITIES[nvcc] = next((line for line in reversed(lines) if line.strip()), "")
+        except (OSError, subprocess.SubprocessError):
+            _NVCC_IDENTITIES[nvcc] = ""
+    return _NVCC_IDENTITIES[nvcc]
+
+
+def toolkit_identity(toolkit: "Toolkit") -> str:
+    """What the objects depend on of the toolkit and the machine: CUDART_VERSION, nvcc's build, nvcc's
+    environment flags, the CPU architecture (a cache shared by x86_64 and aarch64 hosts)."""
+    return "|".join([toolkit.version, _nvcc_identity(toolkit.home), platform.machine()]
+                    + [os.environ.get(name, "") for name in _NVCC_ENVIRONMENT])
+
+
 def object_key(name: str, sources: dict, arch: str, toolkit_version: str) -> str:
-    """Hash of everything one kernel file's object depends on: its text, its headers', the flags."""
+    """Hash of everything one kernel file's object depends on: its text, its headers', the flags, the toolkit
+    (toolkit_identity)."""
     files = (name,) + local_includes(name, sources)
     return _digest(*(f + "\0" + sources[f] for f in files), _NVCC_FLAGS, arch, toolkit_version)
 
@@ -507,7 +537,7 @@ def host_key(sources: dict, toolkit_version: str) -> str:
     """Hash of everything the torch extension depends on: bindings.cpp, its headers, torch, Python."""
     files = (_HOST_SOURCE,) + local_includes(_HOST_SOURCE, sources)
     return _digest(*(f + "\0" + sources[f] for f in files), _CXX_FLAGS, torch.__version__, torch.version.cuda,
-                   toolkit_version, sys.implementation.cache_tag)
+                   toolkit_version, sys.implementation.cache_tag, sysconfig.get_config_var("EXT_SUFFIX"))
 
 
 def extensions_root() -> str:
@@ -516,7 +546,7 @@ def extensions_root() -> str:
 
 
 def _verbose() -> bool:
-    return os.environ.get("TRIMUL_VERBOSE", "0") not in ("", "0")
+    return os.environ.get("TRIMUL_VERBOSE", "0").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _say(message: str) -> None:
@@ -540,10 +570,11 @@ def plan_build(kernel_dir: Optional[str] = None) -> BuildPlan:
     toolkit = find_toolkit()
     arch = target_arch()
     root = extensions_root()
-    objects = tuple((name, os.path.join(root, "objects", f"{name[:-3]}-{object_key(name, sources, arch, toolkit.version)}.o"))
+    identity = toolkit_identity(toolkit)
+    objects = tuple((name, os.path.join(root, "objects", f"{name[:-3]}-{object_key(name, sources, arch, identity)}.o"))
                     for name in sorted(sources) if name.endswith(".cu"))
     library = os.path.join(root, f"libtrimul_kernels-{_digest(*objects)}.so")
-    host_name = f"trimul_inline_{host_key(sources, toolkit.version)}"
+    host_name = f"trimul_inline_{host_key(sources, identity)}"
     host_dir = os.path.join(root, host_name)
     return BuildPlan(root, arch, toolkit, sources, objects, library, host_name, host_dir,
                      os.path.join(host_dir, host_name + ".so"))
@@ -561,13 +592,33 @@ def _torch_cuda_home(home: str):
         cpp_extension.CUDA_HOME = saved
 
 
+_STALE_TEMPORARY_S = 3600  # a build's temporary file older than this was left by a killed build
+
+
 def _write_atomically(path: str, write) -> None:
-    """write(temporary path), then the temporary file renamed to `path` (another process may build it too)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    """write(temporary path), then the temporary file renamed to `path` (another process may build it too).
+    Temporaries of `path` that a killed build left (older than _STALE_TEMPORARY_S) are removed first."""
+    folder = os.path.dirname(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        raise OSError(f"trimul_inline: cannot create the build cache folder {folder} ({error}); set "
+                      "TORCH_EXTENSIONS_DIR to a writable place") from error
+    for old in glob.glob(glob.escape(path) + ".*.tmp"):
+        try:
+            if time.time() - os.path.getmtime(old) > _STALE_TEMPORARY_S:
+                os.remove(old)
+        except OSError:
+            pass
     temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         write(temporary)
         os.replace(temporary, path)
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+            raise
+        raise OSError(error.errno, f"trimul_inline: writing {path} failed ({error.strerror}); the build cache is "
+                      f"TORCH_EXTENSIONS_DIR ({extensions_root()}): free space there or point it elsewhere") from error
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
@@ -598,6 +649,8 @@ def _compile_object(plan: BuildPlan, snapshot: str, name: str, path: str, verbos
     source = os.path.join(snapshot, name)
     nvcc = os.path.join(plan.toolkit.home, "bin", "nvcc")
     flags = list(_NVCC_FLAGS) + [f"-gencode=arch=compute_{plan.arch},code=sm_{plan.arch}"]
+    if verbose:
+        _say(" ".join([nvcc, *flags, "-c", source, "-o", path]))
     _write_atomically(path, lambda out: _run([nvcc, *flags, "-c", source, "-o", out], f"compiling kernels/{name}"))
     if verbose:
         _say(f"compiled kernels/{name}")
@@ -662,7 +715,6 @@ def _host_built(plan: BuildPlan) -> bool:
 def _build(plan: BuildPlan, verbose: bool):
     """The torch extension (imported) and the kernel library, each built where its cache lacks it: the
     missing objects compile in parallel, beside the extension."""
-    import time
     missing = [(name, path) for name, path in plan.objects if not os.path.exists(path)]
     build_host = not _host_built(plan)
     if verbose:
@@ -679,8 +731,13 @@ def _build(plan: BuildPlan, verbose: bool):
         host = pool.submit(_compile_host, plan, verbose) if build_host else None
         snapshot = _source_snapshot(plan) if missing else None
         compiled = [pool.submit(_compile_object, plan, snapshot, name, path, verbose) for name, path in missing]
-        for future in compiled:
-            future.result()
+        try:
+            for future in concurrent.futures.as_completed(compiled):
+                future.result()  # (the first error as soon as its compile ends, not after the rest)
+        except BaseException:
+            for future in compiled:
+                future.cancel()
+            raise
         if not os.path.exists(plan.library):
             _link_library(plan, verbose)
         module = host.result() if host is not None else _import_host(plan)
@@ -3784,7 +3841,7 @@ _EMBED_LINE = re.compile(r"^_EMBEDDED_KERNELS = None\b.*$", re.M)
 
 
 def _python_literal(text: str) -> str:
-    if "'''" not in text and not text.endswith("\\"):
+    if "'''" not in text and not text.endswith(("\\", "'")):  # (a closing quote would run into the delimiter)
         return "r'''" + text + "'''"
     return repr(text)
 
