@@ -4941,6 +4941,23 @@ def test_replaced_layers_keep_their_hosts_signatures_and_leading_dims(kind, make
         layer(pair, mask, chunk=4)
 
 
+def test_replaced_layer_compiles_whole():
+    """A replaced layer (the host's signature bound in Python) traces under torch.compile(fullgraph=True): no
+    graph break inside a host model's compiled blocks; its output and d pair_repr equal the eager ones."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    holder = torch.nn.Sequential(_randomized(_OpenFold3TriMul(8, 8, bias=False, outgoing=True), g))
+    ti.replace_modules(holder)
+    pair, mask = random_inputs(1, 5, 8, g, mask_dtype=torch.float64)
+    compiled = torch.compile(lambda p, m: holder[0](p, m, use_cueq_triangle_kernels=False), fullgraph=True,
+                             backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        x, y = pair.clone().requires_grad_(), pair.clone().requires_grad_()
+        got, expected = compiled(x, mask), holder[0](y, mask)
+        got.square().sum().backward(), expected.square().sum().backward()
+    assert rel_error(got, expected) < 1e-12 and rel_error(x.grad, y.grad) < 1e-12
+
+
 def test_replaced_layer_in_place_on_a_pair_with_no_batched_view():
     """inplace_safe on a pair whose leading dims have no [B, N, N, C] view (a permuted stack): z is still
     overwritten with z + update, as the host does it; gradients through a replaced layer on [N, N, C]."""
