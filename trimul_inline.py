@@ -904,20 +904,13 @@ def _param_list_eager(layers: "_TriMulLayers"):
     _param_list itself under torch.compile (what dynamo traces)."""
     if torch.compiler.is_compiling():
         return _param_list(layers)
-    direct = _own_parameters(layers)
-    return _param_list(layers) if direct is None else direct
-
-
-def _own_parameters(layers: "_TriMulLayers"):
-    """The 16 parameters from the submodules' own parameter dicts (Parameters or None), or None where they live
-    elsewhere (a parametrization's computed weight, a host layer's tensors)."""
     try:
         if layers.__dict__.get("_source") is None:
             modules = layers._modules
             return [modules[module]._parameters[name] for module, name in _PARAM_PATHS]
     except KeyError:
         pass
-    return None
+    return _param_list(layers)
 
 
 def _with_zero_biases(params):
@@ -2222,9 +2215,7 @@ def _reference_keeping(pair, mask, params, mode, incoming, gate_normalized, eps_
     """_functional_reference (the same steps, the same output) with what the fused forward keeps, in its layouts
     and dtypes (_kept_dtypes): z's planes [B*H, N, N], the a/b planes [2, B*H, N, N], LayerNorm_in's rows without
     the affine [B*N*N, C] and their rstd."""
-    x, a, b = _layers_in(params, pair, mask, eps_in)
-    z = torch.einsum("bkih,bkjh->bijh" if incoming else "bikh,bjkh->bijh", a, b)
-    out = _layers_out(params, z, x if gate_normalized else pair, eps_out)
+    out, a, b, z = _reference_steps(pair, mask, params, incoming, gate_normalized, eps_in, eps_out)
     batch, n, _, pair_dim = pair.shape
     operand, _, _, rstd_dtype = _kept_dtypes(mode, pair)
     planes = lambda t, transposed: _planes(t.reshape(-1, t.shape[-1]), batch, n, transposed).to(operand)  # noqa: E731
@@ -2255,12 +2246,18 @@ def _layers_out(params, z, gate_source, eps_out):
     return torch.sigmoid(linear(gate_source, gate_w, gate_b)) * o
 
 
-def _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in, eps_out):
-    """reference_forward on a parameter list (_PARAM_PATHS order); the mask in a's dtype (a float32 mask beside a
-    bf16 pair would otherwise promote a, z and then LayerNorm_out's input past the parameters' dtype)."""
+def _reference_steps(pair, mask, params, incoming, gate_normalized, eps_in, eps_out):
+    """reference_forward on a parameter list (_PARAM_PATHS order): (out, a, b, z); the mask in a's dtype (a
+    float32 mask beside a bf16 pair would otherwise promote a, z and then LayerNorm_out's input past the
+    parameters' dtype)."""
     x, a, b = _layers_in(params, pair, mask, eps_in, cast_mask=True)
     z = torch.einsum("bkih,bkjh->bijh" if incoming else "bikh,bjkh->bijh", a, b)
-    return _layers_out(params, z, x if gate_normalized else pair, eps_out)
+    return _layers_out(params, z, x if gate_normalized else pair, eps_out), a, b, z
+
+
+def _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in, eps_out):
+    """_reference_steps' output."""
+    return _reference_steps(pair, mask, params, incoming, gate_normalized, eps_in, eps_out)[0]
 
 
 @trimul.register_fake
@@ -2406,17 +2403,17 @@ def check_inputs(layers: _TriMulLayers, pair_repr, pair_mask, rows: Optional[int
                         f"convert the model (model.to({pair_repr.dtype})) or use torch.autocast")
 
 
-_functorch_warned = []  # (one warning per process)
-
-
-def _warn_reference_once(pair_repr) -> None:
+def _warn_reference_once(pair_repr, functorch: bool = False) -> None:
+    """Once per device and dtype (and once for torch.func's transforms): why ModelNew runs the reference."""
     if torch.compiler.is_compiling():  # (dynamo cannot trace warnings.warn: fullgraph would break here)
         return
-    key = (pair_repr.device.type, pair_repr.device.index, pair_repr.dtype)
+    key = ("torch.func",) if functorch else (pair_repr.device.type, pair_repr.device.index, pair_repr.dtype)
     if key in _reference_warned:
         return
     _reference_warned.add(key)
-    if pair_repr.device.type == "cpu" or pair_repr.dtype not in _KERNEL_DTYPES:
+    if functorch:
+        what, why = "a call under torch.func (grad, vmap, jacrev...)", "the kernels have no functorch rules"
+    elif pair_repr.device.type == "cpu" or pair_repr.dtype not in _KERNEL_DTYPES:
         what = "CPU tensors" if pair_repr.device.type == "cpu" else f"{pair_repr.dtype} tensors"
         why = "the CUDA kernels take float32, bfloat16 and float16 on a GPU"
     else:
@@ -2517,8 +2514,10 @@ class ModelNew(_TriMulLayers):
         if self.process_group is not None:
             return self._forward_sharded(pair_repr, pair_mask)
         if not torch.compiler.is_compiling():
-            if torch._C._are_functorch_transforms_active():  # (torch.func: grad, vmap, jacrev)
-                return self._forward_functorch(pair_repr, pair_mask)
+            if torch._C._are_functorch_transforms_active():  # (torch.func: the kernels' ops have no rules for it)
+                check_inputs(self, pair_repr, pair_mask)
+                _warn_reference_once(pair_repr, functorch=True)
+                return self._reference(pair_repr, pair_mask)
             fast = self._fast
             # (planned by the extension in use, since the last optimizer step: a fused one bumps no version)
             if fast is not None and fast[0] is _DEFAULT_EXTENSION and fast[2] == _OPTIMIZER_STEPS[0]:
@@ -2531,9 +2530,7 @@ class ModelNew(_TriMulLayers):
         check_inputs(self, pair_repr, pair_mask)
         if not _kernels_take(pair_repr):
             _warn_reference_once(pair_repr)
-            return _functional_reference(pair_repr, pair_mask, _param_list(self), self.direction == "incoming",
-                                         self.gate_input == "normalized", self.layer_norm_in.eps,
-                                         self.layer_norm_out.eps)
+            return self._reference(pair_repr, pair_mask)
         precision = self.resolved_precision()
         mode = compute_mode(pair_repr.dtype, precision)
         kernels = _with_override(self.kernels)
@@ -2546,14 +2543,8 @@ class ModelNew(_TriMulLayers):
             return self.forward_chunked(pair_repr, pair_mask)
         return self._forward_fused(pair_repr, pair_mask, mode, kernels)
 
-    def _forward_functorch(self, pair_repr, pair_mask):
-        """Under torch.func's transforms: the reference computation, which composes with them (the kernels'
-        autograd.Function and ops have no functorch or batching rules: they would raise)."""
-        check_inputs(self, pair_repr, pair_mask)
-        if not _functorch_warned:
-            _functorch_warned.append(True)
-            warnings.warn("trimul_inline: ModelNew under torch.func (grad, vmap, jacrev...) runs the reference "
-                          "computation: the kernels have no functorch rules", stacklevel=3)
+    def _reference(self, pair_repr, pair_mask):
+        """The reference computation on this layer's parameters (plain PyTorch: composes with torch.func)."""
         return _functional_reference(pair_repr, pair_mask, _param_list(self), self.direction == "incoming",
                                      self.gate_input == "normalized", self.layer_norm_in.eps, self.layer_norm_out.eps)
 
@@ -2994,14 +2985,15 @@ def _in_place_plan(pair: torch.Tensor, hidden: int, operand: torch.dtype, chunk_
         budget = min(budget, _free_bytes(pair.device) // 4)
     # (a chunk_size asked for is taken where it is smaller than the plan's: larger chunks would hold more lines'
     # sides at once than the pair's bytes allow)
-    first = max(1, min(chunk_size or n, n * 9 // 20))
+    stage = max(1, n * 9 // 20)  # (the first stage's lines; the last n - stage go `rows` at a time)
+    first = min(chunk_size or n, stage)
     rows = max(1, min(chunk_size or n, n // 16))
     chunk = max(first, rows)
     cols = max(1, min(n, budget // (2 * batch * hidden * operand.itemsize * (n + chunk))))
     z_bytes = batch * hidden * chunk * cols * operand.itemsize
     positions = max(1, (budget - z_bytes) // (batch * (4 * c + 8 * hidden) * size))
     fill = max(1, min(n, chunk_size or n, budget // 2 // (batch * n * (c + 3 * hidden) * size)))
-    return _InPlacePlan(first, n - max(1, n * 9 // 20), rows, cols, positions, fill)
+    return _InPlacePlan(first, n - stage, rows, cols, positions, fill)
 
 
 def _chunked_update(layers, pair, mask, operand, mode, chunk_size, out, add, lean=None):
@@ -3590,13 +3582,22 @@ _HOST_ARGUMENTS = ("inplace_safe", "_add_with_inplace", "_inplace_chunk_size", "
 _HOST_KERNEL_CHOICES = ("torch", "cuequivariance")  # Protenix's triangle_multiplicative values
 
 
-def _host_signature(module):
-    """The host's forward signature without self, or None where Python cannot read it."""
+def _openfold_forward(z, mask=None, inplace_safe=False, _add_with_inplace=False, _inplace_chunk_size=None):
+    """(The signature a host forward that Python cannot read is bound with: OpenFold's.)"""
+
+
+def _host_signature(module) -> inspect.Signature:
+    """The host's forward signature without self (OpenFold's where Python cannot read it)."""
     try:
         parameters = list(inspect.signature(type(module).forward).parameters.values())[1:]
     except (TypeError, ValueError):
-        return None
-    return inspect.Signature(parameters) if len(parameters) >= 2 else None
+        parameters = []
+    return inspect.Signature(parameters) if len(parameters) >= 2 else inspect.signature(_openfold_forward)
+
+
+def _host_mask(pair: torch.Tensor, mask) -> torch.Tensor:
+    """The host's optional mask broadcast to the pair's positions [*, N, N] (None: all ones)."""
+    return pair.new_ones(pair.shape[:-1]) if mask is None else torch.broadcast_to(mask, pair.shape[:-1])
 
 
 def _plain_attributes(module) -> dict:
@@ -3641,9 +3642,6 @@ class _HostLayer(nn.Module):
     def _bound(self, args, kwargs) -> tuple:
         """(pair, mask, the known arguments passed) as the host's forward would bind them."""
         signature = self.host_signature
-        if signature is None:  # (unreadable: OpenFold's order)
-            signature = inspect.signature(lambda z, mask=None, inplace_safe=False, _add_with_inplace=False,
-                                          _inplace_chunk_size=None: None)
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError as error:
@@ -3664,13 +3662,12 @@ class _HostLayer(nn.Module):
 
     def _update(self, pair, mask):
         """The update for pair [*, N, N, C] (the layer's output, not added)."""
-        mask = pair.new_ones(pair.shape[:-1]) if mask is None else torch.broadcast_to(mask, pair.shape[:-1])
-        out = self.model_new(_leading_flattened(pair, 3), _leading_flattened(mask, 2))
+        out = self.model_new(_leading_flattened(pair, 3), _leading_flattened(_host_mask(pair, mask), 2))
         return out.reshape(pair.shape)
 
     def _into(self, z, mask, add: bool, chunk_size):
         """z overwritten with the update (add: z + update), chunk_size rows at a time, under no grad; z."""
-        mask = z.new_ones(z.shape[:-1]) if mask is None else torch.broadcast_to(mask, z.shape[:-1])
+        mask = _host_mask(z, mask)
         try:
             z4 = z.view((-1,) + tuple(z.shape[-3:]))
         except RuntimeError:  # (strides with no 4-D view: work on a copy, written back)
@@ -3686,14 +3683,11 @@ class _HostLayer(nn.Module):
         choice = passed.get("triangle_multiplicative", "torch")
         if choice not in _HOST_KERNEL_CHOICES:
             raise ValueError(f"triangle_multiplicative must be 'cuequivariance' or 'torch', but got {choice!r}")
-        if passed.get("use_cueq_triangle_kernels", False):
-            return self._update(pair, mask)
         if choice == "cuequivariance" and self.model_new.pair_dim == self.model_new.hidden_dim:
             update = self._update(pair, mask)
             return update + pair if inplace and add else update
-        if not inplace:
-            return self._update(pair, mask)
-        if self.layout.kind == "openfold_fused" and not add:
+        if (passed.get("use_cueq_triangle_kernels", False) or not inplace
+                or (self.layout.kind == "openfold_fused" and not add)):  # (the update in a new tensor)
             return self._update(pair, mask)
         if not torch.is_grad_enabled():
             return self._into(pair, mask, add, passed.get("_inplace_chunk_size"))
@@ -3786,7 +3780,7 @@ def _alphafold_values(params, direction: str) -> dict:
                 values[(ours, "weight")], values[(ours, "bias")] = _alphafold_linear(
                     _alphafold_entry(params, f"{side}_{kind}"))
                 continue
-            weight, bias = (_as_tensor(v, f"{kind}") for v in _alphafold_linear(_alphafold_entry(params, kind)))
+            weight, bias = _alphafold_linear(_alphafold_entry(params, kind))  # (arrays: converted once, later)
             if weight.shape[-1] % 2 or bias.shape[-1] != weight.shape[-1]:
                 raise ValueError(f"trimul_inline.from_alphafold_params: the fused {kind!r} has shape "
                                  f"{tuple(weight.shape)} / bias {tuple(bias.shape)}; expected [in, 2 hidden] / "

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import trimul_inline as ti  # noqa: E402
-from bench import parse_shapes  # noqa: E402
+from bench import git_commit, parse_shapes, spread  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -59,8 +59,8 @@ def timed(clock, fn, reps):
     for _ in range(2):
         fn()
     times = sorted(clock(fn) for _ in range(reps))
-    return {"median_ms": 1e3 * statistics.median(times), "p10_ms": 1e3 * times[len(times) // 10],
-            "p90_ms": 1e3 * times[(9 * len(times)) // 10]}
+    low, high = spread(times)
+    return {"median_ms": 1e3 * statistics.median(times), "p10_ms": 1e3 * low, "p90_ms": 1e3 * high}
 
 
 class Log:
@@ -253,14 +253,13 @@ def bench_shape(shape, args, device, log):
     moving = measured["transfers"]["median_ms"]
     hidden_share = (measured["products"]["median_ms"] + moving - measured["contraction"]["median_ms"]) / moving \
         if moving > 0 and world > 1 else None
-    log(kind="contraction_parts", **key, **{f"{k}_median_ms": v["median_ms"] for k, v in measured.items()},
-        **{f"{k}_p10_ms": v["p10_ms"] for k, v in measured.items()},
-        **{f"{k}_p90_ms": v["p90_ms"] for k, v in measured.items()}, hidden_share=hidden_share,
-        bytes_forward=transfer_bytes(ring, batch, n, hidden, element, incoming),
+    sent = transfer_bytes(ring, batch, n, hidden, element, incoming)
+    log(kind="contraction_parts", **key, **{f"{k}_{s}": v[s] for k, v in measured.items()
+                                            for s in ("median_ms", "p10_ms", "p90_ms")},
+        hidden_share=hidden_share, bytes_forward=sent,
         bytes_backward=backward_bytes(ring, batch, n, hidden, element, incoming))
     summary.update(contraction_ms=measured["contraction"]["median_ms"], transfers_ms=moving,
-                   hidden_share=float("nan") if hidden_share is None else hidden_share,
-                   bytes_forward=transfer_bytes(ring, batch, n, hidden, element, incoming))
+                   hidden_share=float("nan") if hidden_share is None else hidden_share, bytes_forward=sent)
     return summary
 
 
@@ -297,19 +296,6 @@ def shape_line(shape, args, ranks) -> str:
     return ", ".join(parts)
 
 
-def _commit() -> str:
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        import subprocess
-        head = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return (head or "unknown") + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def run(args):
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(args.device or (f"cuda:{local}" if torch.cuda.is_available() else "cpu"))
@@ -324,7 +310,7 @@ def run(args):
                                "precision": args.precision, "gate_input": args.gate_input})
         log(kind="run", command=" ".join(sys.argv), backend=backend, torch=torch.__version__,
             device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=args.commit or _commit())
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=args.commit or git_commit())
         rates = link_rates(device, log) if args.links else None
         if rank == 0 and rates:
             print(f"links: rank 0 -> 1 alone {rates[0]:.1f} GB/s; ring exchange {rates[1]:.1f} GB/s per direction "
@@ -435,7 +421,7 @@ def main(argv=None):
     parser.add_argument("--device", default=None, help="default: cuda:<LOCAL_RANK> where CUDA exists, else cpu")
     parser.add_argument("--timeout", type=float, default=120.0, help="the process group's, seconds")
     parser.add_argument("--no-links", dest="links", action="store_false", help="skip the bandwidth measurement")
-    parser.add_argument("--commit", help="recorded in the run's line (default: git's HEAD here, +dirty)")
+    parser.add_argument("--commit", help="recorded in the run's line (default: bench.git_commit, -dirty)")
     parser.add_argument("--jsonl", help="append every rank's records here, one JSON line each")
     parser.add_argument("--summarize", nargs="+", metavar="JSONL", help="print the table of these runs and exit")
     parser.add_argument("--fused", default="", help='one-GPU fused forward ms by N for the table: "8192=257,..."')

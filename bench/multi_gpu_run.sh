@@ -10,7 +10,7 @@
 # the time left over the runs left, the group's timeout 60 s, so a rank that fails cannot hold the others
 # longer. Six files under OUT: run.txt (commit, GPUs, topology, NCCL settings), build.log, tests.log,
 # distributed.log, distributed.jsonl, summary.md. The commit: $COMMIT if set (the device's git metadata may
-# be stale), else git's HEAD here, "+dirty" with uncommitted changes.
+# be stale), else bench.py's git_commit ("-dirty" with uncommitted changes or untracked files).
 #   bench/multi_gpu_run.sh $OUT "1 2 4 8" "1,4096,128,128;1,8192,128,128" --tests
 #   bench/multi_gpu_run.sh $OUT "8" "1,16384,128,128"
 set -uo pipefail
@@ -35,7 +35,7 @@ left() { echo $((budget - (SECONDS - start))); }
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-.build}
-commit=${COMMIT:-$(git rev-parse --short HEAD 2>&1)$([ -n "$(git status --porcelain --untracked-files=no 2>&1)" ] && echo +dirty)}
+commit=${COMMIT:-$(python3 -c "import bench; print(bench.git_commit())" 2>&1 | tail -n 1)}
 {
   echo "date: $(date -u +%FT%TZ)"; echo "commit: $commit"; echo "worlds: $worlds; shapes: $shapes $backward"
   nvidia-smi -L; nvidia-smi topo -m; env | grep '^NCCL_' | sort
