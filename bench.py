@@ -314,8 +314,10 @@ def cublas_workspaces_ready() -> None:
 
 def held_memory_start() -> int:
     """Device memory reserved before a contender's first training step, once the backward graphs of earlier
-    contenders are dropped (trimul_inline keeps them between calls) and the process's GEMM workspaces exist."""
+    contenders and their weight refreshes' graphs are dropped (trimul_inline keeps them between calls) and the
+    process's GEMM workspaces exist."""
     ti._BACKWARD_GRAPHS.entries.clear()
+    ti._WEIGHT_GRAPHS.entries.clear()
     cublas_workspaces_ready()
     return settled_reserved_bytes()
 

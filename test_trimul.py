@@ -3834,6 +3834,15 @@ def test_backward_graph_replays_the_call(precision, direction, gate_input, mask_
     ti._BACKWARD_GRAPHS.entries.clear()
 
 
+def _counted_captures(monkeypatch) -> list:
+    """A list that grows by one at every CUDA graph capture of _GraphedCalls (the backward's, the weights')."""
+    captures = []
+    capture = ti._GraphedCalls._capture
+    monkeypatch.setattr(ti._GraphedCalls, "_capture",
+                        staticmethod(lambda tensors, function: captures.append(1) or capture(tensors, function)))
+    return captures
+
+
 @cuda
 def test_backward_graph_is_shared_by_layers_of_one_shape(monkeypatch):
     """Layers with the same shapes but their own parameters (a deeper stack than the graphs kept) share one graph:
@@ -3843,9 +3852,7 @@ def test_backward_graph_is_shared_by_layers_of_one_shape(monkeypatch):
     layers = [[p.detach().cuda() for p in ti._param_list(random_layers(ti.ModelNew(16, 12), g))]
               for _ in range(ti._BACKWARD_GRAPHS.limit + 2)]
     options = (ti.Kernels(), "bf16", False, True, 1e-5, 1e-5, False)
-    captures = []
-    capture = ti._BackwardGraphs._capture
-    monkeypatch.setattr(ti._BackwardGraphs, "_capture", staticmethod(lambda call: captures.append(1) or capture(call)))
+    captures = _counted_captures(monkeypatch)
     ti._BACKWARD_GRAPHS.entries.clear()
     try:
         for step in range(2):
@@ -3886,6 +3893,107 @@ def test_backward_graph_that_cannot_be_captured_falls_back_to_the_call(monkeypat
             assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, expected))
     finally:
         ti._BACKWARD_GRAPHS.entries.clear()
+
+
+def test_weight_refresh_asks_for_a_graph_only_when_refreshing(monkeypatch):
+    """A module's first preparation of a mode runs op by op unless a graph of its signature exists (capture False:
+    inference, which prepares once, captures nothing); a refresh after a parameter change may capture; an
+    unchanged module prepares nothing."""
+    asked = []
+    monkeypatch.setattr(ti, "_prepared_graphed", lambda params, mode, capture: asked.append((mode, capture)))
+    model = random_layers(ti.ModelNew(16, 8), torch.Generator().manual_seed(fresh_seed()))
+    first = model._prepared_weights("bf16")
+    assert model._prepared_weights("bf16") is first and asked == [("bf16", False)] and not first.graphed
+    with torch.no_grad():
+        model.gate_b.weight.add_(0.25)
+    refreshed = model._prepared_weights("bf16")
+    assert asked == [("bf16", False), ("bf16", True)] and refreshed is not first
+    assert all(torch.equal(a, b) for a, b in zip(refreshed, ti.prepare_weights(ti._param_list(model), "bf16")))
+
+
+@cuda
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("mode", ["bf16", "f16", "high", "highest"])
+def test_weight_refresh_from_a_graph_equals_the_preparation(mode, bias):
+    """After optimizer steps (fused Adam: no version bumps) the refreshed kernel-layout weights, replayed from a CUDA
+    graph, equal prepare_weights op by op bit for bit, and so do the folded x_hat gate weights made from them; each
+    refresh gives fresh tensors (the previous step's list is left as it was), and the module's forward matches the
+    reference at the mode's tolerance on the refreshed weights."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(40, 24, bias=bias, gate_input="normalized"), g).cuda()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05, fused=True)
+    ti._WEIGHT_GRAPHS.entries.clear()
+    try:
+        previous = None
+        for step in range(4):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g).cuda()
+            optimizer.step()
+            params = ti._param_list(model)
+            weights = model._prepared_weights(mode)
+            folded = ti._x_hat_gate_weights(weights, ti._with_zero_biases(params))
+            expected = ti.prepare_weights(params, mode)
+            assert weights.graphed == (step > 0), step
+            assert all(torch.equal(a, b) for a, b in zip(weights, expected)), step
+            expected_folded = ti._x_hat_gate_weights(list(expected), ti._with_zero_biases(params))
+            assert all(torch.equal(a, b) for a, b in zip(folded, expected_folded)), step
+            if previous is not None:
+                old_list, old_values = previous
+                assert all(torch.equal(a, b) for a, b in zip(old_list, old_values)), step
+                assert not {t.data_ptr() for t in weights} & {t.data_ptr() for t in old_list}, step
+            previous = (weights, [t.clone() for t in weights])
+        assert len(ti._WEIGHT_GRAPHS.entries) == 2  # (the preparation's and the folded gate's)
+        precision = ti._MODE_PRECISION[mode]
+        model.precision = precision
+        pair, mask = random_inputs(1, 33, 40, g, dtype=torch.float16 if mode == "f16" else torch.float32,
+                                   device="cuda")
+        assert ti.compute_mode(pair.dtype, precision) == mode
+        with torch.no_grad():
+            out = model(pair, mask)
+            expected = ti._functional_reference(pair.double(), mask, [p.double() for p in ti._with_zero_biases(
+                ti._param_list(model))], False, True, 1e-5, 1e-5)
+        assert rel_error(out, expected) < FUSED_TOLERANCE[precision]
+    finally:
+        ti._WEIGHT_GRAPHS.entries.clear()
+
+
+@cuda
+def test_weight_graph_is_shared_by_layers_of_one_shape(monkeypatch):
+    """Layers of one shape refresh from one graph (one capture for the stack), each to its own parameters' weights;
+    a capture that fails warns once and the preparation runs op by op, with the same weights."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    layers = [random_layers(ti.ModelNew(16, 12), g).cuda() for _ in range(ti._WEIGHT_GRAPHS.limit + 2)]
+    captures = _counted_captures(monkeypatch)
+    ti._WEIGHT_GRAPHS.entries.clear()
+    try:
+        for step in range(3):
+            for index, model in enumerate(layers):
+                with torch.no_grad():
+                    model.proj_b.weight.add_(torch.randn(model.proj_b.weight.shape, generator=g).cuda())
+                got = model._prepared_weights("highest")
+                expected = ti.prepare_weights(ti._param_list(model), "highest")
+                assert all(torch.equal(a, b) for a, b in zip(got, expected)), (step, index)
+        assert len(captures) == 1 and len(ti._WEIGHT_GRAPHS.entries) == 1
+        ti._WEIGHT_GRAPHS.entries.clear()
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("capture refused (test)")
+        monkeypatch.setattr(torch.cuda, "graph", refuse)
+        model = layers[0]
+        for step in range(3):
+            with torch.no_grad():
+                model.gate_a.bias.add_(0.5)
+            if step == 1:
+                with pytest.warns(UserWarning, match="could not be captured"):
+                    got = model._prepared_weights("bf16")
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    got = model._prepared_weights("bf16")
+            assert not got.graphed
+            assert all(torch.equal(a, b) for a, b in zip(got, ti.prepare_weights(ti._param_list(model), "bf16")))
+    finally:
+        ti._WEIGHT_GRAPHS.entries.clear()
 
 
 @cuda

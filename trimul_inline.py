@@ -1040,7 +1040,8 @@ def _f16x3_weights(w_in, w_gate, w_out, ln_w, ln_b, pair_dim: int, hidden: int, 
     w_out16, t_out = _f16x3_split(w_out)
     row_bound = math.sqrt(pair_dim) * ln_w.abs().amax() + ln_b.abs().amax()
     s_in = _power_of_two_to_4096(row_bound)
-    s_z = _power_of_two_to_4096(torch.tensor(math.sqrt(hidden), device=w_in.device))
+    # (a fill, not torch.tensor: no host-to-device copy, so a CUDA graph can capture it: _prepared_graphed)
+    s_z = _power_of_two_to_4096(torch.full((), math.sqrt(hidden), device=w_in.device))
     s_ab = _power_of_two_to_4096((row_bound * proj_w.abs().sum(1) + proj_b.abs()).amax())
     exponents = torch.stack([s_in, s_in + t_in, -(s_in + t_in), -t_gate, s_z, s_z + t_out, -(s_z + t_out), s_ab,
                              -2 * s_ab])
@@ -1061,25 +1062,128 @@ def _gate_reads_x_hat(plan: dict, x_hat: Optional[torch.Tensor], output_kernel: 
     return gate_normalized and x_hat is not None and not output_kernel and plan["gate_rows"]
 
 
+class _GraphedCalls:
+    """CUDA graphs of functions of tensors, one per call signature (the caller's key), the `limit` most recently used
+    kept. A graph copies the call's tensors into its own inputs (one multi-tensor copy), so calls of one signature on
+    other tensors (every layer of a stack with the same shapes) share one graph and its memory; its outputs are
+    copied out, since the next replay overwrites them. Not while a capture is under way (a caller's own graph
+    captures the call) nor under a Python dispatch mode. what / instead: the call and what runs where its capture
+    fails, for the warning."""
+
+    def __init__(self, what: str, instead: str, limit: int = 8):
+        self.what, self.instead, self.limit = what, instead, limit
+        self.entries = {}  # key -> (inputs, graph, outputs); insertion order = recency
+
+    def run(self, key, tensors: list, function, capture: bool = True):
+        """function(tensors)'s outputs (a list of tensors and Nones) as fresh tensors, replayed from the key's
+        graph; [] where function returns [] (it has nothing to capture: a torch baseline role); None where no
+        graph may run now, where the key has none and capture is False, or where the key's capture failed (warned
+        once per key): the caller then calls function itself. key: everything the outputs depend on besides the
+        tensors' values (their shapes, dtypes and device included)."""
+        with torch.cuda.device(tensors[0].device):  # (capture and replay on the tensors' device, whatever is current)
+            if torch.cuda.is_current_stream_capturing() or _python_dispatch_mode_active():
+                return None
+            if not capture and key not in self.entries:
+                return None
+            return self._run(key, tensors, function)
+
+    def _run(self, key, tensors, function):
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            try:
+                entry = self._capture(tensors, function)
+            except RuntimeError as error:  # (something here refuses capture: the plain call for this key)
+                warnings.warn(f"trimul_inline: {self.what}'s CUDA graph could not be captured ({error}); "
+                              f"{self.instead} instead", stacklevel=3)
+                entry = (None, None, None)
+        self.entries[key] = entry
+        while len(self.entries) > self.limit:
+            self.entries.pop(next(iter(self.entries)))
+        inputs, graph, outputs = entry
+        if graph is None:
+            return None if inputs is None else []
+        torch._foreach_copy_(inputs, list(tensors))
+        graph.replay()
+        defined = [t for t in outputs if t is not None]
+        copies = [torch.empty_like(t) for t in defined]
+        torch._foreach_copy_(copies, defined)
+        copies.reverse()
+        return [None if t is None else copies.pop() for t in outputs]
+
+    @staticmethod
+    def _capture(tensors, function):
+        """(inputs, graph, outputs) for a key: one run on a side stream first (cuBLAS's handles and workspaces, the
+        kernels' attributes), then the capture; (inputs, None, None) where function returns []."""
+        inputs = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
+        side = torch.cuda.Stream(device=inputs[0].device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            warm = function(inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        if not warm:
+            return inputs, None, None
+        del warm
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = function(inputs)
+        return inputs, graph, outputs
+
+
 class _CachedWeights(list):
     """prepare_weights' list as ModelNew caches it (per mode and parameter version), with the raw-gate-on-x_hat
-    weights derived from it kept beside it, so that a training step does not fold them again."""
+    weights derived from it kept beside it, so that a training step does not fold them again. graphed: made from
+    _WEIGHT_GRAPHS (the derived weights are made there too)."""
     x_hat_gate: Optional[list] = None
+    graphed: bool = False
+
+
+# Refreshing the kernel-layout weights after an optimizer step takes ~100-150 small ATen calls of host time, most of a
+# small training step's forward: a refresh replays them from a CUDA graph instead (one per signature, which every layer
+# of a stack with the same shapes shares). A signature's first preparation runs op by op, so inference (which prepares
+# once) captures nothing.
+_WEIGHT_GRAPHS = _GraphedCalls("the weights' preparation", "it runs op by op")
+
+
+def _prepared_graphed(params: list, mode: str, capture: bool) -> Optional[list]:
+    """prepare_weights(params, mode) replayed from _WEIGHT_GRAPHS (fresh tensors, bit-equal to it); None where no graph
+    runs (not CUDA, a capture under way, capture False and none made yet, a failed capture)."""
+    present = [p.detach() for p in params if p is not None]
+    if not all(p.is_cuda and p.device == present[0].device for p in present):
+        return None
+    missing = tuple(p is None for p in params)
+
+    def prepare(inputs):
+        given = iter(inputs)
+        return prepare_weights([None if gone else next(given) for gone in missing], mode)
+    key = ("prepare_weights", mode, missing, tuple((p.shape, p.dtype) for p in present), present[0].device)
+    return _WEIGHT_GRAPHS.run(key, present, prepare, capture)
+
+
+def _x_hat_gate_parts(gate_shape, gate_dtype, ln_w, ln_b, gate_w, gate_b) -> list:
+    """[out_gate's weight folded with LayerNorm_in's (W diag(w) in gate_dtype, the operand's, padded to gate_shape),
+    b + W b_ln in fp32], computed in fp64: W diag(w) of fp32 values is exact there, so it rounds once, as in fp32;
+    b + W b_ln is prepare_weights' out_b sum."""
+    folded_w, folded_b = _folded(*(t.detach().double() for t in (gate_w, gate_b, ln_w, ln_b)))
+    pair_dim = gate_w.shape[1]
+    w_gate = torch.zeros(gate_shape, device=gate_w.device, dtype=gate_dtype)
+    w_gate[:pair_dim, :pair_dim] = folded_w.float()
+    return [w_gate, folded_b.float()]
 
 
 def _x_hat_gate_weights(weights: list, params: list) -> list:
-    """prepare_weights' list with out_gate folded with LayerNorm_in's affine (W diag(w) in the operand dtype, b +
-    W b_ln in fp32 from fp64): the weights of a raw gate on x_hat. Once per _CachedWeights."""
+    """prepare_weights' list with out_gate folded with LayerNorm_in's affine (_x_hat_gate_parts): the weights of a raw
+    gate on x_hat. Once per _CachedWeights (from _WEIGHT_GRAPHS where the weights came from there)."""
     if getattr(weights, "x_hat_gate", None) is not None:
         return weights.x_hat_gate
-    # (in fp64: W diag(w) of fp32 values is exact there, so it rounds once, as in fp32; b + W b_ln is prepare_weights'
-    # out_b sum)
-    ln_w, ln_b, gate_w, gate_b = (params[i].detach().double() for i in (0, 1, 14, 15))
-    folded_w, folded_b = _folded(gate_w, gate_b, ln_w, ln_b)
-    pair_dim = gate_w.shape[1]
-    w_gate = torch.zeros_like(weights[4])
-    w_gate[:pair_dim, :pair_dim] = folded_w.float()
-    folded = list(weights[:4]) + [w_gate, folded_b.float()] + list(weights[6:])
+    sources = [params[i] for i in (0, 1, 14, 15)]
+    gate = (tuple(weights[4].shape), weights[4].dtype)
+    parts = None
+    if getattr(weights, "graphed", False):
+        key = ("x_hat_gate", gate, tuple((p.shape, p.dtype) for p in sources), sources[0].device)
+        parts = _WEIGHT_GRAPHS.run(key, [p.detach() for p in sources], lambda inputs: _x_hat_gate_parts(*gate, *inputs))
+    if parts is None:
+        parts = _x_hat_gate_parts(*gate, *sources)
+    folded = list(weights[:4]) + parts + list(weights[6:])
     if isinstance(weights, _CachedWeights):
         weights.x_hat_gate = folded
     return folded
@@ -1653,7 +1757,7 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
     parameters' (_PARAM_PATHS order)], each in its tensor's dtype; d pair None unless pair_grad, the parameters'
     None unless params_grad (their work skipped: a frozen layer, a first layer). Any device; CUDA in the op. host: "auto" runs
     a CUDA call whose backward roles are library kernels in one extension call (the same steps in C++: the
-    host time of a small step), replayed from a CUDA graph (_BackwardGraphs) for problems of at most
+    host time of a small step), replayed from a CUDA graph (_graphed_backward) for problems of at most
     GRAPHED_BACKWARD_POSITIONS positions and GRAPHED_BACKWARD_BYTES of pair-sized operands (_graphs_backward);
     "call" always the one extension call; "graph" a graph at any size; "python" always here step by step. A
     16-bit mode's small CUDA call multiplies in TF32 (_backward_mode). saved_z: the forward's z planes
@@ -1682,7 +1786,7 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
                     kernels.contract_backward or "", kernels.position_gemm or "", _precision_code(mode),
                     _COMPUTE_DTYPE[mode] == torch.float32, incoming, gate_normalized, eps_in, eps_out, mask_grad,
                     pair_grad, params_grad, None if graphed else saved, lean)
-            grads = _BACKWARD_GRAPHS.run(call) if graphed else None
+            grads = _graphed_backward(call) if graphed else None
             if grads is None:
                 grads = _extension().training_backward(*call)
             if grads:  # (empty: a backward role runs a torch baseline, which the Python path below runs)
@@ -1784,86 +1888,21 @@ def _graphs_backward(pair: torch.Tensor, mode: str) -> bool:
         GRAPHED_BACKWARD_BYTES
 
 
-class _BackwardGraphs:
-    """CUDA graphs of the extension's one-call backward, one per call signature (shapes, dtypes, options, the
-    parameters' shapes, dtypes and device, the matmul precision, the extension), the `limit` most recently used
-    kept. A graph copies grad_out, pair, the mask and the parameters into its own inputs (one multi-tensor copy
-    for the parameters), so every layer of a model with the same shapes shares one graph and its memory; keyed by
-    where the parameters live, a stack deeper than `limit` would capture again on every call. Its gradients are
-    copied out, since the next replay overwrites them. Not while a capture is under way (a caller's own graph
-    captures the call) nor under a Python dispatch mode."""
-
-    def __init__(self, limit: int = 8):
-        self.limit = limit
-        self.entries = {}  # signature -> (inputs, graph, gradients); insertion order = recency
-
-    def run(self, call):
-        """The gradients as the call returns them (a fresh tensor each, None where the call has none), [] where
-        the call takes a torch baseline role, None where no graph may run now or this signature's capture failed
-        (warned once per signature; the caller then makes the call itself)."""
-        grad_out, pair, mask, params, *options = call
-        with torch.cuda.device(pair.device):  # (capture and replay on the tensors' device, whatever is current)
-            if torch.cuda.is_current_stream_capturing() or _python_dispatch_mode_active():
-                return None
-            key = (tuple((t.shape, t.dtype) for t in (grad_out, pair, mask)), pair.device,
-                   tuple((p.shape, p.dtype, p.device) for p in params), tuple(options),
-                   torch.get_float32_matmul_precision(), id(_extension()))
-            return self._run(key, call)
-
-    def _run(self, key, call):
-        grad_out, pair, mask, params, *options = call
-        entry = self.entries.pop(key, None)
-        if entry is None:
-            try:
-                entry = self._capture(call)
-            except RuntimeError as error:  # (something here refuses capture: the plain call for this signature)
-                warnings.warn(f"trimul_inline: the backward's CUDA graph could not be captured ({error}); the "
-                              "backward runs as one extension call instead", stacklevel=2)
-                entry = (None, None, None)
-        self.entries[key] = entry
-        while len(self.entries) > self.limit:
-            self.entries.pop(next(iter(self.entries)))
-        inputs, graph, grads = entry
-        if graph is None:
-            return None if inputs is None else []
-        static_pair_inputs, static_params = inputs
-        for static, given in zip(static_pair_inputs, (grad_out, pair, mask)):
-            static.copy_(given)
-        torch._foreach_copy_(static_params, list(params))
-        graph.replay()
-        defined = [g for g in grads if g is not None]
-        copies = [torch.empty_like(g) for g in defined]
-        torch._foreach_copy_(copies, defined)
-        copies.reverse()
-        return [None if g is None else copies.pop() for g in grads]
-
-    @staticmethod
-    def _capture(call):
-        """(inputs, graph, gradients) for the call's signature: one run on a side stream first (cuBLAS's handles
-        and workspaces, the kernels' attributes), then the capture; (inputs, None, None) for a call that takes
-        a torch baseline role (the extension returns no gradients)."""
-        grad_out, pair, mask, params, *options = call
-        extension = _extension()
-        pair_inputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (grad_out, pair, mask)]
-        for static, given in zip(pair_inputs, (grad_out, pair, mask)):
-            static.copy_(given)
-        static_params = [p.detach().clone(memory_format=torch.contiguous_format) for p in params]
-        inputs = (pair_inputs, static_params)
-        side = torch.cuda.Stream(device=pair.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            warm = extension.training_backward(*pair_inputs, static_params, *options)
-        torch.cuda.current_stream().wait_stream(side)
-        if not warm:
-            return inputs, None, None
-        del warm
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            grads = extension.training_backward(*pair_inputs, static_params, *options)
-        return inputs, graph, grads
+# The one-call backward of small problems (training_backward's host "auto"): its ~50 ATen calls are most of such a
+# step's time. Keyed by the call's signature (shapes, dtypes, options, the parameters' shapes, dtypes and device, the
+# matmul precision, the extension).
+_BACKWARD_GRAPHS = _GraphedCalls("the backward", "the backward runs as one extension call")
 
 
-_BACKWARD_GRAPHS = _BackwardGraphs()
+def _graphed_backward(call):
+    """training_backward's one extension call replayed from _BACKWARD_GRAPHS (_GraphedCalls.run's answers)."""
+    grad_out, pair, mask, params, *options = call
+    key = (tuple((t.shape, t.dtype) for t in (grad_out, pair, mask)), pair.device,
+           tuple((p.shape, p.dtype, p.device) for p in params), tuple(options),
+           torch.get_float32_matmul_precision(), id(_extension()))
+    extension = _extension()
+    return _BACKWARD_GRAPHS.run(key, [grad_out, pair, mask, *params], lambda inputs: extension.training_backward(
+        inputs[0], inputs[1], inputs[2], inputs[3:], *options))
 
 
 def _python_dispatch_mode_active() -> bool:
@@ -2664,8 +2703,11 @@ class ModelNew(_TriMulLayers):
         # addresses, so an equal (address, version) is the same storage, unchanged through tracked ops; a
         # parametrization's computed weight or functional_call's tensors of another call miss)
         held = [None if p is None else p.untyped_storage() for p in params]
-        cached = self._weights_cache[mode] = (version, _CachedWeights(prepare_weights(params, mode)), held)
-        return cached[1], True
+        graphed = _prepared_graphed(params, mode, capture=cached is not None)  # (a refresh: _WEIGHT_GRAPHS says why)
+        weights = _CachedWeights(prepare_weights(params, mode) if graphed is None else graphed)
+        weights.graphed = graphed is not None
+        cached = self._weights_cache[mode] = (version, weights, held)
+        return weights, True
 
     def _fused_inputs(self, pair_repr, pair_mask):
         """pair_repr with channel stride 1 and a mask the kernels read (a copy or conversion only where needed)."""
