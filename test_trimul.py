@@ -3917,8 +3917,9 @@ def test_weight_refresh_asks_for_a_graph_only_when_refreshing(monkeypatch):
 def test_weight_refresh_from_a_graph_equals_the_preparation(mode, bias):
     """After optimizer steps (fused Adam: no version bumps) the refreshed kernel-layout weights, replayed from a CUDA
     graph, equal prepare_weights op by op bit for bit, and so do the folded x_hat gate weights made from them; each
-    refresh gives fresh tensors (the previous step's list is left as it was), and the module's forward matches the
-    reference at the mode's tolerance on the refreshed weights."""
+    refresh gives fresh tensors (the previous step's list is left as it was), a graph captured under
+    torch.inference_mode replays outside it, and the module's forward matches the reference at the mode's tolerance
+    on the refreshed weights."""
     g = torch.Generator().manual_seed(fresh_seed())
     model = random_layers(ti.ModelNew(40, 24, bias=bias, gate_input="normalized"), g).cuda()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05, fused=True)
@@ -3930,7 +3931,9 @@ def test_weight_refresh_from_a_graph_equals_the_preparation(mode, bias):
                 p.grad = torch.randn(p.shape, generator=g).cuda()
             optimizer.step()
             params = ti._param_list(model)
-            weights = model._prepared_weights(mode)
+            with torch.inference_mode(step == 1):  # (the capture in an evaluation, its replays in training)
+                weights = model._prepared_weights(mode)
+            assert not any(t.is_inference() for t in weights), step
             folded = ti._x_hat_gate_weights(weights, ti._with_zero_biases(params))
             expected = ti.prepare_weights(params, mode)
             assert weights.graphed == (step > 0), step

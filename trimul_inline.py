@@ -1079,8 +1079,10 @@ class _GraphedCalls:
         graph; [] where function returns [] (it has nothing to capture: a torch baseline role); None where no
         graph may run now, where the key has none and capture is False, or where the key's capture failed (warned
         once per key): the caller then calls function itself. key: everything the outputs depend on besides the
-        tensors' values (their shapes, dtypes and device included)."""
-        with torch.cuda.device(tensors[0].device):  # (capture and replay on the tensors' device, whatever is current)
+        tensors' values (their shapes, dtypes and device included). The graph's inputs and every output are normal
+        tensors under torch.inference_mode too: a graph captured during an evaluation replays in training."""
+        # (capture and replay on the tensors' device, whatever is current)
+        with torch.cuda.device(tensors[0].device), torch.inference_mode(False):
             if torch.cuda.is_current_stream_capturing() or _python_dispatch_mode_active():
                 return None
             if not capture and key not in self.entries:
