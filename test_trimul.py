@@ -3917,7 +3917,7 @@ def test_weight_refresh_asks_for_a_graph_only_when_refreshing(monkeypatch):
 def test_weight_refresh_from_a_graph_equals_the_preparation(mode, bias):
     """After optimizer steps (fused Adam: no version bumps) the refreshed kernel-layout weights, replayed from a CUDA
     graph, equal prepare_weights op by op bit for bit, and so do the folded x_hat gate weights made from them; each
-    refresh gives fresh tensors (the previous step's list is left as it was), a graph captured under
+    refresh gives fresh tensors (the previous graphed list is left as it was), a graph captured under
     torch.inference_mode replays outside it, and the module's forward matches the reference at the mode's tolerance
     on the refreshed weights."""
     g = torch.Generator().manual_seed(fresh_seed())
@@ -3940,11 +3940,11 @@ def test_weight_refresh_from_a_graph_equals_the_preparation(mode, bias):
             assert all(torch.equal(a, b) for a, b in zip(weights, expected)), step
             expected_folded = ti._x_hat_gate_weights(list(expected), ti._with_zero_biases(params))
             assert all(torch.equal(a, b) for a, b in zip(folded, expected_folded)), step
-            if previous is not None:
+            if previous is not None:  # (a list made op by op may hold the parameters themselves: fp32 vectors)
                 old_list, old_values = previous
                 assert all(torch.equal(a, b) for a, b in zip(old_list, old_values)), step
                 assert not {t.data_ptr() for t in weights} & {t.data_ptr() for t in old_list}, step
-            previous = (weights, [t.clone() for t in weights])
+            previous = (weights, [t.clone() for t in weights]) if weights.graphed else None
         assert len(ti._WEIGHT_GRAPHS.entries) == 2  # (the preparation's and the folded gate's)
         precision = ti._MODE_PRECISION[mode]
         model.precision = precision
@@ -3957,6 +3957,33 @@ def test_weight_refresh_from_a_graph_equals_the_preparation(mode, bias):
                 ti._param_list(model))], False, True, 1e-5, 1e-5)
         assert rel_error(out, expected) < FUSED_TOLERANCE[precision]
     finally:
+        ti._WEIGHT_GRAPHS.entries.clear()
+
+
+@cuda
+def test_graphs_record_no_autograd_history():
+    """A training step whose small backward replays a graph (its inputs: a pair_repr with history, the saved
+    parameters) and whose weights refresh from one leaves no autograd history on the graphs' inputs or outputs
+    (else every replay would link the last step's graph, holding its memory), inside inference_mode's off switch."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(16, 8, gate_input="normalized"), g).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    ti._BACKWARD_GRAPHS.entries.clear()
+    ti._WEIGHT_GRAPHS.entries.clear()
+    try:
+        for _ in range(3):
+            pair, mask = random_inputs(2, 9, 16, g, dtype=torch.float32, device="cuda")
+            source = pair.requires_grad_(True) * 1.5  # (a pair_repr with a grad_fn, as inside a model)
+            model(source, mask).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        for graphs in (ti._BACKWARD_GRAPHS, ti._WEIGHT_GRAPHS):
+            assert graphs.entries, graphs.what
+            for inputs, _, outputs in graphs.entries.values():
+                assert not any(t.requires_grad or t.grad_fn is not None for t in inputs), graphs.what
+                assert not any(t is not None and t.requires_grad for t in outputs), graphs.what
+    finally:
+        ti._BACKWARD_GRAPHS.entries.clear()
         ti._WEIGHT_GRAPHS.entries.clear()
 
 

@@ -1080,9 +1080,10 @@ class _GraphedCalls:
         graph may run now, where the key has none and capture is False, or where the key's capture failed (warned
         once per key): the caller then calls function itself. key: everything the outputs depend on besides the
         tensors' values (their shapes, dtypes and device included). The graph's inputs and every output are normal
-        tensors under torch.inference_mode too: a graph captured during an evaluation replays in training."""
+        tensors under torch.inference_mode too (a graph captured during an evaluation replays in training), and no
+        copy records autograd history (turning inference mode off turns grad mode on: no_grad after it)."""
         # (capture and replay on the tensors' device, whatever is current)
-        with torch.cuda.device(tensors[0].device), torch.inference_mode(False):
+        with torch.cuda.device(tensors[0].device), torch.inference_mode(False), torch.no_grad():
             if torch.cuda.is_current_stream_capturing() or _python_dispatch_mode_active():
                 return None
             if not capture and key not in self.entries:
@@ -1104,7 +1105,7 @@ class _GraphedCalls:
         inputs, graph, outputs = entry
         if graph is None:
             return None if inputs is None else []
-        torch._foreach_copy_(inputs, list(tensors))
+        torch._foreach_copy_(inputs, [t.detach() for t in tensors])
         graph.replay()
         defined = [t for t in outputs if t is not None]
         copies = [torch.empty_like(t) for t in defined]
@@ -1115,7 +1116,9 @@ class _GraphedCalls:
     @staticmethod
     def _capture(tensors, function):
         """(inputs, graph, outputs) for a key: one run on a side stream first (cuBLAS's handles and workspaces, the
-        kernels' attributes), then the capture; (inputs, None, None) where function returns []."""
+        kernels' attributes), then the capture on that stream (torch.cuda.graph's default capture stream belongs to
+        the device that captured first: another device's kernels would run outside the capture, leaving an empty
+        graph); (inputs, None, None) where function returns []."""
         inputs = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
         side = torch.cuda.Stream(device=inputs[0].device)
         side.wait_stream(torch.cuda.current_stream())
@@ -1126,7 +1129,7 @@ class _GraphedCalls:
             return inputs, None, None
         del warm
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):
             outputs = function(inputs)
         return inputs, graph, outputs
 
@@ -1143,7 +1146,7 @@ class _CachedWeights(list):
 # small training step's forward: a refresh replays them from a CUDA graph instead (one per signature, which every layer
 # of a stack with the same shapes shares). A signature's first preparation runs op by op, so inference (which prepares
 # once) captures nothing.
-_WEIGHT_GRAPHS = _GraphedCalls("the weights' preparation", "it runs op by op")
+_WEIGHT_GRAPHS = _GraphedCalls("the weights' preparation", "it runs op by op", limit=32)  # (a few MiB each)
 
 
 def _prepared_graphed(params: list, mode: str, capture: bool) -> Optional[list]:
