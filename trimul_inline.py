@@ -1105,7 +1105,7 @@ class _GraphedCalls:
         inputs, graph, outputs = entry
         if graph is None:
             return None if inputs is None else []
-        torch._foreach_copy_(inputs, [t.detach() for t in tensors])
+        torch._foreach_copy_(inputs, list(tensors))  # (under run's no_grad: no history recorded)
         graph.replay()
         defined = [t for t in outputs if t is not None]
         copies = [torch.empty_like(t) for t in defined]
@@ -1142,17 +1142,17 @@ class _CachedWeights(list):
     graphed: bool = False
 
 
-# Refreshing the kernel-layout weights after an optimizer step takes ~100-150 small ATen calls of host time, most of a
-# small training step's forward: a refresh replays them from a CUDA graph instead (one per signature, which every layer
-# of a stack with the same shapes shares). A signature's first preparation runs op by op, so inference (which prepares
-# once) captures nothing.
+# Refreshing the kernel-layout weights after an optimizer step is prepare_weights' many small ATen calls of host
+# time, most of a small training step's forward: a refresh replays them from a CUDA graph instead (one per signature,
+# which every layer of a stack with the same shapes shares). A module's first preparation captures nothing, so
+# inference (which prepares once) stays op by op.
 _WEIGHT_GRAPHS = _GraphedCalls("the weights' preparation", "it runs op by op", limit=32)  # (a few MiB each)
 
 
 def _prepared_graphed(params: list, mode: str, capture: bool) -> Optional[list]:
     """prepare_weights(params, mode) replayed from _WEIGHT_GRAPHS (fresh tensors, bit-equal to it); None where no graph
     runs (not CUDA, a capture under way, capture False and none made yet, a failed capture)."""
-    present = [p.detach() for p in params if p is not None]
+    present = [p for p in params if p is not None]
     if not all(p.is_cuda and p.device == present[0].device for p in present):
         return None
     missing = tuple(p is None for p in params)
@@ -1185,7 +1185,7 @@ def _x_hat_gate_weights(weights: list, params: list) -> list:
     parts = None
     if getattr(weights, "graphed", False):
         key = ("x_hat_gate", gate, tuple((p.shape, p.dtype) for p in sources), sources[0].device)
-        parts = _WEIGHT_GRAPHS.run(key, [p.detach() for p in sources], lambda inputs: _x_hat_gate_parts(*gate, *inputs))
+        parts = _WEIGHT_GRAPHS.run(key, sources, lambda inputs: _x_hat_gate_parts(*gate, *inputs))
     if parts is None:
         parts = _x_hat_gate_parts(*gate, *sources)
     folded = list(weights[:4]) + parts + list(weights[6:])
@@ -1902,10 +1902,10 @@ _BACKWARD_GRAPHS = _GraphedCalls("the backward", "the backward runs as one exten
 def _graphed_backward(call):
     """training_backward's one extension call replayed from _BACKWARD_GRAPHS (_GraphedCalls.run's answers)."""
     grad_out, pair, mask, params, *options = call
+    extension = _extension()
     key = (tuple((t.shape, t.dtype) for t in (grad_out, pair, mask)), pair.device,
            tuple((p.shape, p.dtype, p.device) for p in params), tuple(options),
-           torch.get_float32_matmul_precision(), id(_extension()))
-    extension = _extension()
+           torch.get_float32_matmul_precision(), id(extension))
     return _BACKWARD_GRAPHS.run(key, [grad_out, pair, mask, *params], lambda inputs: extension.training_backward(
         inputs[0], inputs[1], inputs[2], inputs[3:], *options))
 

@@ -34,13 +34,11 @@ def step_us(step, steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e6
 
 
-def refresh_us(model, mode: str, calls: int) -> float:
-    params = [p for p in model.parameters()]
+def refresh_us(model, trainable, pair, mode: str, calls: int) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
-        for p in params:
-            torch.autograd.graph.increment_version(p)
+        bench.clear_gradients(trainable, pair)  # (the parameters marked updated, as a step marks them)
         model._prepared_weights(mode)
     host = (time.perf_counter() - start) / calls * 1e6
     torch.cuda.synchronize()
@@ -61,7 +59,8 @@ def main():
             model = ti.ModelNew(c, h, gate_input="normalized", precision=precision).cuda()
             pair = (torch.randn(batch, n, n, c, generator=g) * 2).cuda().requires_grad_(True)
             mask = (torch.rand(batch, n, n, generator=g) > 0.2).cuda()
-            step = bench.training_step(bench.trainable_module(model, model), pair, mask)
+            trainable = bench.trainable_module(model, model)
+            step = bench.training_step(trainable, pair, mask)
             mode = ti.compute_mode(pair.dtype, precision)
             times = {True: [], False: [], "refresh-True": [], "refresh-False": []}
             for graphed in (True, False):  # (warm: captures and first preparations)
@@ -71,13 +70,13 @@ def main():
                 for graphed in ((True, False) if block % 2 == 0 else (False, True)):
                     variant(graphed)
                     times[graphed].append(step_us(step, steps))
-                    times[f"refresh-{graphed}"].append(refresh_us(model, mode, 20))
+                    times[f"refresh-{graphed}"].append(refresh_us(model, trainable, pair, mode, 20))
             variant(True)
             med = {k: statistics.median(v) for k, v in times.items()}
             print(f"{shape} {precision}: step graphed {med[True]:.0f} us, op by op {med[False]:.0f} us "
                   f"({med[False] - med[True]:+.0f}); refresh host graphed {med['refresh-True']:.0f} us, "
                   f"op by op {med['refresh-False']:.0f} us", flush=True)
-            del model, step, pair, mask
+            del model, trainable, step, pair, mask
             torch.cuda.empty_cache()
 
 
