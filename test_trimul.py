@@ -2578,7 +2578,7 @@ def test_training_forward_gate_from_x_hat(direction, batch, n, saves, pair_dim, 
     err, err_inference = rel_error(trained, ref), rel_error(inference, ref)
     assert err < tolerance and rel_error(trained, inference) < tolerance, \
         f"{label}: training forward {err:.2e}, inference {err_inference:.2e} against fp64"
-    assert any(getattr(w, "x_hat_gate", None) is not None for _, w in new._weights_cache.values())
+    assert any(getattr(w, "x_hat_gate", None) is not None for _, w, _ in new._weights_cache.values())
     trained.float().square().mean().backward()  # (the backward runs on the same saved rows)
 
 
@@ -2711,7 +2711,7 @@ def test_inference_gate_on_x_hat(direction, n, dtype):
         assert new.forward_steps(strided, mask).plan["inference_gate_rows"]
         from_view = new(strided, mask)
     label = f"{direction} N = {n} {dtype} (seed {seed})"
-    assert any(getattr(w, "x_hat_gate", None) is not None for _, w in new._weights_cache.values()), label
+    assert any(getattr(w, "x_hat_gate", None) is not None for _, w, _ in new._weights_cache.values()), label
     err = rel_error(out, ref)
     assert err < tolerance and rel_error(out, other) < tolerance, f"{label}: {err:.2e} against fp64"
     assert torch.equal(out, again), label
