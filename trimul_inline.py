@@ -2505,7 +2505,7 @@ class ModelNew(_TriMulLayers):
             raise ValueError(f"backward_saves must be None or one of {BACKWARD_SAVES}, got {backward_saves!r}")
         self.kernels, self.precision, self.backward_saves = parse_kernels(kernels), precision, backward_saves
         self.process_group = process_group  # not state: a process group does not pickle
-        self._weights_cache = {}  # mode -> (parameter versions, prepared weights); not state
+        self._weights_cache = {}  # mode -> (parameter versions, prepared weights, held storages); not state
         self._plans = {}  # call signature -> (mode, kernels, ForwardOptions, extension, gated) (see _plan_key)
         self._gate_choices = {}  # call signature -> (extension, whether forward() gates on x_hat there)
         self._fast = None  # (extension, the last planned signature's decisions checked in C++: _fast_plan)
