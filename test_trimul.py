@@ -4174,17 +4174,20 @@ def test_training_op_keeping_its_buffers_passes_opcheck():
 @pytest.mark.parametrize("n", [24, 368])
 def test_training_under_torch_compile_reduce_overhead(n):
     """torch.compile(mode="reduce-overhead") (inductor's CUDA graphs around the whole step): the graphed backward's
-    size (n = 24: its own graph declines inside the caller's capture) and past it (n = 368: the kept buffers, whose
-    sizes the fake leaves to run time); the third step's gradients equal the eager step's."""
+    size (n = 24: the op captures no graph of its own, neither in inductor's warm-up, whose pool would keep the
+    graph's buffers, nor inside its capture) and past it (n = 368: the kept buffers, whose sizes the fake leaves to
+    run time); the third step's gradients equal the eager step's."""
     g = torch.Generator().manual_seed(fresh_seed())
     model = random_layers(ti.ModelNew(128, 128, gate_input="normalized", precision="medium"), g).cuda()
     pair, mask = random_inputs(1, n, 128, g, dtype=torch.float32, device="cuda")
     grad_out = torch.randn_like(pair)
     _, eager = _gradients(model, pair, mask, grad_out)
+    ti._BACKWARD_GRAPHS.entries.clear()  # (the eager step's graph would only replay in the warm-up)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
     for _ in range(3):
         traced = {name: grad.clone() for name, grad in _gradients(compiled, pair, mask, grad_out)[1].items()}
+    assert not ti._BACKWARD_GRAPHS.entries
     for name in eager:
         assert rel_error(traced[name], eager[name]) < 1e-2, name
 
@@ -4290,6 +4293,29 @@ def test_second_derivatives_through_model_new_raise_on_the_gpu(precision):
     (d_pair,) = torch.autograd.grad(model(pair_repr, mask).square().sum(), pair_repr)
     _, plain = _gradients(model, pair, mask, 2 * model(pair, mask).detach())
     assert torch.equal(d_pair, plain["pair_repr"])
+
+
+def test_only_the_eager_backward_may_capture_a_graph(monkeypatch):
+    """The op trimul_backward (torch.compile's path; inside it no dispatch mode is visible) asks training_backward
+    never to capture a graph of its own (inductor's CUDA-graph warm-up would keep the graph's buffers in its pool);
+    the eager Function leaves capture on. Its gradients are training_backward's."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.Model(12, 20, "outgoing", "normalized").double(), g)
+    pair, mask = random_inputs(2, 7, 12, g)
+    params = ti._param_list(model)
+    options = ("auto", "highest", False, True, 1e-5, 1e-5)
+    captures = []
+    original = ti.training_backward
+    monkeypatch.setattr(ti, "training_backward",
+                        lambda *a, **k: captures.append(k.get("graph_capture", True)) or original(*a, **k))
+    grad_out = torch.randn(pair.shape, generator=g, dtype=pair.dtype)
+    by_op = ti.trimul_backward(grad_out, pair, mask, [p.detach() for p in params], *options, False)
+    pair_repr = pair.clone().requires_grad_()
+    out = ti._TrimulFunction.apply(pair_repr, mask, [], *options, False, False, *params)
+    by_function = torch.autograd.grad(out, [pair_repr] + params, grad_out)
+    assert captures == [False, True]
+    assert torch.equal(by_op[0], by_function[0])
+    assert all(torch.equal(a, b) for a, b in zip(by_op[2:], by_function[1:]))
 
 
 def test_second_derivatives_raise_instead_of_coming_out_partial():
@@ -4653,8 +4679,8 @@ def test_compiled_reference_fallback_and_torch_func(monkeypatch):
 
 def test_backward_fake_gradients_are_contiguous_as_the_ops_are():
     """trimul_backward's fake gives contiguous gradients whatever its inputs' strides (the real op's are views of
-    fresh buffers): opcheck with a transposed float mask needing its gradient and column-major weights; and an
-    inductor-compiled step with them gives the eager gradients."""
+    fresh buffers): opcheck with a transposed float mask needing its gradient and column-major weights (its fake
+    check compares the fake's strides with the real op's)."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     model = random_layers(ti.Model(12, 20, "outgoing", "normalized").double(), g)
@@ -4762,14 +4788,15 @@ def test_frozen_or_first_layer_gets_only_its_gradients_on_cpu(wanted, gate_input
 
 @cuda
 @pytest.mark.parametrize("precision, gate_input, pair_dim, hidden, n, saves",
-                         [("medium", "normalized", 128, 128, 40, "z"), ("medium", "raw", 24, 40, 37, "inputs"),
-                          ("highest", "normalized", 64, 32, 33, "z"), ("high", "raw", 32, 16, 7, None)])
+                         [("medium", "normalized", 128, 128, 72, "z"), ("medium", "raw", 24, 40, 37, "inputs"),
+                          ("highest", "normalized", 64, 32, 73, "z"), ("high", "raw", 32, 16, 7, None)])
 def test_frozen_or_first_layer_backward_on_the_gpu(precision, gate_input, pair_dim, hidden, n, saves, monkeypatch):
     """ModelNew with frozen parameters (only pair_repr's gradient) and as a first layer (only the parameters'):
     those gradients as the full backward gives them, within a quarter of the precision's tolerance (skipping work
     may change which pass runs, not the arithmetic), None for the rest; the one-call backward with either flag
-    equals its Python steps and its graph bit for bit. (pair_dim = hidden = 128 with z kept: d_proj writes d pair
-    and the dz pass sums g_out, the two passes whose work the flags change.)"""
+    equals its Python steps and its graph bit for bit. (pair_dim = hidden = 128 with z kept, N > 64 where the
+    forward has a z buffer: d_proj writes d pair and the dz pass sums g_out, the two passes whose work the flags
+    change.)"""
     monkeypatch.setattr(ti, "TF32_BACKWARD_POSITIONS", 0)
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)

@@ -1757,7 +1757,7 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
                       saved_z: Optional[torch.Tensor] = None, lean: bool = False,
                       saved_ab: Optional[torch.Tensor] = None, saved: Optional[list] = None,
                       saved_x_hat: Optional[torch.Tensor] = None, saved_x_hat_rstd: Optional[torch.Tensor] = None,
-                      pair_grad: bool = True, params_grad: bool = True):
+                      pair_grad: bool = True, params_grad: bool = True, graph_capture: bool = True):
     """The gradients of sum(grad_out * forward(pair, mask)): [d pair, d mask (None unless mask_grad), then the 16
     parameters' (_PARAM_PATHS order)], each in its tensor's dtype; d pair None unless pair_grad, the parameters'
     None unless params_grad (their work skipped: a frozen layer, a first layer). Any device; CUDA in the op. host: "auto" runs
@@ -1774,7 +1774,9 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
     saved_x_hat_rstd (with it): their rstd, fp32 [B*N*N] (ForwardSteps.new_x_hat_rstd), with which d_proj can
     write d pair too (d_proj_d_pair). saved: the four as a list [saved_z, saved_ab, saved_x_hat, saved_x_hat_rstd]
     instead, which the call empties so that each is freed once used (the caller keeps no reference:
-    _TrimulFunction's way)."""
+    _TrimulFunction's way). graph_capture: False replays a small call's graph only where one was captured before,
+    never capturing one (the op under torch.compile: inductor's CUDA-graph warm-up sends every allocation of the
+    thread to its own pool, where a graph's held inputs and outputs would stay as tensors it does not track)."""
     if saved is None:
         saved = [saved_z, saved_ab, saved_x_hat, saved_x_hat_rstd]
     if len(saved) != 4:
@@ -1791,7 +1793,7 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
                     kernels.contract_backward or "", kernels.position_gemm or "", _precision_code(mode),
                     _COMPUTE_DTYPE[mode] == torch.float32, incoming, gate_normalized, eps_in, eps_out, mask_grad,
                     pair_grad, params_grad, None if graphed else saved, lean)
-            grads = _graphed_backward(call) if graphed else None
+            grads = _graphed_backward(call, graph_capture) if graphed else None
             if grads is None:
                 grads = _extension().training_backward(*call)
             if grads:  # (empty: a backward role runs a torch baseline, which the Python path below runs)
@@ -1899,20 +1901,22 @@ def _graphs_backward(pair: torch.Tensor, mode: str) -> bool:
 _BACKWARD_GRAPHS = _GraphedCalls("the backward", "the backward runs as one extension call")
 
 
-def _graphed_backward(call):
-    """training_backward's one extension call replayed from _BACKWARD_GRAPHS (_GraphedCalls.run's answers)."""
+def _graphed_backward(call, capture: bool = True):
+    """training_backward's one extension call replayed from _BACKWARD_GRAPHS (_GraphedCalls.run's answers; capture
+    as there)."""
     grad_out, pair, mask, params, *options = call
     extension = _extension()
     key = (tuple((t.shape, t.dtype) for t in (grad_out, pair, mask)), pair.device,
            tuple((p.shape, p.dtype, p.device) for p in params), tuple(options),
            torch.get_float32_matmul_precision(), id(extension))
     return _BACKWARD_GRAPHS.run(key, [grad_out, pair, mask, *params], lambda inputs: extension.training_backward(
-        inputs[0], inputs[1], inputs[2], inputs[3:], *options))
+        inputs[0], inputs[1], inputs[2], inputs[3:], *options), capture=capture)
 
 
 def _python_dispatch_mode_active() -> bool:
-    """Whether a Python dispatch mode (opcheck's schema check, a profiler's or a user's) sees each ATen call:
-    it should see the backward's calls, not a graph replay."""
+    """Whether a Python dispatch mode (a profiler's or a user's, around an eager call) sees each ATen call: it
+    should see the backward's calls, not a graph replay. (Inside a custom op's implementation the mode is off: the
+    op trimul_backward, which opcheck and torch.compile call, captures no graph: training_backward's graph_capture.)"""
     return _get_current_dispatch_mode() is not None
 
 
@@ -2353,7 +2357,7 @@ def trimul_backward(grad_out: torch.Tensor, pair: torch.Tensor, mask: torch.Tens
     grads = training_backward(grad_out, pair, mask, params, parse_kernels(kernels), mode, incoming, gate_normalized,
                               eps_in, eps_out, mask_grad, saved=saved,
                               lean=lean and saved is not None and saved[0] is not None, pair_grad=pair_grad,
-                              params_grad=params_grad)
+                              params_grad=params_grad, graph_capture=False)
     if grads[1] is None:
         grads[1] = mask.new_empty((0,), dtype=_grad_mask_dtype(mask))
     return [t.new_empty((0,)) if g is None else g for g, t in zip(grads, [pair, mask] + list(params))]
