@@ -3950,9 +3950,10 @@ def test_weight_refresh_from_a_graph_equals_the_preparation(mode, bias):
         model.precision = precision
         pair, mask = random_inputs(1, 33, 40, g, dtype=torch.float32, device="cuda")
         # (f16 weights serve fp32 parameters under f16 autocast: a half() model would drop the cached ones)
-        autocast = torch.autocast("cuda", torch.float16) if mode == "f16" else contextlib.nullcontext()
+        compute_dtype = torch.float16 if mode == "f16" else pair.dtype
+        autocast = torch.autocast("cuda", compute_dtype) if mode == "f16" else contextlib.nullcontext()
         with torch.no_grad(), autocast:
-            assert ti.compute_mode(torch.float16 if mode == "f16" else pair.dtype, precision) == mode
+            assert ti.compute_mode(compute_dtype, precision) == mode
             out = model(pair, mask)
         with torch.no_grad():
             expected = ti._functional_reference(pair.double(), mask, [p.double() for p in ti._with_zero_biases(
