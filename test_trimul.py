@@ -4176,8 +4176,9 @@ def test_training_op_keeping_its_buffers_passes_opcheck():
 def test_training_under_torch_compile_reduce_overhead(n):
     """torch.compile(mode="reduce-overhead") (inductor's CUDA graphs around the whole step): the graphed backward's
     size (n = 24: the op captures no graph of its own, neither in inductor's warm-up, whose pool would keep the
-    graph's buffers, nor inside its capture) and past it (n = 368: the kept buffers, whose sizes the fake leaves to
-    run time); the third step's gradients equal the eager step's."""
+    graph's buffers, nor inside its capture) and past it (n = 368: nothing kept, _traced_for_cuda_graphs: run-time-
+    sized outputs failed the pool check of inductor's cudagraph trees there); the third step's gradients equal the
+    eager step's."""
     g = torch.Generator().manual_seed(fresh_seed())
     model = random_layers(ti.ModelNew(128, 128, gate_input="normalized", precision="medium"), g).cuda()
     pair, mask = random_inputs(1, n, 128, g, dtype=torch.float32, device="cuda")
@@ -4477,6 +4478,21 @@ def test_backward_saves_rule():
         return x * x
     torch.utils.checkpoint.checkpoint(probe, torch.ones(2, requires_grad=True), use_reentrant=False).sum().backward()
     assert seen == [(True, True), (True, True)]
+
+
+@pytest.mark.parametrize("options, graphs", [({}, False), ({"mode": "max-autotune-no-cudagraphs"}, False),
+                                             ({"mode": "reduce-overhead"}, True), ({"mode": "max-autotune"}, True),
+                                             ({"options": {"triton.cudagraphs": True}}, True),
+                                             ({"backend": "aot_eager"}, True)])
+def test_traced_forward_knows_when_inductor_may_use_cuda_graphs(options, graphs):
+    """_traced_for_cuda_graphs, read at trace time (a traced training forward keeps nothing where it says True):
+    inductor's modes and options that turn CUDA graphs on, and a backend it cannot see into (True: the safe
+    answer)."""
+    def probe(x):
+        return x + 1 if ti._traced_for_cuda_graphs() else x - 1
+    torch._dynamo.reset()
+    got = torch.compile(probe, fullgraph=True, **options)(torch.zeros(2))
+    assert got.tolist() == ([1.0, 1.0] if graphs else [-1.0, -1.0]), options
 
 
 def test_checkpointed_saved_buffers_reach_the_backward_on_cpu(monkeypatch):

@@ -1819,6 +1819,29 @@ BACKWARD_SAVES = ("inputs", "z")
 LEAN_BACKWARD_POSITIONS = 1 << 22
 
 
+@torch._dynamo.assume_constant_result
+def _traced_for_cuda_graphs() -> bool:
+    """At torch.compile's trace time (dynamo runs this once and keeps the answer): whether the compile may put the
+    graph in CUDA graphs: inductor's options (mode="reduce-overhead" and "max-autotune" set triton.cudagraphs) or
+    its global config; True for another backend or where it cannot tell. A traced training forward keeps nothing
+    then: its kept buffers have sizes known only at run time, and inductor's CUDA-graph partitions hand such outputs
+    of a custom op on as tensors outside the graphs' pool, which its cudagraph trees refuse."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        backend = InstructionTranslator.current_tx().output.compiler_fn
+    except (ImportError, AttributeError):
+        return True
+    for _ in range(8):  # (the backend as dynamo wraps it: the inductor wrapper's options dict, else unwrap)
+        options = getattr(backend, "config", None)
+        if isinstance(options, dict):
+            import torch._inductor.config as inductor_config
+            return bool(options.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
+        backend = getattr(backend, "__wrapped__", None) or getattr(backend, "compiler_fn", None)
+        if backend is None:
+            break
+    return True
+
+
 def _saves_z(choice: Optional[str], graphed: bool, cuda: bool, hooked: bool = False) -> bool:
     """Whether the eager training forward keeps z (the backward_saves rule above); graphed: its backward would replay
     a graph (_graphs_backward). hooked: saved-tensor hooks other than torch.utils.checkpoint's are active
@@ -2650,6 +2673,7 @@ class ModelNew(_TriMulLayers):
         keep_z = _saves_z(self.backward_saves, _graphs_backward(pair_repr, mode), pair_repr.is_cuda,
                           not compiling and _saved_tensor_hooks_active() and not _checkpoint_hooks_active())
         if compiling:  # (kept buffers as the op's outputs: saved tensors of the traced graph)
+            keep_z = keep_z and not _traced_for_cuda_graphs()
             params = _with_zero_biases(_param_list(self))
             return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values, keep_z,
                           lean)[0]

@@ -42,7 +42,7 @@ def main() -> None:
     b_t = torch.randn(hidden, n, n, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     z = torch.empty(blocks, hidden, rows, n, device="cuda", dtype=torch.bfloat16)  # (row block r: z[r])
 
-    model = ti.ModelNew(128, 128, gate_input="normalized").cuda()
+    model = ti.ModelNew(128, 128, gate_input="normalized").cuda().to(torch.bfloat16)
     pair = torch.randn(1, args.pass_n, args.pass_n, 128, device="cuda", dtype=torch.bfloat16)
     mask = torch.ones(1, args.pass_n, args.pass_n, device="cuda", dtype=torch.bool)
     steps = model.forward_steps(pair, mask)
