@@ -5416,6 +5416,46 @@ def test_chunked_forward_refuses_what_it_cannot_do():
         model.update_(pair, mask)
 
 
+def test_fused_peak_follows_the_forwards_buffers():
+    """The auto-chunk rule's estimate of the fused forward's peak (_fused_peak_bytes): z + max(a/b, out), a/b
+    being freed before the output; a/b + out where the output pass contracts; + x_hat's bf16 rows. At (1,8192,
+    128,128) bf16 that is 48 GiB, the peak measured on the H200 (bench/NOTES.md), not a/b + z + out's 64, which
+    sent N = 8192 on an 80 GB card to the chunked forward, ~6x slower."""
+    gib = 1 << 30
+    pair = torch.empty(1, 8192, 8192, 128, dtype=torch.bfloat16, device="meta")
+    plan = {"ab_shape": [2, 128, 8192, 8192], "ab_dtype": "bfloat16", "z_shape": [128, 8192, 8192],
+            "z_dtype": "bfloat16"}
+    assert ti._fused_peak_bytes(plan, pair) == 48 * gib
+    assert ti._fused_peak_bytes(plan, pair, x_hat=True) == 64 * gib
+    assert ti._fused_peak_bytes(plan, pair.float()) == 16 * gib + 32 * gib  # (out as large as a/b)
+    assert ti._fused_peak_bytes(dict(plan, z_shape=[128, 8192, 8200], z_dtype="float32"), pair) == \
+        128 * 8192 * 8200 * 4 + 32 * gib
+    assert ti._fused_peak_bytes(dict(plan, z_shape=None, z_dtype=None), pair) == 48 * gib
+    small = torch.empty(1, 64, 64, 32, device="meta")  # (under _CHUNK_CHECK_POSITIONS: the plan is not asked)
+    assert ti._fused_buffers_fit(small, lambda: pytest.fail("planned"))
+
+
+@cuda
+def test_fused_peak_estimate_is_the_fused_forwards_peak():
+    """_fused_peak_bytes of a call's plan against the caching allocator's count of that call (after a warm-up
+    call: the weights prepared, the plan made): at least what the call allocates but for a few scratch bytes,
+    within 5 %."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(128, 96, gate_input="raw"), g).cuda().to(torch.bfloat16)
+    pair, mask = random_inputs(1, 200, 128, g, dtype=torch.bfloat16, device="cuda")
+    plan = model.forward_steps(pair, mask).plan
+    estimate = ti._fused_peak_bytes(plan, pair)
+    with torch.no_grad():
+        model(pair, mask)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = model(pair, mask)
+        measured = torch.cuda.max_memory_allocated() - base
+    assert out.isfinite().all()
+    assert estimate * 0.95 <= measured <= estimate + (64 << 10), (measured, estimate, plan)  # (+ a scratch word)
+
+
 @cuda
 @pytest.mark.parametrize("precision", ti.PRECISIONS)
 def test_chunked_forward_on_the_gpu_matches_the_fused_forward(precision, monkeypatch):

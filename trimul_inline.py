@@ -36,7 +36,7 @@ import threading
 import time
 import warnings
 import zlib
-from typing import Mapping, NamedTuple, Optional
+from typing import Callable, Mapping, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -2610,8 +2610,6 @@ class ModelNew(_TriMulLayers):
             return self._forward_unfused(pair_repr, pair_mask)
         if self._needs_autograd(pair_repr, pair_mask):
             return self._forward_trained(pair_repr, pair_mask, mode, kernels)
-        if not _fused_buffers_fit(pair_repr, self.hidden_dim, mode):
-            return self.forward_chunked(pair_repr, pair_mask)
         return self._forward_fused(pair_repr, pair_mask, mode, kernels)
 
     def _reference(self, pair_repr, pair_mask):
@@ -2765,6 +2763,9 @@ class ModelNew(_TriMulLayers):
         weights = self._prepared_weights(mode)
         options = _forward_options(kernels, *values)
         try:
+            if not _fused_buffers_fit(pair_repr, lambda: _extension().forward_plan(pair_repr, pair_mask, weights,
+                                                                                   options)):
+                return self.forward_chunked(*original)  # (the memory-bounded forward, by itself)
             gate_weights = self._inference_gate_weights(pair_repr, pair_mask, mode, kernels, weights, options)
             with _bmm_precision(kernels, mode):
                 out = _extension().forward(pair_repr, pair_mask, weights, options, gate_weights)
@@ -2819,7 +2820,8 @@ class ModelNew(_TriMulLayers):
         if choice is None or choice[0] is not extension:
             plan = extension.forward_plan(pair_repr, pair_mask, weights, options)
             choice = self._gate_choices[key] = (extension, plan["inference_gate_rows"])
-        if not choice[1] or not _fused_buffers_fit(pair_repr, self.hidden_dim, mode, x_hat=True):
+        if not choice[1] or not _fused_buffers_fit(
+                pair_repr, lambda: extension.forward_plan(pair_repr, pair_mask, weights, options), x_hat=True):
             return None
         return self._x_hat_gate_weights(weights)
 
@@ -2929,15 +2931,24 @@ def _free_bytes(device: torch.device) -> int:
 _CHUNK_CHECK_POSITIONS = 1 << 22  # smaller problems never chunk by themselves (and skip the memory query)
 
 
-def _fused_buffers_fit(pair: torch.Tensor, hidden: int, mode: str, x_hat: bool = False) -> bool:
-    """Whether the fused forward's buffers (a and b, z, the output; x_hat: LayerNorm_in's bf16 rows too) fit in
-    the free GPU memory; problems under _CHUNK_CHECK_POSITIONS positions are taken to fit."""
-    batch, n, _, c = pair.shape
+def _fused_peak_bytes(plan: dict, pair: torch.Tensor, x_hat: bool = False) -> int:
+    """The fused one-call forward's buffers at their peak, from its plan (the extension's forward_plan): a/b, then
+    z beside them, a/b freed before the output (z + max(a/b, out)); where the output pass contracts (no z) a/b
+    and the output together. x_hat: LayerNorm_in's bf16 rows [B*N*N, C] beside all of them (the gate on x_hat)."""
+    def size(shape, dtype):
+        return math.prod(shape) * getattr(torch, dtype).itemsize
+    ab, out = size(plan["ab_shape"], plan["ab_dtype"]), pair.numel() * pair.element_size()
+    peak = ab + out if plan["z_shape"] is None else size(plan["z_shape"], plan["z_dtype"]) + max(ab, out)
+    return peak + (2 * pair.numel() if x_hat else 0)
+
+
+def _fused_buffers_fit(pair: torch.Tensor, plan: Callable[[], dict], x_hat: bool = False) -> bool:
+    """Whether the fused forward's buffers (_fused_peak_bytes of plan(), asked only past _CHUNK_CHECK_POSITIONS
+    positions: smaller problems are taken to fit) fit in the free GPU memory, with 5 % to spare."""
+    batch, n = pair.shape[:2]
     if not pair.is_cuda or batch * n * n <= _CHUNK_CHECK_POSITIONS or torch.compiler.is_compiling():
         return True
-    operand = _chunk_operand(pair.dtype, mode).itemsize
-    needed = 3 * batch * hidden * n * n * operand + pair.numel() * pair.element_size() + x_hat * 2 * pair.numel()
-    return needed * 1.05 <= _free_bytes(pair.device)
+    return _fused_peak_bytes(plan(), pair, x_hat) * 1.05 <= _free_bytes(pair.device)
 
 
 class _ChunkPlan(NamedTuple):
