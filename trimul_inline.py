@@ -2762,11 +2762,16 @@ class ModelNew(_TriMulLayers):
         # Eager: skip the dispatcher (its overhead is most of a small call) and reuse weights.
         weights = self._prepared_weights(mode)
         options = _forward_options(kernels, *values)
+        planned = []  # (the call's forward_plan, made at most once and only where asked for)
+
+        def plan():
+            if not planned:
+                planned.append(_extension().forward_plan(pair_repr, pair_mask, weights, options))
+            return planned[0]
         try:
-            if not _fused_buffers_fit(pair_repr, lambda: _extension().forward_plan(pair_repr, pair_mask, weights,
-                                                                                   options)):
+            if not _fused_buffers_fit(pair_repr, plan):
                 return self.forward_chunked(*original)  # (the memory-bounded forward, by itself)
-            gate_weights = self._inference_gate_weights(pair_repr, pair_mask, mode, kernels, weights, options)
+            gate_weights = self._inference_gate_weights(pair_repr, pair_mask, mode, kernels, weights, plan)
             with _bmm_precision(kernels, mode):
                 out = _extension().forward(pair_repr, pair_mask, weights, options, gate_weights)
         except NotImplementedError:  # nothing of a default order takes this call: the unfused path
@@ -2808,20 +2813,18 @@ class ModelNew(_TriMulLayers):
             return folded
         return _x_hat_gate_weights(weights, _with_zero_biases(_param_list_eager(self)))
 
-    def _inference_gate_weights(self, pair_repr, pair_mask, mode, kernels, weights, options):
+    def _inference_gate_weights(self, pair_repr, pair_mask, mode, kernels, weights, plan):
         """The folded gate weights where the inference forward gates on x_hat (forward_plan's
         "inference_gate_rows", asked once per call signature; see the extension's gate_rows_plan: at pair_dim 384
         the normalized gate's output pass is the slower kernel), else None; None too where x_hat's [B*N*N, C] bf16
-        would not fit beside the fused buffers."""
+        would not fit beside the fused buffers. plan: the call's forward_plan (a callable that makes it once)."""
         if self.gate_input != "normalized" or mode != "bf16" or kernels.output:
             return None
         extension, key = _extension(), self._plan_key(pair_repr, pair_mask)
         choice = self._gate_choices.get(key)
         if choice is None or choice[0] is not extension:
-            plan = extension.forward_plan(pair_repr, pair_mask, weights, options)
-            choice = self._gate_choices[key] = (extension, plan["inference_gate_rows"])
-        if not choice[1] or not _fused_buffers_fit(
-                pair_repr, lambda: extension.forward_plan(pair_repr, pair_mask, weights, options), x_hat=True):
+            choice = self._gate_choices[key] = (extension, plan()["inference_gate_rows"])
+        if not choice[1] or not _fused_buffers_fit(pair_repr, plan, x_hat=True):
             return None
         return self._x_hat_gate_weights(weights)
 

@@ -12,7 +12,6 @@ implementation calls it at run time), so the backward recomputes them as it does
 """
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -34,35 +33,23 @@ def z_and_planes(*args, **kwargs):
     return out, z, ab, None, None
 
 
-def measure(step, pair, steps: int):
-    """(median CUDA-event µs per step, peak MiB above what was allocated before the steps)."""
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
+def measure(step, steps: int):
+    """(median CUDA-event µs per step, peak MiB above what was allocated before a step): bench.py's helpers."""
+    time_us = bench.time_cuda(step, min_reps=steps, budget_s=0.0)[0]
+    return time_us, bench.peak_memory_mib(step)
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", default="1,768,128,128;1,1024,128,128;1,1024,384,128")
+    parser.add_argument("--shapes", type=bench.parse_shapes, default="1,768,128,128;1,1024,128,128;1,1024,384,128")
     parser.add_argument("--precision", default="medium")
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    g = torch.Generator().manual_seed(0)
-    for shape in args.shapes.split(";"):
-        batch, n, c, h = map(int, shape.split(","))
-        pair = (torch.randn(batch, n, n, c, generator=g) * 2).cuda().requires_grad_(True)
-        mask = (torch.rand(batch, n, n, generator=g) > 0.2).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for shape in args.shapes:
+        batch, n, c, h = shape
+        pair, mask = bench.make_inputs(batch, n, c, g, "cuda")
+        pair.requires_grad_(True)
         rows = []
         for name, saves, forward, compiled in (("eager", None, FORWARD, False), ("all", None, FORWARD, True),
                                                 ("z and a/b", None, z_and_planes, True),
@@ -72,13 +59,13 @@ def main():
                                 backward_saves=saves).cuda()
             ti._trimul_forward = forward
             torch._dynamo.reset()
-            trainable = bench.trainable_module(model, torch.compile(model) if compiled else model)
-            time_us, peak = measure(bench.training_step(trainable, pair, mask), pair, args.steps)
+            trainable = bench.compiled_trainable(model) if compiled else bench.trainable_module(model, model)
+            time_us, peak = measure(bench.training_step(trainable, pair, mask), args.steps)
             ti._trimul_forward = FORWARD
             rows.append(f"{name} {time_us:.0f} us {peak:.0f} MiB")
             del model, trainable
             torch.cuda.empty_cache()
-        print(f"{shape} {args.precision}: " + "; ".join(rows), flush=True)
+        print(f"{','.join(map(str, shape))} {args.precision}: " + "; ".join(rows), flush=True)
         del pair, mask
 
 
