@@ -5487,6 +5487,125 @@ def test_chunked_forward_on_the_gpu_matches_the_fused_forward(precision, monkeyp
         assert calls and rel_error(auto, expected) < FUSED_TOLERANCE[precision]
 
 
+def _gated_planes(params, pair, mask):
+    """a and b of the reference's formula from a parameter list in _PARAM_PATHS' order (None: no bias)."""
+    ln_w, ln_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b = params[:10]
+    x = F.layer_norm(pair, pair.shape[-1:], ln_w, ln_b)
+    m = mask.to(pair.dtype)[..., None]
+    return (F.linear(x, pa_w, pa_b) * torch.sigmoid(F.linear(x, ga_w, ga_b)) * m,
+            F.linear(x, pb_w, pb_b) * torch.sigmoid(F.linear(x, gb_w, gb_b)) * m)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_channel_group_computes_those_channels_of_the_layer(bias):
+    """_channel_group_params(first, count) is the layer of hidden `count` whose a and b are channels [first,
+    first + count) of the whole layer's (what the split forward's groups contract into their slice of z); its
+    output side has the same channels' LayerNorm_out entries and out_proj columns."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.Model(20, 48, bias=bias).double(), g)
+    pair, mask = random_inputs(2, 9, 20, g)
+    params = ti._param_list(model)
+    a, b = _gated_planes(params, pair, mask)
+    for first, count in ((0, 24), (24, 24), (16, 8)):
+        group = ti._channel_group_params(params, first, count)
+        a_g, b_g = _gated_planes(group, pair, mask)
+        assert rel_error(a_g, a[..., first:first + count]) < 1e-14 and rel_error(b_g, b[..., first:first + count]) < 1e-14
+        assert group[12].shape == (20, count) and torch.equal(group[12], params[12][:, first:first + count])
+        assert torch.equal(group[10], params[10][first:first + count]) and group[14] is params[14]
+        assert (group[3] is None) == (not bias)
+
+
+def test_split_peak_follows_the_parts():
+    """_split_peak_bytes: one element's z and one group's a/b, then at B = 1 the output in a/b's place; at B > 1
+    the whole output besides. (1,8192,128,128) bf16 in two groups: 32 GiB where the one call takes 48."""
+    gib = 1 << 30
+
+    def steps(batch, n, channels, hidden, ab_dtype="bfloat16"):
+        pair = torch.empty(batch, n, n, channels, dtype=torch.bfloat16, device="meta")
+        plan = {"ab_shape": [2, batch * hidden, n, n], "ab_dtype": ab_dtype, "z_shape": [batch * hidden, n, n],
+                "z_dtype": "bfloat16"}
+        return types.SimpleNamespace(plan=plan, _call=(pair,))
+
+    element = steps(1, 8192, 128, 128)
+    assert ti._split_peak_bytes(1, element, steps(1, 8192, 128, 64), 2) == 32 * gib
+    assert ti._split_peak_bytes(1, element, steps(1, 8192, 128, 32), 4) == 32 * gib  # (the output bounds it)
+    assert ti._split_peak_bytes(3, element, element, 1) == 3 * 16 * gib + 16 * gib + 32 * gib
+    assert ti._split_peak_bytes(1, element, steps(1, 8192, 128, 64, "float32"), 2) == 16 * gib + 32 * gib
+
+
+@cuda
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+@pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
+@pytest.mark.parametrize("channels,hidden", [(128, 128), (64, 96)])
+@pytest.mark.parametrize("batch,groups", [(1, 2), (1, 4), (2, 1), (2, 2)])
+def test_split_forward_matches_fp64(direction, gate_input, channels, hidden, batch, groups):
+    """The split forward (_run_split: each batch element, each channel group's input pass and contraction into
+    its slice of z, then the output pass) within bf16's tolerance of fp64, as the one-call forward; bias-free
+    layers too; a mask with an all-zero row; poisoned buffers."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    bias = groups != 4
+    model = random_layers(ti.ModelNew(channels, hidden, direction, gate_input, bias=bias), g).cuda()
+    model = model.to(torch.bfloat16)
+    reference = ti.Model(channels, hidden, direction, gate_input, bias=bias).double().cuda()
+    reference.load_state_dict(model.state_dict())
+    pair, mask = random_inputs(batch, 97, channels, g, device="cuda")
+    pair = pair.to(torch.bfloat16)
+    count = hidden // groups
+    with torch.no_grad():
+        expected = reference(pair.double(), mask)
+        fused = model(pair, mask)
+        pair_, mask_, weights, options = model.forward_steps(pair, mask)._call
+        params = ti._param_list(model)
+        group_weights = [weights] if groups == 1 else \
+            [ti.prepare_weights(ti._channel_group_params(params, i * count, count), "bf16") for i in range(groups)]
+        poison_allocator()
+        split = ti._run_split(pair_, mask_, "bf16", options, weights, group_weights)
+    assert split.dtype == pair.dtype and split.shape == pair.shape
+    assert rel_error(fused, expected) < 2e-2, f"seed {seed}"
+    assert rel_error(split, expected) < 2e-2, f"seed {seed}"
+    assert rel_error(split, fused) < 1e-2, f"seed {seed}"
+
+
+@cuda
+@pytest.mark.parametrize("batch", [1, 2])
+def test_split_forward_is_taken_where_only_it_fits(batch, monkeypatch):
+    """With free memory for the split forward's peak but not the one call's, forward() takes the split (at B =
+    1 two channel groups, at B = 2 each element alone) and allocates about its estimate (_split_peak_bytes);
+    with less, the chunked forward."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = random_layers(ti.ModelNew(128, 128, gate_input="normalized"), g).cuda().to(torch.bfloat16)
+    pair, mask = random_inputs(batch, 160, 128, g, device="cuda")
+    pair = pair.to(torch.bfloat16)
+    with torch.no_grad():
+        fused = model(pair, mask)
+        steps = model.forward_steps(pair, mask)
+        whole_peak = ti._fused_peak_bytes(steps.plan, pair)
+        element = model.forward_steps(pair[:1], mask[:1])
+        params, (_, _, weights, options) = ti._param_list(model), steps._call
+        group = element if batch == 2 else ti.ForwardSteps(
+            pair[:1], mask[:1], ti.prepare_weights(ti._channel_group_params(params, 0, 64), "bf16"), options, "bf16")
+        split_peak = ti._split_peak_bytes(batch, element, group, 1 if batch == 2 else 2)
+        assert split_peak < whole_peak
+        monkeypatch.setattr(ti, "_CHUNK_CHECK_POSITIONS", 0)
+        monkeypatch.setattr(ti, "_free_bytes", lambda device: int(split_peak * 1.06))
+        taken, original = [], ti._run_split
+        monkeypatch.setattr(ti, "_run_split", lambda *a: taken.append(len(a[-1])) or original(*a))
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        split = model(pair, mask)
+        measured = torch.cuda.max_memory_allocated() - base
+        assert taken == [1 if batch == 2 else 2], taken
+        assert rel_error(split, fused) < 1e-2, f"seed {seed}"
+        assert measured <= split_peak + (1 << 20), (measured, split_peak)  # (+ the groups' weights)
+        chunked, original_chunked = [], ti._chunked_update
+        monkeypatch.setattr(ti, "_free_bytes", lambda device: int(split_peak * 0.9))
+        monkeypatch.setattr(ti, "_chunked_update", lambda *a: chunked.append(1) or original_chunked(*a))
+        assert rel_error(model(pair, mask), fused) < 1e-2 and chunked and taken == [1 if batch == 2 else 2]
+
+
 @cuda
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 def test_in_place_update_stays_within_the_pair_on_the_gpu(direction, monkeypatch):

@@ -2770,7 +2770,8 @@ class ModelNew(_TriMulLayers):
             return planned[0]
         try:
             if not _fused_buffers_fit(pair_repr, plan):
-                return self.forward_chunked(*original)  # (the memory-bounded forward, by itself)
+                split = _split_forward(self, pair_repr, pair_mask, mode, weights, options)
+                return split if split is not None else self.forward_chunked(*original)  # (memory-bounded)
             gate_weights = self._inference_gate_weights(pair_repr, pair_mask, mode, kernels, weights, plan)
             with _bmm_precision(kernels, mode):
                 out = _extension().forward(pair_repr, pair_mask, weights, options, gate_weights)
@@ -2952,6 +2953,92 @@ def _fused_buffers_fit(pair: torch.Tensor, plan: Callable[[], dict], x_hat: bool
     if not pair.is_cuda or batch * n * n <= _CHUNK_CHECK_POSITIONS or torch.compiler.is_compiling():
         return True
     return _fused_peak_bytes(plan(), pair, x_hat) * 1.05 <= _free_bytes(pair.device)
+
+
+# The split forward: where the one fused call's buffers do not fit, the same kernels on a part of the call at a
+# time, before the chunked forward (~6x slower at large N: its unfused layers). A part is one batch element (its
+# z and a/b a B-th of the call's), or one group of an element's hidden channels: the group's input pass writes
+# a/b of its channels only (a layer of hidden H / groups whose projections are rows of this one's: the same
+# kernels, the same products per channel) and its contraction z's planes of them (at B = 1 a group's planes are
+# a slice of z), then one output pass reads the whole z. Each group beyond the first reads the pair once more.
+_SPLIT_GROUPS = (1, 2, 4, 8)  # (hidden-channel groups per element, fewest first: each more costs a read of the pair)
+_CHANNEL_ROWS = slice(2, 10)  # (_PARAM_PATHS of proj_a .. gate_b: their output rows are hidden channels)
+
+
+def _channel_group_params(params, first: int, count: int) -> list:
+    """The 16 parameters of the layer computing hidden channels [first, first + count) of `params`' layer: the
+    four projections' rows, LayerNorm_out's entries and out_proj's columns of those channels (its output side
+    is consistent, though a group's steps use only its input side)."""
+    group = list(params)
+    for i in range(_CHANNEL_ROWS.start, _CHANNEL_ROWS.stop):
+        group[i] = None if params[i] is None else params[i][first:first + count]
+    group[10], group[11] = params[10][first:first + count], params[11][first:first + count]
+    group[12] = params[12][:, first:first + count]
+    return group
+
+
+def _split_peak_bytes(batch: int, element: "ForwardSteps", group: "ForwardSteps", groups: int) -> int:
+    """The split forward's buffers at their peak: one element's z and one group's a/b (reused by every group),
+    then, at B = 1, the output in a/b's place; at B > 1 the whole output throughout (each element's written in
+    place)."""
+    def size(shape, dtype):
+        return math.prod(shape) * getattr(torch, dtype).itemsize
+    z = size(element.plan["z_shape"], element.plan["z_dtype"])
+    ab = size(group.plan["ab_shape"], group.plan["ab_dtype"])
+    out = element._call[0].numel() * element._call[0].element_size()
+    return z + max(ab, out) if batch == 1 else batch * out + z + ab
+
+
+def _split_forward(layers, pair, mask, mode, weights, options) -> Optional[torch.Tensor]:
+    """The fused forward a part at a time (see _SPLIT_GROUPS): the fewest hidden-channel groups (each batch
+    element alone) whose peak (_split_peak_bytes) fits in the free memory with 5 % to spare; None where none
+    does, or where the plan has no z to split (the output pass contracts)."""
+    batch, hidden = pair.shape[0], layers.hidden_dim
+    params = _param_list_eager(layers)
+    element = ForwardSteps(pair[:1], mask[:1], weights, options, mode)
+    if element.plan["z_shape"] is None:
+        return None
+    free = _free_bytes(pair.device)
+    for groups in _SPLIT_GROUPS:
+        count = hidden // groups
+        if (batch == 1 and groups == 1) or hidden % groups or count % 8:
+            continue
+        group_weights = [weights] if groups == 1 else \
+            [prepare_weights(_channel_group_params(params, g * count, count), mode) for g in range(groups)]
+        first = ForwardSteps(pair[:1], mask[:1], group_weights[0], options, mode)
+        if list(first.plan["z_shape"]) != [count, *element.plan["z_shape"][1:]]:
+            continue  # (a group's z planes would not be a slice of the element's)
+        if _split_peak_bytes(batch, element, first, groups) * 1.05 <= free:
+            return _run_split(pair, mask, mode, options, weights, group_weights)
+    return None
+
+
+def _run_split(pair, mask, mode, options, weights, group_weights) -> torch.Tensor:
+    """Each batch element: each channel group's input pass and contraction into its slice of the element's z
+    (one a/b buffer for all groups), then the element's output pass on the whole z."""
+    batch = pair.shape[0]
+    out = None if batch == 1 else torch.empty_like(pair, memory_format=torch.contiguous_format)
+    for b in range(batch):
+        element = ForwardSteps(pair[b:b + 1], mask[b:b + 1], weights, options, mode)
+        z, ab = element.new_z(), None
+        for g, group_weight in enumerate(group_weights):
+            steps = ForwardSteps(pair[b:b + 1], mask[b:b + 1], group_weight, options, mode)
+            count = steps.plan["z_shape"][0]
+            ab = steps.new_ab() if ab is None else ab
+            steps.input_pass(ab)
+            steps.contraction(ab, z[g * count:(g + 1) * count])
+        del ab  # (before the output: at B = 1 it takes a/b's place)
+        if out is None:
+            out = element.new_out()
+            element.output_pass(out, z=z)
+        elif out[b:b + 1].data_ptr() % 16 == 0:  # (a step's buffers are 16-byte aligned)
+            element.output_pass(out[b:b + 1], z=z)
+        else:
+            part = element.new_out()
+            element.output_pass(part, z=z)
+            out[b:b + 1].copy_(part)
+        del z
+    return out
 
 
 class _ChunkPlan(NamedTuple):
