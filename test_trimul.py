@@ -5527,10 +5527,10 @@ def test_split_peak_follows_the_parts():
         return types.SimpleNamespace(plan=plan, _call=(pair,))
 
     element = steps(1, 8192, 128, 128)
-    assert ti._split_peak_bytes(1, element, steps(1, 8192, 128, 64), 2) == 32 * gib
-    assert ti._split_peak_bytes(1, element, steps(1, 8192, 128, 32), 4) == 32 * gib  # (the output bounds it)
-    assert ti._split_peak_bytes(3, element, element, 1) == 3 * 16 * gib + 16 * gib + 32 * gib
-    assert ti._split_peak_bytes(1, element, steps(1, 8192, 128, 64, "float32"), 2) == 16 * gib + 32 * gib
+    assert ti._split_peak_bytes(1, element, steps(1, 8192, 128, 64)) == 32 * gib
+    assert ti._split_peak_bytes(1, element, steps(1, 8192, 128, 32)) == 32 * gib  # (the output bounds it)
+    assert ti._split_peak_bytes(3, element, element) == 3 * 16 * gib + 16 * gib + 32 * gib
+    assert ti._split_peak_bytes(1, element, steps(1, 8192, 128, 64, "float32")) == 16 * gib + 32 * gib
 
 
 @cuda
@@ -5551,16 +5551,14 @@ def test_split_forward_matches_fp64(direction, gate_input, channels, hidden, bat
     reference.load_state_dict(model.state_dict())
     pair, mask = random_inputs(batch, 97, channels, g, device="cuda")
     pair = pair.to(torch.bfloat16)
-    count = hidden // groups
     with torch.no_grad():
         expected = reference(pair.double(), mask)
         fused = model(pair, mask)
         pair_, mask_, weights, options = model.forward_steps(pair, mask)._call
-        params = ti._param_list(model)
-        group_weights = [weights] if groups == 1 else \
-            [ti.prepare_weights(ti._channel_group_params(params, i * count, count), "bf16") for i in range(groups)]
+        parts = ti._channel_groups(model, "bf16", ti._with_override(model.kernels), weights, options, groups)
+        assert len(parts) == groups and all(len(w) == len(weights) for w, _ in parts)
         poison_allocator()
-        split = ti._run_split(pair_, mask_, "bf16", options, weights, group_weights)
+        split = ti._run_split(pair_, mask_, "bf16", weights, options, parts)
     assert split.dtype == pair.dtype and split.shape == pair.shape
     assert rel_error(fused, expected) < 2e-2, f"seed {seed}"
     assert rel_error(split, expected) < 2e-2, f"seed {seed}"
@@ -5579,14 +5577,13 @@ def test_split_forward_is_taken_where_only_it_fits(batch, monkeypatch):
     pair, mask = random_inputs(batch, 160, 128, g, device="cuda")
     pair = pair.to(torch.bfloat16)
     with torch.no_grad():
-        fused = model(pair, mask)
         steps = model.forward_steps(pair, mask)
+        fused = steps.run()  # (not a call: a call this small would plan itself past the rule)
         whole_peak = ti._fused_peak_bytes(steps.plan, pair)
         element = model.forward_steps(pair[:1], mask[:1])
-        params, (_, _, weights, options) = ti._param_list(model), steps._call
-        group = element if batch == 2 else ti.ForwardSteps(
-            pair[:1], mask[:1], ti.prepare_weights(ti._channel_group_params(params, 0, 64), "bf16"), options, "bf16")
-        split_peak = ti._split_peak_bytes(batch, element, group, 1 if batch == 2 else 2)
+        _, _, weights, options = steps._call
+        parts = ti._channel_groups(model, "bf16", ti._with_override(model.kernels), weights, options, 3 - batch)
+        split_peak = ti._split_peak_bytes(batch, element, ti.ForwardSteps(pair[:1], mask[:1], *parts[0], "bf16"))
         assert split_peak < whole_peak
         monkeypatch.setattr(ti, "_CHUNK_CHECK_POSITIONS", 0)
         monkeypatch.setattr(ti, "_free_bytes", lambda device: int(split_peak * 1.06))

@@ -2770,7 +2770,7 @@ class ModelNew(_TriMulLayers):
             return planned[0]
         try:
             if not _fused_buffers_fit(pair_repr, plan):
-                split = _split_forward(self, pair_repr, pair_mask, mode, weights, options)
+                split = _split_forward(self, pair_repr, pair_mask, mode, kernels, weights, options)
                 return split if split is not None else self.forward_chunked(*original)  # (memory-bounded)
             gate_weights = self._inference_gate_weights(pair_repr, pair_mask, mode, kernels, weights, plan)
             with _bmm_precision(kernels, mode):
@@ -2977,7 +2977,7 @@ def _channel_group_params(params, first: int, count: int) -> list:
     return group
 
 
-def _split_peak_bytes(batch: int, element: "ForwardSteps", group: "ForwardSteps", groups: int) -> int:
+def _split_peak_bytes(batch: int, element: "ForwardSteps", group: "ForwardSteps") -> int:
     """The split forward's buffers at their peak: one element's z and one group's a/b (reused by every group),
     then, at B = 1, the output in a/b's place; at B > 1 the whole output throughout (each element's written in
     place)."""
@@ -2989,12 +2989,22 @@ def _split_peak_bytes(batch: int, element: "ForwardSteps", group: "ForwardSteps"
     return z + max(ab, out) if batch == 1 else batch * out + z + ab
 
 
-def _split_forward(layers, pair, mask, mode, weights, options) -> Optional[torch.Tensor]:
+def _channel_groups(layers, mode: str, kernels, weights, options, groups: int) -> list:
+    """(prepared weights, forward options) of each of `groups` equal groups of the layer's hidden channels (one
+    group: the layer's own)."""
+    if groups == 1:
+        return [(weights, options)]
+    params, count = _param_list_eager(layers), layers.hidden_dim // groups
+    values = layers._option_values(mode)[:-1]  # (all but hidden_dim: a group's is `count`)
+    return [(prepare_weights(_channel_group_params(params, g * count, count), mode),
+             _forward_options(kernels, *values, count)) for g in range(groups)]
+
+
+def _split_forward(layers, pair, mask, mode, kernels, weights, options) -> Optional[torch.Tensor]:
     """The fused forward a part at a time (see _SPLIT_GROUPS): the fewest hidden-channel groups (each batch
     element alone) whose peak (_split_peak_bytes) fits in the free memory with 5 % to spare; None where none
     does, or where the plan has no z to split (the output pass contracts)."""
     batch, hidden = pair.shape[0], layers.hidden_dim
-    params = _param_list_eager(layers)
     element = ForwardSteps(pair[:1], mask[:1], weights, options, mode)
     if element.plan["z_shape"] is None:
         return None
@@ -3003,26 +3013,26 @@ def _split_forward(layers, pair, mask, mode, weights, options) -> Optional[torch
         count = hidden // groups
         if (batch == 1 and groups == 1) or hidden % groups or count % 8:
             continue
-        group_weights = [weights] if groups == 1 else \
-            [prepare_weights(_channel_group_params(params, g * count, count), mode) for g in range(groups)]
-        first = ForwardSteps(pair[:1], mask[:1], group_weights[0], options, mode)
+        parts = _channel_groups(layers, mode, kernels, weights, options, groups)
+        first = ForwardSteps(pair[:1], mask[:1], *parts[0], mode)
         if list(first.plan["z_shape"]) != [count, *element.plan["z_shape"][1:]]:
             continue  # (a group's z planes would not be a slice of the element's)
-        if _split_peak_bytes(batch, element, first, groups) * 1.05 <= free:
-            return _run_split(pair, mask, mode, options, weights, group_weights)
+        if _split_peak_bytes(batch, element, first) * 1.05 <= free:
+            return _run_split(pair, mask, mode, weights, options, parts)
     return None
 
 
-def _run_split(pair, mask, mode, options, weights, group_weights) -> torch.Tensor:
-    """Each batch element: each channel group's input pass and contraction into its slice of the element's z
-    (one a/b buffer for all groups), then the element's output pass on the whole z."""
+def _run_split(pair, mask, mode, weights, options, groups) -> torch.Tensor:
+    """Each batch element: each channel group's ((weights, options) of _channel_groups) input pass and
+    contraction into its slice of the element's z (one a/b buffer for all groups), then the element's output
+    pass on the whole z."""
     batch = pair.shape[0]
     out = None if batch == 1 else torch.empty_like(pair, memory_format=torch.contiguous_format)
     for b in range(batch):
         element = ForwardSteps(pair[b:b + 1], mask[b:b + 1], weights, options, mode)
         z, ab = element.new_z(), None
-        for g, group_weight in enumerate(group_weights):
-            steps = ForwardSteps(pair[b:b + 1], mask[b:b + 1], group_weight, options, mode)
+        for g, (group_weights, group_options) in enumerate(groups):
+            steps = ForwardSteps(pair[b:b + 1], mask[b:b + 1], group_weights, group_options, mode)
             count = steps.plan["z_shape"][0]
             ab = steps.new_ab() if ab is None else ab
             steps.input_pass(ab)
