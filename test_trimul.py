@@ -5565,6 +5565,17 @@ def test_split_forward_matches_fp64(direction, gate_input, channels, hidden, bat
     assert rel_error(split, fused) < 1e-2, f"seed {seed}"
 
 
+def test_split_forward_declines_elements_that_are_not_16_byte_aligned():
+    """At B > 1 each element's pair and output go to the steps, whose buffers start 16-byte aligned: where an
+    element's bytes are not a multiple of 16 (bf16, C = 33, N = 97: 620994 bytes) the split forward declines (None:
+    the chunked forward follows), before it plans anything."""
+    model = ti.ModelNew(33, 40)
+    pair = torch.empty(3, 97, 97, 33, dtype=torch.bfloat16)
+    mask = torch.ones(3, 97, 97, dtype=torch.bool)
+    assert ti._split_forward(model, pair, mask, "bf16", None, None, None) is None
+    assert ti._split_forward(model, pair[:, :, :, :32], mask, "bf16", None, None, None) is None  # (a strided pair)
+
+
 @cuda
 @pytest.mark.parametrize("batch", [1, 2])
 def test_split_forward_is_taken_where_only_it_fits(batch, monkeypatch):

@@ -2935,14 +2935,17 @@ def _free_bytes(device: torch.device) -> int:
 _CHUNK_CHECK_POSITIONS = 1 << 22  # smaller problems never chunk by themselves (and skip the memory query)
 
 
+def _plan_bytes(plan: dict, buffer: str) -> int:
+    """The bytes of a forward_plan's buffer ("ab" or "z": its "<buffer>_shape" of "<buffer>_dtype")."""
+    return math.prod(plan[f"{buffer}_shape"]) * getattr(torch, plan[f"{buffer}_dtype"]).itemsize
+
+
 def _fused_peak_bytes(plan: dict, pair: torch.Tensor, x_hat: bool = False) -> int:
     """The fused one-call forward's buffers at their peak, from its plan (the extension's forward_plan): a/b, then
     z beside them, a/b freed before the output (z + max(a/b, out)); where the output pass contracts (no z) a/b
     and the output together. x_hat: LayerNorm_in's bf16 rows [B*N*N, C] beside all of them (the gate on x_hat)."""
-    def size(shape, dtype):
-        return math.prod(shape) * getattr(torch, dtype).itemsize
-    ab, out = size(plan["ab_shape"], plan["ab_dtype"]), pair.numel() * pair.element_size()
-    peak = ab + out if plan["z_shape"] is None else size(plan["z_shape"], plan["z_dtype"]) + max(ab, out)
+    ab, out = _plan_bytes(plan, "ab"), pair.numel() * pair.element_size()
+    peak = ab + out if plan["z_shape"] is None else _plan_bytes(plan, "z") + max(ab, out)
     return peak + (2 * pair.numel() if x_hat else 0)
 
 
@@ -2981,10 +2984,7 @@ def _split_peak_bytes(batch: int, element: "ForwardSteps", group: "ForwardSteps"
     """The split forward's buffers at their peak: one element's z and one group's a/b (reused by every group),
     then, at B = 1, the output in a/b's place; at B > 1 the whole output throughout (each element's written in
     place)."""
-    def size(shape, dtype):
-        return math.prod(shape) * getattr(torch, dtype).itemsize
-    z = size(element.plan["z_shape"], element.plan["z_dtype"])
-    ab = size(group.plan["ab_shape"], group.plan["ab_dtype"])
+    z, ab = _plan_bytes(element.plan, "z"), _plan_bytes(group.plan, "ab")
     out = element._call[0].numel() * element._call[0].element_size()
     return z + max(ab, out) if batch == 1 else batch * out + z + ab
 
@@ -3004,7 +3004,9 @@ def _split_forward(layers, pair, mask, mode, kernels, weights, options) -> Optio
     """The fused forward a part at a time (see _SPLIT_GROUPS): the fewest hidden-channel groups (each batch
     element alone) whose peak (_split_peak_bytes) fits in the free memory with 5 % to spare; None where none
     does, or where the plan has no z to split (the output pass contracts)."""
-    batch, hidden = pair.shape[0], layers.hidden_dim
+    batch, hidden, size = pair.shape[0], layers.hidden_dim, pair.element_size()
+    if batch > 1 and (pair.stride(0) * size % 16 or pair[0].numel() * size % 16):
+        return None  # (each element's pair and output would not start 16-byte aligned, as a step's buffers do)
     element = ForwardSteps(pair[:1], mask[:1], weights, options, mode)
     if element.plan["z_shape"] is None:
         return None
@@ -3025,7 +3027,7 @@ def _split_forward(layers, pair, mask, mode, kernels, weights, options) -> Optio
 def _run_split(pair, mask, mode, weights, options, groups) -> torch.Tensor:
     """Each batch element: each channel group's ((weights, options) of _channel_groups) input pass and
     contraction into its slice of the element's z (one a/b buffer for all groups), then the element's output
-    pass on the whole z."""
+    pass on the whole z, into its part of the output (each element's 16-byte aligned: _split_forward's check)."""
     batch = pair.shape[0]
     out = None if batch == 1 else torch.empty_like(pair, memory_format=torch.contiguous_format)
     for b in range(batch):
@@ -3040,13 +3042,7 @@ def _run_split(pair, mask, mode, weights, options, groups) -> torch.Tensor:
         del ab  # (before the output: at B = 1 it takes a/b's place)
         if out is None:
             out = element.new_out()
-            element.output_pass(out, z=z)
-        elif out[b:b + 1].data_ptr() % 16 == 0:  # (a step's buffers are 16-byte aligned)
-            element.output_pass(out[b:b + 1], z=z)
-        else:
-            part = element.new_out()
-            element.output_pass(part, z=z)
-            out[b:b + 1].copy_(part)
+        element.output_pass(out if batch == 1 else out[b:b + 1], z=z)
         del z
     return out
 
