@@ -3017,7 +3017,8 @@ def _split_forward(layers, pair, mask, mode, kernels, weights, options) -> Optio
             continue
         parts = _channel_groups(layers, mode, kernels, weights, options, groups)
         first = ForwardSteps(pair[:1], mask[:1], *parts[0], mode)
-        if list(first.plan["z_shape"]) != [count, *element.plan["z_shape"][1:]]:
+        if list(first.plan["z_shape"]) != [count, *element.plan["z_shape"][1:]] or \
+                first.plan["z_dtype"] != element.plan["z_dtype"]:
             continue  # (a group's z planes would not be a slice of the element's)
         if _split_peak_bytes(batch, element, first) * 1.05 <= free:
             return _run_split(pair, mask, mode, weights, options, parts)
