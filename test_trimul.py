@@ -5487,15 +5487,6 @@ def test_chunked_forward_on_the_gpu_matches_the_fused_forward(precision, monkeyp
         assert calls and rel_error(auto, expected) < FUSED_TOLERANCE[precision]
 
 
-def _gated_planes(params, pair, mask):
-    """a and b of the reference's formula from a parameter list in _PARAM_PATHS' order (None: no bias)."""
-    ln_w, ln_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b = params[:10]
-    x = F.layer_norm(pair, pair.shape[-1:], ln_w, ln_b)
-    m = mask.to(pair.dtype)[..., None]
-    return (F.linear(x, pa_w, pa_b) * torch.sigmoid(F.linear(x, ga_w, ga_b)) * m,
-            F.linear(x, pb_w, pb_b) * torch.sigmoid(F.linear(x, gb_w, gb_b)) * m)
-
-
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_channel_group_computes_those_channels_of_the_layer(bias):
     """_channel_group_params(first, count) is the layer of hidden `count` whose a and b are channels [first,
@@ -5505,10 +5496,10 @@ def test_a_channel_group_computes_those_channels_of_the_layer(bias):
     model = random_layers(ti.Model(20, 48, bias=bias).double(), g)
     pair, mask = random_inputs(2, 9, 20, g)
     params = ti._param_list(model)
-    a, b = _gated_planes(params, pair, mask)
+    _, a, b = ti._layers_in(params, pair, mask, 1e-5, cast_mask=True)
     for first, count in ((0, 24), (24, 24), (16, 8)):
         group = ti._channel_group_params(params, first, count)
-        a_g, b_g = _gated_planes(group, pair, mask)
+        _, a_g, b_g = ti._layers_in(group, pair, mask, 1e-5, cast_mask=True)
         assert rel_error(a_g, a[..., first:first + count]) < 1e-14 and rel_error(b_g, b[..., first:first + count]) < 1e-14
         assert group[12].shape == (20, count) and torch.equal(group[12], params[12][:, first:first + count])
         assert torch.equal(group[10], params[10][first:first + count]) and group[14] is params[14]

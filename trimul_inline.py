@@ -2989,15 +2989,20 @@ def _split_peak_bytes(batch: int, element: "ForwardSteps", group: "ForwardSteps"
     return z + max(ab, out) if batch == 1 else batch * out + z + ab
 
 
+def _channel_group(layers, mode: str, kernels, first: int, count: int) -> tuple:
+    """(prepared weights, forward options) of the layer's hidden channels [first, first + count)."""
+    values = layers._option_values(mode)[:-1]  # (all but hidden_dim: the group's is `count`)
+    return (prepare_weights(_channel_group_params(_param_list_eager(layers), first, count), mode),
+            _forward_options(kernels, *values, count))
+
+
 def _channel_groups(layers, mode: str, kernels, weights, options, groups: int) -> list:
-    """(prepared weights, forward options) of each of `groups` equal groups of the layer's hidden channels (one
-    group: the layer's own)."""
+    """_channel_group of each of `groups` equal groups of the layer's hidden channels (one group: the layer's own
+    weights and options)."""
     if groups == 1:
         return [(weights, options)]
-    params, count = _param_list_eager(layers), layers.hidden_dim // groups
-    values = layers._option_values(mode)[:-1]  # (all but hidden_dim: a group's is `count`)
-    return [(prepare_weights(_channel_group_params(params, g * count, count), mode),
-             _forward_options(kernels, *values, count)) for g in range(groups)]
+    count = layers.hidden_dim // groups
+    return [_channel_group(layers, mode, kernels, g * count, count) for g in range(groups)]
 
 
 def _split_forward(layers, pair, mask, mode, kernels, weights, options) -> Optional[torch.Tensor]:
@@ -3015,12 +3020,14 @@ def _split_forward(layers, pair, mask, mode, kernels, weights, options) -> Optio
         count = hidden // groups
         if (batch == 1 and groups == 1) or hidden % groups or count % 8:
             continue
-        parts = _channel_groups(layers, mode, kernels, weights, options, groups)
-        first = ForwardSteps(pair[:1], mask[:1], *parts[0], mode)
+        # (the first group decides the fit: the others are prepared only for the split that runs)
+        part = (weights, options) if groups == 1 else _channel_group(layers, mode, kernels, 0, count)
+        first = ForwardSteps(pair[:1], mask[:1], *part, mode)
         if list(first.plan["z_shape"]) != [count, *element.plan["z_shape"][1:]] or \
                 first.plan["z_dtype"] != element.plan["z_dtype"]:
             continue  # (a group's z planes would not be a slice of the element's)
         if _split_peak_bytes(batch, element, first) * 1.05 <= free:
+            parts = [part] + [_channel_group(layers, mode, kernels, g * count, count) for g in range(1, groups)]
             return _run_split(pair, mask, mode, weights, options, parts)
     return None
 
