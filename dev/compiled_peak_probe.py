@@ -6,6 +6,7 @@ With dev/compiled_lean_split.diff applied (the backward as two ops), pass --halv
 (_backward_front, _backward_rest) instead (bench/NOTES.md, session 51).
 
     PYTHONPATH=. python dev/compiled_peak_probe.py [--shape 1,1024,128,128] [--saves z] [--fullgraph] [--halves]
+        [--snapshot FILE]
 """
 import argparse
 import functools
@@ -47,6 +48,7 @@ def main():
     parser.add_argument("--saves", default="z")
     parser.add_argument("--fullgraph", action="store_true", help="torch.compile(fullgraph=True) (else as bench.py)")
     parser.add_argument("--halves", action="store_true", help="trace _backward_front and _backward_rest")
+    parser.add_argument("--snapshot", help="the compiled step's memory snapshot (pytorch.org/memory_viz)")
     args = parser.parse_args()
     batch, n, c, h = map(int, args.shape.split(","))
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -71,7 +73,12 @@ def main():
         torch.cuda.reset_peak_memory_stats()
         BASE[0] = torch.cuda.memory_allocated()
         print(f"{name}: step start")
+        if compiled and args.snapshot:  # (each allocation's stack: what holds the step's memory at its peak)
+            torch.cuda.memory._record_memory_history(max_entries=20000)
         step()
+        if compiled and args.snapshot:
+            torch.cuda.memory._dump_snapshot(args.snapshot)
+            torch.cuda.memory._record_memory_history(enabled=None)
         torch.cuda.synchronize()
         print(f"{name}: step peak {mib(torch.cuda.max_memory_allocated())} MiB above its start, "
               f"end {mib(torch.cuda.memory_allocated())}", flush=True)
