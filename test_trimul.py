@@ -4346,6 +4346,42 @@ def test_second_derivatives_raise_instead_of_coming_out_partial():
 
 
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
+def test_training_op_makes_no_zero_gradients_for_its_kept_buffers(direction):
+    """trimul with keep, run eagerly through the dispatcher (as torch.compile without fullgraph runs it: the kept
+    buffers' sizes are known only at run time, a graph break there), hands its backward no gradients for the four
+    kept buffers: autograd made zeros of their sizes at the backward's start (B*H*N^2 values three times over and
+    B*N^2*C more, ~1 GiB at (1,1024,128,128) in bf16 on the GPU). Its gradients are autograd's of the reference."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = random_layers(ti.Model(12, 20, direction, "normalized").double(), g)
+    pair, mask = random_inputs(1, 9, 12, g)
+    grad_out = torch.randn(pair.shape, generator=g, dtype=torch.float64)
+    _, ref = _gradients(model, pair, mask, grad_out)
+    params = [p.detach().requires_grad_() for p in ti._param_list(model)]
+    options = ("auto", "highest", direction == "incoming", True, 1e-5, 1e-5)
+    pair = pair.detach().requires_grad_()
+    out, *kept = ti.trimul(pair, mask, params, [], *options, True, True)
+    kept_sizes = {t.numel() for t in kept}
+    assert all(t.numel() for t in kept) and not any(t.requires_grad for t in kept)
+    zeros = []
+
+    class ZerosMade(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default,
+                        torch.ops.aten.new_zeros.default) and result.numel() in kept_sizes:
+                zeros.append((str(func), tuple(result.shape)))
+            return result
+
+    with ZerosMade():
+        out.backward(grad_out)
+    assert not zeros, zeros
+    got = {"pair_repr": pair.grad, **{".".join(path): p.grad for path, p in zip(ti._PARAM_PATHS, params)}}
+    for name, expected in ref.items():
+        assert _grad_error(got[name], expected) < 1e-12, (name, seed)
+
+
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64])
 def test_training_op_on_cpu_matches_autograd_and_passes_opcheck(direction, mask_dtype):
     """The op pair as autograd sees it (trimul's register_autograd, trimul_backward), off CUDA: trimul is the

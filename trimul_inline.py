@@ -2343,6 +2343,10 @@ def _trimul_setup_context(ctx, inputs, output):
     pair, mask, params, weights, *options = inputs
     ctx.save_for_backward(pair, mask, *params, *output[1:])
     ctx.mark_non_differentiable(*output[1:])
+    # (no zeros made for the gradients nobody passes: the kept buffers' four would be B*H*N^2 values three times
+    # over and B*N^2*C more, made at the backward's start where the op runs eagerly, as torch.compile without
+    # fullgraph runs it: its outputs' sizes are known only at run time, a graph break there)
+    ctx.set_materialize_grads(False)
     ctx.options = options[:6]
     ctx.lean = options[7] if len(options) > 7 else False
     ctx.weight_count = len(weights)
@@ -2353,6 +2357,8 @@ def _trimul_backward(ctx, grads):
     kept = params[16:]
     del params[16:]
     wanted = ctx.needs_input_grad
+    if grads[0] is None:  # (out took no part in what is differentiated: no gradient flows into the layer)
+        return (None, None, [None] * len(params), [None] * ctx.weight_count) + (None,) * (len(wanted) - 4)
     mask_grad = bool(wanted[1])
     d_pair, d_mask, *d_params = trimul_backward(grads[0].contiguous(), pair, mask, params, *ctx.options, mask_grad,
                                                 bool(wanted[0]), any(wanted[2]), *kept, ctx.lean)
