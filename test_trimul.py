@@ -4347,10 +4347,11 @@ def test_second_derivatives_raise_instead_of_coming_out_partial():
 
 @pytest.mark.parametrize("direction", ti.DIRECTIONS)
 def test_training_op_makes_no_zero_gradients_for_its_kept_buffers(direction):
-    """trimul with keep, run eagerly through the dispatcher (as torch.compile without fullgraph runs it: the kept
-    buffers' sizes are known only at run time, a graph break there), hands its backward no gradients for the four
-    kept buffers: autograd made zeros of their sizes at the backward's start (B*H*N^2 values three times over and
-    B*N^2*C more, ~1 GiB at (1,1024,128,128) in bf16 on the GPU). Its gradients are autograd's of the reference."""
+    """trimul with keep, run eagerly through the dispatcher (a direct call, or one at a graph break: dynamo traces it
+    only with fullgraph=True, the kept buffers' sizes being known only at run time), hands its backward no
+    gradients for the four kept buffers: autograd made zeros of their sizes at the backward's start (B*H*N^2 values
+    three times over and B*N^2*C more, ~1 GiB at (1,1024,128,128) in bf16 on the GPU). Its gradients are autograd's
+    of the reference."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     model = random_layers(ti.Model(12, 20, direction, "normalized").double(), g)
@@ -4728,6 +4729,44 @@ def test_compiled_reference_fallback_and_torch_func(monkeypatch):
                                        list(reference.parameters()))
     for (name, grad), want in zip(got[0].items(), expected):
         assert rel_error(grad, want) < 1e-12, f"{name} (seed {seed})"
+
+
+@pytest.mark.parametrize("direction", ti.DIRECTIONS)
+def test_compiled_training_without_fullgraph_runs_the_eager_step_at_its_graph_break(direction, monkeypatch):
+    """Without fullgraph=True dynamo does not trace an op whose outputs' sizes are known only at run time, so a
+    keeping training call under torch.compile (the kernel path forced on the CPU, backward_saves="z") would break
+    the graph at the op and run it through the dispatcher: the layer runs the eager step there instead
+    (_TrimulFunction: no dispatcher cost, each kept buffer freed after its last use). With fullgraph=True the op is
+    traced. Both give the reference's gradients."""
+    monkeypatch.setattr(ti, "_kernels_take", lambda t: True)
+    monkeypatch.setattr(ti, "_fused_takes_now", lambda *a: True)
+    monkeypatch.setattr(ti, "_traced_for_cuda_graphs", lambda: False)  # (aot_eager: a backend it cannot see into)
+    eager_forward, calls = ti._TrimulFunction.forward, []
+
+    class Counted(ti._TrimulFunction):
+        @staticmethod
+        def forward(ctx, *args):
+            calls.append(args[9])  # (keep_z)
+            return eager_forward(ctx, *args)
+    monkeypatch.setattr(ti, "_TrimulFunction", Counted)
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = random_layers(ti.ModelNew(12, 20, direction, "normalized", backward_saves="z"), g).double()
+    reference = ti.Model(12, 20, direction, "normalized").double()
+    reference.load_state_dict(model.state_dict())
+    pair, mask = random_inputs(1, 7, 12, g)
+    grad_out = torch.randn(pair.shape, generator=g, dtype=torch.float64)
+    _, expected = _gradients(reference, pair, mask, grad_out)
+    for fullgraph in (False, True):
+        calls.clear()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=fullgraph, backend="aot_eager")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, got = _gradients(compiled, pair, mask, grad_out)
+        assert calls == ([] if fullgraph else [True]), (fullgraph, calls)
+        for name, want in expected.items():
+            assert _grad_error(got[name], want) < 1e-12, (fullgraph, name, seed)
 
 
 def test_backward_fake_gradients_are_contiguous_as_the_ops_are():

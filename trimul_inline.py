@@ -1842,6 +1842,24 @@ def _traced_for_cuda_graphs() -> bool:
     return True
 
 
+@torch._dynamo.assume_constant_result
+def _traces_run_time_sizes() -> bool:
+    """At torch.compile's trace time: whether dynamo traces an op whose outputs' sizes are known only at run time
+    (its shape environment allows dynamic output shapes: fullgraph=True, or capture_dynamic_output_shape_ops);
+    elsewhere such an op is a graph break. True where it cannot tell."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        return bool(InstructionTranslator.current_tx().output.shape_env.allow_dynamic_output_shape_ops)
+    except (ImportError, AttributeError):
+        return True
+
+
+@torch._dynamo.disable
+def _trained_eagerly(layers, pair_repr, pair_mask, mode, kernels):
+    """layers' training forward outside torch.compile's graph (a graph break there): the eager step's."""
+    return layers._forward_trained(pair_repr, pair_mask, mode, kernels)
+
+
 def _saves_z(choice: Optional[str], graphed: bool, cuda: bool, hooked: bool = False) -> bool:
     """Whether the eager training forward keeps z (the backward_saves rule above); graphed: its backward would replay
     a graph (_graphs_backward). hooked: saved-tensor hooks other than torch.utils.checkpoint's are active
@@ -2344,8 +2362,8 @@ def _trimul_setup_context(ctx, inputs, output):
     ctx.save_for_backward(pair, mask, *params, *output[1:])
     ctx.mark_non_differentiable(*output[1:])
     # (no zeros made for the gradients nobody passes: the kept buffers' four would be B*H*N^2 values three times
-    # over and B*N^2*C more, made at the backward's start where the op runs eagerly, as torch.compile without
-    # fullgraph runs it: its outputs' sizes are known only at run time, a graph break there)
+    # over and B*N^2*C more, made at the backward's start where the op runs eagerly through the dispatcher: a
+    # direct call, or one at a graph break)
     ctx.set_materialize_grads(False)
     ctx.options = options[:6]
     ctx.lean = options[7] if len(options) > 7 else False
@@ -2678,6 +2696,11 @@ class ModelNew(_TriMulLayers):
                           not compiling and _saved_tensor_hooks_active() and not _checkpoint_hooks_active())
         if compiling:  # (kept buffers as the op's outputs: saved tensors of the traced graph)
             keep_z = keep_z and not _traced_for_cuda_graphs()
+            if keep_z and not _traces_run_time_sizes():
+                # (dynamo would break the graph at the op, whose kept buffers' sizes are known only at run time, and
+                # run it through the dispatcher: the eager step at the break instead, the same kernels without the
+                # dispatcher's per-call cost, each kept buffer freed after its last use)
+                return _trained_eagerly(self, *original, mode, kernels)
             params = _with_zero_biases(_param_list(self))
             return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values, keep_z,
                           lean)[0]
