@@ -1826,10 +1826,8 @@ def _traced_for_cuda_graphs() -> bool:
     its global config; True for another backend or where it cannot tell. A traced training forward keeps nothing
     then: its kept buffers have sizes known only at run time, and inductor's CUDA-graph partitions hand such outputs
     of a custom op on as tensors outside the graphs' pool, which its cudagraph trees refuse."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        backend = InstructionTranslator.current_tx().output.compiler_fn
-    except (ImportError, AttributeError):
+    backend = getattr(_trace_under_way(), "compiler_fn", None)
+    if backend is None:
         return True
     for _ in range(8):  # (the backend as dynamo wraps it: the inductor wrapper's options dict, else unwrap)
         options = getattr(backend, "config", None)
@@ -1847,11 +1845,18 @@ def _traces_run_time_sizes() -> bool:
     """At torch.compile's trace time: whether dynamo traces an op whose outputs' sizes are known only at run time
     (its shape environment allows dynamic output shapes: fullgraph=True, or capture_dynamic_output_shape_ops);
     elsewhere such an op is a graph break. True where it cannot tell."""
+    shape_env = getattr(_trace_under_way(), "shape_env", None)
+    return True if shape_env is None else bool(shape_env.allow_dynamic_output_shape_ops)
+
+
+def _trace_under_way():
+    """dynamo's output graph of the trace under way (the functions above run at trace time), or None where it
+    cannot be read."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
-        return bool(InstructionTranslator.current_tx().output.shape_env.allow_dynamic_output_shape_ops)
+        return InstructionTranslator.current_tx().output
     except (ImportError, AttributeError):
-        return True
+        return None
 
 
 @torch._dynamo.disable
@@ -2363,7 +2368,8 @@ def _trimul_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])
     # (no zeros made for the gradients nobody passes: the kept buffers' four would be B*H*N^2 values three times
     # over and B*N^2*C more, made at the backward's start where the op runs eagerly through the dispatcher: a
-    # direct call, or one at a graph break)
+    # direct call, or one at a graph break. out's always comes: the node runs only once a gradient reaches it,
+    # and the kept buffers are not differentiable)
     ctx.set_materialize_grads(False)
     ctx.options = options[:6]
     ctx.lean = options[7] if len(options) > 7 else False
@@ -2375,8 +2381,6 @@ def _trimul_backward(ctx, grads):
     kept = params[16:]
     del params[16:]
     wanted = ctx.needs_input_grad
-    if grads[0] is None:  # (out took no part in what is differentiated: no gradient flows into the layer)
-        return (None, None, [None] * len(params), [None] * ctx.weight_count) + (None,) * (len(wanted) - 4)
     mask_grad = bool(wanted[1])
     d_pair, d_mask, *d_params = trimul_backward(grads[0].contiguous(), pair, mask, params, *ctx.options, mask_grad,
                                                 bool(wanted[0]), any(wanted[2]), *kept, ctx.lean)
