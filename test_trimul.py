@@ -4736,8 +4736,8 @@ def test_compiled_training_without_fullgraph_runs_the_eager_step_at_its_graph_br
     """Without fullgraph=True dynamo does not trace an op whose outputs' sizes are known only at run time, so a
     keeping training call under torch.compile (the kernel path forced on the CPU, backward_saves="z") would break
     the graph at the op and run it through the dispatcher: the layer runs the eager step there instead
-    (_TrimulFunction: no dispatcher cost, each kept buffer freed after its last use). With fullgraph=True the op is
-    traced. Both give the reference's gradients."""
+    (_TrimulFunction: no dispatcher cost, each kept buffer freed after its last use). With fullgraph=True, or with
+    dynamo's capture_dynamic_output_shape_ops, the op is traced. All give the reference's gradients."""
     monkeypatch.setattr(ti, "_kernels_take", lambda t: True)
     monkeypatch.setattr(ti, "_fused_takes_now", lambda *a: True)
     monkeypatch.setattr(ti, "_traced_for_cuda_graphs", lambda: False)  # (aot_eager: a backend it cannot see into)
@@ -4757,16 +4757,17 @@ def test_compiled_training_without_fullgraph_runs_the_eager_step_at_its_graph_br
     pair, mask = random_inputs(1, 7, 12, g)
     grad_out = torch.randn(pair.shape, generator=g, dtype=torch.float64)
     _, expected = _gradients(reference, pair, mask, grad_out)
-    for fullgraph in (False, True):
+    for fullgraph, capture in ((False, False), (True, False), (False, True)):
         calls.clear()
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=fullgraph, backend="aot_eager")
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), torch._dynamo.config.patch(capture_dynamic_output_shape_ops=capture):
             warnings.simplefilter("ignore")
             _, got = _gradients(compiled, pair, mask, grad_out)
-        assert calls == ([] if fullgraph else [True]), (fullgraph, calls)
+        traced = fullgraph or capture  # (dynamo traces the op with its kept buffers)
+        assert calls == ([] if traced else [True]), (fullgraph, capture, calls)
         for name, want in expected.items():
-            assert _grad_error(got[name], want) < 1e-12, (fullgraph, name, seed)
+            assert _grad_error(got[name], want) < 1e-12, (fullgraph, capture, name, seed)
 
 
 def test_backward_fake_gradients_are_contiguous_as_the_ops_are():
