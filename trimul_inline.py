@@ -2703,8 +2703,9 @@ class ModelNew(_TriMulLayers):
             if keep_z and not _traces_run_time_sizes():
                 # (dynamo would break the graph at the op, whose kept buffers' sizes are known only at run time, and
                 # run it through the dispatcher: the eager step at the break instead, the same kernels without the
-                # dispatcher's per-call cost, each kept buffer freed after its last use)
-                return _trained_eagerly(self, *original, mode, kernels)
+                # dispatcher's per-call cost, each kept buffer freed after its last use; the inputs as converted
+                # here, which the eager step's own conversion then leaves as they are)
+                return _trained_eagerly(self, pair_repr, pair_mask, mode, kernels)
             params = _with_zero_biases(_param_list(self))
             return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values, keep_z,
                           lean)[0]
@@ -3029,13 +3030,15 @@ def _channel_group(layers, mode: str, kernels, first: int, count: int) -> tuple:
             _forward_options(kernels, *values, count))
 
 
-def _channel_groups(layers, mode: str, kernels, weights, options, groups: int) -> list:
+def _channel_groups(layers, mode: str, kernels, weights, options, groups: int, first=None) -> list:
     """_channel_group of each of `groups` equal groups of the layer's hidden channels (one group: the layer's own
-    weights and options)."""
+    weights and options); first: the first group's, where already made."""
     if groups == 1:
         return [(weights, options)]
     count = layers.hidden_dim // groups
-    return [_channel_group(layers, mode, kernels, g * count, count) for g in range(groups)]
+    if first is None:
+        first = _channel_group(layers, mode, kernels, 0, count)
+    return [first] + [_channel_group(layers, mode, kernels, g * count, count) for g in range(1, groups)]
 
 
 def _split_forward(layers, pair, mask, mode, kernels, weights, options) -> Optional[torch.Tensor]:
@@ -3060,7 +3063,7 @@ def _split_forward(layers, pair, mask, mode, kernels, weights, options) -> Optio
                 first.plan["z_dtype"] != element.plan["z_dtype"]:
             continue  # (a group's z planes would not be a slice of the element's)
         if _split_peak_bytes(batch, element, first) * 1.05 <= free:
-            parts = [part] + [_channel_group(layers, mode, kernels, g * count, count) for g in range(1, groups)]
+            parts = _channel_groups(layers, mode, kernels, weights, options, groups, part)
             return _run_split(pair, mask, mode, weights, options, parts)
     return None
 
