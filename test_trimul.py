@@ -4124,6 +4124,31 @@ def test_training_under_torch_compile_fullgraph(precision):
 
 
 @cuda
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_compiled_training_replays_the_small_backward_graph(fullgraph):
+    """torch.compile without inductor's CUDA graphs: a small step's backward (the op trimul_backward) captures its
+    CUDA graph once and replays it, as the eager step's does (the op's graph_capture), and its gradients equal the
+    eager step's."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    model = random_layers(ti.ModelNew(64, 32, gate_input="normalized", precision="highest"), g).cuda()
+    pair, mask = random_inputs(2, 33, 64, g, dtype=torch.float32, device="cuda")
+    grad_out = torch.randn_like(pair)
+    _, eager = _gradients(model, pair, mask, grad_out)
+    ti._BACKWARD_GRAPHS.entries.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=fullgraph)
+    try:
+        for _ in range(3):
+            traced = {name: grad.clone() for name, grad in _gradients(compiled, pair, mask, grad_out)[1].items()}
+        graphs = [graph for _, graph, _ in ti._BACKWARD_GRAPHS.entries.values()]
+        assert len(graphs) == 1 and graphs[0] is not None
+    finally:
+        ti._BACKWARD_GRAPHS.entries.clear()
+    for name in eager:
+        assert rel_error(traced[name], eager[name]) < 1e-6, name
+
+
+@cuda
 def test_compiled_training_keeps_what_the_eager_step_keeps():
     """Under torch.compile(fullgraph=True), past the graphed backward's sizes, the op keeps z, the a/b planes and
     x_hat as its outputs (saved tensors of the traced graph), as the eager step keeps them: its backward skips

@@ -1775,8 +1775,9 @@ def training_backward(grad_out, pair, mask, params, kernels: "Kernels", mode: st
     write d pair too (d_proj_d_pair). saved: the four as a list [saved_z, saved_ab, saved_x_hat, saved_x_hat_rstd]
     instead, which the call empties so that each is freed once used (the caller keeps no reference:
     _TrimulFunction's way). graph_capture: False replays a small call's graph only where one was captured before,
-    never capturing one (the op under torch.compile: inductor's CUDA-graph warm-up sends every allocation of the
-    thread to its own pool, where a graph's held inputs and outputs would stay as tensors it does not track)."""
+    never capturing one (the op where inductor puts the compiled step in CUDA graphs, _traced_for_cuda_graphs: its
+    warm-up sends every allocation of the thread to its own pool, where a graph's held inputs and outputs would stay
+    as tensors it does not track; and opcheck's calls)."""
     if saved is None:
         saved = [saved_z, saved_ab, saved_x_hat, saved_x_hat_rstd]
     if len(saved) != 4:
@@ -1962,7 +1963,7 @@ def _graphed_backward(call, capture: bool = True):
 def _python_dispatch_mode_active() -> bool:
     """Whether a Python dispatch mode (a profiler's or a user's, around an eager call) sees each ATen call: it
     should see the backward's calls, not a graph replay. (Inside a custom op's implementation the mode is off: the
-    op trimul_backward, which opcheck and torch.compile call, captures no graph: training_backward's graph_capture.)"""
+    op trimul_backward, which opcheck and torch.compile call, captures a graph only where its graph_capture says.)"""
     return _get_current_dispatch_mode() is not None
 
 
@@ -2183,14 +2184,15 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
 @torch.library.custom_op("trimul_inline::trimul", mutates_args=())
 def trimul(pair: torch.Tensor, mask: torch.Tensor, params: list[torch.Tensor], weights: list[torch.Tensor],
            kernels: str, mode: str, incoming: bool, gate_normalized: bool, eps_in: float, eps_out: float,
-           keep: bool = False, lean: bool = False) -> list[torch.Tensor]:
+           keep: bool = False, lean: bool = False, graph_capture: bool = False) -> list[torch.Tensor]:
     """The fused forward with a backward (register_autograd): params are the 16 parameters (_PARAM_PATHS order,
     what the gradients are for), weights their prepare_weights layout (what the forward reads); kernels a
     Kernels string ("auto", "role=name,..."). Returns [out, z, a/b, x_hat, x_hat's rstd]: out the layer's output,
     the other four what the forward keeps for the backward where `keep` (ModelNew's backward_saves; else and
     where the forward cannot keep one: empty), flat (_kept_views gives their shapes back; their sizes depend on
     the plan, so the fake gives them sizes known only at run time) and not differentiable; the backward then
-    runs lean if `lean` (training_backward)."""
+    runs lean if `lean` (training_backward), and may capture a small call's CUDA graph if `graph_capture` (False
+    where inductor puts the step in CUDA graphs: training_backward's graph_capture)."""
     out, *kept = _trimul_forward(pair, mask, params, weights, kernels, mode, incoming, gate_normalized, eps_in,
                                  eps_out, keep_z=keep)
     return [out] + [pair.new_empty((0,), dtype=dtype) if t is None else t.reshape(-1)
@@ -2356,7 +2358,7 @@ def _functional_reference(pair, mask, params, incoming, gate_normalized, eps_in,
 
 @trimul.register_fake
 def _trimul_fake(pair, mask, params, weights, kernels, mode, incoming, gate_normalized, eps_in, eps_out, keep=False,
-                 lean=False):
+                 lean=False, graph_capture=False):
     out = torch.empty_like(pair, memory_format=torch.contiguous_format)
     sizes = [torch.library.get_ctx().new_dynamic_size() if keep else 0 for _ in range(4)]
     return [out] + [pair.new_empty((size,), dtype=dtype) for size, dtype in zip(sizes, _kept_dtypes(mode, pair))]
@@ -2373,6 +2375,7 @@ def _trimul_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.options = options[:6]
     ctx.lean = options[7] if len(options) > 7 else False
+    ctx.graph_capture = options[8] if len(options) > 8 else False
     ctx.weight_count = len(weights)
 
 
@@ -2383,7 +2386,7 @@ def _trimul_backward(ctx, grads):
     wanted = ctx.needs_input_grad
     mask_grad = bool(wanted[1])
     d_pair, d_mask, *d_params = trimul_backward(grads[0].contiguous(), pair, mask, params, *ctx.options, mask_grad,
-                                                bool(wanted[0]), any(wanted[2]), *kept, ctx.lean)
+                                                bool(wanted[0]), any(wanted[2]), *kept, ctx.lean, ctx.graph_capture)
     return ((d_pair if wanted[0] else None, d_mask if mask_grad else None,
              [g if w else None for g, w in zip(d_params, wanted[2])], [None] * ctx.weight_count) +
             (None,) * (len(wanted) - 4))  # (one per input passed: the dispatcher drops those equal to defaults)
@@ -2398,17 +2401,17 @@ def trimul_backward(grad_out: torch.Tensor, pair: torch.Tensor, mask: torch.Tens
                     mask_grad: bool, pair_grad: bool = True, params_grad: bool = True,
                     kept_z: Optional[torch.Tensor] = None, kept_ab: Optional[torch.Tensor] = None,
                     kept_x_hat: Optional[torch.Tensor] = None, kept_x_hat_rstd: Optional[torch.Tensor] = None,
-                    lean: bool = False) -> list[torch.Tensor]:
+                    lean: bool = False, graph_capture: bool = False) -> list[torch.Tensor]:
     """trimul's backward (training_backward): [d pair, d mask, d params...], each empty where not wanted (d mask
     unless mask_grad, d pair unless pair_grad, the parameters' unless params_grad: their work skipped). kept_*:
-    trimul's four kept buffers (flat, empty where not kept), read instead of recomputed (not written); lean:
-    as training_backward's, where z is kept."""
+    trimul's four kept buffers (flat, empty where not kept), read instead of recomputed (not written); lean and
+    graph_capture: as training_backward's (lean where z is kept)."""
     kept = [kept_z, kept_ab, kept_x_hat, kept_x_hat_rstd]
     saved = None if any(t is None for t in kept) else _kept_views(kept, pair, params[2].shape[0])
     grads = training_backward(grad_out, pair, mask, params, parse_kernels(kernels), mode, incoming, gate_normalized,
                               eps_in, eps_out, mask_grad, saved=saved,
                               lean=lean and saved is not None and saved[0] is not None, pair_grad=pair_grad,
-                              params_grad=params_grad, graph_capture=False)
+                              params_grad=params_grad, graph_capture=graph_capture)
     if grads[1] is None:
         grads[1] = mask.new_empty((0,), dtype=_grad_mask_dtype(mask))
     return [t.new_empty((0,)) if g is None else g for g, t in zip(grads, [pair, mask] + list(params))]
@@ -2421,7 +2424,7 @@ def _grad_mask_dtype(mask):
 @trimul_backward.register_fake
 def _trimul_backward_fake(grad_out, pair, mask, params, kernels, mode, incoming, gate_normalized, eps_in, eps_out,
                           mask_grad, pair_grad=True, params_grad=True, kept_z=None, kept_ab=None, kept_x_hat=None,
-                          kept_x_hat_rstd=None, lean=False):
+                          kept_x_hat_rstd=None, lean=False, graph_capture=False):
     # (contiguous, as the op's gradients are: views of fresh buffers, whatever the inputs' strides)
     d_mask = mask.new_empty(mask.shape) if mask_grad else mask.new_empty((0,), dtype=_grad_mask_dtype(mask))
     d_pair = pair.new_empty(pair.shape) if pair_grad else pair.new_empty((0,))
@@ -2699,7 +2702,10 @@ class ModelNew(_TriMulLayers):
         keep_z = _saves_z(self.backward_saves, _graphs_backward(pair_repr, mode), pair_repr.is_cuda,
                           not compiling and _saved_tensor_hooks_active() and not _checkpoint_hooks_active())
         if compiling:  # (kept buffers as the op's outputs: saved tensors of the traced graph)
-            keep_z = keep_z and not _traced_for_cuda_graphs()
+            # (where inductor's CUDA graphs run the step, the op keeps nothing and captures no graph of its own;
+            # elsewhere a small backward replays its graph, as the eager step's does)
+            graph_capture = not _traced_for_cuda_graphs()
+            keep_z = keep_z and graph_capture
             if keep_z and not _traces_run_time_sizes():
                 # (dynamo would break the graph at the op, whose kept buffers' sizes are known only at run time, and
                 # run it through the dispatcher: the eager step at the break instead, the same kernels without the
@@ -2708,7 +2714,7 @@ class ModelNew(_TriMulLayers):
                 return _trained_eagerly(self, pair_repr, pair_mask, mode, kernels)
             params = _with_zero_biases(_param_list(self))
             return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values, keep_z,
-                          lean)[0]
+                          lean, graph_capture)[0]
         try:
             return _TrimulFunction.apply(pair_repr, pair_mask, self._prepared_weights(mode), str(kernels), *values,
                                          keep_z, lean, *_with_zero_biases(_param_list_eager(self)))
