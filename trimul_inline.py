@@ -2704,8 +2704,8 @@ class ModelNew(_TriMulLayers):
         if compiling:  # (kept buffers as the op's outputs: saved tensors of the traced graph)
             # (where inductor's CUDA graphs run the step, the op keeps nothing and captures no graph of its own;
             # elsewhere a small backward replays its graph, as the eager step's does)
-            graph_capture = not _traced_for_cuda_graphs()
-            keep_z = keep_z and graph_capture
+            in_cuda_graphs = _traced_for_cuda_graphs()
+            keep_z = keep_z and not in_cuda_graphs
             if keep_z and not _traces_run_time_sizes():
                 # (dynamo would break the graph at the op, whose kept buffers' sizes are known only at run time, and
                 # run it through the dispatcher: the eager step at the break instead, the same kernels without the
@@ -2714,7 +2714,7 @@ class ModelNew(_TriMulLayers):
                 return _trained_eagerly(self, pair_repr, pair_mask, mode, kernels)
             params = _with_zero_biases(_param_list(self))
             return trimul(pair_repr, pair_mask, params, prepare_weights(params, mode), str(kernels), *values, keep_z,
-                          lean, graph_capture)[0]
+                          lean, not in_cuda_graphs)[0]
         try:
             return _TrimulFunction.apply(pair_repr, pair_mask, self._prepared_weights(mode), str(kernels), *values,
                                          keep_z, lean, *_with_zero_biases(_param_list_eager(self)))
