@@ -297,6 +297,7 @@ def test_registry_lists_each_role_in_rank_order_with_a_kernel_file():
         assert all(e.applies and e.summary for e in entries)
     registered = {}
     patterns = ((r"^TRIMUL_REGISTER_PASS\((input|output), (\w+),", None),
+                (r"^TRIMUL_REGISTER_PASS_WITH\((input|output), (\w+),", None),
                 (r"^TRIMUL_REGISTER_INPUT_PASS_WRITING_X_HAT\(()(\w+),", "input"),
                 (r"^TRIMUL_REGISTER_OUTPUT_PASS_READING_GATE_ROWS\(()(\w+),", "output"),
                 (r"^TRIMUL_REGISTER_CONTRACTION\(()(\w+),", "contract"),
@@ -1841,6 +1842,58 @@ def test_forward_steps_compose_to_the_forward(precision, contract, batch, n, pai
         steps.input_pass(ab[:, :, :-1])
     with pytest.raises(ValueError, match="ab must be a contiguous"):
         steps.input_pass(ab.double())
+
+
+@cuda
+@pytest.mark.parametrize("gate_input", ti.GATE_INPUTS)
+@pytest.mark.parametrize("dtype, mask_dtype", [(torch.bfloat16, torch.bool), (torch.float32, torch.float32)])
+def test_fused_passes_take_a_block_of_rows(gate_input, dtype, mask_dtype):
+    """The input and output passes on a block of pair's rows [B, rows, N, C] (a sharded rank's:
+    ModelNew._row_block_steps) write exactly the square passes' rows of the a / b planes and of the output (odd row
+    bounds, B = 2, a mask with zero rows, poisoned buffers); the one-call forward and the contraction step refuse
+    a block, and so does an incoming layout."""
+    if not _on_hopper():
+        pytest.skip("the row-block passes are the sm_90a register-row kernels")
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    reference = random_layers(ti.Model(128, 128, gate_input=gate_input).double(), g)
+    new = _make_new(reference, dtype, None, "medium")
+    n, first, last = 96, 17, 58
+    pair, mask = random_inputs(2, n, 128, g, dtype=dtype, mask_dtype=mask_dtype, device="cuda")
+    block, block_mask = pair[:, first:last], mask[:, first:last]
+    with torch.no_grad():
+        square = new.forward_steps(pair, mask)
+        rows = new._row_block_steps(block, block_mask, ti.compute_mode(dtype, "medium"))
+        assert rows is not None and rows.plan["input"] == "wgmma_rs" and rows.plan["output"] == "wgmma_rs", \
+            f"seed {seed}"
+        assert list(rows.plan["ab_shape"]) == [2, 2 * 128, last - first, n]
+        poison_allocator()
+        ab, z, out = square.new_ab(), square.new_z(), square.new_out()
+        square.input_pass(ab)
+        square.contraction(ab, z)
+        square.output_pass(out, z=z)
+        poison_allocator()
+        ab_rows = rows.new_ab()
+        rows.input_pass(ab_rows)
+        assert torch.equal(ab_rows, ab[:, :, first:last, :n]), f"seed {seed}"
+        poison_allocator()
+        a_rows, b_rows = rows.new_side(), rows.new_side()
+        rows.input_pass(a_rows, b=b_rows)
+        assert torch.equal(a_rows, ab_rows[0]) and torch.equal(b_rows, ab_rows[1]), f"seed {seed}"
+        out_rows = rows.new_out()
+        rows.output_pass(out_rows, z=z[:, first:last].contiguous())
+        assert torch.equal(out_rows, out[:, first:last]), f"seed {seed}"
+        assert rel_error(out_rows.cpu(), reference(pair.double().cpu(), mask.double().cpu())[:, first:last]) < \
+            TOLERANCE[torch.bfloat16], f"seed {seed}"
+        with pytest.raises(ValueError, match="not a block of its rows"):
+            rows.contraction(ab_rows, rows.new_z())
+        with pytest.raises(ValueError, match="not a block of its rows"):
+            ti._extension().forward(*rows._call, None)
+        pair_rows, mask_rows, weights, _ = rows._call
+        incoming = ti._forward_options(ti.Kernels(), ti.compute_mode(dtype, "medium"), True,
+                                       gate_input == "normalized", 1e-5, 1e-5, 128)
+        with pytest.raises(ValueError, match="outgoing layout"):
+            ti._extension().forward_plan(pair_rows, mask_rows, weights, incoming)
 
 
 @cuda
@@ -6006,6 +6059,57 @@ def test_sharded_block_products_run_on_the_contraction_kernels(tmp_path):
     cases = [(seed + i, direction, gate_input, 1, 37, 24, 16, True)
              for i, (direction, gate_input) in enumerate([("outgoing", "raw"), ("incoming", "normalized")])]
     _spawn(_sharded_worker, 2, tmp_path, cases, "cuda", torch.float32, "highest", 1e-5)
+
+
+def _sharded_fused_worker(rank, world, store, cases):
+    """The no-gradient sharded forward on the fused row-block passes (_sharded_fused, counted): bf16, pair_dim =
+    hidden = 128, N a multiple of 32, against the float64 single process and the one-GPU fused forward."""
+    import datetime
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        for seed, direction, gate_input, n in cases:
+            g = torch.Generator().manual_seed(seed)
+            reference = random_layers(ti.Model(128, 128, direction, gate_input).double(), g)
+            pair, mask = random_inputs(1, n, 128, g)
+            shard = ti.shard_rows(n, world, rank)
+            rows = slice(shard.start, shard.stop)
+            label = f"rank {rank}/{world} {direction} {gate_input} N={n} (seed {seed})"
+            layers = [ti.ModelNew(128, 128, direction, gate_input, process_group=group) for group in
+                      (dist.group.WORLD, None)]
+            for layer in layers:
+                layer.load_state_dict(reference.state_dict())
+            sharded, single = (layer.to("cuda", torch.bfloat16) for layer in layers)
+            calls, fused = [], ti._sharded_fused
+            ti._sharded_fused = lambda *args: calls.append(1) or fused(*args)
+            try:
+                with torch.no_grad():
+                    out = sharded(pair[:, rows].to("cuda", torch.bfloat16), mask[:, rows].cuda())
+                    whole = single(pair.to("cuda", torch.bfloat16), mask.cuda())[:, rows]
+            finally:
+                ti._sharded_fused = fused
+            assert calls == [1], f"{label}: the fused row-block route was not taken"
+            expected = reference(pair, mask)[:, rows]
+            assert rel_error(out.cpu(), expected) < TOLERANCE[torch.bfloat16], label
+            assert rel_error(out, whole) < 1e-2, label
+    finally:
+        _leave_group(dist, store)
+
+
+@cuda
+@pytest.mark.parametrize("world", [1, 3])
+def test_sharded_inference_on_the_fused_passes(world, tmp_path):
+    """world 1 (the whole pair as one block) and 3 ranks on one GPU (N = 128: blocks of 43, 43, 42 rows), both
+    directions and gate inputs, a mask with zero rows: the fused row-block route, within bf16's tolerance of the
+    float64 single process and close to the one-GPU fused forward."""
+    if not _on_hopper():
+        pytest.skip("the row-block passes are the sm_90a register-row kernels")
+    seed = fresh_seed()
+    cases = [(seed + i, direction, gate_input, 128) for i, (direction, gate_input) in
+             enumerate([("outgoing", "normalized"), ("incoming", "raw"), ("incoming", "normalized"),
+                        ("outgoing", "raw")])]
+    _spawn(_sharded_fused_worker, world, tmp_path, cases)
 
 
 def _sharded_frees_worker(rank, world, store):

@@ -1279,9 +1279,14 @@ class ForwardSteps:
         shape = self.plan["x_hat_shape"]
         return None if shape is None else self._new(shape[:1], "float32")
 
+    def new_side(self) -> torch.Tensor:
+        """A buffer for one side's planes (ab_shape less its first dimension): input_pass's a and b apart."""
+        return self._new(self.plan["ab_shape"][1:], self.plan["ab_dtype"])
+
     def input_pass(self, ab: torch.Tensor, x_hat: Optional[torch.Tensor] = None,
-                   x_hat_rstd: Optional[torch.Tensor] = None) -> None:
-        self._extension.input_pass(*self._call, ab, x_hat, x_hat_rstd)
+                   x_hat_rstd: Optional[torch.Tensor] = None, b: Optional[torch.Tensor] = None) -> None:
+        """The input pass into ab (a_t then b_t), or with b given into ab (a_t alone) and b (new_side's)."""
+        self._extension.input_pass(*self._call, ab, x_hat, x_hat_rstd, b)
 
     def contraction(self, ab: torch.Tensor, z: Optional[torch.Tensor]) -> None:
         with _bmm_precision(self.kernels, self._mode):
@@ -2910,7 +2915,8 @@ class ModelNew(_TriMulLayers):
             return out.to(pair_repr.dtype)  # (under autocast: the layers' bf16, the fused path's dtype instead)
 
     def _sharded_inference(self, pair_repr, pair_mask, ring):
-        """_forward_sharded with no gradient needed: the a / b planes [B, H, N_r, N] filled a few rows at a time
+        """_forward_sharded with no gradient needed: on the fused passes where they take this rank's rows
+        (_row_block_steps, _sharded_fused); else the a / b planes [B, H, N_r, N] filled a few rows at a time
         (_gated_side, in the chunked forward's operand dtype), the contraction across ranks, then the output
         layers a few rows at a time into the output, so the rank holds its planes, z and the output plus one
         step's temporaries (_sharded_steps), not the layers' whole intermediates."""
@@ -2920,6 +2926,9 @@ class ModelNew(_TriMulLayers):
         operand = _chunk_operand(pair_repr.dtype, mode)
         with torch.no_grad(), torch.autocast(pair_repr.device.type, enabled=False), \
                 _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
+            fused = self._row_block_steps(pair_repr, pair_mask, mode)
+            if fused is not None:
+                return _sharded_fused(fused, ring, incoming, (batch, hidden, rows, n))
             params, layer_norm = _layers_in_dtype(self, pair_repr.dtype)
             eps_out = self.layer_norm_out.eps
             steps = _sharded_steps(pair_repr, hidden)
@@ -2939,6 +2948,30 @@ class ModelNew(_TriMulLayers):
                 out[:, part] = _layers_out(params, z[:, :, part].permute(0, 2, 3, 1).to(pair_repr.dtype), gate_source,
                                            eps_out)
             return out
+
+    def _row_block_steps(self, pair_repr, pair_mask, mode) -> Optional[ForwardSteps]:
+        """The fused input and output passes on this rank's block of rows [B, N_r, N, C] (planes in the outgoing
+        layout whatever the direction: the ring gives the contraction its direction), where kernels of the
+        default order take row blocks and the plan's planes are the ring's [B, H, N_r, N] as they are (no
+        padding: N a multiple of 32, z in the operands' dtype); else None (the PyTorch layers)."""
+        if not _kernels_take(pair_repr):
+            return None
+        kernels = _with_override(self.kernels)
+        pair_repr, pair_mask = self._fused_inputs(pair_repr, pair_mask)
+        values = list(self._option_values(mode))
+        values[1] = False  # (the outgoing layout)
+        try:
+            steps = ForwardSteps(pair_repr, pair_mask, self._prepared_weights(mode),
+                                 _forward_options((kernels.input, None, kernels.output), *values), mode)
+        except NotImplementedError:  # (no kernel of the default order takes this block)
+            return None
+        batch, rows, n, _ = pair_repr.shape
+        plan = steps.plan
+        planes = [2, batch * self.hidden_dim, rows, n]
+        if list(plan["ab_shape"]) != planes or plan["z_shape"] is None or \
+                list(plan["z_shape"]) != planes[1:] or plan["z_dtype"] != plan["ab_dtype"]:
+            return None
+        return steps
 
     def _forward_unfused(self, pair_repr, pair_mask):
         """PyTorch layers around the `contract` op (its kernels, its backward): sizes the fused passes do not
@@ -3517,6 +3550,21 @@ def _sharded_steps(pair: torch.Tensor, hidden: int) -> list:
     per_row = max(1, batch * n * (4 * c + 8 * hidden) * pair.element_size())
     side_bytes = batch * rows * n * hidden * pair.element_size()
     return _spans(max(1, min(rows, max(side_bytes // 8, SHARDED_STEP_MIN_BYTES) // per_row)), 0, rows)
+
+
+def _sharded_fused(steps: ForwardSteps, ring: "_Ring", incoming: bool, sizes) -> torch.Tensor:
+    """The no-gradient sharded forward on the fused passes (ModelNew._row_block_steps): the input pass writes this
+    rank's a / b planes, the ring contracts them (_sharded_z), the output pass reads z's rows. a and b in buffers
+    of their own, so that incoming frees a's planes once the all-to-all has them, as on the PyTorch layers' path."""
+    batch, hidden, rows, n = sizes
+    a_t, b_t = steps.new_side(), steps.new_side()
+    steps.input_pass(a_t, b=b_t)
+    planes = [a_t.view(batch, hidden, rows, n), b_t.view(batch, hidden, rows, n)]
+    del a_t, b_t  # (_sharded_z holds the only references)
+    z = _sharded_z(planes, ring, incoming, keep_a=False)[0]
+    out = steps.new_out()
+    steps.output_pass(out, z=z.view(batch * hidden, rows, n))
+    return out
 
 
 class _ShardedContraction(torch.autograd.Function):

@@ -1,12 +1,13 @@
 """bench/shard_model.py — the sharded forward's predicted time per rank (DESIGN.md, "Sharded over ranks").
 
-    python bench/shard_model.py [--rate 680] [--egress 360] [--per-position-ns 2.0]
+    python bench/shard_model.py [--rate 680] [--egress 360] [--per-position-ns 0.8]
 
 Inputs: the fused one-GPU forward (bf16 in/out, C = H = 128, normalized gate) measured on an H200, 38.4 ms at
 N = 4096 and 257 ms at N = 8192, of which its two passes ~47 ms x (N / 8192)^2 and the rest the contraction,
 2 N^3 H FLOP (N = 12288 and 16384 at --rate, default 680 TFLOP/s, the contraction's rate at N = 8192). The
-sharded path's per-position layers are PyTorch ops, not the fused passes: --per-position-ns of GPU time per
-position (default 2.0: ~6 KB of traffic per position at ~3 TB/s; a range of 1-3.5 is plausible), divided by P.
+sharded path's per-position work: --per-position-ns of GPU time per position, divided by P (default 0.8: the
+no-gradient forward's fused row-block passes and z's block copies, 13.4 ms for N = 4096's 16.8M positions on an
+H100; the PyTorch layers that run elsewhere measured 10.3).
 Links: each GPU's NVLink egress (--egress GB/s, default 360: the all-reduce bus bandwidth measured on these
 machines) is shared by the ring's two directions, so a step that sends a block each way takes two blocks'
 bytes / egress. Model (outgoing): per-position work / P, then P block products of (N/P) x N x N/P x H each;
@@ -30,7 +31,7 @@ def one_gpu(n, rate):
     return 2 * n ** 3 * HIDDEN / (rate or 680e12), passes
 
 
-def predict(n, p, rate, egress, per_position_ns=2.0):
+def predict(n, p, rate, egress, per_position_ns=0.8):
     """(fused one-GPU s, sharded P = 1 s, block product s, a step's transfers s, outgoing s, incoming s) per rank."""
     contraction, passes = one_gpu(n, rate)
     per_position = per_position_ns * 1e-9 * n * n
@@ -49,7 +50,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rate", type=float, help="contraction TFLOP/s (default: the measured times)")
     parser.add_argument("--egress", type=float, default=360.0, help="GB/s out of each GPU, both ring directions")
-    parser.add_argument("--per-position-ns", type=float, default=2.0, help="the sharded layers' ns per position")
+    parser.add_argument("--per-position-ns", type=float, default=0.8, help="the sharded layers' ns per position")
     args = parser.parse_args()
     rate = args.rate * 1e12 if args.rate else None
     print("| N | P | fused one GPU ms | sharded P=1 ms | block product ms | step transfers ms | outgoing ms "

@@ -95,6 +95,11 @@ struct ForwardArgs {
   bool mask_at_most_one;  // |mask| <= 1, or its bound folded into f16x3_scales: the contraction may take scaled
                           // fp16 operands (ab_f16)
   int64_t batch, n, c, h;
+  // A block of pair's rows instead of the square pair (a sharded rank's: its ring multiplies): pair and the mask
+  // [B, rows, N, ·], the planes [B*H, rows, ld], z [B*H, rows, ldz], out [B, rows, N, C]; planes in the outgoing
+  // layout, and no contraction step. 0: rows = N (pair_rows). Only pass kernels registered for row blocks take
+  // rows != N (fused.cuh, TRIMUL_REGISTER_PASS_WITH's ROW_BLOCKS).
+  int64_t rows;
   bool incoming;          // contract over the first index (bkih,bkjh->bijh)
   bool gate_normalized;   // out_gate reads LayerNorm_in(pair) instead of pair
   Mode mode;
@@ -169,6 +174,9 @@ struct ForwardArgs {
   // it false: the kernel before the output pass is then the caller's.
   bool output_follows_input;
 };
+
+// The rows of a batch element's pair, planes, z and out (ForwardArgs::rows). (constexpr: device code calls it too)
+constexpr int64_t pair_rows(const ForwardArgs& args) { return args.rows > 0 ? args.rows : args.n; }
 
 // Largest N for which the output pass computes z itself (z == nullptr).
 constexpr int64_t kFusedContractionMaxN = 64;

@@ -226,8 +226,11 @@ struct ForwardOptions {
 // the 16-bit modes w_in_rows, in the fp32 modes w_in_f16x3, w_gate_f16x3, w_out_f16x3, f16x3_scales.
 trimul::ForwardArgs forward_args(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
                                  const ForwardOptions& options) {
-  TORCH_CHECK_VALUE(pair.is_cuda() && pair.dim() == 4 && pair.size(1) == pair.size(2),
-                    "trimul_inline: pair must be a CUDA tensor (B, N, N, C)");
+  TORCH_CHECK_VALUE(pair.is_cuda() && pair.dim() == 4 && pair.size(1) <= pair.size(2),
+                    "trimul_inline: pair must be a CUDA tensor (B, N, N, C), or a block of its rows (B, rows, N, C)");
+  TORCH_CHECK_VALUE(pair.size(1) == pair.size(2) || !options.incoming,
+                    "trimul_inline: a block of rows (B, rows, N, C) takes the passes in the outgoing layout (options "
+                    "incoming false)");
   TORCH_CHECK_VALUE(pair.stride(3) == 1, "trimul_inline: pair's channel stride must be 1");
   TORCH_CHECK_VALUE(mask.device() == pair.device() && mask.dim() == 3 && mask.sizes().equals(pair.sizes().slice(0, 3)),
                     "trimul_inline: mask must be (B, N, N) on pair's device");
@@ -253,7 +256,8 @@ trimul::ForwardArgs forward_args(const at::Tensor& pair, const at::Tensor& mask,
   args.mask_sc = mask.stride(2);
   args.mask_at_most_one = mask.scalar_type() == at::kBool;
   args.batch = pair.size(0);
-  args.n = pair.size(1);
+  args.n = pair.size(2);
+  args.rows = pair.size(1);
   args.c = c;
   args.h = hidden;
   args.incoming = options.incoming;
@@ -344,9 +348,16 @@ Planned plan_call(const at::Tensor& pair, const at::Tensor& mask, const std::vec
 }
 
 // (arrays, not vectors: no heap allocation for a shape on every forward)
-std::array<int64_t, 4> ab_shape(const Planned& p) { return {2, p.plan.ab_planes, p.args.n, p.args.ld}; }
-std::array<int64_t, 3> z_shape(const Planned& p) { return {p.args.batch * p.args.h, p.args.n, p.args.ldz}; }
-std::array<int64_t, 2> x_hat_shape(const Planned& p) { return {p.args.batch * p.args.n * p.args.n, p.args.c}; }
+// (rows: pair_rows, N but for a block of rows)
+std::array<int64_t, 4> ab_shape(const Planned& p) { return {2, p.plan.ab_planes, p.args.rows, p.args.ld}; }
+std::array<int64_t, 3> z_shape(const Planned& p) { return {p.args.batch * p.args.h, p.args.rows, p.args.ldz}; }
+std::array<int64_t, 2> x_hat_shape(const Planned& p) { return {p.args.batch * p.args.rows * p.args.n, p.args.c}; }
+
+// The one-call forward and the contraction step multiply square planes: a block of rows takes the passes alone.
+void check_square(const Planned& p, const char* what) {
+  TORCH_CHECK_VALUE(p.args.rows == p.args.n, "trimul_inline: ", what, " takes the whole pair (B, N, N, C), not a "
+                    "block of its rows (", text(p.args.rows), " of ", text(p.args.n), ")");
+}
 
 // A caller's buffer for a step: the plan's shape and dtype, contiguous, on pair's device, 16-byte aligned
 // (the kernels' vector accesses and tensor maps).
@@ -440,6 +451,7 @@ at::Tensor forward(const at::Tensor& pair, const at::Tensor& mask, const std::ve
                    const ForwardOptions& options, const c10::optional<std::vector<at::Tensor>>& gate_weights) {
   const c10::cuda::CUDAGuard guard(pair.device());
   Planned p = plan_call(pair, mask, weights, options);
+  check_square(p, "forward");
   if (p.args.batch == 0 || p.args.n == 0) return new_out(pair);
   c10::optional<Planned> gated =
       gate_weights.has_value() ? gate_rows_plan(p, pair, mask, *gate_weights, options) : c10::nullopt;
@@ -503,12 +515,21 @@ Planned plan_step(const at::Tensor& pair, const at::Tensor& mask, const std::vec
 
 // x_hat: also LayerNorm_in's rows without the affine, where the plan's input kernel writes them (forward_plan's
 // "x_hat_shape"): the training forward keeps them for the backward; x_hat_rstd (with x_hat): each position's
-// LayerNorm_in rstd, [B*N*N] fp32.
+// LayerNorm_in rstd, [B*N*N] fp32. b: b's planes in a buffer of their own, ab then a's alone (each ab_shape less
+// its first dimension), so that the caller can free one side before the other.
 void input_pass(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
                 const ForwardOptions& options, const at::Tensor& ab, const c10::optional<at::Tensor>& x_hat,
-                const c10::optional<at::Tensor>& x_hat_rstd) {
+                const c10::optional<at::Tensor>& x_hat_rstd, const c10::optional<at::Tensor>& b) {
   const c10::cuda::CUDAGuard guard(pair.device());
-  Planned p = plan_step(pair, mask, weights, options, ab);
+  Planned p = plan_call(pair, mask, weights, options);
+  const auto shape = ab_shape(p);
+  if (b.has_value()) {
+    const std::array<int64_t, 3> side{shape[1], shape[2], shape[3]};
+    check_buffer(ab, side, scalar_type(p.plan.ab_dtype), pair, "a (ab with b apart)");
+    check_buffer(*b, side, scalar_type(p.plan.ab_dtype), pair, "b");
+  } else {
+    check_buffer(ab, shape, scalar_type(p.plan.ab_dtype), pair, "ab");
+  }
   if (x_hat.has_value()) {
     TORCH_CHECK_VALUE(p.plan.x_hat_rows, "trimul_inline: the input kernel '",
                       kernel_name(p.plan.kernels[static_cast<int>(trimul::Role::input)]),
@@ -521,13 +542,21 @@ void input_pass(const at::Tensor& pair, const at::Tensor& mask, const std::vecto
     check_buffer(*x_hat_rstd, {x_hat_shape(p)[0]}, at::kFloat, pair, "x_hat_rstd");
     p.args.x_hat_rstd = x_hat_rstd->data_ptr<float>();
   }
-  if (p.args.batch > 0 && p.args.n > 0) run_input(p, ab);
+  if (p.args.batch == 0 || p.args.rows == 0 || p.args.n == 0) return;
+  if (!b.has_value()) {
+    run_input(p, ab);
+    return;
+  }
+  p.args.a_t = ab.data_ptr();
+  p.args.b_t = b->data_ptr();
+  run(p, trimul::Role::input);
 }
 
 void contraction(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
                  const ForwardOptions& options, const at::Tensor& ab, const c10::optional<at::Tensor>& z) {
   const c10::cuda::CUDAGuard guard(pair.device());
   Planned p = plan_step(pair, mask, weights, options, ab);
+  check_square(p, "the contraction step");
   if (!p.plan.z_buffer) {
     TORCH_CHECK_VALUE(!z.has_value(), "trimul_inline: this plan has no z buffer (the output pass contracts)");
     return;
@@ -559,7 +588,7 @@ void output_pass(const at::Tensor& pair, const at::Tensor& mask, const std::vect
     TORCH_CHECK_VALUE(ab.has_value(), "trimul_inline: this plan's output pass contracts: it reads ab");
     check_buffer(*ab, ab_shape(p), scalar_type(p.plan.ab_dtype), pair, "ab");
   }
-  if (p.args.batch > 0 && p.args.n > 0) run_output(p, ab.value_or(at::Tensor()), z, out);
+  if (p.args.batch > 0 && p.args.rows > 0 && p.args.n > 0) run_output(p, ab.value_or(at::Tensor()), z, out);
 }
 
 // Whether the fused passes take pair_dim / hidden in this mode for pairs of this dtype (trimul::Dtype code)
@@ -1744,9 +1773,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "gate weights are given and forward_plan says inference_gate_rows)", py::arg("pair"), py::arg("mask"),
         py::arg("weights"), py::arg("options"), py::arg("gate_weights") = py::none());
   m.def("forward_plan", &forward_plan, "each role's kernel and the buffers of the steps, for a call");
-  m.def("input_pass", &input_pass, "the input pass into ab (and x_hat, where given)", py::arg("pair"), py::arg("mask"),
-        py::arg("weights"), py::arg("options"), py::arg("ab"), py::arg("x_hat") = py::none(),
-        py::arg("x_hat_rstd") = py::none());
+  m.def("input_pass", &input_pass, "the input pass into ab (and x_hat, where given; b apart, where given)",
+        py::arg("pair"), py::arg("mask"), py::arg("weights"), py::arg("options"), py::arg("ab"),
+        py::arg("x_hat") = py::none(), py::arg("x_hat_rstd") = py::none(), py::arg("b") = py::none());
   m.def("contraction", &contraction, "the contraction of ab into z (nothing where the output pass contracts)");
   m.def("output_pass", &output_pass, "the output pass from z (or ab) into out (the gate on gate_rows, where given)",
         py::arg("pair"), py::arg("mask"), py::arg("weights"), py::arg("options"), py::arg("ab"), py::arg("z"),

@@ -239,8 +239,8 @@ PlanStatus plan_forward(ForwardArgs* args, const char* const* chosen, ForwardPla
   args->z_dtype = z_dtype_for(args->mode);
   const int64_t z_align = args->z_dtype == Dtype::f32 ? 4 : 8;
   args->ldz = (args->n + z_align - 1) / z_align * z_align;
-  const int64_t plane_limit = (int64_t(1) << 32) - 128;
-  if (args->n * args->ld >= plane_limit || args->n * args->ldz >= plane_limit) {
+  const int64_t plane_limit = (int64_t(1) << 32) - 128, rows = pair_rows(*args);
+  if (rows * args->ld >= plane_limit || rows * args->ldz >= plane_limit || args->n * args->ld >= plane_limit) {
     say(message, size, "trimul_inline: N = %lld is past the fused kernels' 32-bit position arithmetic",
         static_cast<long long>(args->n));
     return PlanStatus::no_kernel;
@@ -270,7 +270,7 @@ PlanStatus plan_forward(ForwardArgs* args, const char* const* chosen, ForwardPla
       if (!takes) continue;
       found[contract] = true;
       args->z = z_buffer ? kPlannedBuffer : nullptr;
-      args->small_offset = format.split ? args->batch * args->h * args->n * args->ld : 0;
+      args->small_offset = format.split ? args->batch * args->h * rows * args->ld : 0;
       const int input = pass_kernel(Role::input, pick[role_index(Role::input)], *args);
       const int output = pass_kernel(Role::output, pick[role_index(Role::output)], *args);
       found[role_index(Role::input)] |= input >= 0;

@@ -666,15 +666,17 @@ cudaError_t launch_contraction(const ContractArgs& args, int threads, int64_t sm
 // ForwardArgs&) -> bool and launch<M, TIn>(const ForwardArgs&) -> cudaError_t (registry.cuh:
 // Implementation). It takes no call in another mode, as an input kernel none with ForwardArgs::x_hat set
 // (TRIMUL_REGISTER_INPUT_PASS_WRITING_X_HAT: its applicable() decides), and as an output kernel none with
-// ForwardArgs::gate_rows set (TRIMUL_REGISTER_OUTPUT_PASS_READING_GATE_ROWS: likewise): a kernel that would
-// ignore the field never sees it.
-#define TRIMUL_REGISTER_PASS(ROLE, NAME, NS, MODES) TRIMUL_REGISTER_PASS_WITH(ROLE, NAME, NS, MODES, false)
+// ForwardArgs::gate_rows set (TRIMUL_REGISTER_OUTPUT_PASS_READING_GATE_ROWS: likewise), and none on a block of
+// rows (ForwardArgs::rows != N) unless registered with ROW_BLOCKS: a kernel that would ignore the field never sees
+// it.
+#define TRIMUL_REGISTER_PASS(ROLE, NAME, NS, MODES) TRIMUL_REGISTER_PASS_WITH(ROLE, NAME, NS, MODES, false, false)
 #define TRIMUL_REGISTER_INPUT_PASS_WRITING_X_HAT(NAME, NS, MODES) \
-  TRIMUL_REGISTER_PASS_WITH(input, NAME, NS, MODES, true)
+  TRIMUL_REGISTER_PASS_WITH(input, NAME, NS, MODES, true, false)
 #define TRIMUL_REGISTER_OUTPUT_PASS_READING_GATE_ROWS(NAME, NS, MODES) \
-  TRIMUL_REGISTER_PASS_WITH(output, NAME, NS, MODES, true)
+  TRIMUL_REGISTER_PASS_WITH(output, NAME, NS, MODES, true, false)
 // ROLE_ROWS: an input kernel writes ForwardArgs::x_hat, an output kernel reads ForwardArgs::gate_rows.
-#define TRIMUL_REGISTER_PASS_WITH(ROLE, NAME, NS, MODES, ROLE_ROWS)                                       \
+// ROW_BLOCKS: it takes a block of pair's rows (ForwardArgs::rows).
+#define TRIMUL_REGISTER_PASS_WITH(ROLE, NAME, NS, MODES, ROLE_ROWS, ROW_BLOCKS)                           \
   static const bool trimul_registered_##ROLE##_##NAME = ::trimul::register_implementation(               \
       {::trimul::Role::ROLE, #NAME,                                                                        \
        [](const ::trimul::ForwardArgs& args) {                                                             \
@@ -682,6 +684,7 @@ cudaError_t launch_contraction(const ContractArgs& args, int threads, int64_t sm
            return false;                                                                                   \
          if (!(ROLE_ROWS) && ::trimul::Role::ROLE == ::trimul::Role::output && args.gate_rows != nullptr)  \
            return false;                                                                                   \
+         if (!(ROW_BLOCKS) && ::trimul::pair_rows(args) != args.n) return false;                           \
          return ::trimul::fused::dispatch_pass<MODES>(args, false, [&](auto mode, auto pair) {             \
            return NS::applicable<decltype(mode)::value, typename decltype(pair)::type>(args);              \
          });                                                                                               \

@@ -11,8 +11,8 @@ using namespace ::trimul::mma;
 using namespace ::trimul::fused;
 
 
-// Row f and column k of position p of a batch's flattened [N, ld] operand plane (f = p / ld, k = p % ld; k >= n
-// and p >= plane are padding). plane < 2^32 (checked at launch): 32-bit division is a fraction of a 64-bit one's
+// Row f and column k of position p of a batch's flattened [rows, ld] operand plane (f = p / ld, k = p % ld; k >= n
+// and p >= plane are padding; rows: pair_rows). plane < 2^32 (checked at launch): 32-bit division is a fraction of a 64-bit one's
 // cost.
 __device__ __forceinline__ void plane_fk(const ForwardArgs& args, int64_t p, uint32_t& f, uint32_t& k) {
   f = static_cast<uint32_t>(p) / static_cast<uint32_t>(args.ld);
@@ -23,7 +23,7 @@ __device__ __forceinline__ void plane_fk(const ForwardArgs& args, int64_t p, uin
 // are transposed): a row of ForwardArgs::x_hat, in pair_repr's order whatever pair's strides.
 __device__ __forceinline__ int64_t plane_position(const ForwardArgs& args, int64_t batch, uint32_t f, uint32_t k) {
   const int64_t i = args.incoming ? k : f, j = args.incoming ? f : k;
-  return (batch * args.n + i) * args.n + j;
+  return (batch * pair_rows(args) + i) * args.n + j;
 }
 // The same at position p of the flattened plane.
 __device__ __forceinline__ int64_t plane_position(const ForwardArgs& args, int64_t batch, int64_t p) {

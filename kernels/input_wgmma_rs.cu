@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(128 * kG, 1)
   const int warp = warp_index(), lane = threadIdx.x & 31;
   const int group = warp >> 2, warp4 = warp & 3, t = lane & 3;
   uint8_t* scratch = scratch_all + group * kScratchBytes;
-  const int64_t tiles = args.batch * tiles_per_batch, plane = args.n * args.ld;
+  const int64_t tiles = args.batch * tiles_per_batch, plane = pair_rows(args) * args.ld;
   const int64_t stride = int64_t(gridDim.x) * kG;
   const TIn* pair = static_cast<const TIn*>(args.pair);
   using Four = FourChannels<TIn>;
@@ -166,7 +166,7 @@ bool applicable(const ForwardArgs& args) {
 
 template <Mode M, typename TIn, bool kXHat>
 cudaError_t launch_instance(const ForwardArgs& args) {
-  const int64_t tiles_per_batch = ceil_div(args.n * args.ld, kPositions);
+  const int64_t tiles_per_batch = ceil_div(pair_rows(args) * args.ld, kPositions);
   constexpr int groups = groups_for<TIn>();
   const int64_t blocks = std::min<int64_t>(sm_count(), ceil_div(args.batch * tiles_per_batch, groups));
   const int64_t bytes = smem_bytes(args.rows_ab, groups);
@@ -189,4 +189,4 @@ cudaError_t launch(const ForwardArgs& args) {
 }  // namespace input_pass
 }  // namespace trimul
 
-TRIMUL_REGISTER_INPUT_PASS_WRITING_X_HAT(wgmma_rs, trimul::input_pass::wgmma_rs, trimul::fused::k16BitModes);
+TRIMUL_REGISTER_PASS_WITH(input, wgmma_rs, trimul::input_pass::wgmma_rs, trimul::fused::k16BitModes, true, true);

@@ -111,7 +111,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* z_tile = z_all + group * kZBytes;
   uint8_t* stage = stage_all + warp * 16 * kRowBytes;
   int64_t* out_rows = out_rows_all + warp * 16;
-  const int64_t n = args.n, plane = n * args.ldz, tiles = args.batch * tiles_per_batch;
+  const int64_t n = args.n, plane_rows = pair_rows(args), plane = plane_rows * args.ldz;
+  const int64_t tiles = args.batch * tiles_per_batch;
   const int64_t stride = int64_t(gridDim.x) * kGroups;
   int64_t tile = int64_t(blockIdx.x) * kGroups + group;
   const bool normalized = !kGateRows && args.gate_normalized;
@@ -148,7 +149,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t q = static_cast<uint32_t>(q0 + 16 * warp4 + g + 8 * hf);
       const uint32_t i = q / static_cast<uint32_t>(args.ldz), j = q - i * static_cast<uint32_t>(args.ldz);
       const bool valid = at < tiles && q < plane && j < n;
-      out_off[hf] = valid ? ((batch * n + i) * n + j) * kC : -1;
+      out_off[hf] = valid ? ((batch * plane_rows + i) * n + j) * kC : -1;
       // (gate rows [P, kC]: a position's row starts where its out row does)
       const int64_t row = !valid ? -1 : kGateRows ? out_off[hf] : batch * args.pair_sb + i * args.pair_sr + j * args.pair_sc;
 #pragma unroll
@@ -274,7 +275,7 @@ template <Mode M, typename TIn>
 bool applicable(const ForwardArgs& args) {
   return tensor_map_encoder() != nullptr && args.z != nullptr && args.z_dtype == Dtype::bf16 && args.c == kC &&
          args.c_pad == kC && args.h == kH && args.h_pad == kH && gate_rows_vectorizable<TIn>(args) &&
-         (args.n * args.ldz) % 8 == 0 && args.n * args.ldz < (int64_t(1) << 31) &&
+         (pair_rows(args) * args.ldz) % 8 == 0 && pair_rows(args) * args.ldz < (int64_t(1) << 31) &&
          args.batch * kH < (int64_t(1) << 31) && smem_bytes<TIn>() <= max_smem_optin();
 }
 
@@ -289,7 +290,7 @@ cudaError_t launch_grid(const ForwardArgs& args, const CUtensorMap& map_z, int64
 
 template <Mode M, typename TIn>
 cudaError_t launch(const ForwardArgs& args) {
-  const int64_t plane = args.n * args.ldz;
+  const int64_t plane = pair_rows(args) * args.ldz;
   CUtensorMap map_z;
   if (!encode_kmajor_map<__nv_bfloat16>(&map_z, args.z, 0, args.batch * kH, plane, kH)) return cudaErrorNotSupported;
   const int64_t tiles_per_batch = ceil_div(plane, kPositions);
@@ -303,4 +304,4 @@ cudaError_t launch(const ForwardArgs& args) {
 }  // namespace output_pass
 }  // namespace trimul
 
-TRIMUL_REGISTER_OUTPUT_PASS_READING_GATE_ROWS(wgmma_rs, trimul::output_pass::wgmma_rs, trimul::fused::kBf16Mode);
+TRIMUL_REGISTER_PASS_WITH(output, wgmma_rs, trimul::output_pass::wgmma_rs, trimul::fused::kBf16Mode, true, true);

@@ -102,7 +102,7 @@ template <typename TIn>
 bool takes_rows(const ForwardArgs& args, int c, int64_t smem) {
   return tensor_map_encoder() != nullptr && args.c == c && args.c_pad == c && args.w_in_rows != nullptr &&
          rows_vectorizable<TIn>(args.c, args.pair_sb, args.pair_sr, args.pair_sc, args.pair) &&
-         args.rows_ab <= 2 * kChunkRows && smem <= max_smem_optin() && args.n * args.ld < (int64_t(1) << 31) &&
+         args.rows_ab <= 2 * kChunkRows && smem <= max_smem_optin() && pair_rows(args) * args.ld < (int64_t(1) << 31) &&
          args.batch < (int64_t(1) << 31);
 }
 
@@ -112,7 +112,7 @@ template <auto Kernel, typename Op>
 cudaError_t launch_kernel(const ForwardArgs& args, int64_t blocks, int64_t bytes, int64_t tiles_per_batch,
                           int threads = kThreads) {
   // (a_t / b_t: boxes of 32 h x 64 positions, store_part)
-  const int64_t plane = args.n * args.ld;
+  const int64_t plane = pair_rows(args) * args.ld;
   CUtensorMap map_w, map_a, map_b;
   if (!encode_kmajor_map<Op>(&map_w, args.w_in_rows, 0, 2 * args.rows_ab, args.c_pad + 64, kChunkRows) ||
       !encode_kmajor_map<Op>(&map_a, args.a_t, args.batch, args.h, plane, 32) ||
