@@ -11,9 +11,9 @@ using namespace ::trimul::mma;
 using namespace ::trimul::fused;
 
 
-// Row f and column k of position p of a batch's flattened [rows, ld] operand plane (f = p / ld, k = p % ld; k >= n
-// and p >= plane are padding; rows: pair_rows). plane < 2^32 (checked at launch): 32-bit division is a fraction of a 64-bit one's
-// cost.
+// Row f and column k of position p of a batch's flattened [rows, ld] operand plane (rows: pair_rows; f = p / ld,
+// k = p % ld; k >= n and p >= plane are padding). plane < 2^32 (checked at launch): 32-bit division is a fraction
+// of a 64-bit one's cost.
 __device__ __forceinline__ void plane_fk(const ForwardArgs& args, int64_t p, uint32_t& f, uint32_t& k) {
   f = static_cast<uint32_t>(p) / static_cast<uint32_t>(args.ld);
   k = static_cast<uint32_t>(p) - f * static_cast<uint32_t>(args.ld);
