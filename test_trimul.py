@@ -1851,7 +1851,8 @@ def test_fused_passes_take_a_block_of_rows(gate_input, dtype, mask_dtype):
     """The input and output passes on a block of pair's rows [B, rows, N, C] (a sharded rank's:
     ModelNew._row_block_steps) write exactly the square passes' rows of the a / b planes and of the output (odd row
     bounds, B = 2, a mask with zero rows, poisoned buffers); the one-call forward and the contraction step refuse
-    a block, and so does an incoming layout."""
+    a block, and so does an incoming layout; a named kernel that takes no block, or an empty block, leaves the
+    sharded path its PyTorch layers (None)."""
     if not _on_hopper():
         pytest.skip("the row-block passes are the sm_90a register-row kernels")
     seed = fresh_seed()
@@ -1889,6 +1890,9 @@ def test_fused_passes_take_a_block_of_rows(gate_input, dtype, mask_dtype):
             rows.contraction(ab_rows, rows.new_z())
         with pytest.raises(ValueError, match="not a block of its rows"):
             ti._extension().forward(*rows._call, None)
+        named = _make_new(reference, dtype, {"input": "wgmma_ws"}, "medium")  # (a kernel that takes no block)
+        assert named._row_block_steps(block, block_mask, ti.compute_mode(dtype, "medium")) is None
+        assert new._row_block_steps(pair[:, :0], mask[:, :0], ti.compute_mode(dtype, "medium")) is None
         pair_rows, mask_rows, weights, _ = rows._call
         incoming = ti._forward_options(ti.Kernels(), ti.compute_mode(dtype, "medium"), True,
                                        gate_input == "normalized", 1e-5, 1e-5, 128)
@@ -6072,7 +6076,7 @@ def _sharded_fused_worker(rank, world, store, cases):
         for seed, direction, gate_input, n in cases:
             g = torch.Generator().manual_seed(seed)
             reference = random_layers(ti.Model(128, 128, direction, gate_input).double(), g)
-            pair, mask = random_inputs(1, n, 128, g)
+            pair, mask = random_inputs(2, n, 128, g)
             shard = ti.shard_rows(n, world, rank)
             rows = slice(shard.start, shard.stop)
             label = f"rank {rank}/{world} {direction} {gate_input} N={n} (seed {seed})"
@@ -6093,6 +6097,8 @@ def _sharded_fused_worker(rank, world, store, cases):
             expected = reference(pair, mask)[:, rows]
             assert rel_error(out.cpu(), expected) < TOLERANCE[torch.bfloat16], label
             assert rel_error(out, whole) < 1e-2, label
+            # (each position: one wrong row or position would hide in the norms above)
+            assert (out.float() - whole.float()).abs().max() <= 0.05 * whole.float().abs().max(), label
     finally:
         _leave_group(dist, store)
 
@@ -6100,13 +6106,14 @@ def _sharded_fused_worker(rank, world, store, cases):
 @cuda
 @pytest.mark.parametrize("world", [1, 3])
 def test_sharded_inference_on_the_fused_passes(world, tmp_path):
-    """world 1 (the whole pair as one block) and 3 ranks on one GPU (N = 128: blocks of 43, 43, 42 rows), both
-    directions and gate inputs, a mask with zero rows: the fused row-block route, within bf16's tolerance of the
-    float64 single process and close to the one-GPU fused forward."""
+    """world 1 (the whole pair as one block) and 3 ranks on one GPU (N = 160: blocks of 54, 53, 53 rows, the last
+    64-position tile partial), B = 2, both directions and gate inputs, a mask with zero rows: the fused row-block
+    route, within bf16's tolerance of the float64 single process and close to the one-GPU fused forward at every
+    position."""
     if not _on_hopper():
         pytest.skip("the row-block passes are the sm_90a register-row kernels")
     seed = fresh_seed()
-    cases = [(seed + i, direction, gate_input, 128) for i, (direction, gate_input) in
+    cases = [(seed + i, direction, gate_input, 160) for i, (direction, gate_input) in
              enumerate([("outgoing", "normalized"), ("incoming", "raw"), ("incoming", "normalized"),
                         ("outgoing", "raw")])]
     _spawn(_sharded_fused_worker, world, tmp_path, cases)

@@ -2953,8 +2953,10 @@ class ModelNew(_TriMulLayers):
         """The fused input and output passes on this rank's block of rows [B, N_r, N, C] (planes in the outgoing
         layout whatever the direction: the ring gives the contraction its direction), where kernels of the
         default order take row blocks and the plan's planes are the ring's [B, H, N_r, N] as they are (no
-        padding: N a multiple of 32, z in the operands' dtype); else None (the PyTorch layers)."""
-        if not _kernels_take(pair_repr):
+        padding: N a multiple of 32, z in the operands' dtype); else None (the PyTorch layers): an empty block, or
+        kernels named for the input or output role that do not take a block (the PyTorch layers ignore them, as
+        the sharded path always has)."""
+        if not _kernels_take(pair_repr) or pair_repr.shape[1] == 0:
             return None
         kernels = _with_override(self.kernels)
         pair_repr, pair_mask = self._fused_inputs(pair_repr, pair_mask)
@@ -2963,7 +2965,7 @@ class ModelNew(_TriMulLayers):
         try:
             steps = ForwardSteps(pair_repr, pair_mask, self._prepared_weights(mode),
                                  _forward_options((kernels.input, None, kernels.output), *values), mode)
-        except NotImplementedError:  # (no kernel of the default order takes this block)
+        except (NotImplementedError, ValueError):  # (no kernel of the default order, or a named one, takes it)
             return None
         batch, rows, n, _ = pair_repr.shape
         plan = steps.plan
