@@ -2928,7 +2928,7 @@ class ModelNew(_TriMulLayers):
                 _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
             fused = self._row_block_steps(pair_repr, pair_mask, mode)
             if fused is not None:
-                return _sharded_fused(fused, ring, incoming, (batch, hidden, rows, n))
+                return _sharded_fused(fused, ring, incoming)
             params, layer_norm = _layers_in_dtype(self, pair_repr.dtype)
             eps_out = self.layer_norm_out.eps
             steps = _sharded_steps(pair_repr, hidden)
@@ -3554,18 +3554,19 @@ def _sharded_steps(pair: torch.Tensor, hidden: int) -> list:
     return _spans(max(1, min(rows, max(side_bytes // 8, SHARDED_STEP_MIN_BYTES) // per_row)), 0, rows)
 
 
-def _sharded_fused(steps: ForwardSteps, ring: "_Ring", incoming: bool, sizes) -> torch.Tensor:
-    """The no-gradient sharded forward on the fused passes (ModelNew._row_block_steps): the input pass writes this
-    rank's a / b planes, the ring contracts them (_sharded_z), the output pass reads z's rows. a and b in buffers
-    of their own, so that incoming frees a's planes once the all-to-all has them, as on the PyTorch layers' path."""
-    batch, hidden, rows, n = sizes
+def _sharded_fused(steps: ForwardSteps, ring: "_Ring", incoming: bool) -> torch.Tensor:
+    """The no-gradient sharded forward on the fused passes (ModelNew._row_block_steps: planes [B*H, N_r, N], no
+    padding): the input pass writes this rank's a / b planes, the ring contracts them as [B, H, N_r, N]
+    (_sharded_z), the output pass reads z's rows. a and b in buffers of their own, so that incoming frees a's
+    planes once the all-to-all has them, as on the PyTorch layers' path."""
     a_t, b_t = steps.new_side(), steps.new_side()
     steps.input_pass(a_t, b=b_t)
-    planes = [a_t.view(batch, hidden, rows, n), b_t.view(batch, hidden, rows, n)]
+    batch = steps._call[0].shape[0]
+    planes = [a_t.view(batch, -1, *a_t.shape[1:]), b_t.view(batch, -1, *b_t.shape[1:])]
     del a_t, b_t  # (_sharded_z holds the only references)
     z = _sharded_z(planes, ring, incoming, keep_a=False)[0]
     out = steps.new_out()
-    steps.output_pass(out, z=z.view(batch * hidden, rows, n))
+    steps.output_pass(out, z=z.view(-1, *z.shape[2:]))
     return out
 
 

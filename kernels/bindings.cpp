@@ -386,8 +386,10 @@ void run(const Planned& p, trimul::Role role) {
                message);
 }
 
-void run_input(Planned& p, const at::Tensor& ab) {
+// b: b's planes in a buffer of their own (ab then a's alone).
+void run_input(Planned& p, const at::Tensor& ab, const c10::optional<at::Tensor>& b = c10::nullopt) {
   set_ab(p, ab);
+  if (b.has_value()) p.args.b_t = b->data_ptr();
   run(p, trimul::Role::input);
 }
 
@@ -521,14 +523,12 @@ void input_pass(const at::Tensor& pair, const at::Tensor& mask, const std::vecto
                 const ForwardOptions& options, const at::Tensor& ab, const c10::optional<at::Tensor>& x_hat,
                 const c10::optional<at::Tensor>& x_hat_rstd, const c10::optional<at::Tensor>& b) {
   const c10::cuda::CUDAGuard guard(pair.device());
-  Planned p = plan_call(pair, mask, weights, options);
-  const auto shape = ab_shape(p);
+  Planned p = b.has_value() ? plan_call(pair, mask, weights, options) : plan_step(pair, mask, weights, options, ab);
   if (b.has_value()) {
+    const auto shape = ab_shape(p);
     const std::array<int64_t, 3> side{shape[1], shape[2], shape[3]};
     check_buffer(ab, side, scalar_type(p.plan.ab_dtype), pair, "a (ab with b apart)");
     check_buffer(*b, side, scalar_type(p.plan.ab_dtype), pair, "b");
-  } else {
-    check_buffer(ab, shape, scalar_type(p.plan.ab_dtype), pair, "ab");
   }
   if (x_hat.has_value()) {
     TORCH_CHECK_VALUE(p.plan.x_hat_rows, "trimul_inline: the input kernel '",
@@ -542,14 +542,7 @@ void input_pass(const at::Tensor& pair, const at::Tensor& mask, const std::vecto
     check_buffer(*x_hat_rstd, {x_hat_shape(p)[0]}, at::kFloat, pair, "x_hat_rstd");
     p.args.x_hat_rstd = x_hat_rstd->data_ptr<float>();
   }
-  if (p.args.batch == 0 || p.args.rows == 0 || p.args.n == 0) return;
-  if (!b.has_value()) {
-    run_input(p, ab);
-    return;
-  }
-  p.args.a_t = ab.data_ptr();
-  p.args.b_t = b->data_ptr();
-  run(p, trimul::Role::input);
+  if (p.args.batch > 0 && p.args.rows > 0 && p.args.n > 0) run_input(p, ab, b);
 }
 
 void contraction(const at::Tensor& pair, const at::Tensor& mask, const std::vector<at::Tensor>& weights,
