@@ -5892,12 +5892,13 @@ def test_host_layers_on_the_gpu(name, make, precision):
 
 # ---- sharded over ranks (process_group): spawned gloo processes on the CPU -----------------------------------
 def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, precision=None, tolerance=1e-12,
-                    backend="gloo"):
+                    backend="gloo", exchange=None):
     """One rank: for each case, the sharded ModelNew's rows of the output, d pair_repr and (summed over the group)
     parameter gradients against the single-process computation of the same seeded problem in float64; the
-    sharded model in `dtype` at `precision`, within `tolerance`. On CUDA in fp32, outgoing's block products
-    must run on the contraction kernels (one contract_into call per rank's block and channel part). backend
-    "nccl": one GPU per rank (device cuda:<rank>)."""
+    sharded model in `dtype` at `precision`, within `tolerance`, by `exchange` (None: the rule's). On CUDA in
+    fp32, outgoing's block products must run on the contraction kernels (one contract_into call per rank's block
+    and channel part round the ring; per channel group this rank owns channels of, by the channel exchange).
+    backend "nccl": one GPU per rank (device cuda:<rank>)."""
     import datetime
     import torch.distributed as dist
     if backend == "nccl":
@@ -5916,7 +5917,8 @@ def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, prec
             expected = reference(full_pair, full_mask)
             expected.backward(grad_out)
             sharded = ti.ModelNew(pair_dim, hidden, direction, gate_input, process_group=dist.group.WORLD,
-                                  precision=precision).to(dtype)
+                                  precision=precision, shard_exchange=exchange).to(dtype)
+            used = exchange or ti.shard_exchange_for(direction, world)
             sharded.load_state_dict(reference.state_dict())  # (in dtype: float64 values into fp64 parameters)
             sharded = sharded.to(device)
             rows = ti.shard_rows(n, world, rank)
@@ -5930,14 +5932,15 @@ def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, prec
             finally:
                 ti.contract_into = contract_into
             out.backward(grad_out[:, rows.start:rows.stop].to(device, dtype))
-            label = f"rank {rank}/{world} {direction} {gate_input} N={n} (seed {seed})"
+            label = f"rank {rank}/{world} {direction} {gate_input} N={n} H={hidden} {used} (seed {seed})"
             ti.SHARDED_STEP_MIN_BYTES = 1  # (the inference path one row at a time: its steps exercised)
             with torch.no_grad():
                 inferred = sharded(local_pair, local_mask)
             assert _grad_error(inferred.cpu(), expected[:, rows.start:rows.stop].to(inferred.dtype)) < tolerance, \
                 f"{label}: no_grad"
             if device.startswith("cuda") and dtype == torch.float32 and direction == "outgoing":
-                expected_calls = world * len(ti._block_product_channels(hidden))  # (per block, per channel part)
+                expected_calls = world * len(ti._block_product_channels(hidden)) if used == "ring" else \
+                    sum(1 for part in ti._channel_parts(hidden, world) if len(part[rank]))
                 assert len(calls) == expected_calls, \
                     f"{label}: {len(calls)} contraction kernel calls, expected {expected_calls}"
             # (a rank may hold no rows: N < world)
@@ -5982,17 +5985,42 @@ def _spawn(worker, world, tmp_path, *args):
     torch.multiprocessing.spawn(worker, args=(world, str(store), *args), nprocs=world)
 
 
+@pytest.mark.parametrize("exchange", ti.SHARD_EXCHANGES)
 @pytest.mark.parametrize("world", [2, 3])
-def test_sharded_matches_one_process(world, tmp_path):
-    """world 2 and 3, N not a multiple of the world size (and N < world), both directions, both gate inputs, masks
-    with zero rows and a float mask's gradient."""
+def test_sharded_matches_one_process(world, exchange, tmp_path):
+    """world 2 and 3, each exchange: N not a multiple of the world size (and N < world), both directions, both gate
+    inputs, masks with zero rows and a float mask's gradient; hidden 20 (the channel exchange: groups of one and
+    two channels, uneven between ranks) and hidden 2 (a rank owning no channel at world 3)."""
     seed = fresh_seed()
-    cases = [(seed + i, direction, gate_input, batch, n, 12, 20, float_mask)
-             for i, (direction, gate_input, batch, n, float_mask) in enumerate(
-                 [("outgoing", "raw", 2, 7, False), ("incoming", "raw", 1, 8, True),
-                  ("outgoing", "normalized", 1, 5, True), ("incoming", "normalized", 2, 7, False),
-                  ("incoming", "raw", 1, 2, False)])]
-    _spawn(_sharded_worker, world, tmp_path, cases, "cpu")
+    cases = [(seed + i, direction, gate_input, batch, n, 12, hidden, float_mask)
+             for i, (direction, gate_input, batch, n, hidden, float_mask) in enumerate(
+                 [("outgoing", "raw", 2, 7, 20, False), ("incoming", "raw", 1, 8, 20, True),
+                  ("outgoing", "normalized", 1, 5, 20, True), ("incoming", "normalized", 2, 7, 20, False),
+                  ("incoming", "raw", 1, 2, 20, False), ("outgoing", "normalized", 2, 6, 2, True),
+                  ("incoming", "raw", 1, 5, 2, False)])]
+    _spawn(_sharded_worker, world, tmp_path, cases, "cpu", torch.float64, None, 1e-12, "gloo", exchange)
+
+
+def test_channel_parts_split_every_channel_once():
+    """_channel_parts: every rank's channels (shard_rows of H) in the same number of groups on every rank, each
+    channel in exactly one group, groups capped at SHARD_CHANNEL_GROUPS; empty groups where a rank owns fewer."""
+    for hidden, world in ((20, 3), (2, 3), (128, 8), (1, 1), (300, 2)):
+        parts = ti._channel_parts(hidden, world)
+        most = max(len(ti.shard_rows(hidden, world, s)) for s in range(world))
+        assert len(parts) == max(1, min(ti.SHARD_CHANNEL_GROUPS, most)), (hidden, world)
+        for s in range(world):
+            channels = [h for part in parts for h in part[s]]
+            assert channels == list(ti.shard_rows(hidden, world, s)), (hidden, world, s)
+
+
+def test_shard_exchange_rule_and_argument():
+    """The rule: the ring for outgoing on 1-2 ranks and incoming on one, the channel exchange elsewhere; a name
+    outside SHARD_EXCHANGES raises naming the argument."""
+    assert [ti.shard_exchange_for("outgoing", p) for p in (1, 2, 3, 8)] == ["ring", "ring", "channels", "channels"]
+    assert [ti.shard_exchange_for("incoming", p) for p in (1, 2, 8)] == ["ring", "channels", "channels"]
+    with pytest.raises(ValueError, match="shard_exchange must be None or one of"):
+        ti.ModelNew(8, 8, shard_exchange="ulysses")
+    assert "shard_exchange='channels'" in repr(ti.ModelNew(8, 8, shard_exchange="channels"))
 
 
 def test_sharded_steps_cover_the_rows_once(monkeypatch):
@@ -6033,6 +6061,8 @@ def _bad_input_worker(rank, world, store):
                 ("direction", ti.ModelNew(8, 4, "incoming" if odd else "outgoing",
                                           process_group=dist.group.WORLD).double(), (pair, mask), plain),
                 ("gradients needed", model, (pair, mask), torch.no_grad if odd else plain),
+                ("exchange", ti.ModelNew(8, 4, process_group=dist.group.WORLD,
+                                         shard_exchange="channels" if odd else "ring").double(), (pair, mask), plain),
                 ("autocast", fp32, (pair.float(), mask),
                  (lambda: torch.autocast("cpu", torch.bfloat16)) if odd else plain)):
             with context(), pytest.raises(ValueError, match=f"the ranks of a sharded call disagree on {what}"):
@@ -6042,8 +6072,9 @@ def _bad_input_worker(rank, world, store):
 
 
 def test_sharded_bad_input_raises_on_every_rank(tmp_path):
-    """A bad block (one rank), and ranks that disagree on the operands or the rings they would run (dtype,
-    hidden size, precision, direction, grad mode, autocast): a ValueError on every rank, no rank left waiting."""
+    """A bad block (one rank), and ranks that disagree on the operands or the transfers they would run (dtype,
+    hidden size, precision, direction, grad mode, autocast, exchange): a ValueError on every rank, no rank left
+    waiting."""
     _spawn(_bad_input_worker, 2, tmp_path)
 
 
@@ -6055,17 +6086,18 @@ def test_sharded_two_processes_share_the_gpu(tmp_path):
 
 
 @cuda
-def test_sharded_block_products_run_on_the_contraction_kernels(tmp_path):
-    """Two ranks on one GPU in fp32 at "highest": outgoing's block products through contract_into (counted in the
-    worker), incoming's through cuBLAS; outputs and gradients within 1e-5 of the float64 single process, an odd
-    N, a float mask with zero rows."""
+@pytest.mark.parametrize("exchange", ti.SHARD_EXCHANGES)
+def test_sharded_block_products_run_on_the_contraction_kernels(exchange, tmp_path):
+    """Two ranks on one GPU in fp32 at "highest", each exchange: outgoing's block products through contract_into
+    (counted in the worker), incoming's through cuBLAS; outputs and gradients within 1e-5 of the float64 single
+    process, an odd N, a float mask with zero rows."""
     seed = fresh_seed()
     cases = [(seed + i, direction, gate_input, 1, 37, 24, 16, True)
              for i, (direction, gate_input) in enumerate([("outgoing", "raw"), ("incoming", "normalized")])]
-    _spawn(_sharded_worker, 2, tmp_path, cases, "cuda", torch.float32, "highest", 1e-5)
+    _spawn(_sharded_worker, 2, tmp_path, cases, "cuda", torch.float32, "highest", 1e-5, "gloo", exchange)
 
 
-def _sharded_fused_worker(rank, world, store, cases):
+def _sharded_fused_worker(rank, world, store, cases, exchange=None):
     """The no-gradient sharded forward on the fused row-block passes (_sharded_fused, counted): bf16, pair_dim =
     hidden = 128, N a multiple of 32, against the float64 single process and the one-GPU fused forward."""
     import datetime
@@ -6080,8 +6112,8 @@ def _sharded_fused_worker(rank, world, store, cases):
             shard = ti.shard_rows(n, world, rank)
             rows = slice(shard.start, shard.stop)
             label = f"rank {rank}/{world} {direction} {gate_input} N={n} (seed {seed})"
-            layers = [ti.ModelNew(128, 128, direction, gate_input, process_group=group) for group in
-                      (dist.group.WORLD, None)]
+            layers = [ti.ModelNew(128, 128, direction, gate_input, process_group=group, shard_exchange=exchange)
+                      for group in (dist.group.WORLD, None)]
             for layer in layers:
                 layer.load_state_dict(reference.state_dict())
             sharded, single = (layer.to("cuda", torch.bfloat16) for layer in layers)
@@ -6104,24 +6136,35 @@ def _sharded_fused_worker(rank, world, store, cases):
 
 
 @cuda
-@pytest.mark.parametrize("world", [1, 3])
-def test_sharded_inference_on_the_fused_passes(world, tmp_path):
+@pytest.mark.parametrize("world, exchange", [(1, None), (3, "ring"), (3, "channels")])
+def test_sharded_inference_on_the_fused_passes(world, exchange, tmp_path):
     """world 1 (the whole pair as one block) and 3 ranks on one GPU (N = 160: blocks of 54, 53, 53 rows, the last
-    64-position tile partial), B = 2, both directions and gate inputs, a mask with zero rows: the fused row-block
-    route, within bf16's tolerance of the float64 single process and close to the one-GPU fused forward at every
-    position."""
+    64-position tile partial) by each exchange, B = 2, both directions and gate inputs, a mask with zero rows: the
+    fused row-block route, within bf16's tolerance of the float64 single process and close to the one-GPU fused
+    forward at every position."""
     if not _on_hopper():
         pytest.skip("the row-block passes are the sm_90a register-row kernels")
     seed = fresh_seed()
     cases = [(seed + i, direction, gate_input, 160) for i, (direction, gate_input) in
              enumerate([("outgoing", "normalized"), ("incoming", "raw"), ("incoming", "normalized"),
                         ("outgoing", "raw")])]
-    _spawn(_sharded_fused_worker, world, tmp_path, cases)
+    _spawn(_sharded_fused_worker, world, tmp_path, cases, exchange)
+
+
+def _alive_at_products(product: str, alive, run) -> tuple:
+    """(run(), alive() at each call of ti.<product> during it)."""
+    original, seen = getattr(ti, product), []
+    setattr(ti, product, lambda *args: seen.append(alive()) or original(*args))
+    try:
+        return run(), seen
+    finally:
+        setattr(ti, product, original)
 
 
 def _sharded_frees_worker(rank, world, store):
     """One rank: incoming's no-gradient _sharded_z frees a's planes once its own chunk's product ran (a weak
-    reference dead at every later product), and gives the same z as the autograd forward, which keeps them."""
+    reference dead at every later product), and gives the same z as the autograd forward, which keeps them; the
+    channel exchange's frees both sides before the last group's product."""
     import datetime
     import weakref
     import torch.distributed as dist
@@ -6133,24 +6176,38 @@ def _sharded_frees_worker(rank, world, store):
         g = torch.Generator().manual_seed(1234 + rank)
         a_t, b_t = (torch.randn(2, 3, rows, n, generator=g, dtype=torch.float64) for _ in range(2))
         expected = ti._ShardedContraction.apply(a_t.clone(), b_t.clone(), ring, True)
-        a_alive, alive_at = weakref.ref(a_t), []
-        add_product = ti._add_product_
-        ti._add_product_ = lambda *args: alive_at.append(a_alive() is not None) or add_product(*args)
+        a_alive = weakref.ref(a_t)
         planes = [a_t, b_t]
         del a_t, b_t
-        try:
-            z, kept = ti._sharded_z(planes, ring, True, keep_a=False)
-        finally:
-            ti._add_product_ = add_product
+        (z, kept), alive_at = _alive_at_products("_add_product_", lambda: a_alive() is not None,
+                                                 lambda: ti._sharded_z(planes, ring, True, keep_a=False))
         assert kept is None and planes == [] and len(alive_at) == world, alive_at
         assert alive_at[0] and not any(alive_at[1:]), f"rank {rank}: a's planes alive at the products: {alive_at}"
         assert torch.equal(z, expected), f"rank {rank}"
+        # the channel exchange, outgoing: the rows' planes freed once the last group's a / b arrived (dead at
+        # the last group's product), z as the autograd forward's
+        ring.exchange = "channels"
+        a_t, b_t = (torch.randn(2, 5, rows, n, generator=g, dtype=torch.float64) for _ in range(2))
+        kept_inputs = [a_t.clone(), b_t.clone()]
+        expected = ti._ShardedContraction.apply(*kept_inputs, ring, False)
+        a_alive, b_alive = weakref.ref(a_t), weakref.ref(b_t)
+        planes = [a_t, b_t]
+        del a_t, b_t
+        (z, kept), alive_at = _alive_at_products("_block_product",
+                                                 lambda: a_alive() is not None or b_alive() is not None,
+                                                 lambda: ti._channel_z(planes, ring, False, keep=False))
+        groups = len(ti._channel_parts(5, world))
+        assert kept == [] and planes == [] and len(alive_at) == groups > 1, alive_at
+        assert alive_at[0] and not alive_at[-1], f"rank {rank}: planes alive at the products: {alive_at}"
+        assert torch.equal(z, expected), f"rank {rank}: channels"
+        ring.stage = True  # (the receives through buffers of their own, as gloo with CUDA tensors runs them)
+        assert torch.equal(ti._rows_z([a.clone() for a in kept_inputs], ring, False), expected), f"rank {rank}"
     finally:
         _leave_group(dist, store)
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_sharded_incoming_inference_frees_a_once_sent(world, tmp_path):
+def test_sharded_inference_frees_the_rows_planes_once_sent(world, tmp_path):
     _spawn(_sharded_frees_worker, world, tmp_path)
 
 
@@ -6158,40 +6215,53 @@ GPU_COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 @pytest.mark.skipif(GPU_COUNT < 2, reason="needs 2+ GPUs (one NCCL rank per GPU)")
+@pytest.mark.parametrize("exchange", ti.SHARD_EXCHANGES)
 @pytest.mark.parametrize("world", sorted({2, min(4, max(GPU_COUNT, 2)), max(GPU_COUNT, 2)}))
-def test_sharded_nccl_one_rank_per_gpu(world, tmp_path):
-    """One rank per GPU over NCCL (the multi-GPU issue's first run): fp32 at "highest" against the float64 single
-    process within 1e-5, both directions and gate inputs, N not a multiple of the world size (and one N below
-    it), a float mask with zero rows."""
+def test_sharded_nccl_one_rank_per_gpu(world, exchange, tmp_path):
+    """One rank per GPU over NCCL (the multi-GPU issue's first run), each exchange: fp32 at "highest" against the
+    float64 single process within 1e-5, both directions and gate inputs, N not a multiple of the world size (and
+    one N below it), a float mask with zero rows."""
     seed = fresh_seed()
     cases = [(seed + i, direction, gate_input, batch, n, 24, 16, float_mask)
              for i, (direction, gate_input, batch, n, float_mask) in enumerate(
                  [("outgoing", "raw", 1, 2 * world + 1, True), ("incoming", "normalized", 2, 3 * world - 1, False),
                   ("outgoing", "normalized", 1, world - 1, False), ("incoming", "raw", 1, 37, True)])]
-    _spawn(_sharded_worker, world, tmp_path, cases, "cuda", torch.float32, "highest", 1e-5, "nccl")
+    _spawn(_sharded_worker, world, tmp_path, cases, "cuda", torch.float32, "highest", 1e-5, "nccl", exchange)
 
 
 def test_distributed_bench_runs_on_cpus(tmp_path):
-    """bench/distributed.py under torchrun with gloo on the CPU, P = 1 and 2: one line per shape, every rank's
-    records in the JSON lines as measured, and --summarize's table with the efficiency against P = 1."""
+    """bench/distributed.py under torchrun with gloo on the CPU, P = 1 and 2 (by each exchange): one line per shape,
+    every rank's records in the JSON lines as measured, and --summarize's table with the efficiency against P = 1."""
     out = tmp_path / "distributed.jsonl"
-    for world in (1, 2):
+    for world, exchange in ((1, None), (2, "ring"), (2, "channels")):
         run = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
                               os.path.join(HERE, "bench", "distributed.py"), "--device", "cpu", "--dtype", "fp32",
                               "--precision", "highest", "--shapes", "1,9,8,4", "--reps", "2", "--backward",
-                              "--direction", "incoming", "--jsonl", str(out), "--commit", "abc"],
+                              "--direction", "incoming", "--jsonl", str(out), "--commit", "abc"]
+                             + ([] if exchange is None else ["--exchange", exchange]),
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
-        assert re.search(rf"\(1, 9, 8, 4\) P={world} fp32 incoming: forward [\d.]+ ms", run.stdout), run.stdout
+        used = exchange or ti.shard_exchange_for("incoming", world)
+        assert re.search(rf"\(1, 9, 8, 4\) P={world} fp32 incoming {used}: forward [\d.]+ ms", run.stdout), run.stdout
     import json
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    at_two = [r for r in records if r["world"] == 2]
-    assert sorted(r["rows"] for r in at_two if r["kind"] == "forward") == [4, 5]
-    assert {r["kind"] for r in at_two} == {"run", "links", "forward", "training_step", "contraction_parts"}
-    assert all(r["bytes_backward"] > r["bytes_forward"] > 0 for r in at_two if r["kind"] == "contraction_parts")
+    for exchange in ti.SHARD_EXCHANGES:
+        at_two = [r for r in records if r["world"] == 2 and r["exchange"] == exchange]
+        assert sorted(r["rows"] for r in at_two if r["kind"] == "forward") == [4, 5], exchange
+        assert {r["kind"] for r in at_two} == {"run", "links", "forward", "training_step", "contraction_parts"}
+        parts = [r for r in at_two if r["kind"] == "contraction_parts"]
+        assert all(r["bytes_forward"] > 0 and r["bytes_backward"] > 0 for r in parts), exchange
+        if exchange == "ring":  # (the backward's ring and reduction move more than the forward's ring)
+            assert all(r["bytes_backward"] > r["bytes_forward"] for r in parts)
+        else:  # (rank 0: 5 rows, channels 0-1 of 4; a and b out, z back: 2 x 5 x 2 x 9 + 2 x 4 x 9 values)
+            assert next(r["bytes_forward"] for r in parts if r["rank"] == 0) == (2 * 5 * 2 * 9 + 2 * 4 * 9) * 4
+    links = [r for r in records if r["kind"] == "links"]
+    assert links and all(r["all_to_all_out_of_gpu_gbps"] > 0 for r in links)
     table = subprocess.run([sys.executable, os.path.join(HERE, "bench", "distributed.py"), "--summarize", str(out)],
                            capture_output=True, text=True, timeout=120)
     assert table.returncode == 0, table.stderr[-3000:]
-    row = next(line for line in table.stdout.splitlines() if line.startswith("| incoming | 1,9,8,4 | 2 |"))
-    assert re.match(r"\| incoming \| 1,9,8,4 \| 2 \| 2/2 \| [\d.]+ \| [\d.]+ \|", row), row
+    for exchange in ti.SHARD_EXCHANGES:
+        row = next(line for line in table.stdout.splitlines()
+                   if line.startswith(f"| incoming | {exchange} | 1,9,8,4 | 2 |"))
+        assert re.match(rf"\| incoming \| {exchange} \| 1,9,8,4 \| 2 \| 2/2 \| [\d.]+ \| [\d.]+ \|", row), row
     assert "commit abc" in table.stdout

@@ -2552,6 +2552,9 @@ class ModelNew(_TriMulLayers):
         its rows (B, N_r, N, C) and mask (B, N_r, N), rank r holding torch.tensor_split(torch.arange(N), P)[r],
         and gets the same rows of the output; parameter gradients are each rank's rows' share (their sum over the
         group, as DDP's all-reduce gives, is the full gradient).
+    shard_exchange: how the sharded contraction crosses ranks: "ring" (b's row blocks round the ring; incoming
+        adds an all-to-all of a), "channels" (a and b to the rank owning their hidden channels, z's rows back);
+        None: shard_exchange_for(direction, world). Results agree to rounding; only the time and bytes differ.
     backward_saves: what the training forward keeps for the backward: "inputs", "z" (z and, in 16 bits, the a/b
         planes: one N^3 product fewer, a smaller backward peak), None: the rule of _saves_z (README, Training).
     Inputs the CUDA kernels do not take (CPU tensors, float64, GPUs older than sm_80) and calls under torch.func
@@ -2560,14 +2563,17 @@ class ModelNew(_TriMulLayers):
 
     def __init__(self, pair_dim: int, hidden_dim: int, direction: str = "outgoing",
                  gate_input: str = "raw", kernels=None, precision: Optional[str] = None, bias: bool = True,
-                 process_group=None, backward_saves: Optional[str] = None):
+                 process_group=None, backward_saves: Optional[str] = None, shard_exchange: Optional[str] = None):
         super().__init__(pair_dim, hidden_dim, direction, gate_input, bias)
+        if shard_exchange not in (None,) + SHARD_EXCHANGES:
+            raise ValueError(f"shard_exchange must be None or one of {SHARD_EXCHANGES}, got {shard_exchange!r}")
         if precision is not None and precision not in PRECISIONS:
             raise ValueError(f"precision must be None or one of {PRECISIONS}, got {precision!r}")
         if backward_saves not in (None,) + BACKWARD_SAVES:
             raise ValueError(f"backward_saves must be None or one of {BACKWARD_SAVES}, got {backward_saves!r}")
         self.kernels, self.precision, self.backward_saves = parse_kernels(kernels), precision, backward_saves
         self.process_group = process_group  # not state: a process group does not pickle
+        self.shard_exchange = shard_exchange
         self._weights_cache = {}  # mode -> (parameter versions, prepared weights, held storages); not state
         self._plans = {}  # call signature -> (mode, kernels, ForwardOptions, extension, gated) (see _plan_key)
         self._gate_choices = {}  # call signature -> (extension, whether forward() gates on x_hat there)
@@ -2576,7 +2582,8 @@ class ModelNew(_TriMulLayers):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, kernels={str(self.kernels)!r}, precision={self.precision!r}"
                 + (f", backward_saves={self.backward_saves!r}" if self.backward_saves is not None else "")
-                + (", process_group=<set>" if self.process_group is not None else ""))
+                + (", process_group=<set>" if self.process_group is not None else "")
+                + (f", shard_exchange={self.shard_exchange!r}" if self.shard_exchange is not None else ""))
 
     @classmethod
     def from_alphafold_params(cls, params, direction: str, kernels=None, precision: Optional[str] = None):
@@ -2609,6 +2616,7 @@ class ModelNew(_TriMulLayers):
         self.__dict__.setdefault("_fast", None)
         self.__dict__.setdefault("process_group", None)
         self.__dict__.setdefault("backward_saves", None)
+        self.__dict__.setdefault("shard_exchange", None)
         self.__dict__.setdefault("_gate_choices", {})
 
     def forward(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor,
@@ -2902,6 +2910,7 @@ class ModelNew(_TriMulLayers):
         shaped = isinstance(pair_repr, torch.Tensor) and pair_repr.dim() == 4
         ring = _Ring(self.process_group, pair_repr.shape[2] if shaped else 0,
                      pair_repr.device if shaped else torch.device("cpu"))
+        ring.exchange = self.shard_exchange or shard_exchange_for(self.direction, ring.world)
         _check_sharded_inputs(self, ring, pair_repr, pair_mask)
         if not self._needs_autograd(pair_repr, pair_mask):
             return self._sharded_inference(pair_repr, pair_mask, ring)
@@ -2939,8 +2948,8 @@ class ModelNew(_TriMulLayers):
                     planes[:, :, part] = _gated_side(params, x, pair_mask[:, part], side, operand).permute(0, 3, 1, 2)
                 del x
             planes = [a_t, b_t]
-            del a_t, b_t  # (_sharded_z frees a as soon as it can: planes holds the only references)
-            z = _sharded_z(planes, ring, incoming, keep_a=False)[0]  # [B, H, N_r, N]
+            del a_t, b_t  # (the exchange frees them as soon as it can: planes holds the only references)
+            z = _rows_z(planes, ring, incoming)  # [B, H, N_r, N]
             out = torch.empty_like(pair_repr, memory_format=torch.contiguous_format)
             for part in steps:
                 source = pair_repr[:, part]
@@ -3408,17 +3417,53 @@ def shard_rows(n: int, world: int, rank: int) -> range:
     return range(start, start + base + (rank < extra))
 
 
-class _Ring:
-    """A process group as the sharded contraction uses it: row counts per rank, the ring's neighbours, and
-    transfers staged through the CPU where the backend cannot move the tensors' device (gloo with CUDA)."""
+SHARD_EXCHANGES = ("ring", "channels")
 
-    def __init__(self, group, n: int, device: torch.device):
+
+def shard_exchange_for(direction: str, world: int) -> str:
+    """How the sharded contraction crosses ranks where none is named (bench/shard_model.py): the ring for outgoing
+    on one or two ranks (b's one other block hides behind the own block's product and nothing goes back) and for
+    incoming on one (no transfer at all); else the channel exchange (3 (P - 1) / P blocks sent per rank against
+    the ring's P - 1 blocks of b, and incoming needs no all-to-all of a)."""
+    return "channels" if world > 2 or (world == 2 and direction == "incoming") else "ring"
+
+
+class _Ring:
+    """A process group as the sharded contraction uses it: row counts per rank, the exchange it runs (`exchange`:
+    "ring": b's row blocks round the ring; "channels": a and b to the owners of their hidden channels and z
+    back, _channel_z), the ring's neighbours, and transfers staged through the CPU where the backend cannot move
+    the tensors' device (gloo with CUDA)."""
+
+    def __init__(self, group, n: int, device: torch.device, exchange: str = "ring"):
         import torch.distributed as dist
-        self.dist, self.group = dist, group
+        self.dist, self.group, self.exchange = dist, group, exchange
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.columns = [slice(r.start, r.stop) for r in (shard_rows(n, self.world, s) for s in range(self.world))]
         self.counts = [c.stop - c.start for c in self.columns]
         self.stage = device.type == "cuda" and dist.get_backend(group) == "gloo"
+
+    def start_exchange(self, sends: list, receives: list, tag: int):
+        """Point-to-point transfers started: sends [(tensor, group rank)], receives [(destination, group rank)],
+        every tensor contiguous, each pair of ranks posting its messages in the same order on both sides (the
+        k-th send from r to s lands in s's k-th receive from r); returns wait() (the destinations filled)."""
+        ops, staged = [], []
+        for tensor, rank in sends:
+            ops.append(self.dist.P2POp(self.dist.isend, self._staged(tensor), self.peer(rank), self.group, tag))
+        for target, rank in receives:
+            buffer = torch.empty(target.shape, dtype=target.dtype) if self.stage else target
+            ops.append(self.dist.P2POp(self.dist.irecv, buffer, self.peer(rank), self.group, tag))
+            if self.stage:
+                staged.append((target, buffer))
+        requests = self.dist.batch_isend_irecv(ops) if ops else []
+
+        def wait():
+            for request in requests:
+                request.wait()
+            requests.clear()
+            for target, buffer in staged:
+                target.copy_(buffer)
+            staged.clear()
+        return wait
 
     def peer(self, rank: int) -> int:
         """The global rank of group rank `rank` (P2P ops take global ranks)."""
@@ -3563,8 +3608,8 @@ def _sharded_fused(steps: ForwardSteps, ring: "_Ring", incoming: bool) -> torch.
     steps.input_pass(a_t, b=b_t)
     batch = steps._call[0].shape[0]
     planes = [a_t.view(batch, -1, *a_t.shape[1:]), b_t.view(batch, -1, *b_t.shape[1:])]
-    del a_t, b_t  # (_sharded_z holds the only references)
-    z = _sharded_z(planes, ring, incoming, keep_a=False)[0]
+    del a_t, b_t  # (the exchange holds the only references)
+    z = _rows_z(planes, ring, incoming)
     out = steps.new_out()
     steps.output_pass(out, z=z.view(-1, *z.shape[2:]))
     return out
@@ -3572,7 +3617,8 @@ def _sharded_fused(steps: ForwardSteps, ring: "_Ring", incoming: bool) -> torch.
 
 class _ShardedContraction(torch.autograd.Function):
     """z's rows of this rank from a/b planes [B, H, N_r, N] of this rank's rows (a_t[b, h, r, k] is position
-    (r, k): row r of this rank's block). Outgoing: z[i, j] = sum_k a[i, k] b[j, k], b's row blocks round the
+    (r, k): row r of this rank's block), by the ring's exchange: "channels", _channel_z and _channel_backward;
+    "ring", as follows. Outgoing: z[i, j] = sum_k a[i, k] b[j, k], b's row blocks round the
     ring. Incoming: z[i, j] = sum_k a[k, i] b[k, j]: a's column blocks by one all-to-all (each rank then holds
     a[:, its rows]), then b's row blocks round the ring with z accumulated. Backward: the same rings; the
     gradient of a travelling operand (b) is the sum over ranks of each rank's share, reduced round the ring to
@@ -3582,8 +3628,13 @@ class _ShardedContraction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a_t, b_t, ring, incoming):
-        z, a_kept = _sharded_z([a_t, b_t], ring, incoming, keep_a=any(ctx.needs_input_grad[:2]))
-        ctx.save_for_backward(a_kept, b_t)  # (a_kept None: no backward will run)
+        keep = any(ctx.needs_input_grad[:2])
+        if ring.exchange == "channels":
+            z, kept = _channel_z([a_t, b_t], ring, incoming, keep)
+            ctx.save_for_backward(*kept)  # (each channel group's a and b over all rows)
+        else:
+            z, a_kept = _sharded_z([a_t, b_t], ring, incoming, keep_a=keep)
+            ctx.save_for_backward(a_kept, b_t)  # (a_kept None: no backward will run)
         ctx.ring, ctx.incoming = ring, incoming
         ctx.precision = torch.get_float32_matmul_precision()  # (the layer's; autograd runs backward outside it)
         return z
@@ -3596,6 +3647,8 @@ class _ShardedContraction(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, d_z):
+        if ctx.ring.exchange == "channels":
+            return (*_channel_backward(list(ctx.saved_tensors), d_z, ctx.ring, ctx.incoming), None, None)
         a_t, b_t = ctx.saved_tensors
         ring, columns = ctx.ring, ctx.ring.columns
         d_z = d_z.contiguous()
@@ -3661,11 +3714,142 @@ def _sharded_z(planes: list, ring: _Ring, incoming: bool, keep_a: bool):
     return z, a_t
 
 
+def _rows_z(planes: list, ring: _Ring, incoming: bool) -> torch.Tensor:
+    """z's rows of this rank [B, H, N_r, N] with no gradient needed, by the ring's exchange (planes = [a_t, b_t],
+    emptied: _sharded_z, _channel_z)."""
+    return (_channel_z if ring.exchange == "channels" else _sharded_z)(planes, ring, incoming, False)[0]
+
+
+# The channel exchange: the contraction is independent per hidden channel, so rank s contracts all N rows of the
+# channels it owns (shard_rows(H, P, s)); a and b travel from their rows' ranks to the channels' owners and z's
+# rows back (each rank sends (P - 1) / P of its a, b and z blocks, for either direction: no ring, no reduction,
+# no all-to-all of a). A rank's channels go in groups, so that group g + 1's a / b and group g - 1's z are in
+# flight while group g is multiplied. Messages are one (batch element, channel)'s rows, contiguous on both sides.
+SHARD_CHANNEL_GROUPS = 8  # (groups per rank: the first group's a / b and the last's z are the exposed transfers)
+
+
+def _channel_parts(hidden: int, world: int) -> list:
+    """parts[g][s]: the hidden channels of rank s's g-th group (rank s owns shard_rows(hidden, world, s), split
+    into min(SHARD_CHANNEL_GROUPS, the most any rank owns) groups alike on every rank; a rank owning fewer
+    channels has empty groups)."""
+    owners = [shard_rows(hidden, world, s) for s in range(world)]
+    groups = max(1, min(SHARD_CHANNEL_GROUPS, max(len(o) for o in owners)))
+    parts = []
+    for g in range(groups):
+        spans = [shard_rows(len(o), groups, g) for o in owners]
+        parts.append([range(o.start + span.start, o.start + span.stop) for o, span in zip(owners, spans)])
+    return parts
+
+
+def _start_to_channels(ring: _Ring, blocks: list, part: list, tag: int = 3):
+    """Starts moving channel group `part` of row blocks [B, H, N_r, N] (this rank's rows, contiguous) to the
+    channels' owners; returns arrived() -> per block [B, len(part[rank]), N, N]: this rank's channels of the group
+    over all N rows (rank s's rows from rank s)."""
+    rank, columns, own = ring.rank, ring.columns, part[ring.rank]
+    batch, n = blocks[0].shape[0], blocks[0].shape[3]
+    outs = [block.new_empty((batch, len(own), sum(ring.counts), n)) for block in blocks]
+    sends, receives = [], []
+    for block, out in zip(blocks, outs):
+        out[:, :, columns[rank]] = block[:, own.start:own.stop]
+        for s in range(ring.world):
+            if s == rank or n == 0:
+                continue
+            if ring.counts[rank]:
+                sends += [(block[b, h], s) for b in range(batch) for h in part[s]]
+            if ring.counts[s]:
+                receives += [(out[b, h - own.start, columns[s]], s) for b in range(batch) for h in own]
+    wait = ring.start_exchange(sends, receives, tag)
+
+    def arrived():
+        wait()
+        return outs
+    return arrived
+
+
+def _start_to_rows(ring: _Ring, channels: list, part: list, blocks: list, tag: int = 4):
+    """_start_to_channels' inverse: this rank's channels of group `part` over all N rows (channels: [B,
+    len(part[rank]), N, N] each) into the row blocks [B, H, N_r, N] of their ranks (blocks: this rank's, filled
+    at the group's channels of every rank). Returns wait()."""
+    rank, columns, own = ring.rank, ring.columns, part[ring.rank]
+    batch, n = blocks[0].shape[0], blocks[0].shape[3]
+    sends, receives = [], []
+    for values, block in zip(channels, blocks):
+        values = values.contiguous()
+        block[:, own.start:own.stop] = values[:, :, columns[rank]]
+        for s in range(ring.world):
+            if s == rank or n == 0:
+                continue
+            if ring.counts[s]:
+                sends += [(values[b, h - own.start, columns[s]], s) for b in range(batch) for h in own]
+            if ring.counts[rank]:
+                receives += [(block[b, h], s) for b in range(batch) for h in part[s]]
+    return ring.start_exchange(sends, receives, tag)
+
+
+def _channel_z(planes: list, ring: _Ring, incoming: bool, keep: bool):
+    """The channel exchange's forward: (z's rows of this rank [B, H, N_r, N], what the backward keeps: each
+    channel group's a and b over all rows, [a_0, b_0, a_1, b_1, ...]; empty unless keep). planes = [a_t, b_t],
+    emptied by the call: where the caller holds no other reference, they are freed once the last group has
+    arrived. Outgoing's products z = a b^T on the contraction kernels (_block_product), incoming's z = a^T b
+    through cuBLAS (matmul reads the transposed operand in place)."""
+    sides = list(planes)
+    planes.clear()
+    parts = _channel_parts(sides[0].shape[1], ring.world)
+    z_t = torch.empty_like(sides[0], memory_format=torch.contiguous_format)
+    arrivals = [_start_to_channels(ring, sides, parts[0])]
+    kept, leaving = [], None
+    for g, part in enumerate(parts):
+        if g + 1 < len(parts):
+            arrivals.append(_start_to_channels(ring, sides, parts[g + 1]))
+        else:
+            sides.clear()  # (every group's a / b sent: the rows' planes are no longer needed here)
+        a_c, b_c = arrivals[g]()
+        arrivals[g] = None
+        z_c = a_c.transpose(-1, -2) @ b_c if incoming else _block_product(a_c, b_c)
+        if keep:
+            kept += [a_c, b_c]
+        del a_c, b_c
+        previous, leaving = leaving, _start_to_rows(ring, [z_c], part, [z_t])
+        del z_c
+        if previous is not None:
+            previous()
+    leaving()
+    return z_t, kept
+
+
+def _channel_backward(kept: list, d_z: torch.Tensor, ring: _Ring, incoming: bool) -> tuple:
+    """The channel exchange's backward: (d a_t, d b_t) of this rank's rows. d_z's rows go to the channels' owners,
+    each group's gradients over all rows (z = a b^T: da = dz b, db = dz^T a; incoming z = a^T b: da = b dz^T,
+    db = a dz) back to their rows, pipelined as the forward. No sum across ranks: a channel is one rank's."""
+    d_z = d_z.contiguous()
+    parts = _channel_parts(d_z.shape[1], ring.world)
+    d_a, d_b = torch.empty_like(d_z), torch.empty_like(d_z)
+    arrivals = [_start_to_channels(ring, [d_z], parts[0])]
+    leaving = None
+    for g, part in enumerate(parts):
+        if g + 1 < len(parts):
+            arrivals.append(_start_to_channels(ring, [d_z], parts[g + 1]))
+        (dz_c,) = arrivals[g]()
+        arrivals[g] = None
+        a_c, b_c = kept[2 * g], kept[2 * g + 1]
+        if incoming:
+            grads = [b_c @ dz_c.transpose(-1, -2), a_c @ dz_c]
+        else:
+            grads = [dz_c @ b_c, dz_c.transpose(-1, -2) @ a_c]
+        del dz_c
+        previous, leaving = leaving, _start_to_rows(ring, grads, part, [d_a, d_b])
+        del grads
+        if previous is not None:
+            previous()
+    leaving()
+    return d_a, d_b
+
+
 # What every rank of a sharded call must agree on beyond valid input: the sizes and the operands the ring moves
 # (a rank with another dtype, hidden size, precision or autocast would send blocks the others misread, or wait in
-# a collective the others never enter), and whether a backward follows (the rings it runs).
+# a collective the others never enter), whether a backward follows (the rings it runs) and the exchange.
 _AGREED = ("B", "N", "pair_dim", "hidden_dim", "direction", "gate_input", "pair dtype", "precision mode",
-           "autocast", "gradients needed")
+           "autocast", "gradients needed", "exchange")
 
 
 def _code(value) -> int:
@@ -3673,14 +3857,15 @@ def _code(value) -> int:
     return zlib.crc32(str(value).encode()) & 0x7FFFFFFF
 
 
-def _sharded_agreement(layers, pair_repr, pair_mask) -> list:
+def _sharded_agreement(layers, ring: _Ring, pair_repr, pair_mask) -> list:
     """_AGREED's values on this rank (after check_inputs passed), as ints."""
     batch, _, n, pair_dim = pair_repr.shape
     device = pair_repr.device.type
     autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     mode = compute_mode(pair_repr.dtype, layers.resolved_precision())
     return [batch, n, pair_dim, layers.hidden_dim, _code(layers.direction), _code(layers.gate_input),
-            _code(pair_repr.dtype), _code(mode), _code(autocast), int(layers._needs_autograd(pair_repr, pair_mask))]
+            _code(pair_repr.dtype), _code(mode), _code(autocast), int(layers._needs_autograd(pair_repr, pair_mask)),
+            _code(ring.exchange)]
 
 
 def _check_sharded_inputs(layers, ring: _Ring, pair_repr, pair_mask) -> None:
@@ -3696,7 +3881,7 @@ def _check_sharded_inputs(layers, ring: _Ring, pair_repr, pair_mask) -> None:
                 raise ValueError(f"pair_repr has {rows} rows on rank {ring.rank} of {ring.world}, but N = {n} gives "
                                  f"this rank {expected} (torch.tensor_split(torch.arange(N), world)[rank])")
         check_inputs(layers, pair_repr, pair_mask, rows=ring.counts[ring.rank])
-        agreed = _sharded_agreement(layers, pair_repr, pair_mask)
+        agreed = _sharded_agreement(layers, ring, pair_repr, pair_mask)
     except (ValueError, TypeError) as error:
         problem, agreed = error, [-1] * len(_AGREED)
     # (on NCCL the flags travel on this process's GPU whatever the input's device: a CPU tensor there would fail

@@ -83,8 +83,22 @@ def _ring_sends(ring) -> int:
         sum(ring.counts[(rank + d) % world] for d in range((world - 1) // 2))
 
 
+def _channel_sends(ring, batch, n, hidden, element):
+    """By the channel exchange, the bytes of one operand this rank sends (to the channels' owners: its rows of
+    the others' channels; back to the rows' owners: its channels of the others' rows)."""
+    owned = [len(ti.shard_rows(hidden, ring.world, s)) for s in range(ring.world)]
+    rows, rank = ring.counts[ring.rank], ring.rank
+    to_channels = rows * (hidden - owned[rank]) * n * batch * element
+    to_rows = owned[rank] * (n - rows) * n * batch * element
+    return to_channels, to_rows
+
+
 def transfer_bytes(ring, batch, n, hidden, element, incoming):
-    """Bytes this rank sends in one forward: b's blocks round the ring and incoming's all-to-all of a."""
+    """Bytes this rank sends in one forward: b's blocks round the ring and incoming's all-to-all of a; or, by
+    the channel exchange, a and b to their channels' owners and z's rows back."""
+    if ring.exchange == "channels":
+        to_channels, to_rows = _channel_sends(ring, batch, n, hidden, element)
+        return 2 * to_channels + to_rows
     rows = ring.counts[ring.rank]
     total = _ring_sends(ring) * n * hidden * batch * element
     if incoming:
@@ -95,7 +109,10 @@ def transfer_bytes(ring, batch, n, hidden, element, incoming):
 def backward_bytes(ring, batch, n, hidden, element, incoming):
     """Bytes this rank sends in one backward (_ShardedContraction._backward): b's blocks round the ring again,
     d b's accumulators round the one-way ring (one block of each other rank's rows) and incoming's inverse
-    all-to-all of d a."""
+    all-to-all of d a. By the channel exchange: d z to the channels' owners, d a and d b back."""
+    if ring.exchange == "channels":
+        to_channels, to_rows = _channel_sends(ring, batch, n, hidden, element)
+        return to_channels + 2 * to_rows
     world, rank, rows = ring.world, ring.rank, ring.counts[ring.rank]
     reduce_rows = sum(ring.counts[(rank - step - 1) % world] for step in range(world - 1))
     total = (_ring_sends(ring) + reduce_rows) * n * hidden * batch * element
@@ -106,12 +123,16 @@ def backward_bytes(ring, batch, n, hidden, element, incoming):
 
 class SilentRing(ti._Ring):
     """A ring whose transfers move nothing: each shift and all-to-all hands back an uninitialised block of the
-    shape the real one receives (the same allocations), so the sharded contraction on it is its products
-    alone: the same kernels on the same shapes, no waiting."""
+    shape the real one receives (the same allocations), and the channel exchange's receives are left as they
+    are, so the sharded contraction on it is its products alone: the same kernels on the same shapes, no
+    waiting."""
 
-    def __init__(self, group, n, device):
-        super().__init__(group, n, device)
+    def __init__(self, group, n, device, exchange):
+        super().__init__(group, n, device, exchange)
         self.stage = False
+
+    def start_exchange(self, sends, receives, tag):
+        return lambda: None
 
     def shift(self, block, incoming_rows, row_dim, step=1):
         shape = list(block.shape)
@@ -127,11 +148,19 @@ class SilentRing(ti._Ring):
 
 
 def transfers_only(ring, batch, n, hidden, dtype, device, incoming):
-    """The forward's transfers without the products (the same shifts and all-to-all)."""
+    """The forward's transfers without the products (the same shifts and all-to-all; or the channel exchange's
+    groups, each group's z sent back as it arrives)."""
     rows = ring.counts[ring.rank]
     block = torch.zeros(batch, hidden, rows, n, dtype=dtype, device=device)
 
     def run():
+        if ring.exchange == "channels":
+            z_t = torch.empty_like(block)
+            parts = ti._channel_parts(hidden, ring.world)
+            for part in parts:
+                a_c, _ = ti._start_to_channels(ring, [block, block], part)()
+                ti._start_to_rows(ring, [a_c], part, [z_t])()
+            return
         if incoming:
             ring.all_to_all([block[..., c] for c in ring.columns])
         ti._ring_products(ring, block, lambda b, s: None, 2)
@@ -150,9 +179,10 @@ def contraction_parts(ring, silent, batch, n, hidden, dtype, device, incoming):
 
 
 def link_rates(device, log, megabytes=256):
-    """GB/s of a send from rank 0 to rank 1 alone, and of the ring's exchange (every rank sending a block to
+    """GB/s of a send from rank 0 to rank 1 alone, of the ring's exchange (every rank sending a block to
     rank + 1 and one to rank - 1 at once, receiving two: the contraction ring's pattern), per direction and
-    out of each GPU in all. Logged by every rank; returned for rank 0's line."""
+    out of each GPU in all, and of an all-to-all (the channel exchange's pattern) out of each GPU. Logged by
+    every rank; returned for rank 0's line."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world < 2:
         return None
@@ -174,18 +204,29 @@ def link_rates(device, log, megabytes=256):
             waits.append(ring.shift(block, block.shape[0], 0, -1))
         for wait in waits:
             wait()
+    # (the channel exchange's pattern: one piece to each other rank and one from each, all at once)
+    pieces = block[:block.numel() // (world - 1) * (world - 1)].view(world - 1, -1)
+    landed = torch.empty_like(pieces)
+    others = [s for s in range(world) if s != rank]
+
+    def all_to_all():
+        ring.start_exchange([(pieces[i], s) for i, s in enumerate(others)],
+                            [(landed[i], s) for i, s in enumerate(others)], 5)()
     bytes_ = block.numel() * block.element_size()
     one = bytes_ / (timed(clock, one_way, 5)["median_ms"] / 1e3) / 1e9
     seconds = timed(clock, exchange, 5)["median_ms"] / 1e3
+    spread_seconds = timed(clock, all_to_all, 5)["median_ms"] / 1e3
     directions = 2 if world > 2 else 1
     rates = {"one_way_0_to_1_gbps": one if rank == 1 else None, "ring_per_direction_gbps": bytes_ / seconds / 1e9,
-             "ring_out_of_gpu_gbps": directions * bytes_ / seconds / 1e9}
+             "ring_out_of_gpu_gbps": directions * bytes_ / seconds / 1e9,
+             "all_to_all_out_of_gpu_gbps": pieces.numel() * pieces.element_size() / spread_seconds / 1e9}
     log(kind="links", **rates)
-    gathered = torch.tensor([one if rank == 1 else 0.0, rates["ring_per_direction_gbps"]], dtype=torch.float64,
+    gathered = torch.tensor([one if rank == 1 else 0.0, rates["ring_per_direction_gbps"],
+                             rates["all_to_all_out_of_gpu_gbps"]], dtype=torch.float64,
                             device=device if device.type == "cuda" else "cpu")
     values = [torch.empty_like(gathered) for _ in range(world)]
     dist.all_gather(values, gathered)
-    return values[1][0].item(), min(v[1].item() for v in values), directions
+    return values[1][0].item(), min(v[1].item() for v in values), directions, min(v[2].item() for v in values)
 
 
 def memory_probe(device):
@@ -205,13 +246,13 @@ def memory_probe(device):
     return start, stop
 
 
-def bench_shape(shape, args, device, log):
+def bench_shape(shape, args, exchange, device, log):
     """Every measurement of one shape on this rank, each logged as soon as it is made; rank 0's summary values."""
     batch, n, pair_dim, hidden = shape
     world, rank = dist.get_world_size(), dist.get_rank()
     dtype = DTYPES[args.dtype]
     model = ti.ModelNew(pair_dim, hidden, args.direction, args.gate_input, precision=args.precision,
-                        process_group=dist.group.WORLD).to(device=device, dtype=dtype)
+                        process_group=dist.group.WORLD, shard_exchange=exchange).to(device=device, dtype=dtype)
     rows = ti.shard_rows(n, world, rank)
     g = torch.Generator(device).manual_seed(rank)  # (drawn where it lives, in its dtype: no fp32 copy on the host)
     pair = torch.randn(batch, len(rows), n, pair_dim, generator=g, device=device, dtype=dtype)
@@ -242,8 +283,8 @@ def bench_shape(shape, args, device, log):
         del leaf
         model.zero_grad(set_to_none=True)
     del pair, mask, model
-    ring = ti._Ring(dist.group.WORLD, n, device)
-    silent = SilentRing(dist.group.WORLD, n, device)
+    ring = ti._Ring(dist.group.WORLD, n, device, exchange)
+    silent = SilentRing(dist.group.WORLD, n, device, exchange)
     element = DTYPES[args.dtype].itemsize
     parts = contraction_parts(ring, silent, batch, n, hidden, dtype, device, incoming)
     with torch.no_grad():
@@ -282,7 +323,8 @@ def _worst(ranks, key, pick=max):
 
 
 def shape_line(shape, args, ranks) -> str:
-    parts = [f"{tuple(shape)} P={len(ranks)} {args.dtype} {args.direction}: forward "
+    exchange = args.exchange or ti.shard_exchange_for(args.direction, len(ranks))
+    parts = [f"{tuple(shape)} P={len(ranks)} {args.dtype} {args.direction} {exchange}: forward "
              f"{_worst(ranks, 'forward_ms'):.2f} ms (slowest rank)"]
     if _worst(ranks, "step_ms") is not None:
         parts.append(f"training step {_worst(ranks, 'step_ms'):.2f} ms")
@@ -306,17 +348,19 @@ def run(args):
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     try:
         world, rank = dist.get_world_size(), dist.get_rank()
+        exchange = args.exchange or ti.shard_exchange_for(args.direction, world)
         log = Log(args.jsonl, {"world": world, "rank": rank, "direction": args.direction, "dtype": args.dtype,
-                               "precision": args.precision, "gate_input": args.gate_input})
+                               "precision": args.precision, "gate_input": args.gate_input, "exchange": exchange})
         log(kind="run", command=" ".join(sys.argv), backend=backend, torch=torch.__version__,
             device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=args.commit or git_commit())
         rates = link_rates(device, log) if args.links else None
         if rank == 0 and rates:
             print(f"links: rank 0 -> 1 alone {rates[0]:.1f} GB/s; ring exchange {rates[1]:.1f} GB/s per direction "
-                  f"(slowest rank), {rates[1] * rates[2]:.1f} GB/s out of each GPU", flush=True)
+                  f"(slowest rank), {rates[1] * rates[2]:.1f} GB/s out of each GPU; all-to-all {rates[3]:.1f} GB/s "
+                  "out of each GPU (slowest rank)", flush=True)
         for shape in sorted(args.shapes, key=lambda s: s[0] * s[1] ** 3 * s[3]):
-            ranks = rank_summaries(bench_shape(shape, args, device, log), device)
+            ranks = rank_summaries(bench_shape(shape, args, exchange, device, log), device)
             if rank == 0:
                 print(shape_line(shape, args, ranks), flush=True)
             if device.type == "cuda":
@@ -335,23 +379,30 @@ def read_records(paths):
     return records
 
 
-def _slowest(records, kind, shape, world, direction, field="median_ms"):
+def _exchange(record) -> str:
+    return record.get("exchange", "ring")  # (records from before the channel exchange existed)
+
+
+def _slowest(records, kind, shape, world, direction, exchange=None, field="median_ms"):
+    """The slowest rank's value and how many ranks recorded one (exchange None: of any exchange)."""
     values = [r[field] for r in records if r["kind"] == kind and r["shape"] == shape and r["world"] == world
-              and r["direction"] == direction and r.get(field) is not None]
+              and r["direction"] == direction and exchange in (None, _exchange(r)) and r.get(field) is not None]
     return (max(values), len(values)) if values else (None, 0)
 
 
 def _baseline(records, kind, shape, direction):
-    """P = 1's time of this shape, or ("~", time) scaled by N³ from the largest N that ran at P = 1."""
-    same, _ = _slowest(records, kind, shape, 1, direction)
-    if same is not None:
-        return same, ""
+    """P = 1's time of this shape (the faster exchange's where both ran), or ("~", time) scaled by N³ from the
+    largest N that ran at P = 1."""
+    times = [_slowest(records, kind, shape, 1, direction, exchange)[0] for exchange in ti.SHARD_EXCHANGES]
+    if any(t is not None for t in times):
+        return min(t for t in times if t is not None), ""
     ran = [r for r in records if r["kind"] == kind and r["world"] == 1 and r["direction"] == direction
            and r["shape"][0] == shape[0] and r["shape"][2:] == shape[2:]]
     if not ran:
         return None, ""
-    largest = max(ran, key=lambda r: r["shape"][1])
-    return largest["median_ms"] * (shape[1] / largest["shape"][1]) ** 3, "~"
+    largest = max(ran, key=lambda r: r["shape"][1])["shape"]
+    fastest = min(r["median_ms"] for r in ran if r["shape"] == largest)
+    return fastest * (shape[1] / largest[1]) ** 3, "~"
 
 
 def _format(value, spec, missing="—"):
@@ -359,35 +410,38 @@ def _format(value, spec, missing="—"):
 
 
 def summarize(paths, fused: dict) -> str:
-    from shard_model import predict  # (bench/ is on the path: this file's folder)
+    from shard_model import EGRESS, predict, predict_channels  # (bench/ is on the path: this file's folder)
     records = read_records(paths)
-    rows = ["| direction | B,N,C,H | P | ranks | forward ms | eff. vs P=1 | eff. vs fused | predicted ms (eff.) | "
-            "step ms | step eff. vs P=1 | hidden | MB sent fwd / bwd per rank | peak GiB per rank (fwd / step) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    keys = sorted({(r["direction"], tuple(r["shape"]), r["world"]) for r in records if r["kind"] == "forward"},
-                  key=lambda k: (k[0], k[1][1], k[2]))
-    for direction, shape, world in keys:
+    rows = ["| direction | exchange | B,N,C,H | P | ranks | forward ms | eff. vs P=1 | eff. vs fused | predicted ms "
+            "(eff.) | step ms | step eff. vs P=1 | hidden | MB sent fwd / bwd per rank | peak GiB per rank (fwd / "
+            "step) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["direction"], _exchange(r), tuple(r["shape"]), r["world"]) for r in records
+                   if r["kind"] == "forward"}, key=lambda k: (k[0], k[2][1], k[3], k[1]))
+    for direction, exchange, shape, world in keys:
         shape = list(shape)
-        forward, count = _slowest(records, "forward", shape, world, direction)
+        forward, count = _slowest(records, "forward", shape, world, direction, exchange)
         base, approx = _baseline(records, "forward", shape, direction)
-        step, _ = _slowest(records, "training_step", shape, world, direction)
+        step, _ = _slowest(records, "training_step", shape, world, direction, exchange)
         step_base, step_approx = _baseline(records, "training_step", shape, direction)
         parts = [r for r in records if r["kind"] == "contraction_parts" and r["shape"] == shape
-                 and r["world"] == world and r["direction"] == direction]
+                 and r["world"] == world and r["direction"] == direction and _exchange(r) == exchange]
         hidden = min((r["hidden_share"] for r in parts if r.get("hidden_share") is not None), default=None)
         sent = max((r["bytes_forward"] for r in parts), default=None)
         sent_back = max((r["bytes_backward"] for r in parts), default=None)
-        peak, _ = _slowest(records, "forward", shape, world, direction, "peak_mib")
-        step_peak, _ = _slowest(records, "training_step", shape, world, direction, "peak_mib")
+        peak, _ = _slowest(records, "forward", shape, world, direction, exchange, "peak_mib")
+        step_peak, _ = _slowest(records, "training_step", shape, world, direction, exchange, "peak_mib")
         n = shape[1]
         fused_ms = fused.get(n)
         predicted = None
-        if world > 1 and shape[0] == 1 and shape[3] == 128 and n in (4096, 8192, 16384):
-            total, *_, outgoing, incoming = predict(n, world, None, 450e9)
-            predicted = (outgoing if direction == "outgoing" else incoming) * 1e3, total / world / (
-                outgoing if direction == "outgoing" else incoming)
+        if world > 1 and shape[0] == 1 and shape[3] == 128 and n in (4096, 8192, 12288, 16384):
+            total, *_, outgoing, incoming = predict(n, world, None, EGRESS)
+            seconds = predict_channels(n, world, None, EGRESS) if exchange == "channels" else \
+                outgoing if direction == "outgoing" else incoming
+            predicted = seconds * 1e3, total / world / seconds
         rows.append(
-            f"| {direction} | {','.join(map(str, shape))} | {world} | {count}/{world} | {_format(forward, '.2f')} | "
+            f"| {direction} | {exchange} | {','.join(map(str, shape))} | {world} | {count}/{world} | "
+            f"{_format(forward, '.2f')} | "
             f"{approx}{_format(base / world / forward if base and forward else None, '.2f')} | "
             f"{_format(fused_ms / world / forward if fused_ms and forward else None, '.2f')} | "
             f"{'—' if predicted is None else f'{predicted[0]:.1f} ({predicted[1]:.2f})'} | {_format(step, '.2f')} | "
@@ -401,10 +455,14 @@ def summarize(paths, fused: dict) -> str:
         at = [r for r in links if r["world"] == world]
         one = [r["one_way_0_to_1_gbps"] for r in at if r.get("one_way_0_to_1_gbps")]
         ring = [r["ring_per_direction_gbps"] for r in at]
+        spread = [r["all_to_all_out_of_gpu_gbps"] for r in at if r.get("all_to_all_out_of_gpu_gbps")]
         lines.append(f"\nP = {world} links: rank 0 -> 1 alone {_format(max(one, default=None), '.1f')} GB/s; ring "
-                     f"exchange {min(ring):.1f}-{max(ring):.1f} GB/s per direction per rank")
-    runs = {(r["world"], r["direction"], r.get("commit"), r.get("device")) for r in records if r["kind"] == "run"}
-    lines.append("\nRuns: " + "; ".join(f"P = {w} {d} (commit {c}, {dev})" for w, d, c, dev in sorted(runs, key=str)))
+                     f"exchange {min(ring):.1f}-{max(ring):.1f} GB/s per direction per rank; all-to-all "
+                     f"{_format(min(spread, default=None), '.1f')} GB/s out of the slowest GPU")
+    runs = {(r["world"], r["direction"], _exchange(r), r.get("commit"), r.get("device")) for r in records
+            if r["kind"] == "run"}
+    lines.append("\nRuns: " + "; ".join(f"P = {w} {d} {x} (commit {c}, {dev})"
+                                        for w, d, x, c, dev in sorted(runs, key=str)))
     return "\n".join(lines)
 
 
@@ -415,6 +473,7 @@ def main(argv=None):
     parser.add_argument("--precision", default="medium")
     parser.add_argument("--gate-input", choices=ti.GATE_INPUTS, default="normalized")
     parser.add_argument("--direction", choices=ti.DIRECTIONS, default="outgoing")
+    parser.add_argument("--exchange", choices=ti.SHARD_EXCHANGES, help="default: ti.shard_exchange_for's rule")
     parser.add_argument("--backward", action="store_true", help="also the training step")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")

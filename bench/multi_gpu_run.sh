@@ -1,9 +1,10 @@
 #!/bin/bash
-# bench/multi_gpu_run.sh OUT "P ..." [SHAPES] [--backward] [--tests] [--budget SECONDS]
+# bench/multi_gpu_run.sh OUT "P ..." [SHAPES] [--backward] [--tests] [--exchanges "ring channels"] [--budget SECONDS]
 # One device call of the multi-GPU issue's run on a machine of several GPUs (NCCL, one rank per GPU; the
 # machine's NCCL settings as they are): the build; with --tests the sharded and distributed tests (NCCL at 2, 4
 # and all GPUs); then for each P of the list bench/distributed.py under torchrun on P of the GPUs, both
-# directions, bf16 in/out, medium, normalized gate (with --backward the training step too). Every rank's records
+# directions, bf16 in/out, medium, normalized gate (with --backward the training step too), by each exchange of
+# --exchanges (default: the rule's, shard_exchange_for). Every rank's records
 # go to OUT/distributed.jsonl as measured (a failure or timeout keeps what came before it); OUT/summary.md is
 # the table (efficiency against P = 1 where P = 1 ran, against the fused one-GPU forward given as
 # FUSED="4096=38.4,8192=257"). The steps share the budget (default 570 s of a call's 600): each torchrun gets
@@ -13,18 +14,20 @@
 # be stale), else bench.py's git_commit ("-dirty" with uncommitted changes or untracked files).
 #   bench/multi_gpu_run.sh $OUT "1 2 4 8" "1,4096,128,128;1,8192,128,128" --tests
 #   bench/multi_gpu_run.sh $OUT "8" "1,16384,128,128"
+#   bench/multi_gpu_run.sh $OUT "2 8" "1,8192,128,128" --exchanges "ring channels"
 set -uo pipefail
-usage='usage: bench/multi_gpu_run.sh OUT "P ..." [SHAPES] [--backward] [--tests] [--budget SECONDS]'
+usage='usage: bench/multi_gpu_run.sh OUT "P ..." [SHAPES] [--backward] [--tests] [--exchanges "X ..."] [--budget S]'
 out=$(realpath -m "${1:?$usage}")
 worlds=${2:?$usage}
 shift 2
 shapes="1,4096,128,128;1,8192,128,128"
-backward="" tests="" budget=570
+backward="" tests="" budget=570 exchanges=rule
 while [ $# -gt 0 ]; do
   case "$1" in
     --backward) backward=--backward ;;
     --tests) tests=1 ;;
     --budget) budget=$2; shift ;;
+    --exchanges) exchanges=$2; shift ;;
     -*) echo "$usage" >&2; exit 2 ;;
     *) shapes=$1 ;;
   esac
@@ -38,6 +41,7 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-.build}
 commit=${COMMIT:-$(python3 -c "import bench; print(bench.git_commit())" 2>&1 | tail -n 1)}
 {
   echo "date: $(date -u +%FT%TZ)"; echo "commit: $commit"; echo "worlds: $worlds; shapes: $shapes $backward"
+  echo "exchanges: $exchanges"
   nvidia-smi -L; nvidia-smi topo -m; env | grep '^NCCL_' | sort
 } > "$out/run.txt" 2>&1
 echo "commit $commit; $(nvidia-smi -L 2>/dev/null | wc -l) GPUs"
@@ -51,22 +55,27 @@ if [ -n "$tests" ]; then
   grep -E "^(FAILED|SKIPPED)" "$out/tests.log" | head -10
 fi
 runs=0
-for p in $worlds; do runs=$((runs + 2)); done
+for p in $worlds; do for x in $exchanges; do runs=$((runs + 2)); done; done
 for p in $worlds; do
-  for direction in outgoing incoming; do
-    slot=$(( $(left) / runs ))
-    runs=$((runs - 1))
-    if [ "$slot" -lt 30 ]; then
-      echo "P=$p $direction: skipped, ${slot} s left for it"; continue
-    fi
-    echo "== P=$p $direction ($slot s)" >> "$out/distributed.log"
-    timeout "$slot" torchrun --nproc-per-node="$p" bench/distributed.py --shapes "$shapes" --dtype bf16 \
-      --direction "$direction" $backward --timeout 60 --commit "$commit" --jsonl "$out/distributed.jsonl" \
-      >> "$out/distributed.log" 2>&1
-    rc=$?
-    sed -n "/^== P=$p $direction /,\$p" "$out/distributed.log" | grep -E "P=$p |^links" 
-    [ "$rc" -ne 0 ] && sed -n "/^== P=$p $direction /,\$p" "$out/distributed.log" | \
-      grep -E "Error|error|Killed|Timeout" | tail -3 && echo "P=$p $direction: rc $rc"
+  for x in $exchanges; do
+    for direction in outgoing incoming; do
+      slot=$(( $(left) / runs ))
+      runs=$((runs - 1))
+      name="P=$p $direction $x"
+      if [ "$slot" -lt 30 ]; then
+        echo "$name: skipped, ${slot} s left for it"; continue
+      fi
+      chosen=""
+      [ "$x" != rule ] && chosen="--exchange $x"
+      echo "== $name ($slot s)" >> "$out/distributed.log"
+      timeout "$slot" torchrun --nproc-per-node="$p" bench/distributed.py --shapes "$shapes" --dtype bf16 \
+        --direction "$direction" $chosen $backward --timeout 60 --commit "$commit" \
+        --jsonl "$out/distributed.jsonl" >> "$out/distributed.log" 2>&1
+      rc=$?
+      sed -n "/^== $name /,\$p" "$out/distributed.log" | grep -E "P=$p |^links"
+      [ "$rc" -ne 0 ] && sed -n "/^== $name /,\$p" "$out/distributed.log" | \
+        grep -E "Error|error|Killed|Timeout" | tail -3 && echo "$name: rc $rc"
+    done
   done
 done
 python3 bench/distributed.py --summarize "$out/distributed.jsonl" --fused "${FUSED:-}" > "$out/summary.md" 2>&1

@@ -13,14 +13,19 @@ machines) is shared by the ring's two directions, so a step that sends a block e
 bytes / egress. Model (outgoing): per-position work / P, then P block products of (N/P) x N x N/P x H each;
 blocks of b travel both ways round the ring, the next ones in flight during the products in hand, so a step
 costs max(products in hand, its transfers). Incoming adds one all-to-all of a ((P-1)/P of a rank's block),
-not overlapped. Efficiency against the fused one-GPU forward: (fused / P) / predicted; against P = 1 of the
-same code: (contraction + per-position work at P = 1) / P / predicted.
+not overlapped. The channel exchange (`shard_exchange="channels"`): a and b go from this rank's rows to the
+rank that owns their hidden channels, each rank contracts its H/P channels over all N rows and sends z's rows
+back, in --groups channel groups: group g + 1's a / b arriving and group g - 1's z leaving while group g is
+multiplied; each rank sends (P-1)/P of its a, b and z blocks, the same for either direction. Efficiency against
+the fused one-GPU forward: (fused / P) / predicted; against P = 1 of the same code: (contraction + per-position
+work at P = 1) / P / predicted.
 """
 import argparse
 
 MEASURED = {4096: 38.4e-3, 8192: 257e-3}  # fused one-GPU forward, seconds
 FUSED_PASSES_8192 = 47e-3  # its input and output passes at N = 8192
 HIDDEN, BYTES = 128, 2
+EGRESS = 360e9  # bytes/s out of each GPU (the all-reduce bus bandwidth measured on these machines)
 
 
 def one_gpu(n, rate):
@@ -46,24 +51,41 @@ def predict(n, p, rate, egress, per_position_ns=0.8):
     return contraction + passes, contraction + per_position, product, transfer, outgoing, outgoing + all_to_all
 
 
+def predict_channels(n, p, rate, egress, per_position_ns=0.8, groups=8):
+    """The channel exchange's forward per rank, seconds (either direction): the per-position work / P, the first
+    group's a / b exchange, then per group the larger of its products and the next group's a / b plus the last
+    group's z in flight (sharing the GPU's egress), then the last group's z."""
+    contraction, _ = one_gpu(n, rate)
+    per_position = per_position_ns * 1e-9 * n * n
+    moved = (n / p) * n * HIDDEN * BYTES * (p - 1) / p / egress  # one operand's block, (P-1)/P of it sent
+    product, arrive, leave = contraction / p / groups, 2 * moved / groups, moved / groups
+    steps = sum(max(product, (arrive if g + 1 < groups else 0.0) + (leave if g else 0.0)) for g in range(groups))
+    return per_position / p + arrive + steps + leave
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rate", type=float, help="contraction TFLOP/s (default: the measured times)")
-    parser.add_argument("--egress", type=float, default=360.0, help="GB/s out of each GPU, both ring directions")
+    parser.add_argument("--egress", type=float, default=EGRESS / 1e9, help="GB/s out of each GPU, all directions")
     parser.add_argument("--per-position-ns", type=float, default=0.8, help="the sharded layers' ns per position")
+    parser.add_argument("--groups", type=int, default=8,
+                        help="the channel exchange's channel groups per rank (SHARD_CHANNEL_GROUPS)")
     args = parser.parse_args()
     rate = args.rate * 1e12 if args.rate else None
-    print("| N | P | fused one GPU ms | sharded P=1 ms | block product ms | step transfers ms | outgoing ms "
-          "(eff. vs fused / vs P=1) | incoming ms (eff. vs fused / vs P=1) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| N | P | fused one GPU ms | sharded P=1 ms | block product ms | step transfers ms | ring outgoing ms "
+          "(eff. vs fused / vs P=1) | ring incoming ms (eff. vs fused / vs P=1) | channels ms (eff. vs fused / vs "
+          "P=1) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in (4096, 8192, 12288, 16384):
         for p in (2, 4, 8):
             fused, single, product, transfer, outgoing, incoming = predict(n, p, rate, args.egress * 1e9,
                                                                            args.per_position_ns)
+            channels = predict_channels(n, p, rate, args.egress * 1e9, args.per_position_ns, args.groups)
             print(f"| {n} | {p} | {fused * 1e3:.1f} | {single * 1e3:.1f} | {product * 1e3:.2f} | "
                   f"{transfer * 1e3:.2f} | {outgoing * 1e3:.1f} ({fused / p / outgoing:.2f} / "
                   f"{single / p / outgoing:.2f}) | {incoming * 1e3:.1f} ({fused / p / incoming:.2f} / "
-                  f"{single / p / incoming:.2f}) |")
+                  f"{single / p / incoming:.2f}) | {channels * 1e3:.1f} ({fused / p / channels:.2f} / "
+                  f"{single / p / channels:.2f}) |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """dev/sharded_memory.py — the sharded forward's per-rank peak of live tensor bytes, counted on the CPU (gloo).
 
-    python dev/sharded_memory.py [--world 2] [--n 96] [--dim 32] [--dtype bf16]
+    python dev/sharded_memory.py [--world 2] [--n 96] [--dim 32] [--dtype bf16] [--exchange channels]
 
 Each rank runs ModelNew(process_group=...) without gradients under a dispatch mode that follows every tensor
 storage the forward creates (freed: its weak reference expired) and prints the largest sum of live bytes above the
@@ -31,7 +31,8 @@ def worker(rank, world, store, args):
         dtype, rows = DTYPES[args.dtype], ti.shard_rows(args.n, world, rank)
         ti.SHARDED_STEP_MIN_BYTES = 1  # (the no-gradient layers' steps sized as at large N, not by the floor)
         for direction in ti.DIRECTIONS:
-            model = ti.ModelNew(args.dim, args.dim, direction, "normalized", process_group=dist.group.WORLD).to(dtype)
+            model = ti.ModelNew(args.dim, args.dim, direction, "normalized", process_group=dist.group.WORLD,
+                                shard_exchange=args.exchange).to(dtype)
             g = torch.Generator().manual_seed(rank)
             pair = torch.randn(1, len(rows), args.n, args.dim, generator=g).to(dtype)
             mask = torch.ones(1, len(rows), args.n, dtype=torch.bool)
@@ -42,7 +43,8 @@ def worker(rank, world, store, args):
                     model(pair, mask)
             block = pair.numel() * pair.element_size()
             op, sizes = counter.at
-            print(f"rank {rank}/{world} {direction} N={args.n} C=H={args.dim} {args.dtype}: peak {counter.peak / block:.2f} "
+            print(f"rank {rank}/{world} {direction} {model.shard_exchange or 'rule'} N={args.n} C=H={args.dim} "
+                  f"{args.dtype}: peak {counter.peak / block:.2f} "
                   f"pair blocks ({counter.peak / 2**20:.2f} MiB) after {op}; the largest live, in blocks: "
                   f"{[(round(size / block, 2), made) for size, made in sizes[:8]]}", flush=True)
             dist.barrier()
@@ -57,6 +59,7 @@ def main():
     parser.add_argument("--n", type=int, default=96)
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
+    parser.add_argument("--exchange", choices=ti.SHARD_EXCHANGES, help="default: ti.shard_exchange_for's rule")
     args = parser.parse_args()
     import tempfile
     store = os.path.join(tempfile.mkdtemp(), "store")
