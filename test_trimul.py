@@ -5892,13 +5892,14 @@ def test_host_layers_on_the_gpu(name, make, precision):
 
 # ---- sharded over ranks (process_group): spawned gloo processes on the CPU -----------------------------------
 def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, precision=None, tolerance=1e-12,
-                    backend="gloo", exchange=None):
+                    backend="gloo", exchange=None, saves=None):
     """One rank: for each case, the sharded ModelNew's rows of the output, d pair_repr and (summed over the group)
     parameter gradients against the single-process computation of the same seeded problem in float64; the
     sharded model in `dtype` at `precision`, within `tolerance`, by `exchange` (None: the rule's). On CUDA in
     fp32, outgoing's block products must run on the contraction kernels (one contract_into call per rank's block
     and channel part round the ring; per channel group this rank owns channels of, by the channel exchange).
-    backend "nccl": one GPU per rank (device cuda:<rank>)."""
+    backend "nccl": one GPU per rank (device cuda:<rank>). saves: the model's backward_saves ("inputs": the
+    training forward's layers by row steps, one row per step, recomputed in the backward)."""
     import datetime
     import torch.distributed as dist
     if backend == "nccl":
@@ -5906,7 +5907,7 @@ def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, prec
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    try:
+    with _leaving_group(dist, store):
         for seed, direction, gate_input, batch, n, pair_dim, hidden, float_mask in cases:
             g = torch.Generator().manual_seed(seed)
             reference = random_layers(ti.Model(pair_dim, hidden, direction, gate_input).double(), g)
@@ -5917,8 +5918,9 @@ def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, prec
             expected = reference(full_pair, full_mask)
             expected.backward(grad_out)
             sharded = ti.ModelNew(pair_dim, hidden, direction, gate_input, process_group=dist.group.WORLD,
-                                  precision=precision, shard_exchange=exchange).to(dtype)
+                                  precision=precision, shard_exchange=exchange, backward_saves=saves).to(dtype)
             used = exchange or ti.shard_exchange_for(direction, world)
+            ti.SHARDED_STEP_MIN_BYTES = 1 if saves == "inputs" else 1 << 26
             sharded.load_state_dict(reference.state_dict())  # (in dtype: float64 values into fp64 parameters)
             sharded = sharded.to(device)
             rows = ti.shard_rows(n, world, rank)
@@ -5927,12 +5929,15 @@ def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, prec
                 .requires_grad_(float_mask)
             contract_into, calls = ti.contract_into, []
             ti.contract_into = lambda *args: calls.append(args) or contract_into(*args)
+            by_steps, stepped = ti.ModelNew._sharded_by_row_steps, []
+            ti.ModelNew._sharded_by_row_steps = lambda *args: stepped.append(1) or by_steps(*args)
             try:
                 out = sharded(local_pair, local_mask)
             finally:
-                ti.contract_into = contract_into
+                ti.contract_into, ti.ModelNew._sharded_by_row_steps = contract_into, by_steps
+            assert len(stepped) == (saves == "inputs"), f"{saves}: the row steps taken {len(stepped)} times"
             out.backward(grad_out[:, rows.start:rows.stop].to(device, dtype))
-            label = f"rank {rank}/{world} {direction} {gate_input} N={n} H={hidden} {used} (seed {seed})"
+            label = f"rank {rank}/{world} {direction} {gate_input} N={n} H={hidden} {used} {saves} (seed {seed})"
             ti.SHARDED_STEP_MIN_BYTES = 1  # (the inference path one row at a time: its steps exercised)
             with torch.no_grad():
                 inferred = sharded(local_pair, local_mask)
@@ -5953,9 +5958,21 @@ def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, prec
             for (name, p_sharded), p_ref in zip(sharded.named_parameters(), reference.parameters()):
                 total = p_sharded.grad.clone()
                 dist.all_reduce(total, group=dist.group.WORLD)
-                assert _grad_error(total.cpu(), p_ref.grad) < tolerance, f"{label}: {name}"
-    finally:
-        _leave_group(dist, store)
+                error = _grad_error(total.cpu(), p_ref.grad)
+                assert error < tolerance, f"{label}: {name}, error {error:.2e}"
+
+
+@contextlib.contextmanager
+def _leaving_group(dist, store):
+    """A rank's work in its process group: on success every rank leaves together (_leave_group); on a failure this
+    rank drops the group at once and raises, so that its error is the one reported (the peers then fail on the
+    closed connections, not after the group's timeout, which would report a peer's wait instead)."""
+    try:
+        yield
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    _leave_group(dist, store)
 
 
 def _leave_group(dist, store):
@@ -5998,7 +6015,41 @@ def test_sharded_matches_one_process(world, exchange, tmp_path):
                   ("outgoing", "normalized", 1, 5, 20, True), ("incoming", "normalized", 2, 7, 20, False),
                   ("incoming", "raw", 1, 2, 20, False), ("outgoing", "normalized", 2, 6, 2, True),
                   ("incoming", "raw", 1, 5, 2, False)])]
-    _spawn(_sharded_worker, world, tmp_path, cases, "cpu", torch.float64, None, 1e-12, "gloo", exchange)
+    # (float64: 1e-10, since at hidden 2 some parameter gradients are sums that cancel to ~1e-12 of their terms)
+    _spawn(_sharded_worker, world, tmp_path, cases, "cpu", torch.float64, None, 1e-10, "gloo", exchange)
+
+
+@pytest.mark.parametrize("exchange", ti.SHARD_EXCHANGES)
+def test_sharded_training_by_row_steps_matches_one_process(exchange, tmp_path):
+    """backward_saves="inputs": the sharded training forward's layers one row per step under checkpointing, both
+    directions and gate inputs, a float mask's gradient, N < world on a rank: outputs and every gradient as the
+    float64 single process."""
+    seed = fresh_seed()
+    cases = [(seed + i, direction, gate_input, batch, n, 12, 20, float_mask)
+             for i, (direction, gate_input, batch, n, float_mask) in enumerate(
+                 [("outgoing", "raw", 2, 7, True), ("incoming", "normalized", 1, 8, False),
+                  ("incoming", "raw", 1, 2, True)])]
+    _spawn(_sharded_worker, 3, tmp_path, cases, "cpu", torch.float64, None, 1e-10, "gloo", exchange, "inputs")
+
+
+def test_sharded_training_recomputes_where_the_layers_would_not_fit(monkeypatch):
+    """The rule: backward_saves "inputs" recomputes, "z" keeps; None recomputes where the layers' autograd
+    (8 C + 12 H values per position in the pair's dtype, + 5 %) exceeds the free GPU memory, never on the CPU."""
+    pair = torch.empty(1, 4, 16, 8, dtype=torch.bfloat16)
+    assert [ti.ModelNew(8, 6, backward_saves=saves)._sharded_recomputes(pair) for saves in ("inputs", "z", None)] \
+        == [True, False, False]
+
+    class OnGpu:  # (the rule reads the shape, dtype size and device of a CUDA pair)
+        is_cuda, shape, device = True, (1, 4, 16, 8), "cuda:0"
+
+        @staticmethod
+        def element_size():
+            return 2
+    kept = 4 * 16 * (8 * 8 + 12 * 6) * 2
+    monkeypatch.setattr(ti, "_free_bytes", lambda device: int(kept * 1.05) + 1)
+    assert ti._sharded_layers_fit(OnGpu, 6) and not ti.ModelNew(8, 6)._sharded_recomputes(OnGpu)
+    monkeypatch.setattr(ti, "_free_bytes", lambda device: int(kept * 1.05) - 1)
+    assert not ti._sharded_layers_fit(OnGpu, 6) and ti.ModelNew(8, 6)._sharded_recomputes(OnGpu)
 
 
 def test_channel_parts_split_every_channel_once():
@@ -6039,7 +6090,7 @@ def _bad_input_worker(rank, world, store):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    try:
+    with _leaving_group(dist, store):
         model = ti.ModelNew(8, 4, process_group=dist.group.WORLD).double()
         rows = len(ti.shard_rows(9, world, rank)) + (1 if rank == 1 else 0)  # rank 1 passes one row too many
         pair, mask = torch.randn(1, rows, 9, 8, dtype=torch.float64), torch.ones(1, rows, 9, dtype=torch.bool)
@@ -6067,8 +6118,6 @@ def _bad_input_worker(rank, world, store):
                  (lambda: torch.autocast("cpu", torch.bfloat16)) if odd else plain)):
             with context(), pytest.raises(ValueError, match=f"the ranks of a sharded call disagree on {what}"):
                 layer(*inputs)
-    finally:
-        _leave_group(dist, store)
 
 
 def test_sharded_bad_input_raises_on_every_rank(tmp_path):
@@ -6104,7 +6153,7 @@ def _sharded_fused_worker(rank, world, store, cases, exchange=None):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    try:
+    with _leaving_group(dist, store):
         for seed, direction, gate_input, n in cases:
             g = torch.Generator().manual_seed(seed)
             reference = random_layers(ti.Model(128, 128, direction, gate_input).double(), g)
@@ -6131,8 +6180,6 @@ def _sharded_fused_worker(rank, world, store, cases, exchange=None):
             assert rel_error(out, whole) < 1e-2, label
             # (each position: one wrong row or position would hide in the norms above)
             assert (out.float() - whole.float()).abs().max() <= 0.05 * whole.float().abs().max(), label
-    finally:
-        _leave_group(dist, store)
 
 
 @cuda
@@ -6170,7 +6217,7 @@ def _sharded_frees_worker(rank, world, store):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    try:
+    with _leaving_group(dist, store):
         n, rows = 11, len(ti.shard_rows(11, world, rank))
         ring = ti._Ring(dist.group.WORLD, n, torch.device("cpu"))
         g = torch.Generator().manual_seed(1234 + rank)
@@ -6202,8 +6249,6 @@ def _sharded_frees_worker(rank, world, store):
         assert torch.equal(z, expected), f"rank {rank}: channels"
         ring.stage = True  # (the receives through buffers of their own, as gloo with CUDA tensors runs them)
         assert torch.equal(ti._rows_z([a.clone() for a in kept_inputs], ring, False), expected), f"rank {rank}"
-    finally:
-        _leave_group(dist, store)
 
 
 @pytest.mark.parametrize("world", [2, 3])

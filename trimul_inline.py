@@ -2557,6 +2557,8 @@ class ModelNew(_TriMulLayers):
         None: shard_exchange_for(direction, world). Results agree to rounding; only the time and bytes differ.
     backward_saves: what the training forward keeps for the backward: "inputs", "z" (z and, in 16 bits, the a/b
         planes: one N^3 product fewer, a smaller backward peak), None: the rule of _saves_z (README, Training).
+        Sharded (process_group): "inputs" recomputes the per-position layers in the backward, a few rows at a
+        time; "z" keeps their intermediates; None: recompute where those would not fit in the free memory.
     Inputs the CUDA kernels do not take (CPU tensors, float64, GPUs older than sm_80) and calls under torch.func
     transforms run the reference computation (warning once).
     """
@@ -2916,12 +2918,53 @@ class ModelNew(_TriMulLayers):
             return self._sharded_inference(pair_repr, pair_mask, ring)
         params = _param_list(self)
         with _float32_matmul_precision(self.resolved_precision()):
+            if self._sharded_recomputes(pair_repr):
+                return self._sharded_by_row_steps(pair_repr, pair_mask, params, ring)
             x, a, b = _layers_in(params, pair_repr, pair_mask, self.layer_norm_in.eps, cast_mask=True)
             # planes [B, H, N_r, N] of this rank's rows (incoming: rows are the contracted index k)
             z = _ShardedContraction.apply(a.permute(0, 3, 1, 2).contiguous(), b.permute(0, 3, 1, 2).contiguous(),
                                           ring, self.direction == "incoming").permute(0, 2, 3, 1)
             out = _layers_out(params, z, pair_repr if self.gate_input == "raw" else x, self.layer_norm_out.eps)
             return out.to(pair_repr.dtype)  # (under autocast: the layers' bf16, the fused path's dtype instead)
+
+    def _sharded_recomputes(self, pair_repr) -> bool:
+        """Whether the sharded training forward recomputes its per-position layers in the backward
+        (_sharded_by_row_steps): backward_saves "inputs"; "z" keeps their autograd's intermediates; None: recompute
+        where those would not fit in the GPU's free memory (_sharded_layers_fit)."""
+        if self.backward_saves is not None:
+            return self.backward_saves == "inputs"
+        return not _sharded_layers_fit(pair_repr, self.hidden_dim)
+
+    def _sharded_by_row_steps(self, pair_repr, pair_mask, params, ring):
+        """_forward_sharded's training forward with its per-position layers a few rows at a time
+        (_sharded_steps) under activation checkpointing: a step keeps its inputs only (views of pair_repr, the
+        mask and z) and recomputes its layers in the backward, so the rank holds the planes, z and the output
+        instead of the layers' intermediates for all its rows. The steps' pieces are split from and joined into
+        whole tensors (split / cat: one gradient buffer each in the backward, not one per step)."""
+        from torch.utils.checkpoint import checkpoint
+        sizes = [step.stop - step.start for step in _sharded_steps(pair_repr, self.hidden_dim)] or [0]
+        pairs, masks = pair_repr.split(sizes, 1), pair_mask.split(sizes, 1)
+        eps_in, eps_out, raw = self.layer_norm_in.eps, self.layer_norm_out.eps, self.gate_input == "raw"
+        precision = torch.get_float32_matmul_precision()  # (the layer's: the backward's recompute runs outside it)
+
+        def planes(pair, mask, *params):  # (a and b as contiguous [B, H, rows, N]: so are the planes they join)
+            with _float32_matmul_precision(precision):
+                _, a, b = _layers_in(params, pair, mask, eps_in, cast_mask=True)
+            return a.permute(0, 3, 1, 2).contiguous(), b.permute(0, 3, 1, 2).contiguous()
+
+        def out_rows(z_rows, pair, *params):
+            with _float32_matmul_precision(precision):
+                gate_source = pair if raw else torch.nn.functional.layer_norm(pair, pair.shape[-1:], params[0],
+                                                                              params[1], eps_in)
+                return _layers_out(params, z_rows.permute(0, 2, 3, 1), gate_source, eps_out)
+        sides = [checkpoint(planes, pair, mask, *params, use_reentrant=False) for pair, mask in zip(pairs, masks)]
+        a_t, b_t = (torch.cat([side[i] for side in sides], 2) for i in range(2))
+        del sides
+        z = _ShardedContraction.apply(a_t, b_t, ring, self.direction == "incoming")
+        del a_t, b_t
+        out = torch.cat([checkpoint(out_rows, z_rows, pair, *params, use_reentrant=False)
+                         for z_rows, pair in zip(z.split(sizes, 2), pairs)], 1)
+        return out.to(pair_repr.dtype)  # (under autocast: the layers' bf16, the fused path's dtype instead)
 
     def _sharded_inference(self, pair_repr, pair_mask, ring):
         """_forward_sharded with no gradient needed: on the fused passes where they take this rank's rows
@@ -3587,6 +3630,19 @@ def _add_product_(total: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None
 
 
 SHARDED_STEP_MIN_BYTES = 1 << 26  # (tests set it to 1: one row per step)
+# The sharded training forward's PyTorch layers keep about this many values per position for their autograd, in the
+# pair's dtype, per C and per H (measured: 20560 MiB at (1,2048,128,128) bf16 at P = 1, ~20 pair blocks).
+_SHARDED_KEPT_PER_C, _SHARDED_KEPT_PER_H = 8, 12
+
+
+def _sharded_layers_fit(pair: torch.Tensor, hidden: int) -> bool:
+    """Whether the sharded training forward's per-position layers, all rows at once, keep what their autograd
+    needs within the GPU's free memory with 5 % to spare (always on the CPU: no query there)."""
+    if not pair.is_cuda:
+        return True
+    batch, rows, n, c = pair.shape
+    kept = batch * rows * n * (_SHARDED_KEPT_PER_C * c + _SHARDED_KEPT_PER_H * hidden) * pair.element_size()
+    return kept * 1.05 <= _free_bytes(pair.device)
 
 
 def _sharded_steps(pair: torch.Tensor, hidden: int) -> list:
@@ -3792,7 +3848,7 @@ def _channel_z(planes: list, ring: _Ring, incoming: bool, keep: bool):
     emptied by the call: where the caller holds no other reference, they are freed once the last group has
     arrived. Outgoing's products z = a b^T on the contraction kernels (_block_product), incoming's z = a^T b
     through cuBLAS (matmul reads the transposed operand in place)."""
-    sides = list(planes)
+    sides = [side.contiguous() for side in planes]  # (each channel's rows are sent as they lie)
     planes.clear()
     parts = _channel_parts(sides[0].shape[1], ring.world)
     z_t = torch.empty_like(sides[0], memory_format=torch.contiguous_format)

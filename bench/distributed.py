@@ -252,7 +252,8 @@ def bench_shape(shape, args, exchange, device, log):
     world, rank = dist.get_world_size(), dist.get_rank()
     dtype = DTYPES[args.dtype]
     model = ti.ModelNew(pair_dim, hidden, args.direction, args.gate_input, precision=args.precision,
-                        process_group=dist.group.WORLD, shard_exchange=exchange).to(device=device, dtype=dtype)
+                        process_group=dist.group.WORLD, shard_exchange=exchange,
+                        backward_saves=args.backward_saves).to(device=device, dtype=dtype)
     rows = ti.shard_rows(n, world, rank)
     g = torch.Generator(device).manual_seed(rank)  # (drawn where it lives, in its dtype: no fp32 copy on the host)
     pair = torch.randn(batch, len(rows), n, pair_dim, generator=g, device=device, dtype=dtype)
@@ -350,7 +351,8 @@ def run(args):
         world, rank = dist.get_world_size(), dist.get_rank()
         exchange = args.exchange or ti.shard_exchange_for(args.direction, world)
         log = Log(args.jsonl, {"world": world, "rank": rank, "direction": args.direction, "dtype": args.dtype,
-                               "precision": args.precision, "gate_input": args.gate_input, "exchange": exchange})
+                               "precision": args.precision, "gate_input": args.gate_input, "exchange": exchange,
+                               "backward_saves": args.backward_saves})
         log(kind="run", command=" ".join(sys.argv), backend=backend, torch=torch.__version__,
             device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=args.commit or git_commit())
@@ -475,6 +477,8 @@ def main(argv=None):
     parser.add_argument("--direction", choices=ti.DIRECTIONS, default="outgoing")
     parser.add_argument("--exchange", choices=ti.SHARD_EXCHANGES, help="default: ti.shard_exchange_for's rule")
     parser.add_argument("--backward", action="store_true", help="also the training step")
+    parser.add_argument("--backward-saves", choices=ti.BACKWARD_SAVES,
+                        help='the training step\'s ("inputs": the layers recomputed by row steps; default: the rule)')
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
     parser.add_argument("--device", default=None, help="default: cuda:<LOCAL_RANK> where CUDA exists, else cpu")

@@ -1,8 +1,9 @@
 """dev/sharded_memory.py — the sharded forward's per-rank peak of live tensor bytes, counted on the CPU (gloo).
 
     python dev/sharded_memory.py [--world 2] [--n 96] [--dim 32] [--dtype bf16] [--exchange channels]
+                                 [--training [--backward-saves inputs]]
 
-Each rank runs ModelNew(process_group=...) without gradients under a dispatch mode that follows every tensor
+Each rank runs ModelNew(process_group=...) without gradients (--training: its training step) under a dispatch mode that follows every tensor
 storage the forward creates (freed: its weak reference expired) and prints the largest sum of live bytes above the
 inputs, in units of the rank's pair block (B x N_r x N x C elements), for both directions. The same Python code
 runs on GPUs, where the planes, blocks and buffers are the same tensors; so the multiple here is what the GPU's
@@ -32,15 +33,22 @@ def worker(rank, world, store, args):
         ti.SHARDED_STEP_MIN_BYTES = 1  # (the no-gradient layers' steps sized as at large N, not by the floor)
         for direction in ti.DIRECTIONS:
             model = ti.ModelNew(args.dim, args.dim, direction, "normalized", process_group=dist.group.WORLD,
-                                shard_exchange=args.exchange).to(dtype)
+                                shard_exchange=args.exchange, backward_saves=args.backward_saves).to(dtype)
             g = torch.Generator().manual_seed(rank)
             pair = torch.randn(1, len(rows), args.n, args.dim, generator=g).to(dtype)
             mask = torch.ones(1, len(rows), args.n, dtype=torch.bool)
-            with torch.no_grad():
-                model(pair, mask)  # (warm: one-time buffers out of the count)
-                counter = LiveBytes([pair, mask, *model.parameters()])
+            if args.training:  # (the forward and the backward of the training step; the input's gradient counted)
+                pair.requires_grad_()
+                model(pair, mask).float().square().mean().backward()
+                counter = LiveBytes([pair, mask, *model.parameters(), *(p.grad for p in model.parameters())])
                 with counter:
-                    model(pair, mask)
+                    model(pair, mask).float().square().mean().backward()
+            else:
+                with torch.no_grad():
+                    model(pair, mask)  # (warm: one-time buffers out of the count)
+                    counter = LiveBytes([pair, mask, *model.parameters()])
+                    with counter:
+                        model(pair, mask)
             block = pair.numel() * pair.element_size()
             op, sizes = counter.at
             print(f"rank {rank}/{world} {direction} {model.shard_exchange or 'rule'} N={args.n} C=H={args.dim} "
@@ -60,6 +68,8 @@ def main():
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--exchange", choices=ti.SHARD_EXCHANGES, help="default: ti.shard_exchange_for's rule")
+    parser.add_argument("--training", action="store_true", help="the training step (forward and backward)")
+    parser.add_argument("--backward-saves", choices=ti.BACKWARD_SAVES, help="the model's (training)")
     args = parser.parse_args()
     import tempfile
     store = os.path.join(tempfile.mkdtemp(), "store")
