@@ -5892,14 +5892,15 @@ def test_host_layers_on_the_gpu(name, make, precision):
 
 # ---- sharded over ranks (process_group): spawned gloo processes on the CPU -----------------------------------
 def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, precision=None, tolerance=1e-12,
-                    backend="gloo", exchange=None, saves=None):
+                    backend="gloo", exchange=None, saves=None, p2p_batch=None):
     """One rank: for each case, the sharded ModelNew's rows of the output, d pair_repr and (summed over the group)
     parameter gradients against the single-process computation of the same seeded problem in float64; the
     sharded model in `dtype` at `precision`, within `tolerance`, by `exchange` (None: the rule's). On CUDA in
     fp32, outgoing's block products must run on the contraction kernels (one contract_into call per rank's block
     and channel part round the ring; per channel group this rank owns channels of, by the channel exchange).
     backend "nccl": one GPU per rank (device cuda:<rank>). saves: the model's backward_saves ("inputs": the
-    training forward's layers by row steps, one row per step, recomputed in the backward)."""
+    training forward's layers by row steps, one row per step, recomputed in the backward). p2p_batch: the channel
+    exchange's P2P_OPS_PER_BATCH (low: each batch element's messages in a batch of their own)."""
     import datetime
     import torch.distributed as dist
     if backend == "nccl":
@@ -5907,6 +5908,8 @@ def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, prec
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
+    if p2p_batch is not None:
+        ti.P2P_OPS_PER_BATCH = p2p_batch
     with _leaving_group(dist, store):
         for seed, direction, gate_input, batch, n, pair_dim, hidden, float_mask in cases:
             g = torch.Generator().manual_seed(seed)
@@ -6023,13 +6026,13 @@ def test_sharded_matches_one_process(world, exchange, tmp_path):
 def test_sharded_training_by_row_steps_matches_one_process(exchange, tmp_path):
     """backward_saves="inputs": the sharded training forward's layers one row per step under checkpointing, both
     directions and gate inputs, a float mask's gradient, N < world on a rank: outputs and every gradient as the
-    float64 single process."""
+    float64 single process; the channel exchange's messages one batch element per batch (P2P_OPS_PER_BATCH 1)."""
     seed = fresh_seed()
     cases = [(seed + i, direction, gate_input, batch, n, 12, 20, float_mask)
              for i, (direction, gate_input, batch, n, float_mask) in enumerate(
                  [("outgoing", "raw", 2, 7, True), ("incoming", "normalized", 1, 8, False),
                   ("incoming", "raw", 1, 2, True)])]
-    _spawn(_sharded_worker, 3, tmp_path, cases, "cpu", torch.float64, None, 1e-10, "gloo", exchange, "inputs")
+    _spawn(_sharded_worker, 3, tmp_path, cases, "cpu", torch.float64, None, 1e-10, "gloo", exchange, "inputs", 1)
 
 
 def test_sharded_training_recomputes_where_the_layers_would_not_fit(monkeypatch):
@@ -6050,6 +6053,33 @@ def test_sharded_training_recomputes_where_the_layers_would_not_fit(monkeypatch)
     assert ti._sharded_layers_fit(OnGpu, 6) and not ti.ModelNew(8, 6)._sharded_recomputes(OnGpu)
     monkeypatch.setattr(ti, "_free_bytes", lambda device: int(kept * 1.05) - 1)
     assert not ti._sharded_layers_fit(OnGpu, 6) and ti.ModelNew(8, 6)._sharded_recomputes(OnGpu)
+
+
+def test_exchange_batches_its_messages_alike_on_every_rank(monkeypatch):
+    """start_exchange: whole units (batch elements) per batch_isend_irecv, as many as fit P2P_OPS_PER_BATCH by the
+    bound every rank shares (not by this rank's own count), in order; a batch with no message here is skipped."""
+    calls = []
+
+    class Dist:
+        isend, irecv = "isend", "irecv"
+
+        @staticmethod
+        def P2POp(op, tensor, peer, group, tag):
+            return (op, tensor, peer)
+
+        @staticmethod
+        def batch_isend_irecv(ops):
+            calls.append(ops)
+            return []
+    ring = object.__new__(ti._Ring)
+    ring.dist, ring.group, ring.stage, ring.world, ring.rank = Dist, None, False, 3, 0
+    ring.peer = lambda rank: rank
+    t = [torch.full((2,), float(i)) for i in range(5)]
+    units = [([(t[0], 1)], [(t[1], 2)]), ([(t[2], 1)], []), ([], []), ([], []), ([(t[3], 2)], [(t[4], 1)])]
+    monkeypatch.setattr(ti, "P2P_OPS_PER_BATCH", 7)
+    ring.start_exchange(units, 3, 1)()  # (7 // 3: two units a batch)
+    assert [[(op, int(x[0]), peer) for op, x, peer in ops] for ops in calls] == \
+        [[("isend", 0, 1), ("irecv", 1, 2), ("isend", 2, 1)], [("isend", 3, 2), ("irecv", 4, 1)]]
 
 
 def test_channel_parts_split_every_channel_once():

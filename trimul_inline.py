@@ -3461,6 +3461,7 @@ def shard_rows(n: int, world: int, rank: int) -> range:
 
 
 SHARD_EXCHANGES = ("ring", "channels")
+P2P_OPS_PER_BATCH = 1024  # (messages per batch_isend_irecv: NCCL groups at most 2048 operations; tests set it low)
 
 
 def shard_exchange_for(direction: str, world: int) -> str:
@@ -3485,19 +3486,28 @@ class _Ring:
         self.counts = [c.stop - c.start for c in self.columns]
         self.stage = device.type == "cuda" and dist.get_backend(group) == "gloo"
 
-    def start_exchange(self, sends: list, receives: list, tag: int):
-        """Point-to-point transfers started: sends [(tensor, group rank)], receives [(destination, group rank)],
-        every tensor contiguous, each pair of ranks posting its messages in the same order on both sides (the
-        k-th send from r to s lands in s's k-th receive from r); returns wait() (the destinations filled)."""
-        ops, staged = [], []
-        for tensor, rank in sends:
-            ops.append(self.dist.P2POp(self.dist.isend, self._staged(tensor), self.peer(rank), self.group, tag))
-        for target, rank in receives:
-            buffer = torch.empty(target.shape, dtype=target.dtype) if self.stage else target
-            ops.append(self.dist.P2POp(self.dist.irecv, buffer, self.peer(rank), self.group, tag))
-            if self.stage:
-                staged.append((target, buffer))
-        requests = self.dist.batch_isend_irecv(ops) if ops else []
+    def start_exchange(self, units: list, bound: int, tag: int):
+        """Point-to-point transfers started: units [(sends [(tensor, group rank)], receives [(destination, group
+        rank)])], every tensor contiguous, the same number of units on every rank, each pair of ranks posting its
+        messages in the same order on both sides (the k-th send from r to s lands in s's k-th receive from r).
+        bound: the most messages (sends and receives) a unit has on any rank, the same number on every rank: the
+        units go in batches of at most P2P_OPS_PER_BATCH messages, cut alike on every rank (NCCL aggregates at
+        most 2048 operations in one group). Returns wait() (the destinations filled)."""
+        per_batch = max(1, P2P_OPS_PER_BATCH // max(1, bound))
+        requests, staged = [], []
+        for first in range(0, len(units), per_batch):
+            ops = []
+            for sends, receives in units[first:first + per_batch]:
+                for tensor, rank in sends:
+                    ops.append(self.dist.P2POp(self.dist.isend, self._staged(tensor), self.peer(rank), self.group,
+                                               tag))
+                for target, rank in receives:
+                    buffer = torch.empty(target.shape, dtype=target.dtype) if self.stage else target
+                    ops.append(self.dist.P2POp(self.dist.irecv, buffer, self.peer(rank), self.group, tag))
+                    if self.stage:
+                        staged.append((target, buffer))
+            if ops:  # (none here: none with this rank on any other either)
+                requests += self.dist.batch_isend_irecv(ops)
 
         def wait():
             for request in requests:
@@ -3804,17 +3814,21 @@ def _start_to_channels(ring: _Ring, blocks: list, part: list, tag: int = 3):
     rank, columns, own = ring.rank, ring.columns, part[ring.rank]
     batch, n = blocks[0].shape[0], blocks[0].shape[3]
     outs = [block.new_empty((batch, len(own), sum(ring.counts), n)) for block in blocks]
-    sends, receives = [], []
     for block, out in zip(blocks, outs):
         out[:, :, columns[rank]] = block[:, own.start:own.stop]
-        for s in range(ring.world):
-            if s == rank or n == 0:
-                continue
-            if ring.counts[rank]:
-                sends += [(block[b, h], s) for b in range(batch) for h in part[s]]
-            if ring.counts[s]:
-                receives += [(out[b, h - own.start, columns[s]], s) for b in range(batch) for h in own]
-    wait = ring.start_exchange(sends, receives, tag)
+    units = []  # (one per batch element)
+    for b in range(batch):
+        sends, receives = [], []
+        for block, out in zip(blocks, outs):
+            for s in range(ring.world):
+                if s == rank or n == 0:
+                    continue
+                if ring.counts[rank]:
+                    sends += [(block[b, h], s) for h in part[s]]
+                if ring.counts[s]:
+                    receives += [(out[b, h - own.start, columns[s]], s) for h in own]
+        units.append((sends, receives))
+    wait = ring.start_exchange(units, _unit_bound(ring, part, len(blocks)), tag)
 
     def arrived():
         wait()
@@ -3828,18 +3842,28 @@ def _start_to_rows(ring: _Ring, channels: list, part: list, blocks: list, tag: i
     at the group's channels of every rank). Returns wait()."""
     rank, columns, own = ring.rank, ring.columns, part[ring.rank]
     batch, n = blocks[0].shape[0], blocks[0].shape[3]
-    sends, receives = [], []
+    channels = [values.contiguous() for values in channels]
     for values, block in zip(channels, blocks):
-        values = values.contiguous()
         block[:, own.start:own.stop] = values[:, :, columns[rank]]
-        for s in range(ring.world):
-            if s == rank or n == 0:
-                continue
-            if ring.counts[s]:
-                sends += [(values[b, h - own.start, columns[s]], s) for b in range(batch) for h in own]
-            if ring.counts[rank]:
-                receives += [(block[b, h], s) for b in range(batch) for h in part[s]]
-    return ring.start_exchange(sends, receives, tag)
+    units = []  # (one per batch element)
+    for b in range(batch):
+        sends, receives = [], []
+        for values, block in zip(channels, blocks):
+            for s in range(ring.world):
+                if s == rank or n == 0:
+                    continue
+                if ring.counts[s]:
+                    sends += [(values[b, h - own.start, columns[s]], s) for h in own]
+                if ring.counts[rank]:
+                    receives += [(block[b, h], s) for h in part[s]]
+        units.append((sends, receives))
+    return ring.start_exchange(units, _unit_bound(ring, part, len(blocks)), tag)
+
+
+def _unit_bound(ring: _Ring, part: list, tensors: int) -> int:
+    """The most messages one batch element of an exchange of `tensors` tensors over channel group `part` has on any
+    rank: a send and a receive per other rank and channel (start_exchange's bound, alike on every rank)."""
+    return tensors * 2 * (ring.world - 1) * max(len(channels) for channels in part)
 
 
 def _channel_z(planes: list, ring: _Ring, incoming: bool, keep: bool):
