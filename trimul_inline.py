@@ -3816,18 +3816,10 @@ def _start_to_channels(ring: _Ring, blocks: list, part: list, tag: int = 3):
     outs = [block.new_empty((batch, len(own), sum(ring.counts), n)) for block in blocks]
     for block, out in zip(blocks, outs):
         out[:, :, columns[rank]] = block[:, own.start:own.stop]
-    units = []  # (one per batch element)
-    for b in range(batch):
-        sends, receives = [], []
-        for block, out in zip(blocks, outs):
-            for s in range(ring.world):
-                if s == rank or n == 0:
-                    continue
-                if ring.counts[rank]:
-                    sends += [(block[b, h], s) for h in part[s]]
-                if ring.counts[s]:
-                    receives += [(out[b, h - own.start, columns[s]], s) for h in own]
-        units.append((sends, receives))
+    units = _element_units(ring, batch, n, len(blocks),
+                           lambda b, i, s: [(blocks[i][b, h], s) for h in part[s]] if ring.counts[rank] else [],
+                           lambda b, i, s: [(outs[i][b, h - own.start, columns[s]], s) for h in own]
+                           if ring.counts[s] else [])
     wait = ring.start_exchange(units, _unit_bound(ring, part, len(blocks)), tag)
 
     def arrived():
@@ -3845,19 +3837,26 @@ def _start_to_rows(ring: _Ring, channels: list, part: list, blocks: list, tag: i
     channels = [values.contiguous() for values in channels]
     for values, block in zip(channels, blocks):
         block[:, own.start:own.stop] = values[:, :, columns[rank]]
-    units = []  # (one per batch element)
-    for b in range(batch):
-        sends, receives = [], []
-        for values, block in zip(channels, blocks):
-            for s in range(ring.world):
-                if s == rank or n == 0:
-                    continue
-                if ring.counts[s]:
-                    sends += [(values[b, h - own.start, columns[s]], s) for h in own]
-                if ring.counts[rank]:
-                    receives += [(block[b, h], s) for h in part[s]]
-        units.append((sends, receives))
+    units = _element_units(ring, batch, n, len(blocks),
+                           lambda b, i, s: [(channels[i][b, h - own.start, columns[s]], s) for h in own]
+                           if ring.counts[s] else [],
+                           lambda b, i, s: [(blocks[i][b, h], s) for h in part[s]] if ring.counts[rank] else [])
     return ring.start_exchange(units, _unit_bound(ring, part, len(blocks)), tag)
+
+
+def _element_units(ring: _Ring, batch: int, n: int, tensors: int, sends, receives) -> list:
+    """start_exchange's units, one per batch element b: sends(b, i, s) and receives(b, i, s), the messages of
+    tensor i with each other rank s, in the order (i, s) on every rank; none where N = 0."""
+    units = []
+    for b in range(batch):
+        unit = ([], [])
+        for i in range(tensors):
+            for s in range(ring.world):
+                if s != ring.rank and n:
+                    unit[0].extend(sends(b, i, s))
+                    unit[1].extend(receives(b, i, s))
+        units.append(unit)
+    return units
 
 
 def _unit_bound(ring: _Ring, part: list, tensors: int) -> int:
