@@ -3865,34 +3865,48 @@ def _unit_bound(ring: _Ring, part: list, tensors: int) -> int:
     return tensors * 2 * (ring.world - 1) * max(len(channels) for channels in part)
 
 
+def _channel_pipeline(ring: _Ring, sources: list, work, targets: list) -> None:
+    """The channel exchange's skeleton, forward and backward: for each channel group g, the group's rows of
+    `sources` (this rank's row blocks [B, H, N_r, N]) arrive at their channels' owners, work(g, arrived) turns
+    them into results over all rows, which go back to the rows' ranks, into `targets` (row blocks); group g + 1's
+    arrival and group g - 1's departure in flight during work(g, ...). sources is emptied once the last group
+    has been sent (where the caller holds no other reference, its blocks are freed before the last work)."""
+    parts = _channel_parts(sources[0].shape[1], ring.world)
+    arrivals = [_start_to_channels(ring, sources, parts[0])]
+    leaving = None
+    for g, part in enumerate(parts):
+        if g + 1 < len(parts):
+            arrivals.append(_start_to_channels(ring, sources, parts[g + 1]))
+        else:
+            sources.clear()
+        arrived = arrivals[g]()
+        arrivals[g] = None
+        results = work(g, arrived)
+        del arrived
+        previous, leaving = leaving, _start_to_rows(ring, results, part, targets)
+        del results
+        if previous is not None:
+            previous()
+    leaving()
+
+
 def _channel_z(planes: list, ring: _Ring, incoming: bool, keep: bool):
     """The channel exchange's forward: (z's rows of this rank [B, H, N_r, N], what the backward keeps: each
     channel group's a and b over all rows, [a_0, b_0, a_1, b_1, ...]; empty unless keep). planes = [a_t, b_t],
     emptied by the call: where the caller holds no other reference, they are freed once the last group has
-    arrived. Outgoing's products z = a b^T on the contraction kernels (_block_product), incoming's z = a^T b
+    been sent. Outgoing's products z = a b^T on the contraction kernels (_block_product), incoming's z = a^T b
     through cuBLAS (matmul reads the transposed operand in place)."""
     sides = [side.contiguous() for side in planes]  # (each channel's rows are sent as they lie)
     planes.clear()
-    parts = _channel_parts(sides[0].shape[1], ring.world)
     z_t = torch.empty_like(sides[0], memory_format=torch.contiguous_format)
-    arrivals = [_start_to_channels(ring, sides, parts[0])]
-    kept, leaving = [], None
-    for g, part in enumerate(parts):
-        if g + 1 < len(parts):
-            arrivals.append(_start_to_channels(ring, sides, parts[g + 1]))
-        else:
-            sides.clear()  # (every group's a / b sent: the rows' planes are no longer needed here)
-        a_c, b_c = arrivals[g]()
-        arrivals[g] = None
-        z_c = a_c.transpose(-1, -2) @ b_c if incoming else _block_product(a_c, b_c)
+    kept = []
+
+    def product(g, arrived):
+        a_c, b_c = arrived
         if keep:
-            kept += [a_c, b_c]
-        del a_c, b_c
-        previous, leaving = leaving, _start_to_rows(ring, [z_c], part, [z_t])
-        del z_c
-        if previous is not None:
-            previous()
-    leaving()
+            kept.extend(arrived)
+        return [a_c.transpose(-1, -2) @ b_c if incoming else _block_product(a_c, b_c)]
+    _channel_pipeline(ring, sides, product, [z_t])
     return z_t, kept
 
 
@@ -3901,26 +3915,14 @@ def _channel_backward(kept: list, d_z: torch.Tensor, ring: _Ring, incoming: bool
     each group's gradients over all rows (z = a b^T: da = dz b, db = dz^T a; incoming z = a^T b: da = b dz^T,
     db = a dz) back to their rows, pipelined as the forward. No sum across ranks: a channel is one rank's."""
     d_z = d_z.contiguous()
-    parts = _channel_parts(d_z.shape[1], ring.world)
     d_a, d_b = torch.empty_like(d_z), torch.empty_like(d_z)
-    arrivals = [_start_to_channels(ring, [d_z], parts[0])]
-    leaving = None
-    for g, part in enumerate(parts):
-        if g + 1 < len(parts):
-            arrivals.append(_start_to_channels(ring, [d_z], parts[g + 1]))
-        (dz_c,) = arrivals[g]()
-        arrivals[g] = None
-        a_c, b_c = kept[2 * g], kept[2 * g + 1]
+
+    def gradients(g, arrived):
+        (dz_c,), a_c, b_c = arrived, kept[2 * g], kept[2 * g + 1]
         if incoming:
-            grads = [b_c @ dz_c.transpose(-1, -2), a_c @ dz_c]
-        else:
-            grads = [dz_c @ b_c, dz_c.transpose(-1, -2) @ a_c]
-        del dz_c
-        previous, leaving = leaving, _start_to_rows(ring, grads, part, [d_a, d_b])
-        del grads
-        if previous is not None:
-            previous()
-    leaving()
+            return [b_c @ dz_c.transpose(-1, -2), a_c @ dz_c]
+        return [dz_c @ b_c, dz_c.transpose(-1, -2) @ a_c]
+    _channel_pipeline(ring, [d_z], gradients, [d_a, d_b])
     return d_a, d_b
 
 

@@ -1,7 +1,8 @@
 """dev/sharded_profile.py — where the sharded forward's time goes on one GPU: ModelNew(process_group=...) with a
 group of one rank (NCCL: the ring moves nothing, so what is left is the per-rank compute), against the fused forward
 of the same layer in the same process; then the top CUDA kernels of one sharded forward (torch.profiler), and the
-training step of both at a smaller N (time and peak above the inputs).
+training step of both at a smaller N (time and peak above the inputs), the sharded one keeping its layers'
+intermediates (backward_saves="z") and recomputing them by row steps ("inputs").
 
     PYTHONPATH=. python dev/sharded_profile.py [--n 4096] [--train-n 2048] [--direction outgoing]
 """
@@ -24,9 +25,10 @@ def inputs(n: int):
     return pair, mask
 
 
-def layers(direction: str, group):
+def layers(direction: str, group, backward_saves=None):
     torch.manual_seed(0)
-    return ti.ModelNew(128, 128, direction, "normalized", process_group=group).cuda().to(torch.bfloat16)
+    return ti.ModelNew(128, 128, direction, "normalized", process_group=group,
+                       backward_saves=backward_saves).cuda().to(torch.bfloat16)
 
 
 def forward_times(n: int, direction: str, group) -> None:
@@ -50,8 +52,9 @@ def forward_times(n: int, direction: str, group) -> None:
 
 def step_times(n: int, direction: str, group) -> None:
     pair, mask = inputs(n)
-    for name, pg in (("fused", None), ("sharded P=1", group)):
-        model = layers(direction, pg)
+    for name, pg, saves in (("fused", None, None), ("sharded P=1", group, "z"), ("sharded, recomputed", group,
+                                                                                "inputs")):
+        model = layers(direction, pg, saves)
         leaf = pair.clone().requires_grad_()
 
         def step():
@@ -61,7 +64,7 @@ def step_times(n: int, direction: str, group) -> None:
             model(leaf, mask).float().square().mean().backward()
         median, p10, p90 = bench.time_cuda(step, min_reps=3, budget_s=0.0)[:3]
         peak = bench.peak_memory_mib(step)
-        print(f"N={n} {direction} training step {name:12s} {median / 1e3:8.2f} ms (p10-p90 {p10 / 1e3:.2f}-"
+        print(f"N={n} {direction} training step {name:20s} {median / 1e3:8.2f} ms (p10-p90 {p10 / 1e3:.2f}-"
               f"{p90 / 1e3:.2f}) peak {peak:7.0f} MiB above the inputs", flush=True)
         del model, leaf
         torch.cuda.empty_cache()
