@@ -6035,6 +6035,39 @@ def test_sharded_training_by_row_steps_matches_one_process(exchange, tmp_path):
     _spawn(_sharded_worker, 3, tmp_path, cases, "cpu", torch.float64, None, 1e-10, "gloo", exchange, "inputs", 1)
 
 
+def _row_steps_autocast_worker(rank, world, store, seed):
+    """One rank: the sharded training step under bf16 autocast (CPU) with its layers recomputed by row steps (one row
+    per step) against keeping them: the same output, and d pair_repr and the parameters' gradients within bf16's
+    rounding (the per-step weight gradients are summed from bf16 products; the recompute runs under the forward's
+    autocast, or checkpoint would find other dtypes)."""
+    import datetime
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    with _leaving_group(dist, store):
+        ti.SHARDED_STEP_MIN_BYTES = 1
+        g = torch.Generator().manual_seed(seed)
+        rows = ti.shard_rows(9, world, rank)
+        pair, mask = (t[:, rows.start:rows.stop] for t in random_inputs(1, 9, 16, g, torch.float32))
+        steps = []
+        for saves in ("z", "inputs"):
+            torch.manual_seed(0)
+            model = ti.ModelNew(16, 12, "incoming", "normalized", process_group=dist.group.WORLD,
+                                backward_saves=saves)
+            leaf = pair.clone().requires_grad_()
+            with torch.autocast("cpu", torch.bfloat16):
+                out = model(leaf, mask)
+            out.float().square().mean().backward()
+            steps.append([out.detach(), leaf.grad] + [p.grad for p in model.parameters()])
+        assert torch.equal(steps[0][0], steps[1][0]), f"rank {rank}: outputs differ"
+        for kept, recomputed in zip(steps[0][1:], steps[1][1:]):
+            assert rel_error(recomputed, kept) < 1e-2, f"rank {rank}: {rel_error(recomputed, kept)}"
+
+
+def test_sharded_row_steps_under_autocast(tmp_path):
+    _spawn(_row_steps_autocast_worker, 2, tmp_path, fresh_seed())
+
+
 def test_sharded_training_recomputes_where_the_layers_would_not_fit(monkeypatch):
     """The rule: backward_saves "inputs" recomputes, "z" keeps; None recomputes where the layers' autograd
     (8 C + 12 H values per position in the pair's dtype, + 5 %) exceeds the free GPU memory, never on the CPU."""
