@@ -6310,8 +6310,13 @@ def _sharded_frees_worker(rank, world, store):
         assert kept == [] and planes == [] and len(alive_at) == groups > 1, alive_at
         assert alive_at[0] and not alive_at[-1], f"rank {rank}: planes alive at the products: {alive_at}"
         assert torch.equal(z, expected), f"rank {rank}: channels"
-        ring.stage = True  # (the receives through buffers of their own, as gloo with CUDA tensors runs them)
-        assert torch.equal(ti._rows_z([a.clone() for a in kept_inputs], ring, False), expected), f"rank {rank}"
+        # each exchange with its receives through buffers of their own, as gloo with CUDA tensors runs them
+        for exchange, incoming in (("channels", False), ("ring", True)):
+            ring.exchange, ring.stage = exchange, False
+            plain = ti._rows_z([a.clone() for a in kept_inputs], ring, incoming)
+            ring.stage = True
+            staged = ti._rows_z([a.clone() for a in kept_inputs], ring, incoming)
+            assert torch.equal(staged, plain), f"rank {rank}: {exchange} staged"
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -3530,17 +3530,14 @@ class _Ring:
         returns (wait() -> the received block). step -1: the other way round the ring."""
         shape = list(block.shape)
         shape[row_dim] = incoming_rows
-        received = torch.empty(shape, dtype=block.dtype, device="cpu" if self.stage else block.device)
+        received = block.new_empty(shape)
         tag = 1 if step > 0 else 2  # (the two directions apart where a backend matches by tag)
-        ops = [self.dist.P2POp(self.dist.isend, self._staged(block.contiguous()), self.peer(self.rank + step),
-                               self.group, tag),
-               self.dist.P2POp(self.dist.irecv, received, self.peer(self.rank - step), self.group, tag)]
-        requests = self.dist.batch_isend_irecv(ops)
+        arrival = self.start_exchange([([(block.contiguous(), (self.rank + step) % self.world)],
+                                        [(received, (self.rank - step) % self.world)])], 2, tag)
 
         def wait():
-            for request in requests:
-                request.wait()
-            return received.to(block.device) if self.stage else received
+            arrival()
+            return received
         return wait
 
     def all_to_all(self, chunks):
@@ -3552,26 +3549,18 @@ class _Ring:
         """all_to_all started: returns (wait() -> the received chunks); this rank's own chunk is chunks[rank]
         and needs no waiting (keep_own False: None there, and wait() holds no reference to the chunks, so
         that their tensor can be freed while the transfers run). The sent copies are dropped once waited for."""
-        device, home = "cpu" if self.stage else chunks[0].device, chunks[0].device
-        received = [None if s == self.rank else
-                    chunks[0].new_empty(c.shape[:-2] + (c.shape[-1], c.shape[-2]), device=device)
+        received = [None if s == self.rank else chunks[0].new_empty(c.shape[:-2] + (c.shape[-1], c.shape[-2]))
                     for s, c in enumerate(chunks)]
         # (point-to-point pairs, not dist.all_to_all: gloo's takes only chunks of one size, and N need not
         # divide by the world size)
-        ops = []
-        for s in range(self.world):
-            if s != self.rank:
-                ops.append(self.dist.P2POp(self.dist.isend, self._staged(chunks[s].contiguous()), self.peer(s),
-                                           self.group))
-                ops.append(self.dist.P2POp(self.dist.irecv, received[s], self.peer(s), self.group))
-        requests = self.dist.batch_isend_irecv(ops) if ops else []
+        others = [s for s in range(self.world) if s != self.rank]
+        arrival = self.start_exchange([([(chunks[s].contiguous(), s) for s in others],
+                                        [(received[s], s) for s in others])], 2 * len(others), 0)
         own = chunks[self.rank] if keep_own else None
 
         def wait():
-            for request in requests:
-                request.wait()
-            requests.clear()
-            out = [None if r is None else r.to(home) for r in received] if self.stage else list(received)
+            arrival()
+            out = list(received)
             out[self.rank] = own
             return out
         return wait
