@@ -49,7 +49,7 @@ if ! timeout $(( $(left) < 240 ? $(left) : 240 )) python3 trimul_inline.py build
   tail -20 "$out/build.log"; exit 1
 fi
 if [ -n "$tests" ]; then
-  timeout $(( $(left) < 200 ? $(left) : 200 )) python3 -m pytest -q -rs test_trimul.py \
+  timeout $(( $(left) < 300 ? $(left) : 300 )) python3 -m pytest -q -rs test_trimul.py \
     -k "nccl_one_rank_per_gpu or sharded or distributed" > "$out/tests.log" 2>&1
   echo "tests (rc $?): $(tail -n 1 "$out/tests.log")"
   grep -E "^(FAILED|SKIPPED)" "$out/tests.log" | head -10
