@@ -2557,8 +2557,8 @@ class ModelNew(_TriMulLayers):
         None: shard_exchange_for(direction, world). Results agree to rounding; only the time and bytes differ.
     backward_saves: what the training forward keeps for the backward: "inputs", "z" (z and, in 16 bits, the a/b
         planes: one N^3 product fewer, a smaller backward peak), None: the rule of _saves_z (README, Training).
-        Sharded (process_group): "inputs" recomputes the per-position layers in the backward, a few rows at a
-        time; "z" keeps their intermediates; None: recompute where those would not fit in the free memory.
+        Sharded (process_group): "z" keeps the per-position layers' intermediates; "inputs" and None recompute
+        them in the backward, a few rows at a time (faster and smaller, as measured).
     Inputs the CUDA kernels do not take (CPU tensors, float64, GPUs older than sm_80) and calls under torch.func
     transforms run the reference computation (warning once).
     """
@@ -2918,7 +2918,7 @@ class ModelNew(_TriMulLayers):
             return self._sharded_inference(pair_repr, pair_mask, ring)
         params = _param_list(self)
         with _float32_matmul_precision(self.resolved_precision()):
-            if self._sharded_recomputes(pair_repr):
+            if self._sharded_recomputes():
                 return self._sharded_by_row_steps(pair_repr, pair_mask, params, ring)
             x, a, b = _layers_in(params, pair_repr, pair_mask, self.layer_norm_in.eps, cast_mask=True)
             # planes [B, H, N_r, N] of this rank's rows (incoming: rows are the contracted index k)
@@ -2927,13 +2927,11 @@ class ModelNew(_TriMulLayers):
             out = _layers_out(params, z, pair_repr if self.gate_input == "raw" else x, self.layer_norm_out.eps)
             return out.to(pair_repr.dtype)  # (under autocast: the layers' bf16, the fused path's dtype instead)
 
-    def _sharded_recomputes(self, pair_repr) -> bool:
+    def _sharded_recomputes(self) -> bool:
         """Whether the sharded training forward recomputes its per-position layers in the backward
-        (_sharded_by_row_steps): backward_saves "inputs"; "z" keeps their autograd's intermediates; None: recompute
-        where those would not fit in the GPU's free memory (_sharded_layers_fit)."""
-        if self.backward_saves is not None:
-            return self.backward_saves == "inputs"
-        return not _sharded_layers_fit(pair_repr, self.hidden_dim)
+        (_sharded_by_row_steps): unless backward_saves is "z" (keep their autograd's intermediates, ~20 pair
+        blocks), since recomputing measured faster as well as smaller (bench/NOTES.md)."""
+        return self.backward_saves != "z"
 
     def _sharded_by_row_steps(self, pair_repr, pair_mask, params, ring):
         """_forward_sharded's training forward with its per-position layers a few rows at a time
@@ -2942,7 +2940,7 @@ class ModelNew(_TriMulLayers):
         instead of the layers' intermediates for all its rows. The steps' pieces are split from and joined into
         whole tensors (split / cat: one gradient buffer each in the backward, not one per step)."""
         from torch.utils.checkpoint import checkpoint
-        sizes = [step.stop - step.start for step in _sharded_steps(pair_repr, self.hidden_dim)] or [0]
+        sizes = [step.stop - step.start for step in _sharded_steps(pair_repr, self.hidden_dim, share=2)] or [0]
         pairs, masks = pair_repr.split(sizes, 1), pair_mask.split(sizes, 1)
         eps_in, eps_out, raw = self.layer_norm_in.eps, self.layer_norm_out.eps, self.gate_input == "raw"
         precision = torch.get_float32_matmul_precision()  # (the layer's: the backward's recompute runs outside it)
@@ -3629,29 +3627,15 @@ def _add_product_(total: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None
 
 
 SHARDED_STEP_MIN_BYTES = 1 << 26  # (tests set it to 1: one row per step)
-# The sharded training forward's PyTorch layers keep about this many values per position for their autograd, in the
-# pair's dtype, per C and per H (measured: 20560 MiB at (1,2048,128,128) bf16 at P = 1, ~20 pair blocks).
-_SHARDED_KEPT_PER_C, _SHARDED_KEPT_PER_H = 8, 12
-
-
-def _sharded_layers_fit(pair: torch.Tensor, hidden: int) -> bool:
-    """Whether the sharded training forward's per-position layers, all rows at once, keep what their autograd
-    needs within the GPU's free memory with 5 % to spare (always on the CPU: no query there)."""
-    if not pair.is_cuda:
-        return True
-    batch, rows, n, c = pair.shape
-    kept = batch * rows * n * (_SHARDED_KEPT_PER_C * c + _SHARDED_KEPT_PER_H * hidden) * pair.element_size()
-    return kept * 1.05 <= _free_bytes(pair.device)
-
-
-def _sharded_steps(pair: torch.Tensor, hidden: int) -> list:
-    """The row spans of _sharded_inference's steps: each step's temporaries (LayerNorm_in's rows and one side's
-    projections, or z's rows and the output layers: about 4 C + 8 H values per position) within an eighth of one
-    side's planes, at least SHARDED_STEP_MIN_BYTES."""
+def _sharded_steps(pair: torch.Tensor, hidden: int, share: int = 8) -> list:
+    """The row spans of the sharded layers' steps: each step's temporaries (LayerNorm_in's rows and one side's
+    projections, or z's rows and the output layers: about 4 C + 8 H values per position) within 1 / share of one
+    side's planes, at least SHARDED_STEP_MIN_BYTES. share 8: _sharded_inference's; 2: the training row steps'
+    (about 25 steps: each step's launches cost host time, and steps of two sides' bytes ran slower: bench/NOTES.md)."""
     batch, rows, n, c = pair.shape
     per_row = max(1, batch * n * (4 * c + 8 * hidden) * pair.element_size())
     side_bytes = batch * rows * n * hidden * pair.element_size()
-    return _spans(max(1, min(rows, max(side_bytes // 8, SHARDED_STEP_MIN_BYTES) // per_row)), 0, rows)
+    return _spans(max(1, min(rows, max(side_bytes // share, SHARDED_STEP_MIN_BYTES) // per_row)), 0, rows)
 
 
 def _sharded_fused(steps: ForwardSteps, ring: "_Ring", incoming: bool) -> torch.Tensor:
