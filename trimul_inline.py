@@ -2325,12 +2325,17 @@ def _reference_keeping(pair, mask, params, mode, incoming, gate_normalized, eps_
             rstd.reshape(-1).to(rstd_dtype))
 
 
+def _layer_norm_in(params, rows, eps_in):
+    """LayerNorm_in of `rows` [..., C] on a parameter list (_PARAM_PATHS order: its weight and bias first)."""
+    return torch.nn.functional.layer_norm(rows, rows.shape[-1:], params[0], params[1], eps_in)
+
+
 def _layers_in(params, pair, mask, eps_in, cast_mask=False):
     """x = LayerNorm_in(pair) and a, b = proj(x) * sigmoid(gate(x)) * mask ([B, rows, N, H]) on a parameter list
     (_PARAM_PATHS order). cast_mask: the mask in a's dtype first (under autocast a stays bf16)."""
-    ln_w, ln_b, pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b = params[:10]
+    pa_w, pa_b, ga_w, ga_b, pb_w, pb_b, gb_w, gb_b = params[2:10]
     linear = torch.nn.functional.linear
-    x = torch.nn.functional.layer_norm(pair, pair.shape[-1:], ln_w, ln_b, eps_in)
+    x = _layer_norm_in(params, pair, eps_in)
     m = mask.unsqueeze(-1)
 
     def gated(proj_w, proj_b, gate_w, gate_b):
@@ -2952,8 +2957,7 @@ class ModelNew(_TriMulLayers):
 
         def out_rows(z_rows, pair, *params):
             with _float32_matmul_precision(precision):
-                gate_source = pair if raw else torch.nn.functional.layer_norm(pair, pair.shape[-1:], params[0],
-                                                                              params[1], eps_in)
+                gate_source = pair if raw else _layer_norm_in(params, pair, eps_in)
                 return _layers_out(params, z_rows.permute(0, 2, 3, 1), gate_source, eps_out)
         sides = [checkpoint(planes, pair, mask, *params, use_reentrant=False) for pair, mask in zip(pairs, masks)]
         a_t, b_t = (torch.cat([side[i] for side in sides], 2) for i in range(2))
@@ -3001,8 +3005,8 @@ class ModelNew(_TriMulLayers):
 
     def _row_block_steps(self, pair_repr, pair_mask, mode) -> Optional[ForwardSteps]:
         """The fused input and output passes on this rank's block of rows [B, N_r, N, C] (planes in the outgoing
-        layout whatever the direction: the ring gives the contraction its direction), where kernels of the
-        default order take row blocks and the plan's planes are the ring's [B, H, N_r, N] as they are (no
+        layout whatever the direction: the exchange gives the contraction its direction), where kernels of the
+        default order take row blocks and the plan's planes are the exchange's [B, H, N_r, N] as they are (no
         padding: N a multiple of 32, z in the operands' dtype); else None (the PyTorch layers): an empty block, or
         kernels named for the input or output role that do not take a block (the PyTorch layers ignore them, as
         the sharded path always has)."""
@@ -3228,7 +3232,7 @@ def _layers_in_dtype(layers, dtype: torch.dtype):
     forwards built of PyTorch layers (chunked, sharded) run on."""
     params = [None if p is None else p.to(dtype) for p in _param_list(layers)]
     eps_in = layers.layer_norm_in.eps
-    return params, lambda rows: torch.nn.functional.layer_norm(rows, rows.shape[-1:], params[0], params[1], eps_in)
+    return params, lambda rows: _layer_norm_in(params, rows, eps_in)
 
 
 def _gated_side(params, x, mask, side: int, operand: torch.dtype):
@@ -3640,9 +3644,9 @@ def _sharded_steps(pair: torch.Tensor, hidden: int, share: int = 8) -> list:
 
 def _sharded_fused(steps: ForwardSteps, ring: "_Ring", incoming: bool) -> torch.Tensor:
     """The no-gradient sharded forward on the fused passes (ModelNew._row_block_steps: planes [B*H, N_r, N], no
-    padding): the input pass writes this rank's a / b planes, the ring contracts them as [B, H, N_r, N]
-    (_sharded_z), the output pass reads z's rows. a and b in buffers of their own, so that incoming frees a's
-    planes once the all-to-all has them, as on the PyTorch layers' path."""
+    padding): the input pass writes this rank's a / b planes, the exchange contracts them as [B, H, N_r, N]
+    (_rows_z), the output pass reads z's rows. a and b in buffers of their own, so that each is freed as soon as
+    the exchange has sent it, as on the PyTorch layers' path."""
     a_t, b_t = steps.new_side(), steps.new_side()
     steps.input_pass(a_t, b=b_t)
     batch = steps._call[0].shape[0]
@@ -3899,9 +3903,9 @@ def _channel_backward(kept: list, d_z: torch.Tensor, ring: _Ring, incoming: bool
     return d_a, d_b
 
 
-# What every rank of a sharded call must agree on beyond valid input: the sizes and the operands the ring moves
+# What every rank of a sharded call must agree on beyond valid input: the sizes and the operands the exchange moves
 # (a rank with another dtype, hidden size, precision or autocast would send blocks the others misread, or wait in
-# a collective the others never enter), whether a backward follows (the rings it runs) and the exchange.
+# a collective the others never enter), whether a backward follows (the transfers it runs) and the exchange.
 _AGREED = ("B", "N", "pair_dim", "hidden_dim", "direction", "gate_input", "pair dtype", "precision mode",
            "autocast", "gradients needed", "exchange")
 
@@ -3925,7 +3929,7 @@ def _sharded_agreement(layers, ring: _Ring, pair_repr, pair_mask) -> list:
 def _check_sharded_inputs(layers, ring: _Ring, pair_repr, pair_mask) -> None:
     """Every rank checks its block and learns whether any rank's was bad or disagrees with the others (_AGREED;
     one all-gather, under the group's timeout), so a bad block raises on every rank instead of leaving the
-    others waiting in the ring or reading blocks of another layout."""
+    others waiting in the exchange or reading blocks of another layout."""
     problem = None
     try:
         if isinstance(pair_repr, torch.Tensor) and pair_repr.dim() == 4:
