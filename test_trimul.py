@@ -5967,12 +5967,20 @@ def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, prec
 
 @contextlib.contextmanager
 def _leaving_group(dist, store):
-    """A rank's work in its process group: on success every rank leaves together (_leave_group); on a failure this
-    rank drops the group at once and raises, so that its error is the one reported (the peers then fail on the
-    closed connections, not after the group's timeout, which would report a peer's wait instead)."""
+    """A rank's work in its process group: on success every rank leaves together (_leave_group). On a failure the
+    first rank to fail marks it (a file beside the store), drops the group at once (its peers then fail on the closed
+    connections, not after the group's timeout) and raises; a rank that fails after another's mark waits before it
+    raises, so that the first failure is the one spawn reports (it reports the first process to exit, and stops
+    the rest)."""
+    import time
+    rank, world = dist.get_rank(), dist.get_world_size()
     try:
         yield
     except BaseException:
+        if any(os.path.exists(f"{store}.failed{r}") for r in range(world) if r != rank):
+            time.sleep(30)
+        else:
+            open(f"{store}.failed{rank}", "w").close()
         dist.destroy_process_group()
         raise
     _leave_group(dist, store)
@@ -6003,6 +6011,30 @@ def _all_ranks_at(marker: str, rank: int, world: int, timeout: float = 60.0) -> 
 def _spawn(worker, world, tmp_path, *args):
     store = tmp_path / f"store-{world}-{random.randrange(1 << 30)}"
     torch.multiprocessing.spawn(worker, args=(world, str(store), *args), nprocs=world)
+
+
+def _failing_rank_worker(rank, world, store):
+    """One rank: rank 1 fails on its own; the others go on to a collective, which fails once rank 1 dropped the
+    group."""
+    import datetime
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    with _leaving_group(dist, store):
+        dist.barrier()
+        if rank == 1:
+            raise ValueError("rank 1's own failure")
+        dist.all_reduce(torch.ones(4))
+
+
+def test_a_failing_rank_is_the_one_reported(tmp_path):
+    """The first rank to fail is the one spawn reports, not a peer that failed on its closed connection after it,
+    and none waits out the group's timeout."""
+    import time
+    start = time.monotonic()
+    with pytest.raises(Exception, match="rank 1's own failure"):
+        _spawn(_failing_rank_worker, 3, tmp_path)
+    assert time.monotonic() - start < 50
 
 
 @pytest.mark.parametrize("exchange", ti.SHARD_EXCHANGES)
