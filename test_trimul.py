@@ -3543,6 +3543,31 @@ def test_dz_planes_from_d_o_applies_where_its_rules_say():
                           ("output_backward=rows", "dz_planes_kernel", "dz_mma::kernel")], hidden=128, pair_dim=384)
 
 
+@HOPPER
+def test_backward_kernels_for_a_block_of_rows():
+    """A block of pair's rows (block_rows != N, a sharded rank's): output_backward's and input_backward's kernels
+    take it in the outgoing layout (wgmma / wgmma_rs at bf16, the rows kernels at fp32); incoming, a named torch
+    baseline and contract_backward refuse it; training_backward takes a block only with a contract_hook."""
+    extension = ti._extension()
+    like16, like32 = torch.empty(0, device="cuda", dtype=torch.bfloat16), torch.empty(0, device="cuda")
+    for role, name in (("output_backward", "wgmma"), ("input_backward", "wgmma_rs")):
+        assert extension.backward_kernel(role, "", 1, 64, 128, 128, False, like16, 2, 24) == name
+        assert extension.backward_kernel(role, "", 1, 64, 128, 128, False, like32, 0, 24) == "rows"
+        assert extension.backward_kernel(role, "", 1, 64, 128, 128, False, like16, 2, 64) == name  # (N rows)
+        with pytest.raises(NotImplementedError, match=f"no {role} kernel"):
+            extension.backward_kernel(role, "", 1, 64, 128, 128, True, like16, 2, 24)
+        with pytest.raises(ValueError, match="does not take this call"):
+            extension.backward_kernel(role, "torch", 1, 64, 128, 128, False, like16, 2, 24)
+    with pytest.raises(NotImplementedError, match="no contract_backward kernel"):
+        extension.backward_kernel("contract_backward", "", 1, 64, 32, 16, False, like32, 0, 24)
+    layer = ti.ModelNew(8, 4).cuda()
+    params = [p.detach() for p in ti._with_zero_biases(ti._param_list(layer))]
+    pair, mask = torch.randn(1, 3, 5, 8, device="cuda"), torch.ones(1, 3, 5, device="cuda", dtype=torch.bool)
+    with pytest.raises(ValueError, match="block of pair's rows.*only with a contract_hook"):
+        extension.training_backward(torch.randn_like(pair), pair, mask, params, "", "", "", "", 0, True, False, True,
+                                    1e-5, 1e-5, False, True, True, None, False)
+
+
 def _assert_step_kernels(cases, hidden=128, pair_dim=128):
     """For each (kernels, expected, absent): a medium training step of ModelNew(pair_dim, hidden, kernels=kernels)
     at N = 136 (bf16 products) launches a kernel whose name contains `expected` and none containing `absent`."""
@@ -6257,6 +6282,93 @@ def test_sharded_inference_on_the_fused_passes(world, exchange, tmp_path):
     _spawn(_sharded_fused_worker, world, tmp_path, cases, exchange)
 
 
+def _sharded_trained_worker(rank, world, store, cases, exchange, backend="gloo"):
+    """The sharded training step on the fused passes and the backward kernels for a block of rows
+    (_ShardedTraining, counted; the row steps never taken): pair_dim = hidden = 128, N a multiple of 32, bf16
+    parameters and inputs or fp32 ones at "medium" (with a float mask's gradient). The output, d pair_repr, d mask
+    and every parameter's gradient (summed over the ranks) against the float64 single process, each within 1.5x
+    the one-GPU fused step's error on the same draw (+ 1e-3); a second step gives bitwise-equal gradients. backend
+    "nccl": one GPU per rank."""
+    import datetime
+    import torch.distributed as dist
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    with _leaving_group(dist, store):
+        for seed, direction, gate_input, n, dtype, kernels in cases:
+            g = torch.Generator().manual_seed(seed)
+            reference = random_layers(ti.Model(128, 128, direction, gate_input).double(), g)
+            float_mask = dtype == torch.float32
+            pair, mask = random_inputs(2, n, 128, g, mask_dtype=torch.float64 if float_mask else torch.bool)
+            grad_out = torch.randn(pair.shape, generator=g, dtype=torch.float64)
+            full_pair, full_mask = pair.clone().requires_grad_(), mask.clone().requires_grad_(float_mask)
+            reference(full_pair, full_mask).backward(grad_out)
+            shard = ti.shard_rows(n, world, rank)
+            rows = slice(shard.start, shard.stop)
+            label = f"rank {rank}/{world} {exchange} {direction} {gate_input} N={n} {dtype} {kernels} (seed {seed})"
+            results, taken = {}, []
+            trained, by_steps = ti._ShardedTraining.apply, ti.ModelNew._sharded_by_row_steps
+            ti._ShardedTraining.apply = lambda *args: taken.append("block kernels") or trained(*args)
+            ti.ModelNew._sharded_by_row_steps = lambda *args: taken.append("row steps") or by_steps(*args)
+            for name, group in (("sharded", dist.group.WORLD), ("single", None)):
+                layer = ti.ModelNew(128, 128, direction, gate_input, process_group=group, shard_exchange=exchange,
+                                    precision="medium", kernels=kernels)
+                layer.load_state_dict(reference.state_dict())
+                layer = layer.to("cuda", dtype)
+                part = rows if name == "sharded" else slice(0, n)
+                steps = []
+                for _ in range(2 if name == "sharded" else 1):
+                    layer.zero_grad(set_to_none=True)
+                    local_pair = pair[:, part].to("cuda", dtype).requires_grad_()
+                    local_mask = mask[:, part].to("cuda", dtype if float_mask else torch.bool) \
+                        .requires_grad_(float_mask)
+                    out = layer(local_pair, local_mask)
+                    out.backward(grad_out[:, part].to("cuda", dtype))
+                    grads = [p.grad.float() for p in layer.parameters()]
+                    if name == "sharded":
+                        for grad in grads:
+                            dist.all_reduce(grad)
+                    steps.append((out, local_pair.grad, local_mask.grad if float_mask else None, grads))
+                results[name] = steps
+            del ti._ShardedTraining.apply  # (Function's own again)
+            ti.ModelNew._sharded_by_row_steps = by_steps
+            assert taken == ["block kernels"] * 2, f"{label}: {taken}"
+            (out, d_pair, d_mask, d_params), again = results["sharded"]
+            assert torch.equal(d_pair, again[1]) and all(torch.equal(a, b) for a, b in zip(d_params, again[3])), \
+                f"{label}: two steps' gradients differ"
+            single_out, single_d_pair, single_d_mask, single_d_params = results["single"][0]
+            checks = [("out", out, single_out[:, rows], reference(pair, mask)[:, rows]),
+                      ("d pair", d_pair, single_d_pair[:, rows], full_pair.grad[:, rows])]
+            if float_mask:
+                checks.append(("d mask", d_mask, single_d_mask[:, rows], full_mask.grad[:, rows]))
+            checks += [(name, got, single, p.grad) for (name, _), got, single, p in
+                       zip(reference.named_parameters(), d_params, single_d_params, reference.parameters())]
+            for name, got, single, expected in checks:
+                error, single_error = _grad_error(got.cpu(), expected), _grad_error(single.cpu(), expected)
+                assert error <= 1.5 * single_error + 1e-3, \
+                    f"{label}: {name} error {error:.2e}, the one-GPU step's {single_error:.2e}"
+
+
+@cuda
+@pytest.mark.parametrize("world, exchange", [(1, None), (3, "ring"), (3, "channels")])
+def test_sharded_training_on_the_block_kernels(world, exchange, tmp_path):
+    """world 1 (the whole pair as one block) and 3 ranks on one GPU (N = 160: blocks of 54, 53, 53 rows) by each
+    exchange, B = 2, both directions and gate inputs, bf16 and fp32 "medium" with a float mask's gradient: the
+    sharded training step on the block kernels as the float64 single process, no worse than the one-GPU step; the
+    rows kernels of both roles by name too (their tile passes on a block)."""
+    if not _on_hopper():
+        pytest.skip("the row-block passes are the sm_90a register-row kernels")
+    seed = fresh_seed()
+    rows_kernels = "output_backward=rows,input_backward=rows"
+    cases = [(seed + i, direction, gate_input, 160, dtype, kernels) for i, (direction, gate_input, dtype, kernels) in
+             enumerate([("outgoing", "normalized", torch.bfloat16, None), ("incoming", "raw", torch.float32, None),
+                        ("incoming", "normalized", torch.bfloat16, None), ("outgoing", "raw", torch.float32, None),
+                        ("outgoing", "normalized", torch.float32, rows_kernels),
+                        ("incoming", "raw", torch.bfloat16, rows_kernels)])]
+    _spawn(_sharded_trained_worker, world, tmp_path, cases, exchange)
+
+
 def _alive_at_products(product: str, alive, run) -> tuple:
     """(run(), alive() at each call of ti.<product> during it)."""
     original, seen = getattr(ti, product), []
@@ -6336,6 +6448,19 @@ def test_sharded_nccl_one_rank_per_gpu(world, exchange, tmp_path):
                  [("outgoing", "raw", 1, 2 * world + 1, True), ("incoming", "normalized", 2, 3 * world - 1, False),
                   ("outgoing", "normalized", 1, world - 1, False), ("incoming", "raw", 1, 37, True)])]
     _spawn(_sharded_worker, world, tmp_path, cases, "cuda", torch.float32, "highest", 1e-5, "nccl", exchange)
+
+
+@pytest.mark.skipif(GPU_COUNT < 2 or not _on_hopper(), reason="needs 2+ Hopper GPUs (one NCCL rank per GPU)")
+@pytest.mark.parametrize("exchange", ti.SHARD_EXCHANGES)
+@pytest.mark.parametrize("world", sorted({2, max(GPU_COUNT, 2)}))
+def test_sharded_training_nccl_on_the_block_kernels(world, exchange, tmp_path):
+    """One rank per GPU over NCCL, each exchange: the bf16 training step on the block kernels (N = 32 P + 32: the
+    blocks' rows uneven where P does not divide it), as test_sharded_training_on_the_block_kernels."""
+    seed = fresh_seed()
+    n = 32 * world + 32
+    cases = [(seed + i, direction, gate_input, n, dtype, None) for i, (direction, gate_input, dtype) in
+             enumerate([("outgoing", "normalized", torch.bfloat16), ("incoming", "raw", torch.float32)])]
+    _spawn(_sharded_trained_worker, world, tmp_path, cases, exchange, "nccl")
 
 
 def test_distributed_bench_runs_on_cpus(tmp_path):

@@ -2924,6 +2924,9 @@ class ModelNew(_TriMulLayers):
         params = _param_list(self)
         with _float32_matmul_precision(self.resolved_precision()):
             if self._sharded_recomputes():
+                out = self._sharded_trained(pair_repr, pair_mask, ring)
+                if out is not None:
+                    return out
                 return self._sharded_by_row_steps(pair_repr, pair_mask, params, ring)
             x, a, b = _layers_in(params, pair_repr, pair_mask, self.layer_norm_in.eps, cast_mask=True)
             # planes [B, H, N_r, N] of this rank's rows (incoming: rows are the contracted index k)
@@ -2937,6 +2940,39 @@ class ModelNew(_TriMulLayers):
         (_sharded_by_row_steps): unless backward_saves is "z" (keep their autograd's intermediates, ~20 pair
         blocks), since recomputing measured faster as well as smaller (bench/NOTES.md)."""
         return self.backward_saves != "z"
+
+    def _sharded_trained(self, pair_repr, pair_mask, ring):
+        """_forward_sharded's training forward on the fused passes, its backward on the backward roles' kernels for
+        this rank's block of rows (_ShardedTraining: z's rows and the exchange's operands kept, nothing else), where
+        they take the call: bf16 operands (bf16 inputs, "medium", or bf16 autocast), the row-block passes
+        (_row_block_steps), and output_backward and input_backward kernels that take a block of rows; else None
+        (the PyTorch layers by row steps). Eager calls only (torch.compile traces the row steps)."""
+        if torch.compiler.is_compiling() or not pair_repr.is_cuda or \
+                compute_mode(pair_repr.dtype, self.resolved_precision()) != "bf16":
+            return None
+        pair_repr, pair_mask = self._fused_inputs(pair_repr, pair_mask)
+        kernels = _with_override(self.kernels)
+        if not self._block_backward_takes(pair_repr, kernels):
+            return None
+        with torch.autocast("cuda", enabled=False):
+            steps = self._row_block_steps(pair_repr, pair_mask, "bf16")
+            if steps is None:
+                return None
+            options = (kernels, self.gate_input == "normalized", self.layer_norm_in.eps, self.layer_norm_out.eps)
+            return _ShardedTraining.apply(pair_repr, pair_mask, steps, ring, self.direction == "incoming", options,
+                                          *_param_list(self))
+
+    def _block_backward_takes(self, pair_repr, kernels) -> bool:
+        """Whether output_backward's and input_backward's kernels (named, else the default order's) take this
+        rank's block of rows [B, N_r, N, C] with bf16 operands (the torch baselines take none)."""
+        batch, rows, n, pair_dim = pair_repr.shape
+        like = pair_repr.new_empty(0, dtype=torch.bfloat16)
+        try:
+            return all(_extension().backward_kernel(role, getattr(kernels, role) or "", batch, n, pair_dim,
+                                                    self.hidden_dim, False, like, _precision_code("bf16"), rows)
+                       for role in ("output_backward", "input_backward"))
+        except (ValueError, NotImplementedError):  # (a kernel named for the role that does not take it)
+            return False
 
     def _sharded_by_row_steps(self, pair_repr, pair_mask, params, ring):
         """_forward_sharded's training forward with its per-position layers a few rows at a time
@@ -3658,6 +3694,58 @@ def _sharded_fused(steps: ForwardSteps, ring: "_Ring", incoming: bool) -> torch.
     return out
 
 
+class _ShardedTraining(torch.autograd.Function):
+    """The sharded training step on the fused passes and the backward roles' kernels for this rank's block of rows
+    (ModelNew._sharded_trained). Forward: as _sharded_fused, keeping z's rows and what the exchange's backward
+    keeps (_exchange_z). Backward: training_backward's one extension call on the block, its contraction backward
+    the exchange's (the call's contract_hook, between output_backward's dz and input_backward). The kept buffers
+    are intermediates on the context, handed over and freed once used; under torch.utils.checkpoint's hooks saved
+    tensors instead (as _TrimulFunction's). apply(pair, mask, steps, ring, incoming, options, *params): steps the
+    block's ForwardSteps (bf16 planes, the outgoing layout), options (kernels, gate_normalized, eps_in, eps_out),
+    params the 16 (None for a missing bias)."""
+
+    @staticmethod
+    def forward(ctx, pair, mask, steps, ring, incoming, options, *params):
+        a_t, b_t = steps.new_side(), steps.new_side()
+        steps.input_pass(a_t, b=b_t)
+        batch = pair.shape[0]
+        z, kept = _exchange_z(a_t.view(batch, -1, *a_t.shape[1:]), b_t.view(batch, -1, *b_t.shape[1:]), ring,
+                              incoming, keep=True)
+        del a_t, b_t
+        kept.insert(0, z.view(-1, *z.shape[2:]))  # (z's planes [B*H, N_r, N], as training_backward takes them)
+        out = steps.new_out()
+        steps.output_pass(out, z=kept[0])
+        del z
+        ctx.ring, ctx.incoming, ctx.options = ring, incoming, options
+        ctx.kept_saved = _checkpoint_hooks_active()
+        ctx.save_for_backward(pair, mask, *params, *(kept if ctx.kept_saved else []))
+        ctx.kept = None if ctx.kept_saved else kept
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        _refuse_create_graph()  # (transfers and in-place sums: not differentiable again)
+        pair, mask, *params = ctx.saved_tensors
+        kept = params[16:] if ctx.kept_saved else ctx.kept
+        del params[16:]
+        ctx.kept = None
+        saved = [kept.pop(0), None, None, None]  # (z: training_backward empties the list)
+        kernels, gate_normalized, eps_in, eps_out = ctx.options
+        ring, incoming, wanted = ctx.ring, ctx.incoming, ctx.needs_input_grad
+        batch, rows, n, _ = pair.shape
+
+        def contract(d_z):  # [B*H, N_r, N] -> (d a, d b) of this rank's rows, by the exchange
+            d_a, d_b = _exchange_backward(kept, d_z.view(batch, -1, rows, n), ring, incoming)
+            return d_a.reshape(d_z.shape), d_b.reshape(d_z.shape)
+        d_pair, d_mask, *d_params = _extension().training_backward(
+            grad_out.contiguous(), pair, mask, [p.detach() for p in _with_zero_biases(params)],
+            kernels.output_backward or "", kernels.input_backward or "", "", kernels.position_gemm or "",
+            _precision_code("bf16"), False, False, gate_normalized, eps_in, eps_out, bool(wanted[1]), bool(wanted[0]),
+            any(wanted[6:]), saved, False, contract)
+        return (d_pair if wanted[0] else None, d_mask.to(mask.dtype) if wanted[1] else None, None, None, None,
+                None) + tuple(g.to(p.dtype) if w else None for g, p, w in zip(d_params, params, wanted[6:]))
+
+
 class _ShardedContraction(torch.autograd.Function):
     """z's rows of this rank from a/b planes [B, H, N_r, N] of this rank's rows (a_t[b, h, r, k] is position
     (r, k): row r of this rank's block), by the ring's exchange: "channels", _channel_z and _channel_backward;
@@ -3671,13 +3759,8 @@ class _ShardedContraction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a_t, b_t, ring, incoming):
-        keep = any(ctx.needs_input_grad[:2])
-        if ring.exchange == "channels":
-            z, kept = _channel_z([a_t, b_t], ring, incoming, keep)
-            ctx.save_for_backward(*kept)  # (each channel group's a and b over all rows)
-        else:
-            z, a_kept = _sharded_z([a_t, b_t], ring, incoming, keep_a=keep)
-            ctx.save_for_backward(a_kept, b_t)  # (a_kept None: no backward will run)
+        z, kept = _exchange_z(a_t, b_t, ring, incoming, keep=any(ctx.needs_input_grad[:2]))
+        ctx.save_for_backward(*kept)
         ctx.ring, ctx.incoming = ring, incoming
         ctx.precision = torch.get_float32_matmul_precision()  # (the layer's; autograd runs backward outside it)
         return z
@@ -3686,31 +3769,46 @@ class _ShardedContraction(torch.autograd.Function):
     def backward(ctx, d_z):
         _refuse_create_graph()  # (transfers and in-place sums: not differentiable again)
         with _float32_matmul_precision(ctx.precision):
-            return _ShardedContraction._backward(ctx, d_z)
+            return (*_exchange_backward(list(ctx.saved_tensors), d_z, ctx.ring, ctx.incoming), None, None)
 
-    @staticmethod
-    def _backward(ctx, d_z):
-        if ctx.ring.exchange == "channels":
-            return (*_channel_backward(list(ctx.saved_tensors), d_z, ctx.ring, ctx.incoming), None, None)
-        a_t, b_t = ctx.saved_tensors
-        ring, columns = ctx.ring, ctx.ring.columns
-        d_z = d_z.contiguous()
-        if ctx.incoming:  # a_t: [B, H, N (k), N_r (i)]; z[i, j] = sum_k a[k, i] b[k, j]
-            d_a = torch.empty_like(a_t)
 
-            def product(block, s):
-                d_a[:, :, columns[s]] = block @ d_z.transpose(-1, -2)
-            _ring_products(ring, b_t, product, 2)
-            d_a = torch.cat(ring.all_to_all([d_a[:, :, c] for c in columns]), dim=3)
-            d_b = _ring_reduce(ring, lambda s: a_t[:, :, columns[s]] @ d_z, 2)
-        else:  # z[i, j] = sum_k a[i, k] b[j, k]
-            d_a = torch.zeros_like(a_t)
+def _exchange_z(a_t, b_t, ring: _Ring, incoming: bool, keep: bool):
+    """z's rows of this rank [B, H, N_r, N] from a / b planes of its rows by the ring's exchange, and what its
+    backward keeps (a list for _exchange_backward; empty unless keep): the channel exchange's each channel group's
+    a and b over all rows, the ring's a (incoming: a's column block) and b_t."""
+    if ring.exchange == "channels":
+        return _channel_z([a_t, b_t], ring, incoming, keep)
+    z, a_kept = _sharded_z([a_t, b_t], ring, incoming, keep_a=keep)
+    return z, [a_kept, b_t] if keep else []
 
-            def product(block, s):
-                _add_product_(d_a, d_z[..., columns[s]], block)
-            _ring_products(ring, b_t, product, 2)
-            d_b = _ring_reduce(ring, lambda s: d_z[..., columns[s]].transpose(-1, -2) @ a_t, 2)
-        return d_a, d_b, None, None
+
+def _exchange_backward(kept: list, d_z: torch.Tensor, ring: _Ring, incoming: bool) -> tuple:
+    """(d a, d b) of this rank's rows from d z's rows [B, H, N_r, N] and _exchange_z's kept list (emptied once
+    used: the caller may hold no other reference)."""
+    if ring.exchange == "channels":
+        grads = _channel_backward(kept, d_z, ring, incoming)
+        kept.clear()
+        return grads
+    a_t, b_t = kept
+    kept.clear()
+    columns = ring.columns
+    d_z = d_z.contiguous()
+    if incoming:  # a_t: [B, H, N (k), N_r (i)]; z[i, j] = sum_k a[k, i] b[k, j]
+        d_a = torch.empty_like(a_t)
+
+        def product(block, s):
+            d_a[:, :, columns[s]] = block @ d_z.transpose(-1, -2)
+        _ring_products(ring, b_t, product, 2)
+        d_a = torch.cat(ring.all_to_all([d_a[:, :, c] for c in columns]), dim=3)
+        d_b = _ring_reduce(ring, lambda s: a_t[:, :, columns[s]] @ d_z, 2)
+    else:  # z[i, j] = sum_k a[i, k] b[j, k]
+        d_a = torch.zeros_like(a_t)
+
+        def product(block, s):
+            _add_product_(d_a, d_z[..., columns[s]], block)
+        _ring_products(ring, b_t, product, 2)
+        d_b = _ring_reduce(ring, lambda s: d_z[..., columns[s]].transpose(-1, -2) @ a_t, 2)
+    return d_a, d_b
 
 
 def _sharded_z(planes: list, ring: _Ring, incoming: bool, keep_a: bool):

@@ -2,7 +2,8 @@
 group of one rank (NCCL: the ring moves nothing, so what is left is the per-rank compute), against the fused forward
 of the same layer in the same process; then the top CUDA kernels of one sharded forward (torch.profiler), and the
 training step of both at a smaller N (time and peak above the inputs), the sharded one keeping its layers'
-intermediates (backward_saves="z") and recomputing them by row steps ("inputs").
+intermediates (backward_saves="z"), recomputing them by row steps, and on the backward kernels for a block of rows
+(the default where they take the call).
 
     PYTHONPATH=. python dev/sharded_profile.py [--n 4096] [--train-n 2048] [--direction outgoing]
 """
@@ -52,9 +53,11 @@ def forward_times(n: int, direction: str, group) -> None:
 
 def step_times(n: int, direction: str, group) -> None:
     pair, mask = inputs(n)
-    for name, pg, saves in (("fused", None, None), ("sharded P=1", group, "z"), ("sharded, recomputed", group,
-                                                                                "inputs")):
+    for name, pg, saves in (("fused", None, None), ("sharded P=1", group, "z"), ("sharded, row steps", group, "inputs"),
+                            ("sharded, block kernels", group, None)):
         model = layers(direction, pg, saves)
+        if name.endswith("row steps"):  # (the PyTorch layers by row steps, where the block kernels would run)
+            model._sharded_trained = lambda *args: None
         leaf = pair.clone().requires_grad_()
 
         def step():

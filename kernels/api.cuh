@@ -197,8 +197,9 @@ struct ForwardPlan {
 
 // The backward's memory passes (training). Between them the extension runs cuBLAS GEMMs over positions.
 // Rows: one per position (b, i, j) in pair_repr's order, [P = B*N*N, width] row-major. Planes: the
-// contraction's layout [B*H, N, N]; a/b planes of the incoming direction hold position (b, k, r) at plane
-// element (r, k), z and dz planes position (b, r, k) in both directions. "operand": BackwardArgs::operand.
+// contraction's layout [B*H, N, N] (a block of rows: [B*H, block_rows, N], BackwardArgs::block_rows); a/b
+// planes of the incoming direction hold position (b, k, r) at plane element (r, k), z and dz planes position
+// (b, r, k) in both directions. "operand": BackwardArgs::operand.
 enum class BackwardPass : int {
   input_rows = 0,  // pair -> rows: x_hat [P, C] operand (LayerNorm_in without affine)         input_backward
   gated_planes,    // proj [P, 4H] (pa | ga | pb | gb), mask -> a_planes, b_planes              input_backward
@@ -227,6 +228,10 @@ enum class BackwardPass : int {
 struct BackwardArgs {
   BackwardPass pass;
   int64_t batch, n, c, h;
+  // The planes' rows (pair_rows): 0 = N (square planes); else a block of pair's rows [B, block_rows, N, C], its
+  // planes [B*H, block_rows, N] (a sharded rank's rows, P = B*block_rows*N): the outgoing layout only (incoming
+  // false), the contraction being the caller's. plan_backward refuses a block to the roles that would contract.
+  int64_t block_rows;
   bool incoming;
   Dtype operand;  // rows and planes: bf16 / f16 (the 16-bit modes) or f32
   float eps;      // LayerNorm_in's (input_rows, d_pair) or LayerNorm_out's (z_rows)
@@ -316,6 +321,10 @@ struct BackwardArgs {
   int64_t gemm_partial_floats;
   cudaStream_t stream;
 };
+
+// The rows of a batch element's planes and of its positions (BackwardArgs::block_rows), and the positions P.
+constexpr int64_t pair_rows(const BackwardArgs& args) { return args.block_rows > 0 ? args.block_rows : args.n; }
+constexpr int64_t positions(const BackwardArgs& args) { return args.batch * pair_rows(args) * args.n; }
 
 // The floats a position_gemm kernel's split weight takes for a weight [n, k] (BackwardArgs::gemm_w_split): its
 // hi and lo tf32 parts, n padded to 128 rows and k to 64 columns (zeros).

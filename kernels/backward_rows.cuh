@@ -100,28 +100,32 @@ __device__ __forceinline__ void layer_norm_grad_means(const float* __restrict__ 
 
 struct Tile {
   int64_t b, r, k0;
+  int64_t rows, n;  // the planes' rows and columns (pair_rows, N)
   int count;  // positions in the tile (the last of a row may have fewer than kTile)
 };
 
-__device__ __forceinline__ Tile tile_at(int64_t index, int64_t n) {
-  const int64_t per_row = ceil_div(n, kTile);
+__device__ __forceinline__ Tile tile_at(int64_t index, const BackwardArgs& args) {
+  const int64_t n = args.n, rows = pair_rows(args), per_row = ceil_div(n, kTile);
   Tile t;
   t.k0 = index % per_row * kTile;
-  t.r = index / per_row % n;
-  t.b = index / per_row / n;
+  t.r = index / per_row % rows;
+  t.b = index / per_row / rows;
+  t.rows = rows;
+  t.n = n;
   t.count = static_cast<int>(n - t.k0 < kTile ? n - t.k0 : kTile);
   return t;
 }
 
-// Position (row index into [P, width] rows) of the tile's q-th element.
-__device__ __forceinline__ int64_t tile_position(const Tile& t, int q, int64_t n, bool transposed) {
+// Position (row index into [P, width] rows) of the tile's q-th element (transposed: square planes only, as
+// plan_backward keeps blocks of rows to the outgoing layout).
+__device__ __forceinline__ int64_t tile_position(const Tile& t, int q, bool transposed) {
   const int64_t k = t.k0 + q;
-  return transposed ? (t.b * n + k) * n + t.r : (t.b * n + t.r) * n + k;
+  return transposed ? (t.b * t.n + k) * t.n + t.r : (t.b * t.rows + t.r) * t.n + k;
 }
 
-// Element (h, q) of the tile in the planes [B*H, N, N].
-__device__ __forceinline__ int64_t plane_index(const Tile& t, int64_t h, int q, int64_t n, int64_t hidden) {
-  return ((t.b * hidden + h) * n + t.r) * n + t.k0 + q;
+// Element (h, q) of the tile in the planes [B*H, rows, N].
+__device__ __forceinline__ int64_t plane_index(const Tile& t, int64_t h, int q, int64_t hidden) {
+  return ((t.b * hidden + h) * t.rows + t.r) * t.n + t.k0 + q;
 }
 
 // Copies tile values between planes and shared memory [h][kTileStride] (fp32), all threads of the block.
@@ -131,17 +135,16 @@ __device__ __forceinline__ int64_t plane_index(const Tile& t, int64_t h, int q, 
 // third of the bandwidth); the tile's stores stay conflict-free. d_proj, which reads two sets of planes and
 // holds more registers, ran slower with it (bench/NOTES.md): scalar there.
 template <bool kVectorRead = false, typename T>
-__device__ __forceinline__ void planes_to_tile(const T* planes, float* tile, const Tile& t, int64_t n,
-                                               int64_t hidden) {
+__device__ __forceinline__ void planes_to_tile(const T* planes, float* tile, const Tile& t, int64_t hidden) {
   constexpr int kVector = 4, kLanesPerRow = kTile / kVector, kRowsPerPass = kThreads / kLanesPerRow, kBatch = 4;
-  if (kVectorRead && t.count == kTile && n % kVector == 0) {
+  if (kVectorRead && t.count == kTile && t.n % kVector == 0) {
     const int q = static_cast<int>(threadIdx.x % kLanesPerRow) * kVector;
     for (int64_t h0 = threadIdx.x / kLanesPerRow; h0 < hidden; h0 += kBatch * kRowsPerPass) {
       float v[kBatch][kVector];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const int64_t h = h0 + u * kRowsPerPass;
-        if (h < hidden) load_pack<kVector>(planes + plane_index(t, h, q, n, hidden), v[u]);
+        if (h < hidden) load_pack<kVector>(planes + plane_index(t, h, q, hidden), v[u]);
       }
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
@@ -157,22 +160,21 @@ __device__ __forceinline__ void planes_to_tile(const T* planes, float* tile, con
   for (int64_t i = threadIdx.x; i < hidden * kTile; i += kThreads) {
     const int64_t h = i / kTile;
     const int q = static_cast<int>(i % kTile);
-    if (q < t.count) tile[h * kTileStride + q] = to_float(planes[plane_index(t, h, q, n, hidden)]);
+    if (q < t.count) tile[h * kTileStride + q] = to_float(planes[plane_index(t, h, q, hidden)]);
   }
 }
 
 template <typename T>
-__device__ __forceinline__ void tile_to_planes(const float* tile, T* planes, const Tile& t, int64_t n,
-                                               int64_t hidden) {
+__device__ __forceinline__ void tile_to_planes(const float* tile, T* planes, const Tile& t, int64_t hidden) {
   for (int64_t i = threadIdx.x; i < hidden * kTile; i += kThreads) {
     const int64_t h = i / kTile;
     const int q = static_cast<int>(i % kTile);
-    if (q < t.count) planes[plane_index(t, h, q, n, hidden)] = from_float<T>(tile[h * kTileStride + q]);
+    if (q < t.count) planes[plane_index(t, h, q, hidden)] = from_float<T>(tile[h * kTileStride + q]);
   }
 }
 
 __host__ __device__ inline int64_t tile_count(const BackwardArgs& args) {
-  return args.batch * args.n * ceil_div(args.n, kTile);
+  return args.batch * pair_rows(args) * ceil_div(args.n, kTile);
 }
 
 // Shared memory of a tile pass with `planes` tiles of H channels.
@@ -202,7 +204,7 @@ cudaError_t launch_tiles(Kernel kernel, const BackwardArgs& args, int64_t bytes,
 // A row kernel (one warp per position, grid-stride): kBackwardSumRows blocks where it sums.
 template <typename Kernel>
 cudaError_t launch_rows(Kernel kernel, const BackwardArgs& args, int64_t bytes = 0, bool sums = false) {
-  const int64_t warps = ceil_div(args.batch * args.n * args.n, kWarps);
+  const int64_t warps = ceil_div(positions(args), kWarps);
   const int64_t blocks = std::min<int64_t>(warps, sums ? kBackwardSumRows : 8 * std::max<int64_t>(sm_count(), 1) * 8);
   return launch_blocks(kernel, args, blocks, bytes);
 }

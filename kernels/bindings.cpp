@@ -600,15 +600,17 @@ trimul::Role backward_role(const std::string& role) {
 }
 
 // The sizes every pass of a backward shares.
+// block_rows: a block of pair's rows (BackwardArgs::block_rows; 0: N).
 trimul::BackwardArgs backward_sizes(int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
-                                    const at::Tensor& like, int64_t precision) {
+                                    const at::Tensor& like, int64_t precision, int64_t block_rows = 0) {
   TORCH_CHECK_VALUE(precision >= 0 && precision <= 2, "trimul_inline: precision code ", text(precision),
                     " is not 0 (highest), 1 (high) or 2 (medium)");
-  TORCH_CHECK_VALUE(batch >= 0 && n >= 0 && c > 0 && h > 0, "trimul_inline: backward sizes B ", text(batch), ", N ",
-                    text(n), ", C ", text(c), ", H ", text(h));
+  TORCH_CHECK_VALUE(batch >= 0 && n >= 0 && c > 0 && h > 0 && block_rows >= 0, "trimul_inline: backward sizes B ",
+                    text(batch), ", N ", text(n), ", C ", text(c), ", H ", text(h), ", rows ", text(block_rows));
   trimul::BackwardArgs args{};
   args.batch = batch;
   args.n = n;
+  args.block_rows = block_rows == n ? 0 : block_rows;
   args.c = c;
   args.h = h;
   args.incoming = incoming;
@@ -628,9 +630,10 @@ int plan_backward_kernel(trimul::Role role, const std::string& chosen, const tri
 // The kernel a backward role runs for these sizes and operand dtype (chosen, else the default order's
 // first that takes them): its name, or "" where that is a torch baseline (the caller's PyTorch passes).
 std::string backward_kernel(const std::string& role, const std::string& chosen, int64_t batch, int64_t n, int64_t c,
-                            int64_t h, bool incoming, const at::Tensor& like, int64_t precision) {
-  const int kernel =
-      plan_backward_kernel(backward_role(role), chosen, backward_sizes(batch, n, c, h, incoming, like, precision));
+                            int64_t h, bool incoming, const at::Tensor& like, int64_t precision,
+                            int64_t block_rows = 0) {
+  const int kernel = plan_backward_kernel(backward_role(role), chosen,
+                                          backward_sizes(batch, n, c, h, incoming, like, precision, block_rows));
   return kernel < 0 ? std::string() : std::string(kernel_name(kernel));
 }
 
@@ -670,7 +673,7 @@ void* pass_rows(const std::unordered_map<std::string, at::Tensor>& tensors, cons
 // tensors named as BackwardArgs' fields; `like` fixes the device and the operand dtype.
 void backward_pass(const std::string& role, const std::string& kernel, int64_t pass, int64_t batch, int64_t n,
                    int64_t c, int64_t h, bool incoming, int64_t precision, double eps, const at::Tensor& like,
-                   const std::unordered_map<std::string, at::Tensor>& tensors) {
+                   const std::unordered_map<std::string, at::Tensor>& tensors, int64_t block_rows = 0) {
   TORCH_CHECK_VALUE(like.is_cuda(), "trimul_inline: the backward's kernels take CUDA tensors");
   TORCH_CHECK_VALUE((pass >= 0 && pass <= static_cast<int64_t>(trimul::BackwardPass::d_pair)) ||
                         pass == static_cast<int64_t>(trimul::BackwardPass::z_gate_grad) ||
@@ -678,12 +681,12 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
                         pass == static_cast<int64_t>(trimul::BackwardPass::dz_planes_g_out),
                     "trimul_inline: backward pass code ", text(pass));
   const c10::cuda::CUDAGuard guard(like.device());
-  trimul::BackwardArgs args = backward_sizes(batch, n, c, h, incoming, like, precision);
+  trimul::BackwardArgs args = backward_sizes(batch, n, c, h, incoming, like, precision, block_rows);
   args.pass = static_cast<trimul::BackwardPass>(pass);
   args.eps = static_cast<float>(eps);
   at::Tensor aligned_d_out, aligned_x_hat;  // (z_gate_grad: d out and the gate rows copied where they are not 16-byte
                                             // aligned, for TMA; they live to the launch)
-  const int64_t positions = batch * n * n;
+  const int64_t positions = trimul::positions(args);
   const at::ScalarType operand = scalar_type(args.operand);
   const auto any_float = {at::kFloat, at::kBFloat16, at::kHalf};
   const auto f32 = {at::kFloat};
@@ -805,8 +808,9 @@ void backward_pass(const std::string& role, const std::string& kernel, int64_t p
 // Whether the backward role `role`'s kernel `kernel` takes `pass` with its inputs left to the pass (the sizes'
 // args: every buffer null) at these sizes.
 bool backward_takes(trimul::Role role, const std::string& kernel, trimul::BackwardPass pass, int64_t batch, int64_t n,
-                    int64_t c, int64_t h, bool incoming, const at::Tensor& like, int64_t precision) {
-  trimul::BackwardArgs args = backward_sizes(batch, n, c, h, incoming, like, precision);
+                    int64_t c, int64_t h, bool incoming, const at::Tensor& like, int64_t precision,
+                    int64_t block_rows) {
+  trimul::BackwardArgs args = backward_sizes(batch, n, c, h, incoming, like, precision, block_rows);
   args.pass = pass;
   int index = -1;
   char message[512] = "";
@@ -817,41 +821,41 @@ bool backward_takes(trimul::Role role, const std::string& kernel, trimul::Backwa
 // Whether input_backward's kernel `kernel` takes d_proj from x_hat (BackwardArgs::x_hat: proj recomputed in the
 // pass, no proj GEMM before it) at these sizes.
 bool d_proj_from_x_hat(const std::string& kernel, int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
-                       const at::Tensor& like, int64_t precision) {
+                       const at::Tensor& like, int64_t precision, int64_t block_rows = 0) {
   return backward_takes(trimul::Role::input_backward, kernel, trimul::BackwardPass::d_proj, batch, n, c, h, incoming,
-                        like, precision);
+                        like, precision, block_rows);
 }
 
 // Whether input_backward's kernel `kernel` takes d_pair from d proj (d x_hat = d proj W_in_f + d gate W_gate_f
 // multiplied in the pass, BackwardArgs::d_gate: no d x_hat GEMMs before it) at these sizes.
 bool d_pair_from_d_proj(const std::string& kernel, int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
-                        const at::Tensor& like, int64_t precision) {
+                        const at::Tensor& like, int64_t precision, int64_t block_rows = 0) {
   return backward_takes(trimul::Role::input_backward, kernel, trimul::BackwardPass::d_pair, batch, n, c, h, incoming,
-                        like, precision);
+                        like, precision, block_rows);
 }
 
 // Whether input_backward's kernel `kernel` takes d_proj_d_pair (d_proj from x_hat writing d pair too, from
 // LayerNorm_in's rstd kept by the forward: no d_pair pass after it) at these sizes.
 bool d_pair_in_d_proj(const std::string& kernel, int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
-                      const at::Tensor& like, int64_t precision) {
+                      const at::Tensor& like, int64_t precision, int64_t block_rows = 0) {
   return backward_takes(trimul::Role::input_backward, kernel, trimul::BackwardPass::d_proj_d_pair, batch, n, c, h,
-                        incoming, like, precision);
+                        incoming, like, precision, block_rows);
 }
 
 // Whether output_backward's kernel `kernel` takes dz_planes from d o (d z_hat = d o W_out_f multiplied in the pass,
 // BackwardArgs::d_o: no d z_hat GEMM before it) at these sizes.
 bool dz_planes_from_d_o(const std::string& kernel, int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
-                        const at::Tensor& like, int64_t precision) {
+                        const at::Tensor& like, int64_t precision, int64_t block_rows = 0) {
   return backward_takes(trimul::Role::output_backward, kernel, trimul::BackwardPass::dz_planes, batch, n, c, h,
-                        incoming, like, precision);
+                        incoming, like, precision, block_rows);
 }
 
 // Whether output_backward's kernel `kernel` takes dz_planes_g_out (dz_planes from d o with g_out = d o^T z_hat as
 // per-block partials: no g_out GEMM) at these sizes.
 bool dz_planes_g_out(const std::string& kernel, int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
-                     const at::Tensor& like, int64_t precision) {
+                     const at::Tensor& like, int64_t precision, int64_t block_rows = 0) {
   return backward_takes(trimul::Role::output_backward, kernel, trimul::BackwardPass::dz_planes_g_out, batch, n, c, h,
-                        incoming, like, precision);
+                        incoming, like, precision, block_rows);
 }
 
 // The rows of dz_planes_g_out's partials: a block per row, one per SM (persistent), at most kBackwardSumRows.
@@ -863,9 +867,9 @@ int64_t g_out_partial_rows(const at::Tensor& like) {
 // Whether output_backward's kernel `kernel` takes z_gate_grad (z_rows, the o and gate_pre GEMMs and gate_grad as
 // one pass: o and gate_pre never written) at these sizes.
 bool gate_grad_from_z(const std::string& kernel, int64_t batch, int64_t n, int64_t c, int64_t h, bool incoming,
-                      const at::Tensor& like, int64_t precision) {
+                      const at::Tensor& like, int64_t precision, int64_t block_rows = 0) {
   return backward_takes(trimul::Role::output_backward, kernel, trimul::BackwardPass::z_gate_grad, batch, n, c, h,
-                        incoming, like, precision);
+                        incoming, like, precision, block_rows);
 }
 
 // ---- the backward's GEMMs over positions (the position_gemm role) ------------------------------------
@@ -1000,9 +1004,11 @@ struct Passes {
   bool incoming;
   at::Tensor like;    // empty, the operand dtype on the device
   int64_t precision;  // the fp32 products' (trimul::Precision)
+  int64_t rows;       // the planes' rows (BackwardArgs::block_rows)
 
   void run(trimul::BackwardPass pass, double eps, const std::unordered_map<std::string, at::Tensor>& tensors) const {
-    backward_pass(role, kernel, static_cast<int64_t>(pass), batch, n, c, h, incoming, precision, eps, like, tensors);
+    backward_pass(role, kernel, static_cast<int64_t>(pass), batch, n, c, h, incoming, precision, eps, like, tensors,
+                  rows);
   }
 };
 
@@ -1010,7 +1016,7 @@ struct Passes {
 // torch baseline.
 std::string role_kernel(const char* role, const std::string& chosen, const Passes& sizes) {
   return backward_kernel(role, chosen, sizes.batch, sizes.n, sizes.c, sizes.h, sizes.incoming, sizes.like,
-                         sizes.precision);
+                         sizes.precision, sizes.rows);
 }
 
 }  // namespace host_backward
@@ -1379,7 +1385,8 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
                                           const std::string& gemm_kernel, int64_t precision, bool operand_f32,
                                           bool incoming,
                                           bool gate_normalized, double eps_in, double eps_out, bool mask_grad,
-                                          bool pair_grad, bool params_grad, const py::object& saved, bool lean) {
+                                          bool pair_grad, bool params_grad, const py::object& saved, bool lean,
+                                          const py::object& contract_hook) {
   using namespace host_backward;
   using P = trimul::BackwardPass;
   TORCH_CHECK_VALUE(pair.is_cuda() && pair.dim() == 4 && params.size() == 16 && grad_out.sizes().equals(pair.sizes()),
@@ -1387,15 +1394,24 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
                     "parameters");
   const c10::cuda::CUDAGuard guard(pair.device());
   const at::ScalarType acc = at::kFloat, dtype = operand_f32 ? at::kFloat : at::kBFloat16;
-  const int64_t batch = pair.size(0), n = pair.size(1), c = pair.size(3), h = params[2].size(0);
-  const int64_t positions = batch * n * n;
+  // rows: pair's rows, N but for a block of them [B, rows, N, C] (a sharded rank's), whose contraction backward is
+  // contract_hook's: hook(dz planes [B*H, rows, N]) -> (da, db) like it, the block's own rows of both gradients
+  // (the caller's exchange); the block's planes are in the outgoing layout and its z is the caller's (saved).
+  const bool hooked = !contract_hook.is_none();
+  const int64_t batch = pair.size(0), rows = pair.size(1), n = pair.size(2), c = pair.size(3), h = params[2].size(0);
+  TORCH_CHECK_VALUE(rows == n || hooked, "trimul_inline: training_backward takes a block of pair's rows [B, rows, N, "
+                    "C] only with a contract_hook, got ", text(pair.sizes()));
+  TORCH_CHECK_VALUE(!hooked || !incoming, "trimul_inline: training_backward's contract_hook takes the outgoing "
+                    "layout's planes (incoming false)");
+  const int64_t positions = batch * rows * n;
   const at::Tensor like = at::empty({0}, pair.options().dtype(dtype));
-  Passes inputs{"input_backward", "", batch, n, c, h, incoming, like, precision};
-  Passes outputs{"output_backward", "", batch, n, c, h, incoming, like, precision};
+  Passes inputs{"input_backward", "", batch, n, c, h, incoming, like, precision, rows};
+  Passes outputs{"output_backward", "", batch, n, c, h, incoming, like, precision, rows};
   inputs.kernel = role_kernel("input_backward", input_kernel, inputs);
   outputs.kernel = role_kernel("output_backward", output_kernel, outputs);
   if (inputs.kernel.empty() || outputs.kernel.empty()) return {};
-  const std::string contracts = role_kernel("contract_backward", contract_kernel, inputs);  // ("": cuBLAS's bmm)
+  const std::string contracts =  // ("": cuBLAS's bmm; none where the hook contracts)
+      hooked ? std::string() : role_kernel("contract_backward", contract_kernel, inputs);
   // The GEMMs over positions: fp32 rows at "highest" by the position_gemm role (position_gemm), the others
   // cuBLAS's at the mode's operand dtype.
   const bool rows_by_role = operand_f32 && precision == static_cast<int64_t>(trimul::Precision::highest);
@@ -1422,7 +1438,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
     kept.attr("clear")();
   }
   const auto rows_of = [&](int64_t width, at::ScalarType type) { return at::empty({positions, width}, like.options().dtype(type)); };
-  const auto planes = [&]() { return at::empty({batch * h, n, n}, like.options()); };
+  const auto planes = [&]() { return at::empty({batch * h, rows, n}, like.options()); };
   const at::Tensor pair_rows = pair.reshape({positions, c}).contiguous();
   const at::Tensor mask_rows = mask.reshape({positions}).contiguous();
 
@@ -1451,17 +1467,21 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   }
   // proj_in_pass: d_proj recomputes proj from x_hat itself (the kernel's choice), so proj lives only until
   // gated_planes, where the recompute needs it.
-  const bool proj_in_pass = d_proj_from_x_hat(inputs.kernel, batch, n, c, h, incoming, like, precision);
+  const bool proj_in_pass = d_proj_from_x_hat(inputs.kernel, batch, n, c, h, incoming, like, precision, rows);
   // d_pair_in_proj: d_proj writes d pair too (d x_hat from its d proj tiles and d gate, LayerNorm_in's backward on
   // the kept x_hat with the kept rstd), so d proj is read once after it (d W_in's GEMM) and pair not at all;
   // where the gate reads LayerNorm_in's rows (the raw gate's share is outside LayerNorm_in's backward).
   const bool d_pair_in_proj = pair_grad && rstd_in.defined() && gate_normalized && proj_in_pass &&
-                              d_pair_in_d_proj(inputs.kernel, batch, n, c, h, incoming, like, precision);
+                              d_pair_in_d_proj(inputs.kernel, batch, n, c, h, incoming, like, precision, rows);
   // d_x_hat_in_pass: d_pair multiplies d proj (and d gate) by the weights itself, so d x_hat is never written.
   const bool d_x_hat_in_pass =
-      !d_pair_in_proj && d_pair_from_d_proj(inputs.kernel, batch, n, c, h, incoming, like, precision);
+      !d_pair_in_proj && d_pair_from_d_proj(inputs.kernel, batch, n, c, h, incoming, like, precision, rows);
   at::Tensor proj, a_planes, b_planes;
-  if (saved_ab.has_value()) {
+  if (hooked) {  // (no a/b planes here: the hook's exchange keeps its own)
+    TORCH_CHECK_VALUE(saved_z.has_value() && !saved_ab.has_value(), "trimul_inline: training_backward with a "
+                      "contract_hook takes a saved z and no saved a/b");
+    if (!lean && !proj_in_pass) proj = rows_linear(x_hat, w_in_f, b_in_f);  // (for d_proj; lean makes it there)
+  } else if (saved_ab.has_value()) {
     TORCH_CHECK_VALUE(saved_z.has_value() && saved_ab->dim() == 4 && saved_ab->size(0) == 2 &&
                           saved_ab->size(1) == batch * h && saved_ab->size(2) == n && saved_ab->size(3) >= n &&
                           saved_ab->stride(3) == 1 && saved_ab->scalar_type() == dtype,
@@ -1480,9 +1500,9 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   }
   at::Tensor z_planes;
   if (saved_z.has_value()) {
-    TORCH_CHECK_VALUE(saved_z->dim() == 3 && saved_z->size(0) == batch * h && saved_z->size(1) == n &&
+    TORCH_CHECK_VALUE(saved_z->dim() == 3 && saved_z->size(0) == batch * h && saved_z->size(1) == rows &&
                           saved_z->size(2) >= n && saved_z->scalar_type() == dtype,
-                      "trimul_inline: training_backward's saved z must be [B*H, N, >= N] in the operand dtype");
+                      "trimul_inline: training_backward's saved z must be [B*H, rows, >= N] in the operand dtype");
     z_planes = saved_z->narrow(2, 0, n).contiguous();
     saved_z.reset();  // (z_planes holds it, or a copy of its rows: freed with z_planes)
   } else {
@@ -1498,7 +1518,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   const at::Tensor out_sums = folded.zeroed.narrow(0, 0, out_sum_count).view({trimul::kBackwardSumRows, 2 * c});
   const at::Tensor d_out_rows = grad_out.reshape({positions, c}).contiguous();
   at::Tensor d_o, d_gate;
-  const bool gate_from_z = gate_grad_from_z(outputs.kernel, batch, n, c, h, incoming, like, precision);
+  const bool gate_from_z = gate_grad_from_z(outputs.kernel, batch, n, c, h, incoming, like, precision, rows);
   // joined: d proj and d gate as the two parts of one [P, 4H + C] buffer (gate_grad and d_proj write their rows
   // ld_rows apart), so that d x_hat is one GEMM against [W_in_f; W_gate_f], not a second GEMM adding d gate
   // W_gate_f into the first's fp32 result (a read and a write of [P, C] fp32 more). Where d x_hat is a GEMM here
@@ -1536,7 +1556,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   std::unordered_map<std::string, at::Tensor> dz_tensors{{"rows", z_hat}, {"rstd", rstd_out}};
   // g_out_in_pass: g_out = d o^T z_hat as the dz pass's per-block partials, summed here (no GEMM reading both again)
   const bool g_out_in_pass =
-      params_grad && dz_planes_g_out(outputs.kernel, batch, n, c, h, incoming, like, precision);
+      params_grad && dz_planes_g_out(outputs.kernel, batch, n, c, h, incoming, like, precision, rows);
   at::Tensor g_out, g_out_partials;
   if (g_out_in_pass) {
     g_out_partials = at::empty({g_out_partial_rows(like), c, h}, like.options().dtype(acc));
@@ -1544,7 +1564,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   } else if (params_grad) {
     g_out = rows_grad(d_o, z_hat);
   }
-  if (g_out_in_pass || dz_planes_from_d_o(outputs.kernel, batch, n, c, h, incoming, like, precision)) {
+  if (g_out_in_pass || dz_planes_from_d_o(outputs.kernel, batch, n, c, h, incoming, like, precision, rows)) {
     dz_tensors["d_o"] = d_o;  // (d z_hat multiplied in the pass, never written)
     dz_tensors["w_out_f"] = w_out_f.contiguous();
   } else {
@@ -1559,7 +1579,16 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
 
   // contract_backward
   at::Tensor da, db;
-  if (contracts.empty()) {
+  if (hooked) {
+    const py::tuple grads = contract_hook(dz);
+    TORCH_CHECK_VALUE(grads.size() == 2, "trimul_inline: training_backward's contract_hook returns (da, db)");
+    da = grads[0].cast<at::Tensor>().contiguous();
+    db = grads[1].cast<at::Tensor>().contiguous();
+    TORCH_CHECK_VALUE(da.sizes().equals(dz.sizes()) && db.sizes().equals(dz.sizes()) && da.scalar_type() == dtype &&
+                          db.scalar_type() == dtype && da.device() == dz.device() && db.device() == dz.device(),
+                      "trimul_inline: training_backward's contract_hook returns da and db like dz ",
+                      text(dz.sizes()), " in the operand dtype");
+  } else if (contracts.empty()) {
     da = at::bmm(dz, b_planes);
     db = at::bmm(dz.transpose(1, 2), a_planes);
   } else {
@@ -1750,6 +1779,11 @@ class PlannedForward {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The backward's "does the kernel take this pass" queries: (kernel, sizes, like, precision, block_rows = 0).
+  const auto def_takes = [&m](const char* name, auto function, const char* doc) {
+    m.def(name, function, doc, py::arg("kernel"), py::arg("batch"), py::arg("n"), py::arg("c"), py::arg("h"),
+          py::arg("incoming"), py::arg("like"), py::arg("precision"), py::arg("block_rows") = 0);
+  };
   m.def("attach_kernels", &attach_kernels, "load a kernel library (kernels/*.cu) and use it from now on");
   m.def("kernels", &kernels, "(role, name, rank, torch, in_registry, built, applies, summary) of every kernel");
   m.def("contract", &contract, "z = a @ b^T per batch, by the named contraction kernel ('': the default order)");
@@ -1774,8 +1808,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("pair"), py::arg("mask"), py::arg("weights"), py::arg("options"), py::arg("ab"), py::arg("z"),
         py::arg("out"), py::arg("gate_rows") = py::none());
   m.def("fused_takes", &fused_takes, "whether the fused passes take these sizes in this mode");
-  m.def("backward_kernel", &backward_kernel, "the kernel a backward role runs ('': a torch baseline's passes)");
-  m.def("backward_pass", &backward_pass, "one memory pass of the backward (trimul::BackwardPass) on given tensors");
+  // (block_rows: a block of pair's rows, BackwardArgs::block_rows; 0: N)
+  m.def("backward_kernel", &backward_kernel, "the kernel a backward role runs ('': a torch baseline's passes)",
+        py::arg("role"), py::arg("chosen"), py::arg("batch"), py::arg("n"), py::arg("c"), py::arg("h"),
+        py::arg("incoming"), py::arg("like"), py::arg("precision"), py::arg("block_rows") = 0);
+  m.def("backward_pass", &backward_pass, "one memory pass of the backward (trimul::BackwardPass) on given tensors",
+        py::arg("role"), py::arg("kernel"), py::arg("pass"), py::arg("batch"), py::arg("n"), py::arg("c"), py::arg("h"),
+        py::arg("incoming"), py::arg("precision"), py::arg("eps"), py::arg("like"), py::arg("tensors"),
+        py::arg("block_rows") = 0);
   m.def("position_gemm_grad", &position_gemm_grad, "d_rows^T @ rows over positions, fp32, by the position_gemm role's kernel",
         py::arg("kernel"), py::arg("d_rows"), py::arg("rows"), py::arg("precision"));
   m.def("position_gemm", &position_gemm, "rows [M, K] @ weight^T (+ bias), fp32, by the position_gemm role's kernel",
@@ -1785,15 +1825,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kernel"), py::arg("a"), py::arg("b"), py::arg("dz"), py::arg("planes_per_call") = py::none());
   m.def("param_grads", &parameter_grads, "the 16 parameters' gradients from the folded GEMMs' g and bias sums");
   m.def("param_fold", &param_fold, "the 16 parameters in fp32 and the folded Linears' weights and biases");
-  m.def("d_pair_in_d_proj", &d_pair_in_d_proj, "whether an input_backward kernel takes d_proj_d_pair");
-  m.def("d_proj_from_x_hat", &d_proj_from_x_hat, "whether an input_backward kernel takes d_proj from x_hat");
-  m.def("d_pair_from_d_proj", &d_pair_from_d_proj, "whether an input_backward kernel takes d_pair from d proj");
-  m.def("dz_planes_g_out", &dz_planes_g_out, "whether an output_backward kernel takes dz_planes_g_out (g_out in the pass)");
+  def_takes("d_pair_in_d_proj", &d_pair_in_d_proj, "whether an input_backward kernel takes d_proj_d_pair");
+  def_takes("d_proj_from_x_hat", &d_proj_from_x_hat, "whether an input_backward kernel takes d_proj from x_hat");
+  def_takes("d_pair_from_d_proj", &d_pair_from_d_proj, "whether an input_backward kernel takes d_pair from d proj");
+  def_takes("dz_planes_g_out", &dz_planes_g_out, "whether an output_backward kernel takes dz_planes_g_out (g_out in the pass)");
   m.def("g_out_partial_rows", &g_out_partial_rows, "rows of dz_planes_g_out's per-block g_out partials on like's device");
-  m.def("dz_planes_from_d_o", &dz_planes_from_d_o, "whether an output_backward kernel takes dz_planes from d o");
-  m.def("gate_grad_from_z", &gate_grad_from_z, "whether an output_backward kernel takes z_gate_grad (gate_grad from z)");
+  def_takes("dz_planes_from_d_o", &dz_planes_from_d_o, "whether an output_backward kernel takes dz_planes from d o");
+  def_takes("gate_grad_from_z", &gate_grad_from_z, "whether an output_backward kernel takes z_gate_grad (gate_grad from z)");
   m.def("training_backward", &training_backward,
-        "the whole backward on the library's backward kernels and cuBLAS ([] where a role is a torch baseline)");
+        "the whole backward on the library's backward kernels and cuBLAS ([] where a role is a torch baseline)",
+        py::arg("grad_out"), py::arg("pair"), py::arg("mask"), py::arg("params"), py::arg("output_kernel"),
+        py::arg("input_kernel"), py::arg("contract_kernel"), py::arg("gemm_kernel"), py::arg("precision"),
+        py::arg("operand_f32"), py::arg("incoming"), py::arg("gate_normalized"), py::arg("eps_in"), py::arg("eps_out"),
+        py::arg("mask_grad"), py::arg("pair_grad"), py::arg("params_grad"), py::arg("saved"), py::arg("lean"),
+        py::arg("contract_hook") = py::none());
   py::class_<PlannedForward>(m, "PlannedForward", "a checked eager call's decisions (ModelNew._fast)")
       .def(py::init<py::list, py::list, std::vector<at::Tensor>, const at::Tensor&, const at::Tensor&, py::str,
                     std::vector<at::Tensor>, ForwardOptions, c10::optional<std::vector<at::Tensor>>>())

@@ -427,8 +427,12 @@ PlanStatus plan_backward(Role role, const BackwardArgs* args, const char* chosen
   const int pick = chosen_kernel(role, chosen, message, size);
   if (pick == -2) return PlanStatus::invalid;
   const bool torch_first = pick < 0 && role == Role::position_gemm && torch_weight_gradient_by_default(*args);
+  // A block of rows (a sharded rank's) runs the per-position roles' library kernels in the outgoing layout; the
+  // contraction is the caller's, and the torch baselines take square planes only.
+  const bool block = role != Role::position_gemm && pair_rows(*args) != args->n;
   const PlanStatus status = pick_in_order(role, pick, [&](int index) {
     const Implementation* impl = lib.implementation[index];
+    if (block && (args->incoming || role == Role::contract_backward || lib.kernels[index].torch)) return false;
     return lib.kernels[index].torch ||
            (!torch_first && impl != nullptr && impl->backward_launch != nullptr && impl->backward_applies(*args));
   }, kernel);

@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 // Whether it takes d_pair's sizes: bf16 operands, rows of 128 channels, 4H whole k-tiles (H a multiple of 16), the
 // weights with the gate's (the larger case) and the rings in shared memory, positions TMA can address.
 bool takes(const BackwardArgs& args) {
-  const int64_t positions = args.batch * args.n * args.n;
+  const int64_t positions = ::trimul::positions(args);
   return args.operand == Dtype::bf16 && args.c == kC && args.h % 16 == 0 && args.h > 0 &&
          tensor_map_encoder() != nullptr && positions < (int64_t(1) << 31) &&
          smem_bytes(k_tiles(args.h, true), 0) <= max_smem_optin();
@@ -113,7 +113,7 @@ cudaError_t launch(const BackwardArgs& args) {
       !aligned(args.pair) || !aligned(args.d_pair) || !aligned(args.d_rows_add))
     return cudaErrorInvalidValue;
   const Sources w{k_tiles(args.h, gate), static_cast<int>(4 * args.h / kKCols), args.w_in_f, args.w_gate_f};
-  const int64_t positions = args.batch * args.n * args.n;
+  const int64_t positions = ::trimul::positions(args);
   if (positions == 0) return cudaSuccess;
   CUtensorMap map_proj, map_gate;
   if (!encode_rows_map(&map_proj, args.rows, positions, 4 * args.h) ||

@@ -46,7 +46,7 @@ __device__ __forceinline__ void load_proj(const T* __restrict__ proj, int64_t hi
 // pair -> x_hat rows (LayerNorm_in without affine), one warp per position.
 template <typename T, typename TPair, int V>
 __global__ void __launch_bounds__(kThreads) input_rows_kernel(const BackwardArgs args) {
-  const int64_t positions = args.batch * args.n * args.n, width = args.c;
+  const int64_t positions = ::trimul::positions(args), width = args.c;
   const int lane = threadIdx.x % 32;
   for (int64_t p = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32; p < positions; p += int64_t(gridDim.x) * kWarps) {
     const TPair* __restrict__ row = static_cast<const TPair*>(args.pair) + p * width;
@@ -70,10 +70,10 @@ __global__ void __launch_bounds__(kThreads) gated_planes_kernel(const BackwardAr
   const int64_t hidden = args.h;
   float* tile_a = tiles;
   float* tile_b = tiles + hidden * kTileStride;
-  const Tile t = tile_at(blockIdx.x, args.n);
+  const Tile t = tile_at(blockIdx.x, args);
   const int lane = threadIdx.x % 32;
   for (int q = threadIdx.x / 32; q < t.count; q += kWarps) {
-    const int64_t p = tile_position(t, q, args.n, args.incoming);
+    const int64_t p = tile_position(t, q, args.incoming);
     const float m = load_mask(args.mask, args.mask_kind, p);
     const T* __restrict__ proj = static_cast<const T*>(args.proj) + p * 4 * hidden;
     for (int64_t h = lane * V; h < hidden; h += 32 * V) {
@@ -87,8 +87,8 @@ __global__ void __launch_bounds__(kThreads) gated_planes_kernel(const BackwardAr
     }
   }
   __syncthreads();
-  tile_to_planes(tile_a, static_cast<T*>(args.a_planes), t, args.n, hidden);
-  tile_to_planes(tile_b, static_cast<T*>(args.b_planes), t, args.n, hidden);
+  tile_to_planes(tile_a, static_cast<T*>(args.a_planes), t, hidden);
+  tile_to_planes(tile_b, static_cast<T*>(args.b_planes), t, hidden);
 }
 
 // da, db planes -> d proj rows, ld_rows apart where set (rows may be proj: in place): d pa = da s m,
@@ -110,13 +110,13 @@ __global__ void __launch_bounds__(kThreads) d_proj_kernel(const BackwardArgs arg
   // bank (V = 4): 4-way conflicts on 16 read-modify-writes per position.
   const int64_t spread = hidden / V;
   for (int64_t index = blockIdx.x; index < tiles; index += gridDim.x) {
-    const Tile t = tile_at(index, args.n);
+    const Tile t = tile_at(index, args);
     __syncthreads();  // (the previous tile's reads of tile_a / tile_b are done)
-    planes_to_tile(static_cast<const T*>(args.a_planes), tile_a, t, args.n, hidden);
-    planes_to_tile(static_cast<const T*>(args.b_planes), tile_b, t, args.n, hidden);
+    planes_to_tile(static_cast<const T*>(args.a_planes), tile_a, t, hidden);
+    planes_to_tile(static_cast<const T*>(args.b_planes), tile_b, t, hidden);
     __syncthreads();
     for (int q = warp; q < t.count; q += kWarps) {
-      const int64_t p = tile_position(t, q, args.n, args.incoming);
+      const int64_t p = tile_position(t, q, args.incoming);
       const float m = load_mask(args.mask, args.mask_kind, p);
       // (not __restrict__: rows may be proj itself, d proj written in place; a lane reads its channels of a
       // row before it writes them, and no other lane touches them)
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kThreads) d_proj_kernel(const BackwardArgs arg
 // rounded once here, not written in fp32 and converted by another pass).
 template <typename TPair, int V>
 __global__ void __launch_bounds__(kThreads) d_pair_kernel(const BackwardArgs args) {
-  const int64_t positions = args.batch * args.n * args.n, width = args.c;
+  const int64_t positions = ::trimul::positions(args), width = args.c;
   const int lane = threadIdx.x % 32;
   for (int64_t p = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32; p < positions; p += int64_t(gridDim.x) * kWarps) {
     const TPair* __restrict__ row = static_cast<const TPair*>(args.pair) + p * width;

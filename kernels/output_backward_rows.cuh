@@ -13,9 +13,9 @@ namespace {
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads) z_rows_kernel(const BackwardArgs args) {
   extern __shared__ float tile[];
-  const Tile t = tile_at(blockIdx.x, args.n);
+  const Tile t = tile_at(blockIdx.x, args);
   const int64_t hidden = args.h;
-  planes_to_tile<true>(static_cast<const T*>(args.a_planes), tile, t, args.n, hidden);
+  planes_to_tile<true>(static_cast<const T*>(args.a_planes), tile, t, hidden);
   __syncthreads();
   const int lane = threadIdx.x % 32;
   T* __restrict__ rows = static_cast<T*>(args.rows);
@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(kThreads) z_rows_kernel(const BackwardArgs arg
         squares += d * d;
       }
     const float rstd = rsqrtf(warp_sum(squares) / hidden + args.eps);
-    const int64_t p = tile_position(t, q, args.n, false);
+    const int64_t p = tile_position(t, q, false);
     for (int64_t h = lane * V; h < hidden; h += 32 * V) {
       float v[V];
 #pragma unroll
@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kThreads) z_rows_kernel(const BackwardArgs arg
 template <typename T, typename TOut, int V>
 __global__ void __launch_bounds__(kThreads) gate_grad_kernel(const BackwardArgs args) {
   extern __shared__ float warp_sums[];  // [kWarps][2C]
-  const int64_t positions = args.batch * args.n * args.n, width = args.c;
+  const int64_t positions = ::trimul::positions(args), width = args.c;
   const int64_t gate_ld = args.ld_rows != 0 ? args.ld_rows : width;  // (gate_out's rows)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   sum_rows_clear(warp_sums, 2 * width);
@@ -87,11 +87,11 @@ __global__ void __launch_bounds__(kThreads) gate_grad_kernel(const BackwardArgs 
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads) dz_planes_kernel(const BackwardArgs args) {
   extern __shared__ float tile[];
-  const Tile t = tile_at(blockIdx.x, args.n);
+  const Tile t = tile_at(blockIdx.x, args);
   const int64_t hidden = args.h;
   const int lane = threadIdx.x % 32;
   for (int q = threadIdx.x / 32; q < t.count; q += kWarps) {
-    const int64_t p = tile_position(t, q, args.n, false);
+    const int64_t p = tile_position(t, q, false);
     const float* __restrict__ d_row = args.d_rows + p * hidden;
     const T* __restrict__ z_row = static_cast<const T*>(args.rows) + p * hidden;
     float mean, mean_dot;
@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kThreads) dz_planes_kernel(const BackwardArgs 
     }
   }
   __syncthreads();
-  tile_to_planes(tile, static_cast<T*>(args.a_planes), t, args.n, hidden);
+  tile_to_planes(tile, static_cast<T*>(args.a_planes), t, hidden);
 }
 
 int64_t gate_grad_bytes(const BackwardArgs& args) { return kWarps * 2 * args.c * int64_t(sizeof(float)); }
