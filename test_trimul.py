@@ -6350,6 +6350,63 @@ def _sharded_trained_worker(rank, world, store, cases, exchange, backend="gloo")
                     f"{label}: {name} error {error:.2e}, the one-GPU step's {single_error:.2e}"
 
 
+class _PlanesSteps:
+    """ForwardSteps' interface on the CPU for _sharded_fused: the input pass writes given a / b planes [B*H, N_r,
+    N], the output pass copies z's planes out."""
+
+    def __init__(self, a, b, batch):
+        self.a, self.b, self._call = a, b, (torch.empty(batch, 0),)
+
+    def new_side(self):
+        return torch.empty_like(self.a)
+
+    def input_pass(self, a, b):
+        a.copy_(self.a)
+        b.copy_(self.b)
+
+    def new_out(self):
+        return torch.empty_like(self.a)
+
+    def output_pass(self, out, z):
+        out.copy_(z)
+
+
+def _sharded_fused_keeps_worker(rank, world, store, seed):
+    """One rank: _sharded_fused with and without keep, by each exchange and direction, gives this rank's z rows,
+    and with keep z's planes first and what _exchange_backward needs for d a and d b of this rank's rows (against
+    autograd of the whole product, float64)."""
+    import datetime
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    with _leaving_group(dist, store):
+        batch, hidden, n = 2, 5, 7
+        g = torch.Generator().manual_seed(seed)
+        whole_a, whole_b, d_z = (torch.randn(batch, hidden, n, n, generator=g, dtype=torch.float64) for _ in range(3))
+        rows = ti.shard_rows(n, world, rank)
+        for exchange, incoming in [(e, i) for e in ti.SHARD_EXCHANGES for i in (False, True)]:
+            ring = ti._Ring(dist.group.WORLD, n, torch.device("cpu"), exchange)
+            a, b = (whole_a.clone().requires_grad_(), whole_b.clone().requires_grad_())
+            z = a.transpose(-1, -2) @ b if incoming else a @ b.transpose(-1, -2)
+            z.backward(d_z)
+            steps = _PlanesSteps(*(t[:, :, rows.start:rows.stop].reshape(batch * hidden, -1, n)
+                                   for t in (whole_a, whole_b)), batch)
+            expected = z.detach()[:, :, rows.start:rows.stop].reshape(batch * hidden, -1, n)
+            label = f"rank {rank}/{world} {exchange} incoming={incoming}"
+            out, kept = ti._sharded_fused(steps, ring, incoming)
+            assert kept == [] and torch.allclose(out, expected), label
+            out, kept = ti._sharded_fused(steps, ring, incoming, keep=True)
+            assert torch.allclose(out, expected) and torch.equal(kept[0], out), label
+            d_a, d_b = ti._exchange_backward(kept[1:], d_z[:, :, rows.start:rows.stop].contiguous(), ring, incoming)
+            assert torch.allclose(d_a, a.grad[:, :, rows.start:rows.stop]), label
+            assert torch.allclose(d_b, b.grad[:, :, rows.start:rows.stop]), label
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_sharded_fused_keeps_what_the_exchange_backward_needs(world, tmp_path):
+    _spawn(_sharded_fused_keeps_worker, world, tmp_path, fresh_seed())
+
+
 @cuda
 @pytest.mark.parametrize("world, exchange", [(1, None), (3, "ring"), (3, "channels")])
 def test_sharded_training_on_the_block_kernels(world, exchange, tmp_path):

@@ -3018,7 +3018,7 @@ class ModelNew(_TriMulLayers):
                 _float32_matmul_precision(_MODE_PRECISION.get(mode, "highest")):
             fused = self._row_block_steps(pair_repr, pair_mask, mode)
             if fused is not None:
-                return _sharded_fused(fused, ring, incoming)
+                return _sharded_fused(fused, ring, incoming)[0]
             params, layer_norm = _layers_in_dtype(self, pair_repr.dtype)
             eps_out = self.layer_norm_out.eps
             steps = _sharded_steps(pair_repr, hidden)
@@ -3678,20 +3678,27 @@ def _sharded_steps(pair: torch.Tensor, hidden: int, share: int = 8) -> list:
     return _spans(max(1, min(rows, max(side_bytes // share, SHARDED_STEP_MIN_BYTES) // per_row)), 0, rows)
 
 
-def _sharded_fused(steps: ForwardSteps, ring: "_Ring", incoming: bool) -> torch.Tensor:
-    """The no-gradient sharded forward on the fused passes (ModelNew._row_block_steps: planes [B*H, N_r, N], no
-    padding): the input pass writes this rank's a / b planes, the exchange contracts them as [B, H, N_r, N]
-    (_rows_z), the output pass reads z's rows. a and b in buffers of their own, so that each is freed as soon as
-    the exchange has sent it, as on the PyTorch layers' path."""
+def _sharded_fused(steps: ForwardSteps, ring: "_Ring", incoming: bool, keep: bool = False) -> tuple:
+    """The sharded forward on the fused passes (ModelNew._row_block_steps: planes [B*H, N_r, N], no padding): the
+    input pass writes this rank's a / b planes, the exchange contracts them as [B, H, N_r, N], the output pass
+    reads z's rows. Returns (out, kept): keep (a backward follows, _ShardedTraining) z's planes [B*H, N_r, N] and
+    then what the exchange's backward keeps (_exchange_z); else [] and a and b in buffers of their own, so that each
+    is freed as soon as the exchange has sent it (_rows_z), as on the PyTorch layers' path."""
     a_t, b_t = steps.new_side(), steps.new_side()
     steps.input_pass(a_t, b=b_t)
     batch = steps._call[0].shape[0]
     planes = [a_t.view(batch, -1, *a_t.shape[1:]), b_t.view(batch, -1, *b_t.shape[1:])]
     del a_t, b_t  # (the exchange holds the only references)
-    z = _rows_z(planes, ring, incoming)
+    if keep:
+        z, kept = _exchange_z(*planes, ring, incoming, keep=True)
+        planes.clear()
+    else:
+        z, kept = _rows_z(planes, ring, incoming), []
+    kept.insert(0, z.view(-1, *z.shape[2:]))
+    del z
     out = steps.new_out()
-    steps.output_pass(out, z=z.view(-1, *z.shape[2:]))
-    return out
+    steps.output_pass(out, z=kept[0])
+    return out, kept if keep else []
 
 
 class _ShardedTraining(torch.autograd.Function):
@@ -3706,16 +3713,7 @@ class _ShardedTraining(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, pair, mask, steps, ring, incoming, options, *params):
-        a_t, b_t = steps.new_side(), steps.new_side()
-        steps.input_pass(a_t, b=b_t)
-        batch = pair.shape[0]
-        z, kept = _exchange_z(a_t.view(batch, -1, *a_t.shape[1:]), b_t.view(batch, -1, *b_t.shape[1:]), ring,
-                              incoming, keep=True)
-        del a_t, b_t
-        kept.insert(0, z.view(-1, *z.shape[2:]))  # (z's planes [B*H, N_r, N], as training_backward takes them)
-        out = steps.new_out()
-        steps.output_pass(out, z=kept[0])
-        del z
+        out, kept = _sharded_fused(steps, ring, incoming, keep=True)  # (kept[0]: z's planes, as the backward takes)
         ctx.ring, ctx.incoming, ctx.options = ring, incoming, options
         ctx.kept_saved = _checkpoint_hooks_active()
         ctx.save_for_backward(pair, mask, *params, *(kept if ctx.kept_saved else []))
