@@ -6127,6 +6127,33 @@ def test_sharded_row_steps_under_autocast(tmp_path):
     _spawn(_row_steps_autocast_worker, 2, tmp_path, fresh_seed())
 
 
+def test_exchange_batches_its_messages_alike_on_every_rank(monkeypatch):
+    """start_exchange: whole units (batch elements) per batch_isend_irecv, as many as fit P2P_OPS_PER_BATCH by the
+    bound every rank shares (not by this rank's own count), in order; a batch with no message here is skipped."""
+    calls = []
+
+    class Dist:
+        isend, irecv = "isend", "irecv"
+
+        @staticmethod
+        def P2POp(op, tensor, peer, group, tag):
+            return (op, tensor, peer)
+
+        @staticmethod
+        def batch_isend_irecv(ops):
+            calls.append(ops)
+            return []
+    ring = object.__new__(ti._Ring)
+    ring.dist, ring.group, ring.stage, ring.world, ring.rank = Dist, None, False, 3, 0
+    ring.peer = lambda rank: rank
+    t = [torch.full((2,), float(i)) for i in range(5)]
+    units = [([(t[0], 1)], [(t[1], 2)]), ([(t[2], 1)], []), ([], []), ([], []), ([(t[3], 2)], [(t[4], 1)])]
+    monkeypatch.setattr(ti, "P2P_OPS_PER_BATCH", 7)
+    ring.start_exchange(units, 3, 1)()  # (7 // 3: two units a batch)
+    assert [[(op, int(x[0]), peer) for op, x, peer in ops] for ops in calls] == \
+        [[("isend", 0, 1), ("irecv", 1, 2), ("isend", 2, 1)], [("isend", 3, 2), ("irecv", 4, 1)]]
+
+
 def test_sharded_training_recomputes_unless_told_to_keep():
     """The rule: the sharded training forward recomputes its layers by row steps unless backward_saves is "z"; its
     steps are larger than the no-gradient forward's (half a side's bytes, not an eighth)."""
