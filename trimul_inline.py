@@ -1691,13 +1691,14 @@ def _precision_code(mode: str) -> int:
     return _PRECISION_CODE[_MODE_PRECISION.get(mode, "highest")]
 
 
-def _backward_kernel(role: str, name: Optional[str], batch, n, pair_dim, hidden, incoming, operand, mode) -> str:
+def _backward_kernel(role: str, name: Optional[str], batch, n, pair_dim, hidden, incoming, operand, mode,
+                     block_rows: int = 0) -> str:
     """The library kernel a backward role runs for the call (name, else the default order's first that takes it);
-    "" for a torch baseline (and off CUDA)."""
+    "" for a torch baseline (and off CUDA). block_rows: a block of pair's rows (a sharded rank's; 0: N)."""
     if not operand.is_cuda or _is_torch_kernel(role, name):
         return ""
     return _extension().backward_kernel(role, name or "", batch, n, pair_dim, hidden, incoming, operand,
-                                        _precision_code(mode))
+                                        _precision_code(mode), block_rows)
 
 
 def _backward_passes(role: str, name: Optional[str], batch, n, pair_dim, hidden, incoming, operand, mode):
@@ -2968,9 +2969,8 @@ class ModelNew(_TriMulLayers):
         batch, rows, n, pair_dim = pair_repr.shape
         like = pair_repr.new_empty(0, dtype=torch.bfloat16)
         try:
-            return all(_extension().backward_kernel(role, getattr(kernels, role) or "", batch, n, pair_dim,
-                                                    self.hidden_dim, False, like, _precision_code("bf16"), rows)
-                       for role in ("output_backward", "input_backward"))
+            return all(_backward_kernel(role, getattr(kernels, role), batch, n, pair_dim, self.hidden_dim, False,
+                                        like, "bf16", rows) for role in ("output_backward", "input_backward"))
         except (ValueError, NotImplementedError):  # (a kernel named for the role that does not take it)
             return False
 
@@ -3693,12 +3693,11 @@ def _sharded_fused(steps: ForwardSteps, ring: "_Ring", incoming: bool, keep: boo
         z, kept = _exchange_z(*planes, ring, incoming, keep=True)
         planes.clear()
     else:
-        z, kept = _rows_z(planes, ring, incoming), []
-    kept.insert(0, z.view(-1, *z.shape[2:]))
-    del z
+        z, kept = _rows_z(planes, ring, incoming), None
+    z = z.view(-1, *z.shape[2:])
     out = steps.new_out()
-    steps.output_pass(out, z=kept[0])
-    return out, kept if keep else []
+    steps.output_pass(out, z=z)
+    return out, [z, *kept] if keep else []
 
 
 class _ShardedTraining(torch.autograd.Function):
