@@ -1010,6 +1010,12 @@ struct Passes {
     backward_pass(role, kernel, static_cast<int64_t>(pass), batch, n, c, h, incoming, precision, eps, like, tensors,
                   rows);
   }
+
+  // Whether the kernel takes `pass` with its inputs left to the pass (backward_takes: d_proj_from_x_hat and the
+  // other queries, at these sizes).
+  bool takes(trimul::BackwardPass pass) const {
+    return backward_takes(backward_role(role), kernel, pass, batch, n, c, h, incoming, like, precision, rows);
+  }
 };
 
 // The role's kernel for this call (chosen, else the default order's first that takes it); "" for a
@@ -1467,15 +1473,14 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   }
   // proj_in_pass: d_proj recomputes proj from x_hat itself (the kernel's choice), so proj lives only until
   // gated_planes, where the recompute needs it.
-  const bool proj_in_pass = d_proj_from_x_hat(inputs.kernel, batch, n, c, h, incoming, like, precision, rows);
+  const bool proj_in_pass = inputs.takes(P::d_proj);
   // d_pair_in_proj: d_proj writes d pair too (d x_hat from its d proj tiles and d gate, LayerNorm_in's backward on
   // the kept x_hat with the kept rstd), so d proj is read once after it (d W_in's GEMM) and pair not at all;
   // where the gate reads LayerNorm_in's rows (the raw gate's share is outside LayerNorm_in's backward).
   const bool d_pair_in_proj = pair_grad && rstd_in.defined() && gate_normalized && proj_in_pass &&
-                              d_pair_in_d_proj(inputs.kernel, batch, n, c, h, incoming, like, precision, rows);
+                              inputs.takes(P::d_proj_d_pair);
   // d_x_hat_in_pass: d_pair multiplies d proj (and d gate) by the weights itself, so d x_hat is never written.
-  const bool d_x_hat_in_pass =
-      !d_pair_in_proj && d_pair_from_d_proj(inputs.kernel, batch, n, c, h, incoming, like, precision, rows);
+  const bool d_x_hat_in_pass = !d_pair_in_proj && inputs.takes(P::d_pair);
   at::Tensor proj, a_planes, b_planes;
   if (hooked) {  // (no a/b planes here: the hook's exchange keeps its own)
     TORCH_CHECK_VALUE(saved_z.has_value() && !saved_ab.has_value(), "trimul_inline: training_backward with a "
@@ -1518,7 +1523,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   const at::Tensor out_sums = folded.zeroed.narrow(0, 0, out_sum_count).view({trimul::kBackwardSumRows, 2 * c});
   const at::Tensor d_out_rows = grad_out.reshape({positions, c}).contiguous();
   at::Tensor d_o, d_gate;
-  const bool gate_from_z = gate_grad_from_z(outputs.kernel, batch, n, c, h, incoming, like, precision, rows);
+  const bool gate_from_z = outputs.takes(P::z_gate_grad);
   // joined: d proj and d gate as the two parts of one [P, 4H + C] buffer (gate_grad and d_proj write their rows
   // ld_rows apart), so that d x_hat is one GEMM against [W_in_f; W_gate_f], not a second GEMM adding d gate
   // W_gate_f into the first's fp32 result (a read and a write of [P, C] fp32 more). Where d x_hat is a GEMM here
@@ -1555,8 +1560,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   gate_rows.reset();
   std::unordered_map<std::string, at::Tensor> dz_tensors{{"rows", z_hat}, {"rstd", rstd_out}};
   // g_out_in_pass: g_out = d o^T z_hat as the dz pass's per-block partials, summed here (no GEMM reading both again)
-  const bool g_out_in_pass =
-      params_grad && dz_planes_g_out(outputs.kernel, batch, n, c, h, incoming, like, precision, rows);
+  const bool g_out_in_pass = params_grad && outputs.takes(P::dz_planes_g_out);
   at::Tensor g_out, g_out_partials;
   if (g_out_in_pass) {
     g_out_partials = at::empty({g_out_partial_rows(like), c, h}, like.options().dtype(acc));
@@ -1564,7 +1568,7 @@ std::vector<at::Tensor> training_backward(const at::Tensor& grad_out, const at::
   } else if (params_grad) {
     g_out = rows_grad(d_o, z_hat);
   }
-  if (g_out_in_pass || dz_planes_from_d_o(outputs.kernel, batch, n, c, h, incoming, like, precision, rows)) {
+  if (g_out_in_pass || outputs.takes(P::dz_planes)) {
     dz_tensors["d_o"] = d_o;  // (d z_hat multiplied in the pass, never written)
     dz_tensors["w_out_f"] = w_out_f.contiguous();
   } else {
