@@ -81,11 +81,14 @@ def random_layers(model: ti._TriMulLayers, generator: torch.Generator) -> ti._Tr
     return model
 
 
-def conditioned_two_channel_norm(model: ti._TriMulLayers, scale: float = 0.03) -> ti._TriMulLayers:
-    """a's and b's projections scaled down, for a hidden of 2 checked in float64. LayerNorm_out maps two channels
-    to about +-1 whatever z is, so the gradient through it is eps's share, a difference of near-equal terms:
-    float64's rounding there grows as var(z) / eps (two valid summation orders of the reference differ by up to
-    ~2e-9 on some draws). With z ~ sqrt(eps) the norm is well-conditioned (the same orders: <= ~2e-14)."""
+def conditioned_output_norm(model: ti._TriMulLayers, scale: float = 0.03) -> ti._TriMulLayers:
+    """a's and b's projections scaled down, for float64 checks where LayerNorm_out sees z only up to a scale: at
+    hidden 2 it maps the two channels to about +-1 whatever z is; at N <= 2 with a masked row z's positions can be
+    single products a b, which a float mask's entry scales across all channels at once. The gradient through the
+    norm (at N <= 2, the float mask's) is then eps's share, a difference of near-equal terms, and float64's
+    rounding grows as var(z) / eps: two valid summation orders of the reference differ by up to ~2e-9 at hidden 2,
+    and a mask gradient 1e-5 of its usual size came out 1.5e-10 apart. With z ~ sqrt(eps) the norm is
+    well-conditioned (the same checks: <= ~2e-14 and 4.5e-15)."""
     with torch.no_grad():
         for linear in (model.proj_a, model.proj_b):
             for p in linear.parameters():
@@ -5951,8 +5954,8 @@ def _sharded_worker(rank, world, store, cases, device, dtype=torch.float64, prec
         for seed, direction, gate_input, batch, n, pair_dim, hidden, float_mask in cases:
             g = torch.Generator().manual_seed(seed)
             reference = random_layers(ti.Model(pair_dim, hidden, direction, gate_input).double(), g)
-            if hidden <= 2:
-                conditioned_two_channel_norm(reference)
+            if hidden <= 2 or n <= 2:
+                conditioned_output_norm(reference)
             pair, mask = random_inputs(batch, n, pair_dim, g, mask_dtype=torch.float64 if float_mask else torch.bool)
             grad_out = torch.randn(pair.shape, generator=g, dtype=torch.float64)
             full_pair = pair.clone().requires_grad_()
@@ -6089,7 +6092,8 @@ def test_sharded_matches_one_process(world, exchange, tmp_path):
                   ("outgoing", "normalized", 1, 5, 20, True), ("incoming", "normalized", 2, 7, 20, False),
                   ("incoming", "raw", 1, 2, 20, False), ("outgoing", "normalized", 2, 6, 2, True),
                   ("incoming", "raw", 1, 5, 2, False)])]
-    # (float64: 1e-10, hidden 2 with conditioned_two_channel_norm's projections; world 2 keeps the training layers' intermediates, world 3 recomputes them: the default)
+    # (float64: 1e-10, hidden 2 and N = 2 with conditioned_output_norm's projections; world 2 keeps the training
+    # layers' intermediates, world 3 recomputes them: the default)
     _spawn(_sharded_worker, world, tmp_path, cases, "cpu", torch.float64, None, 1e-10, "gloo", exchange,
            "z" if world == 2 else None)
 
