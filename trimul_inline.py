@@ -2953,11 +2953,10 @@ class ModelNew(_TriMulLayers):
             return None
         pair_repr, pair_mask = self._fused_inputs(pair_repr, pair_mask)
         kernels = _with_override(self.kernels)
-        if not self._block_backward_takes(pair_repr, kernels):
-            return None
         with torch.autocast("cuda", enabled=False):
+            # (the steps first: None for an empty block, whose 0 rows the backward query would read as N)
             steps = self._row_block_steps(pair_repr, pair_mask, "bf16")
-            if steps is None:
+            if steps is None or not self._block_backward_takes(pair_repr, kernels):
                 return None
             options = (kernels, self.gate_input == "normalized", self.layer_norm_in.eps, self.layer_norm_out.eps)
             return _ShardedTraining.apply(pair_repr, pair_mask, steps, ring, self.direction == "incoming", options,
