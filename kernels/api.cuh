@@ -322,9 +322,11 @@ struct BackwardArgs {
   cudaStream_t stream;
 };
 
-// The rows of a batch element's planes and of its positions (BackwardArgs::block_rows), and the positions P.
+// The rows of a batch element's planes and of its positions (BackwardArgs::block_rows), a plane's positions
+// (rows x N), and the positions P.
 constexpr int64_t pair_rows(const BackwardArgs& args) { return args.block_rows > 0 ? args.block_rows : args.n; }
-constexpr int64_t positions(const BackwardArgs& args) { return args.batch * pair_rows(args) * args.n; }
+constexpr int64_t plane_positions(const BackwardArgs& args) { return pair_rows(args) * args.n; }
+constexpr int64_t positions(const BackwardArgs& args) { return args.batch * plane_positions(args); }
 
 // The floats a position_gemm kernel's split weight takes for a weight [n, k] (BackwardArgs::gemm_w_split): its
 // hi and lo tf32 parts, n padded to 128 rows and k to 64 columns (zeros).

@@ -136,7 +136,7 @@ __device__ __forceinline__ void store_d_pair(void* d_pair, Dtype dtype, int64_t 
 // The position (row of x_hat, d proj and the mask) of element p of a batch's N x N plane (rows x N for a block of
 // rows, outgoing only): the plane's order outgoing, transposed incoming (the one integer division per row is incoming's: this pass is issue-bound).
 __device__ __forceinline__ int64_t position_of(const BackwardArgs& args, int64_t batch, uint32_t p) {
-  if (!args.incoming) return batch * pair_rows(args) * args.n + p;
+  if (!args.incoming) return batch * plane_positions(args) + p;
   const uint32_t n = static_cast<uint32_t>(args.n), f = p / n, k = p - f * n;
   return (batch * args.n + k) * args.n + f;
 }
@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
   }
   __syncthreads();
 
-  const int64_t plane = pair_rows(args) * args.n, tiles = args.batch * tiles_per_batch;
+  const int64_t plane = plane_positions(args), tiles = args.batch * tiles_per_batch;
   const int64_t stride = int64_t(gridDim.x) * kGroups, first = int64_t(blockIdx.x) * kGroups + group;
   // The warpgroup's it-th box: part it % kParts of its (it / kParts)-th tile, into stage it % kBoxStages.
   const auto issue = [&](int it) {
@@ -442,7 +442,7 @@ __global__ void __launch_bounds__(128 * groups_for(kDPair), 1)
 // 32-h boxes and parts), plane pitches TMA can address (N^2, a block's rows x N, a multiple of 8: 16-byte rows of the box map),
 // and the shared memory.
 bool takes(const BackwardArgs& args) {
-  const int64_t plane = pair_rows(args) * args.n;
+  const int64_t plane = plane_positions(args);
   return args.operand == Dtype::bf16 && args.c == kC && args.h % 32 == 0 && args.h <= 128 &&
          tensor_map_encoder() != nullptr && plane % 8 == 0 && plane < (int64_t(1) << 31) &&
          args.batch < (int64_t(1) << 31) &&
@@ -460,7 +460,7 @@ bool applies(const BackwardArgs& args) {
 
 template <int kParts, bool kMaskGrad, bool kDPair>
 cudaError_t launch_parts(const BackwardArgs& args) {
-  const int64_t plane = pair_rows(args) * args.n, tiles_per_batch = ceil_div(plane, kPositions);
+  const int64_t plane = plane_positions(args), tiles_per_batch = ceil_div(plane, kPositions);
   const int64_t blocks = persistent_sum_blocks(ceil_div(args.batch * tiles_per_batch, groups_for(kDPair)));
   CUtensorMap map_da, map_db;
   if (!encode_kmajor_map<Op>(&map_da, args.a_planes, args.batch, args.h, plane, 32) ||

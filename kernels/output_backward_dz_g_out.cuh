@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   }
   __syncthreads();
 
-  const int64_t plane = pair_rows(args) * args.n, tiles_per_run = ceil_div(plane, int64_t(kPositions));
+  const int64_t plane = plane_positions(args), tiles_per_run = ceil_div(plane, int64_t(kPositions));
   const int64_t tiles = args.batch * tiles_per_run;
   // The block's i-th tile (blockIdx.x + i gridDim.x) into stage i % kTileStages, once both warpgroups released
   // the stage's previous tile. Thread 0 only.
@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 // Whether it takes dz_planes_g_out's sizes: bf16 operands, pair_dim and hidden 128, plane rows TMA can address (N^2,
 // a block's rows x N, a multiple of 8: 16-byte rows of the box maps) and positions it can count.
 inline bool takes(const BackwardArgs& args) {
-  const int64_t plane = pair_rows(args) * args.n;
+  const int64_t plane = plane_positions(args);
   return args.operand == Dtype::bf16 && args.c == kC && args.h == kH && tensor_map_encoder() != nullptr &&
          plane % 8 == 0 && args.batch * plane < (int64_t(1) << 31) && kSmemBytes <= max_smem_optin();
 }
@@ -218,7 +218,7 @@ inline cudaError_t launch(const BackwardArgs& args) {
       args.g_out_rows > 65535 || !aligned(args.d_o) || !aligned(args.rows) || !aligned(args.a_planes) ||
       !aligned(args.g_out))
     return cudaErrorInvalidValue;
-  const int64_t plane = pair_rows(args) * args.n;
+  const int64_t plane = plane_positions(args);
   CUtensorMap map_d_o, map_z_hat, map_dz;
   if (!encode_rows_map(&map_d_o, args.d_o, args.batch * plane, kC) ||
       !encode_rows_map(&map_z_hat, args.rows, args.batch * plane, kH) ||

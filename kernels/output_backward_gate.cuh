@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   uint8_t* d_out_tile = d_out_all + group * (kDOutBytes<TOut> + kGateRowsBytes);
   uint8_t* gate_tile = d_out_tile + kDOutBytes<TOut>;
   uint8_t* stage = stage_all + warp * kStageBytes;
-  const int64_t plane = pair_rows(args) * args.n, tiles = args.batch * tiles_per_batch;
+  const int64_t plane = plane_positions(args), tiles = args.batch * tiles_per_batch;
   const int64_t stride = int64_t(gridDim.x) * kGroups;
   int64_t tile = int64_t(blockIdx.x) * kGroups + group;
   if (threadIdx.x == 0) {
@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 // Whether it takes z_gate_grad's sizes: bf16 operands, pair_dim and hidden 128 (the forward output pass's
 // products), planes TMA can read (N^2, a block's rows x N, a multiple of 8: 16-byte rows of the box map) and positions it can count.
 bool takes(const BackwardArgs& args) {
-  const int64_t plane = pair_rows(args) * args.n;
+  const int64_t plane = plane_positions(args);
   const int64_t d_out_bytes = args.d_out_dtype == Dtype::f32 ? kDOutBytes<float> : kDOutBytes<__nv_bfloat16>;
   return args.operand == Dtype::bf16 && args.c == kC && args.h == kH && tensor_map_encoder() != nullptr &&
          plane % 8 == 0 && args.batch * plane < (int64_t(1) << 31) && args.batch * kH < (int64_t(1) << 31) &&
@@ -303,7 +303,7 @@ cudaError_t launch(const BackwardArgs& args) {
       !aligned(args.d_out, 16) || !aligned(args.o, 16) ||
       !aligned(args.gate_pre, 16) || !aligned(args.rows, 16))
     return cudaErrorInvalidValue;
-  const int64_t plane = pair_rows(args) * args.n;
+  const int64_t plane = plane_positions(args);
   if (args.batch * plane == 0) return cudaSuccess;
   CUtensorMap map_z;
   if (!encode_kmajor_map<Op>(&map_z, args.a_planes, 0, args.batch * kH, plane, kH)) return cudaErrorNotSupported;

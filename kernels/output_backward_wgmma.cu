@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 // k-tiles up to 512 (its weights and the rings in shared memory, with room to spare), plane rows TMA can address
 // (N^2, a block's rows x N, a multiple of 8: 16-byte rows of the box map) and positions it can count.
 bool takes(const BackwardArgs& args) {
-  const int64_t plane = pair_rows(args) * args.n;
+  const int64_t plane = plane_positions(args);
   return args.operand == Dtype::bf16 && args.h == kH && args.c % kKCols == 0 && args.c > 0 && args.c <= 512 &&
          tensor_map_encoder() != nullptr && plane % 8 == 0 && args.batch * plane < (int64_t(1) << 31) &&
          smem_bytes(static_cast<int>(args.c / kKCols), kExtraBytes) <= max_smem_optin();
@@ -113,7 +113,7 @@ cudaError_t launch(const BackwardArgs& args) {
       args.rstd == nullptr || args.a_planes == nullptr || !aligned(args.d_o) || !aligned(args.rows) ||
       !aligned(args.a_planes))
     return cudaErrorInvalidValue;
-  const int64_t plane = pair_rows(args) * args.n;
+  const int64_t plane = plane_positions(args);
   if (args.batch * plane == 0) return cudaSuccess;
   CUtensorMap map_d_o, map_dz;
   if (!encode_rows_map(&map_d_o, args.d_o, args.batch * plane, args.c) ||
