@@ -1224,21 +1224,37 @@ def test_fused_reduced_precisions(contract, precision, direction, batch, n, pair
         assert err > 1e-6
 
 
-@cuda
-@pytest.mark.parametrize("role, kernel, precision", [
+EVERY_PASS_KERNELS = [
     ("input", "wgmma_ws", "medium"), ("input", "resident", "medium"), ("input", "streamed", "medium"),
     ("input", "wgmma_ws", "high"), ("input", "streamed", "high"), ("input", "wgmma_ws", "highest"),
     ("input", "streamed", "highest"),
     ("output", "resident", "medium"), ("output", "streamed", "medium"), ("output", "wgmma_ws", "high"),
-    ("output", "streamed", "high"), ("output", "wgmma_ws", "highest"), ("output", "streamed", "highest")])
+    ("output", "streamed", "high"), ("output", "wgmma_ws", "highest"), ("output", "streamed", "highest")]
 # (1, 200, 128, 128): the resident kernels (pair_dim 128, enough tiles for every SM's warp pairs);
 # (2, 130, 200, 40): k-tiles past pair_dim, h rows past hidden; (1, 200, 384, 128): the output pass's wgmma
 # kernel with 64-position tiles and streamed weights; (2, 97, 32, 24): fewer weight k-tiles than ring stages
 # (split weights must stream anyway); (16, 32, 64, 32): a seed shape, fewer tiles than SMs, where the default
 # order takes the wgmma input kernel and the output pass contracts (so the pinned kernels are checked
 # there only here; an output kernel that does not contract moves the contraction to its own launch).
-@pytest.mark.parametrize("batch, n, pair_dim, hidden", [(1, 200, 128, 128), (2, 130, 200, 40), (1, 200, 384, 128),
-                                                        (2, 97, 32, 24), (16, 32, 64, 32)])
+EVERY_PASS_SHAPES = [(1, 200, 128, 128), (2, 130, 200, 40), (1, 200, 384, 128), (2, 97, 32, 24), (16, 32, 64, 32)]
+
+
+def _pinned_kernel_takes(role, kernel, batch, n, pair_dim, hidden):
+    """The registry's "applies when" limits of the kernels in EVERY_PASS_KERNELS, on a 132-SM Hopper card: the
+    resident kernels take pair_dim <= 128 and tiles enough for every SM's warp pairs, the wgmma_ws output kernel
+    problems that give every SM a tile. A shape a kernel declines is not collected for it (a pinned kernel that
+    does not apply raises: test_a_chosen_kernel_that_does_not_apply_raises)."""
+    if kernel == "resident":
+        return pair_dim <= 128 and n >= 128
+    if (role, kernel) == ("output", "wgmma_ws"):
+        return batch * n * n >= 132 * 128
+    return True
+
+
+@cuda
+@pytest.mark.parametrize("role, kernel, precision, batch, n, pair_dim, hidden", [
+    pinned + shape for shape in EVERY_PASS_SHAPES for pinned in EVERY_PASS_KERNELS
+    if _pinned_kernel_takes(*pinned[:2], *shape)])
 def test_every_pass_kernel_matches_fp64(role, kernel, precision, batch, n, pair_dim, hidden):
     """kernels={role: kernel} pins a fused pass to one kernel. The default order runs only the first that
     applies, so this keeps every kernel checked against fp64, and profiles the call to be sure the chosen
@@ -1246,10 +1262,6 @@ def test_every_pass_kernel_matches_fp64(role, kernel, precision, batch, n, pair_
     writes both planes; "high" and "highest" run the wgmma kernels in scaled fp16 (their kF16 template flag)."""
     if kernel == "wgmma_ws" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma passes need a Hopper GPU")
-    if kernel == "resident" and (pair_dim > 128 or n < 128):
-        pytest.skip("the resident kernels take pair_dim <= 128 and tiles enough for every SM's warp pairs")
-    if (role, kernel) == ("output", "wgmma_ws") and batch * n * n < 132 * 128:
-        pytest.skip("the wgmma output kernel takes problems that give every SM a tile")
     ran = _check_fresh_model_profiled(batch, n, pair_dim, hidden, precision, f"{role} {kernel} {precision}",
                                       kernels={role: kernel})
     assert _ran(ran, role, kernel), ran
