@@ -2,8 +2,7 @@
 # bench/h200_targets.sh OUT: one device call of the single-GPU targets that are stated for an H200, logs under
 # OUT (the device tool's $OUT); exits 3 at once, having run nothing, on any other GPU (a call for an H200 may be
 # served by an H100: then it costs the machine's start only). Where .carry/ holds them it unpacks the kernel
-# objects (.carry/objects.tar.xz, made here from plan_build's object list: linked in ~30 s instead of a ~110 s
-# build, if nvcc's version line matches) and cuEquivariance (.carry/cueq.tar.xz, ../shared/tools/cueq-carry.sh).
+# objects and cuEquivariance (bench/carry.sh).
 # Then, each under its own timeout: issue 24's training table against cuEquivariance (~3 min), issue 25's N = 8192
 # forward (~1 min), and the split forward at N = 12288 with the card's real free memory (~1.5 min). Files under
 # OUT: run.txt (commit, GPU, nvcc), backward.log, n8192.log, split_n12288.log.
@@ -17,13 +16,7 @@ if [[ "$gpu" != *H200* ]]; then
   exit 3
 fi
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-.build}
-if [ -f .carry/objects.tar.xz ]; then
-  mkdir -p "$TORCH_EXTENSIONS_DIR/objects" && tar -C "$TORCH_EXTENSIONS_DIR/objects" -xJf .carry/objects.tar.xz
-fi
-if [ -f .carry/cueq.tar.xz ]; then
-  mkdir -p /tmp/cueq-site && tar -C /tmp/cueq-site -xJf .carry/cueq.tar.xz
-  export PYTHONPATH=/tmp/cueq-site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source bench/carry.sh
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 { echo "commit ${COMMIT:-$(git log --oneline -1 2>/dev/null)}"; echo "gpu $gpu"; nvcc --version | tail -1; } > "$out/run.txt"
 python3 trimul_inline.py build > "$out/build.log" 2>&1

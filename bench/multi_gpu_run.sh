@@ -1,7 +1,8 @@
 #!/bin/bash
 # bench/multi_gpu_run.sh OUT "P ..." [SHAPES] [--backward] [--tests] [--exchanges "ring channels"] [--budget SECONDS]
 # One device call of the multi-GPU issue's run on a machine of several GPUs (NCCL, one rank per GPU; the
-# machine's NCCL settings as they are): the build; with --tests the sharded and distributed tests (NCCL at 2, 4
+# machine's NCCL settings as they are): the build (linking .carry's kernel objects where carried:
+# bench/carry.sh); with --tests the sharded and distributed tests (NCCL at 2, 4
 # and all GPUs); then for each P of the list bench/distributed.py under torchrun on P of the GPUs, both
 # directions, bf16 in/out, medium, normalized gate (with --backward the training step too), by each exchange of
 # --exchanges (default: the rule's, shard_exchange_for). Every rank's records
@@ -38,6 +39,7 @@ left() { echo $((budget - (SECONDS - start))); }
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-.build}
+source bench/carry.sh
 commit=${COMMIT:-$(python3 -c "import bench; print(bench.git_commit())" 2>&1 | tail -n 1)}
 {
   echo "date: $(date -u +%FT%TZ)"; echo "commit: $commit"; echo "worlds: $worlds; shapes: $shapes $backward"
