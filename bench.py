@@ -821,13 +821,26 @@ DIRECTIONAL_TOLERANCE = 1e-2
 RANDOM_DIRECTION_TOLERANCE = 0.3
 
 
+def dot64(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 24) -> float:
+    """<a, b> accumulated in float64, `chunk` elements at a time (no float64 copy of a pair-sized tensor)."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    return sum(torch.dot(a[i:i + chunk].double(), b[i:i + chunk].double()).item() for i in range(0, a.numel(), chunk))
+
+
+def norm64(t: torch.Tensor) -> float:
+    """||t|| accumulated in float64 (dot64)."""
+    return math.sqrt(dot64(t, t))
+
+
 class DirectionalReference:
     """For shapes over SAMPLED_ABOVE positions, where whole float64 gradients would not fit: for pair_repr and for
     each parameter, the float64 loss (mean of out^2, out from ModelNew's chunked forward in float64)
     differentiated by central differences along the contender's own gradient g of that tensor and along a random
     direction v (steps of `step` times the tensor's norm), against what g says those derivatives are (|g|^2 and
     <g, v>). Precision itself is what the whole-tensor checks at the smaller shapes measure. Four chunked float64
-    forwards per tensor."""
+    forwards per tensor. Memory: one float64 pair at a time, the update written over it (forward_chunked's
+    out=pair); g and v stay in g's dtype, their sums accumulated in float64 (so N = 4096 is checked on an 80 GB
+    card beside the contender's step)."""
 
     def __init__(self, ref, pair, mask, gate_input=None, step=1e-4, chunk_size=None, seed=0):
         self.model = make_model_new(ref, precision="highest", gate_input=gate_input).to(pair.device, torch.float64)
@@ -846,15 +859,13 @@ class DirectionalReference:
             pair = self.pair.double()
             if shift is not None:
                 pair.add_(shift[1].to(pair.device), alpha=shift[0])
-            out = model.forward_chunked(pair, self.mask, self.chunk_size)
-            del pair
-            return out.square().mean().item()
+            out = model.forward_chunked(pair, self.mask, self.chunk_size, out=pair)  # (the update, over pair)
+            return dot64(out, out) / max(out.numel(), 1)
 
     def slope(self, name, base, direction):
         """The float64 loss's derivative along `direction` (a tensor shaped as `name`), by central differences."""
-        norm = lambda t: torch.linalg.vector_norm(t, dtype=torch.float64).item()  # noqa: E731
-        value_norm = norm(self.pair) if name == "pair_repr" else norm(base[name])
-        h = self.step * max(value_norm, 1.0) / max(norm(direction), 1e-300)
+        value_norm = norm64(self.pair) if name == "pair_repr" else norm64(base[name])
+        h = self.step * max(value_norm, 1.0) / max(norm64(direction), 1e-300)
         if name == "pair_repr":
             return (self.loss((h, direction)) - self.loss((-h, direction))) / (2 * h)
         direction = direction.to(device=base[name].device, dtype=torch.float64)
@@ -874,14 +885,12 @@ class DirectionalReference:
             if g is None:
                 errors[f"{name} (direction)"] = errors[f"{name} (random direction)"] = math.inf
                 continue
-            g = g.to(torch.float64)
-            g_norm = torch.linalg.vector_norm(g).item()
+            g_norm = norm64(g)
             errors[f"{name} (direction)"] = abs(g_norm * g_norm - self.slope(name, base, g)) / max(g_norm ** 2,
                                                                                                   1e-300)
-            v = torch.randn(g.shape, generator=self.generator, device=g.device, dtype=torch.float64)
-            scale = g_norm * torch.linalg.vector_norm(v).item() / math.sqrt(max(g.numel(), 1))
-            errors[f"{name} (random direction)"] = abs((g * v).sum().item() - self.slope(name, base, v)) / max(
-                scale, 1e-300)
+            v = torch.randn(g.shape, generator=self.generator, device=g.device, dtype=g.dtype)  # (any direction)
+            scale = g_norm * norm64(v) / math.sqrt(max(g.numel(), 1))
+            errors[f"{name} (random direction)"] = abs(dot64(g, v) - self.slope(name, base, v)) / max(scale, 1e-300)
         return errors
 
 
