@@ -2166,13 +2166,22 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
         del d_x_hat
     del d_gate
 
-    # Parameter gradients from the folded GEMMs' (H x C and C x C matrices: no position loop); on CUDA the
-    # extension's param_grads, as the one-call backward runs it (the same bits).
     if not params_grad:
         return d_pair, d_mask, [None] * len(params)
-    if on_device:
-        folded_grads = [t.float() for t in (g_in, s_in, g_out, s_out, g_gate, s_gate)]
-        return d_pair, d_mask, _extension().param_grads(list(params), params_acc, *folded_grads, gate_normalized)
+    folded = (g_in, s_in, g_out, s_out, g_gate, s_gate)
+    if on_device:  # (the extension's param_grads, as the one-call backward runs it: the same bits)
+        return d_pair, d_mask, _extension().param_grads(list(params), params_acc, *(t.float() for t in folded),
+                                                        gate_normalized)
+    return d_pair, d_mask, _parameter_grads(params_acc, w_in, folded, gate_normalized)
+
+
+def _parameter_grads(params_acc, w_in, folded, gate_normalized):
+    """The sixteen parameters' gradients, in _param_list's order, from the folded GEMMs' (g: d_out^T x_hat, s: the
+    sums of d_out, or a pass's partial sums) of the input projections (w_in: [pa; ga; pb; gb]), the output
+    projection and the output gate: H x C and C x C matrices, no position loop. LayerNorm_in's gradients take the
+    input projections' share and, where the gate reads x_hat, the gate's."""
+    ln_in_w, ln_in_b, *_, ln_out_w, ln_out_b, out_w, _, gate_w, _ = params_acc
+    g_in, s_in, g_out, s_out, g_gate, s_gate = folded
     s_in, s_out, s_gate = (_summed(s) for s in (s_in, s_out, s_gate))
     d_w_in, d_b_in, d_ln_in_w, d_ln_in_b = _unfolded_grads(g_in, s_in, w_in, ln_in_w, ln_in_b)
     d_out_w, d_out_b, d_ln_out_w, d_ln_out_b = _unfolded_grads(g_out, s_out, out_w, ln_out_w, ln_out_b)
@@ -2183,8 +2192,8 @@ def _training_backward(grad_out, pair, mask, params, kernels, mode, incoming, ga
         d_gate_w, d_gate_b = g_gate, s_gate
     d_pa_w, d_ga_w, d_pb_w, d_gb_w = d_w_in.chunk(4)
     d_pa_b, d_ga_b, d_pb_b, d_gb_b = d_b_in.chunk(4)
-    return d_pair, d_mask, [d_ln_in_w, d_ln_in_b, d_pa_w, d_pa_b, d_ga_w, d_ga_b, d_pb_w, d_pb_b, d_gb_w, d_gb_b,
-                            d_ln_out_w, d_ln_out_b, d_out_w, d_out_b, d_gate_w, d_gate_b]
+    return [d_ln_in_w, d_ln_in_b, d_pa_w, d_pa_b, d_ga_w, d_ga_b, d_pb_w, d_pb_b, d_gb_w, d_gb_b,
+            d_ln_out_w, d_ln_out_b, d_out_w, d_out_b, d_gate_w, d_gate_b]
 
 
 @torch.library.custom_op("trimul_inline::trimul", mutates_args=())
