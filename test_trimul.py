@@ -1251,6 +1251,14 @@ def _pinned_kernel_takes(role, kernel, batch, n, pair_dim, hidden):
     return True
 
 
+def test_every_pinned_pass_kernel_keeps_a_shape():
+    """test_every_pass_kernel_matches_fp64 leaves out the shapes a kernel declines: no pinned kernel may be left
+    without one (its fp64 check would vanish from the suite without a skip to show it)."""
+    for pinned in EVERY_PASS_KERNELS:
+        assert any(_pinned_kernel_takes(*pinned[:2], *shape) for shape in EVERY_PASS_SHAPES), pinned
+    assert not _pinned_kernel_takes("input", "resident", 1, 200, 384, 128)  # (the rule still declines something)
+
+
 @cuda
 @pytest.mark.parametrize("role, kernel, precision, batch, n, pair_dim, hidden", [
     pinned + shape for shape in EVERY_PASS_SHAPES for pinned in EVERY_PASS_KERNELS
