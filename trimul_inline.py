@@ -2962,10 +2962,11 @@ class ModelNew(_TriMulLayers):
             return None
         pair_repr, pair_mask = self._fused_inputs(pair_repr, pair_mask)
         kernels = _with_override(self.kernels)
+        if not self._block_backward_takes(pair_repr, kernels):  # (the cheap question before the steps' plan)
+            return None
         with torch.autocast("cuda", enabled=False):
-            # (the steps first: None for an empty block, whose 0 rows the backward query would read as N)
             steps = self._row_block_steps(pair_repr, pair_mask, "bf16")
-            if steps is None or not self._block_backward_takes(pair_repr, kernels):
+            if steps is None:
                 return None
             options = (kernels, self.gate_input == "normalized", self.layer_norm_in.eps, self.layer_norm_out.eps)
             return _ShardedTraining.apply(pair_repr, pair_mask, steps, ring, self.direction == "incoming", options,
@@ -2973,8 +2974,11 @@ class ModelNew(_TriMulLayers):
 
     def _block_backward_takes(self, pair_repr, kernels) -> bool:
         """Whether output_backward's and input_backward's kernels (named, else the default order's) take this
-        rank's block of rows [B, N_r, N, C] with bf16 operands (the torch baselines take none)."""
+        rank's block of rows [B, N_r, N, C] with bf16 operands (the torch baselines take none). An empty block
+        (N < world) takes none: BackwardArgs::block_rows reads 0 rows as N (square planes), so it is not asked."""
         batch, rows, n, pair_dim = pair_repr.shape
+        if rows == 0:
+            return False
         like = pair_repr.new_empty(0, dtype=torch.bfloat16)
         try:
             return all(_backward_kernel(role, getattr(kernels, role), batch, n, pair_dim, self.hidden_dim, False,
