@@ -2461,7 +2461,9 @@ def _check_training(precision, direction, gate_input, batch, n, pair_dim, hidden
     GRAD_TOLERANCE, or, past it, within 1.5x of what PyTorch's own reduced-precision reference gives on this
     draw, 4x on problems of fewer than 4096 positions, 32x under 64 (few positions make heavy tails: a bf16
     projection over 8 channels that cancels, LayerNorm_out's backward over H = 4 channels of bf16 z_hat; one
-    position's gradient is one draw, measured at 9.8x and 16.1x autocast's at N = 1, bench/NOTES.md); a wrong
+    position's gradient is one draw, measured at 9.8x and 16.1x autocast's at N = 1, bench/NOTES.md), and at least
+    4x for a vector (a bias or LayerNorm parameter: each element one sum over every position, which cancels; at
+    66049 positions the ratio's median measured 0.9-1.0 and its tail 2.5x in 240 draws, bench/NOTES.md); a wrong
     formula is off by O(1) on every draw. strict_floor: both bounds,
     1.5x, on bench.py's parameter scale and inputs (its randomize and make_inputs), where the issue measured them."""
     seed = fresh_seed()
@@ -2503,7 +2505,8 @@ def _check_training(precision, direction, gate_input, batch, n, pair_dim, hidden
             assert err <= tolerance and err <= 1.5 * floor_err, \
                 f"{label}: {name} error {err:.2e} (tolerance {tolerance:.0e}, PyTorch's {floor_err:.2e}; seed {seed})"
         elif err > tolerance:
-            assert floor_err is not None and err <= reach * floor_err, \
+            tensor_reach = max(reach, 4.0) if ref_grad.dim() == 1 else reach
+            assert floor_err is not None and err <= tensor_reach * floor_err, \
                 f"{label}: {name} error {err:.2e} > {tolerance:.0e} (PyTorch's {floor_err}; seed {seed})"
     return new
 
