@@ -2454,19 +2454,14 @@ def _floor_gradients(reference, precision, pair, mask, grad_out, dtype=torch.flo
                           autocast=precision == "medium" and dtype == torch.float32)[1]
 
 
-def _check_training(precision, direction, gate_input, batch, n, pair_dim, hidden, dtype=torch.float32,
-                    mask_dtype=torch.bool, kernels=None, autocast=False, strict_floor=False, backward_saves=None):
-    """ModelNew's gradients (d pair_repr, every parameter, a float mask's) against fp64 autograd of the reference
-    on the same (rounded, for 16-bit models) parameters and inputs, outputs poisoned first. Each tensor within
-    GRAD_TOLERANCE, or, past it, within 1.5x of what PyTorch's own reduced-precision reference gives on this
-    draw, 4x on problems of fewer than 4096 positions, 32x under 64 (few positions make heavy tails: a bf16
-    projection over 8 channels that cancels, LayerNorm_out's backward over H = 4 channels of bf16 z_hat; one
-    position's gradient is one draw, measured at 9.8x and 16.1x autocast's at N = 1, bench/NOTES.md), and at least
-    4x for a vector (a bias or LayerNorm parameter: each element one sum over every position, which cancels; at
-    66049 positions the ratio's median measured 0.9-1.0 and its tail 2.5x in 240 draws, bench/NOTES.md); a wrong
-    formula is off by O(1) on every draw. strict_floor: both bounds,
-    1.5x, on bench.py's parameter scale and inputs (its randomize and make_inputs), where the issue measured them."""
-    seed = fresh_seed()
+def _training_errors(precision, direction, gate_input, batch, n, pair_dim, hidden, dtype=torch.float32,
+                     mask_dtype=torch.bool, kernels=None, autocast=False, strict_floor=False, backward_saves=None,
+                     seed=None):
+    """One draw of _check_training, from `seed` (a fresh one where None): ModelNew's gradients (outputs poisoned
+    first) and PyTorch's own reduced-precision reference's against fp64 autograd of the reference on the same
+    (rounded, for 16-bit models) parameters and inputs. Returns ({tensor: (error, PyTorch's error or None at
+    "highest", tolerance, the gradient's dims)}, label, seed, positions)."""
+    seed = fresh_seed() if seed is None else seed
     g = torch.Generator().manual_seed(seed)
     if strict_floor:
         import bench
@@ -2493,22 +2488,41 @@ def _check_training(precision, direction, gate_input, batch, n, pair_dim, hidden
     tol_pair, tol_param = GRAD_TOLERANCE[reduced]
     floor = None if reduced == "highest" else _floor_gradients(reference, reduced, pair, mask, grad_out, dtype)
     label = f"{precision} {dtype} {direction} {gate_input} {(batch, n, pair_dim, hidden)}"
-    positions = batch * n * n
-    reach = 1.5 if strict_floor or positions >= 4096 else 4.0 if positions >= 64 else 32.0
+    found = {}
     for name, ref_grad in ref.items():
         assert got[name] is not None and got[name].dtype == (dtype if name != "pair_mask" else mask.dtype), name
         assert not got[name].isnan().any(), f"{label}: NaN in {name}'s gradient (seed {seed})"
-        err = _grad_error(got[name], ref_grad)
-        tolerance = tol_pair if name in ("pair_repr", "pair_mask") else tol_param
-        floor_err = None if floor is None else _grad_error(floor[name], ref_grad)
+        found[name] = (_grad_error(got[name], ref_grad),
+                       None if floor is None else _grad_error(floor[name], ref_grad),
+                       tol_pair if name in ("pair_repr", "pair_mask") else tol_param,
+                       ref_grad.dim())
+    return found, label, seed, batch * n * n
+
+
+def _check_training(precision, direction, gate_input, batch, n, pair_dim, hidden, dtype=torch.float32,
+                    mask_dtype=torch.bool, kernels=None, autocast=False, strict_floor=False, backward_saves=None):
+    """ModelNew's gradients (d pair_repr, every parameter, a float mask's) against fp64 autograd of the reference
+    on the same (rounded, for 16-bit models) parameters and inputs, outputs poisoned first. Each tensor within
+    GRAD_TOLERANCE, or, past it, within 1.5x of what PyTorch's own reduced-precision reference gives on this
+    draw, 4x on problems of fewer than 4096 positions, 32x under 64 (few positions make heavy tails: a bf16
+    projection over 8 channels that cancels, LayerNorm_out's backward over H = 4 channels of bf16 z_hat; one
+    position's gradient is one draw, measured at 9.8x and 16.1x autocast's at N = 1, bench/NOTES.md), and at least
+    4x for a vector (a bias or LayerNorm parameter: each element one sum over every position, which cancels; at
+    66049 positions the ratio's median measured 0.9-1.0 and its tail 2.5x in 240 draws, bench/NOTES.md); a wrong
+    formula is off by O(1) on every draw. strict_floor: both bounds,
+    1.5x, on bench.py's parameter scale and inputs (its randomize and make_inputs), where the issue measured them."""
+    found, label, seed, positions = _training_errors(precision, direction, gate_input, batch, n, pair_dim, hidden,
+                                                     dtype, mask_dtype, kernels, autocast, strict_floor,
+                                                     backward_saves)
+    reach = 1.5 if strict_floor or positions >= 4096 else 4.0 if positions >= 64 else 32.0
+    for name, (err, floor_err, tolerance, dims) in found.items():
         if strict_floor:
             assert err <= tolerance and err <= 1.5 * floor_err, \
                 f"{label}: {name} error {err:.2e} (tolerance {tolerance:.0e}, PyTorch's {floor_err:.2e}; seed {seed})"
         elif err > tolerance:
-            tensor_reach = max(reach, 4.0) if ref_grad.dim() == 1 else reach
+            tensor_reach = max(reach, 4.0) if dims == 1 else reach
             assert floor_err is not None and err <= tensor_reach * floor_err, \
                 f"{label}: {name} error {err:.2e} > {tolerance:.0e} (PyTorch's {floor_err}; seed {seed})"
-    return new
 
 
 TRAINING_SHAPES = [(1, 1, 8, 4), (2, 7, 16, 8), (1, 33, 32, 16), (1, 257, 24, 12), (2, 40, 128, 128),
