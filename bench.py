@@ -846,6 +846,7 @@ class DirectionalReference:
         self.model = make_model_new(ref, precision="highest", gate_input=gate_input).to(pair.device, torch.float64)
         self.stepped = copy.deepcopy(self.model)  # (the parameters moved along a gradient, loss(params=...))
         self.pair, self.mask, self.step, self.chunk_size = pair.detach(), mask, step, chunk_size
+        self.pair_norm = norm64(self.pair)  # (each pair_repr slope's step scale: one pass over the pair)
         self.generator = torch.Generator(pair.device).manual_seed(seed)
 
     def loss(self, shift=None, params=None):
@@ -864,7 +865,7 @@ class DirectionalReference:
 
     def slope(self, name, base, direction):
         """The float64 loss's derivative along `direction` (a tensor shaped as `name`), by central differences."""
-        value_norm = norm64(self.pair) if name == "pair_repr" else norm64(base[name])
+        value_norm = self.pair_norm if name == "pair_repr" else norm64(base[name])
         h = self.step * max(value_norm, 1.0) / max(norm64(direction), 1e-300)
         if name == "pair_repr":
             return (self.loss((h, direction)) - self.loss((-h, direction))) / (2 * h)
