@@ -806,6 +806,48 @@ def training_step(trainable, pair, mask):
     return step
 
 
+def warm_up_beside(fn, calls=3):
+    """fn() `calls` times on a side stream, the current stream waiting for them: PyTorch's warm-up before a CUDA
+    graph capture (lazy set-up, cuBLAS workspaces and autotuning happen outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(calls):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def graphed_training_step(trainable, pair, mask):
+    """training_step captured whole in one CUDA graph (forward, loss, backward; the parameters marked updated
+    before the capture, so work derived from them is captured and redone on every replay), as a caller who
+    captures its step runs it: the step's host work gone, its GPU work left. Warmed up eagerly on a side stream
+    first (lazy set-up, autotuning). The gradients are the capture's tensors, rewritten by every replay; the
+    returned replay must run before they hold anything. Also returns the MiB the capture's private memory pool
+    took (the step's intermediates and gradients: a graphed step's memory). A contender that cannot be captured
+    raises RuntimeError naming the failure."""
+    warm_up_beside(training_step(trainable, pair, mask))
+    clear_gradients(trainable, pair)
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            trainable.forward(pair, mask).float().square().mean().backward()
+    except Exception as error:
+        raise RuntimeError(f"the training step could not be captured in a CUDA graph: "
+                           f"{type(error).__name__}: {error}") from error
+    torch.cuda.synchronize()
+    pool_mib = (torch.cuda.memory_reserved() - reserved) / 2**20
+    return graph.replay, pool_mib
+
+
+def poison_gradients(trainable, pair):
+    """Fills every gradient tensor the step keeps with NaN (a replay that fails to rewrite one shows)."""
+    for grad in [pair.grad] + [t.grad for t in trainable.leaves]:
+        if grad is not None:
+            grad.fill_(float("nan"))
+
+
 def step_gradients(trainable, pair):
     """{"pair_repr": d pair_repr, Model's parameter name: gradient} after a step."""
     return {"pair_repr": pair.grad, **trainable.gradients()}
@@ -917,16 +959,22 @@ def worst_gradient(errors):
     return name, errors[name]
 
 
-def bench_backward_contender(contender, ref, pair, mask, expected, shape, label, budget):
+def bench_backward_contender(contender, ref, pair, mask, expected, shape, label, budget, cuda_graph=False):
     """One --backward row: a training step's gradients checked against `expected` (fp64), then, within
     tolerance (or informational), the step timed and its peak memory above the inputs and parameters
-    (the previous step's gradients released first)."""
+    (the previous step's gradients released first). cuda_graph: the step captured whole in a CUDA graph
+    (graphed_training_step), its gradients checked after a replay over poisoned ones, each timed call a replay,
+    and the peak the capture's memory pool."""
     row = {"shape": list(shape), "contender": contender.name, "status": "ok"}
     reserved = held_memory_start()
     try:
         trainable = contender.make(ref)
         pair_in = pair.detach().to(contender.dtype).requires_grad_(True)
-        step = training_step(trainable, pair_in, mask.to(contender.mask_dtype))
+        if cuda_graph:
+            step, pool_mib = graphed_training_step(trainable, pair_in, mask.to(contender.mask_dtype))
+            poison_gradients(trainable, pair_in)
+        else:
+            step = training_step(trainable, pair_in, mask.to(contender.mask_dtype))
         step()
         errors, passed = gradient_check(step_gradients(trainable, pair_in), expected, contender.tolerance_key,
                                         trainable.checked)
@@ -941,8 +989,10 @@ def bench_backward_contender(contender, ref, pair, mask, expected, shape, label,
         verdict = "ok" if passed else f"over tolerance ({tolerance}; informational)"
         log(f"{label}: worst gradient error {worst_error:.2e} ({worst_name}) {verdict}; timing")
         median, low, high, reps = time_cuda(step, budget_s=budget)
-        clear_gradients(trainable, pair_in)
-        row.update(median_us=median, p10_us=low, p90_us=high, reps=reps, peak_mib=peak_memory_mib(step))
+        if not cuda_graph:  # (a replay writes the capture's gradients: nothing to release, nothing allocated)
+            clear_gradients(trainable, pair_in)
+        row.update(median_us=median, p10_us=low, p90_us=high, reps=reps,
+                   peak_mib=pool_mib if cuda_graph else peak_memory_mib(step))
         clear_gradients(trainable, pair_in)
         del trainable, step, pair_in
         row["held_mib"] = held_memory_mib(reserved)
@@ -973,7 +1023,7 @@ def bench_backward_shape(shape, args, index, total):
     for contender in chosen:
         label = f"[{index + 1}/{total}] {shape} {contender.name}"
         rows.append(bench_backward_contender(contender, ref, pair, mask, expected_for[reference_of(contender)],
-                                             shape, label, args.budget))
+                                             shape, label, args.budget, args.cuda_graph))
         torch.cuda.empty_cache()
     return rows
 
@@ -995,15 +1045,17 @@ def print_grid(title, rows, key, cell, footer=None):
         print("  ".join([f"{label:<{first}}"] + [f"{cells.get(n, '-'):>{w}}" for n, w in zip(names, widths)]))
 
 
-def print_backward_tables(rows):
+def print_backward_tables(rows, cuda_graph=False):
     """The --backward tables, a line per shape and a column per contender: median µs per training step
-    (p10-p90) with the geomean over GEOMEAN_SHAPES, peak MiB, and the worst gradient error with its
-    tensor ("!": over tolerance). Returns the geomeans."""
+    (p10-p90) with the geomean over GEOMEAN_SHAPES, peak MiB (cuda_graph: the capture's memory pool), and the
+    worst gradient error with its tensor ("!": over tolerance). Returns the geomeans."""
     geomean_rows = geomeans(rows)
-    print_grid("median us per training step (p10-p90)", rows, "median_us",
+    step = "training step replayed from one CUDA graph" if cuda_graph else "training step"
+    print_grid(f"median us per {step} (p10-p90)", rows, "median_us",
                lambda r: f"{r['median_us']:.0f} ({r['p10_us']:.0f}-{r['p90_us']:.0f})",
                footer=("geomean (7 large)", {name: f"{t:.0f}" for name, t in geomean_rows.items()}))
-    print_grid("peak MiB per training step, above inputs and parameters", rows, "peak_mib",
+    print_grid("MiB of the step's CUDA graph pool (its intermediates and gradients)" if cuda_graph else
+               "peak MiB per training step, above inputs and parameters", rows, "peak_mib",
                lambda r: f"{r['peak_mib']:.0f}")
     print_grid("held MiB after the steps (CUDA graph pools and buffers; peak + held is a graphed step's memory)",
                rows, "held_mib", lambda r: f"{r['held_mib']:.0f}")
@@ -1089,8 +1141,9 @@ def run_backward(args, argv):
         if args.json:  # after every shape, so a run cut short still leaves its rows
             with open(args.json, "w") as f:
                 json.dump({"mode": "backward", "command": command, **details, "precision": args.precision,
-                           "direction": args.direction, "gate_input": args.gate_input, "rows": rows,
-                           "geomean_us": geomean_rows or {}}, f, indent=1)
+                           "direction": args.direction, "gate_input": args.gate_input,
+                           "cuda_graph": args.cuda_graph, "rows": rows, "geomean_us": geomean_rows or {}}, f,
+                          indent=1)
 
     rows = []
     for index, shape in enumerate(args.shapes):
@@ -1098,8 +1151,9 @@ def run_backward(args, argv):
         save(rows)
     print(f"\n{command}\n{details_line(details)}\n"
           f"training step: out = fn(pair, mask); out.float().square().mean().backward(); "
-          f"direction={args.direction}, gate_input={args.gate_input}")
-    save(rows, print_backward_tables(rows))
+          f"direction={args.direction}, gate_input={args.gate_input}"
+          + ("; each step one replay of its CUDA graph (--cuda-graph)" if args.cuda_graph else ""))
+    save(rows, print_backward_tables(rows, args.cuda_graph))
     return 1 if any(r["status"] != "ok" and r["contender"].startswith("new") for r in rows) else 0
 
 
@@ -1147,6 +1201,10 @@ def main(argv=None) -> int:
     parser.add_argument("--backward", action="store_true",
                         help="time a training step per call (forward, loss = mean of out² in fp32, backward) "
                              "after checking every gradient against fp64")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="with --backward: capture each contender's whole training step in one CUDA graph "
+                             "and time its replays (the step's GPU work without its host work, as a caller who "
+                             "captures its step runs it; a contender that cannot be captured gets an ERROR row)")
     args = parser.parse_args(argv)
     args.precision = [p for p in args.precision.split(",") if p]
     for precision in args.precision:
@@ -1164,6 +1222,8 @@ def main(argv=None) -> int:
         if unknown:
             parser.error(f"--backward: unknown contenders {sorted(unknown)}; known: {known}")
         return run_backward(args, argv)
+    if args.cuda_graph:
+        parser.error("--cuda-graph applies to --backward (the training step)")
     unknown = args.contenders - set(FORWARD_CONTENDERS)
     if unknown:
         parser.error(f"unknown contenders {sorted(unknown)}; known: {','.join(FORWARD_CONTENDERS)}")

@@ -545,6 +545,45 @@ def test_bench_float_mask_is_a_forward_option(capsys):
     assert "--float-mask apply to the forward mode" in capsys.readouterr().err
 
 
+def test_bench_cuda_graph_is_a_training_option(capsys):
+    import bench
+    with pytest.raises(SystemExit):
+        bench.main(["--cuda-graph"])
+    assert "--cuda-graph applies to --backward" in capsys.readouterr().err
+
+
+@cuda
+@pytest.mark.parametrize("precision, direction", [("medium", "outgoing"), ("highest", "incoming")])
+def test_bench_graphed_training_step_follows_its_parameters(precision, direction):
+    """bench.py --backward --cuda-graph: ModelNew's whole training step captured in one CUDA graph. Each replay
+    rewrites every gradient (poisoned before it) within the precision's fp64 tolerance, and after the parameters
+    change in place (an optimizer's step) the next replay's gradients are those of the new parameters (the
+    weights' preparation is inside the graph, not a stale copy from the capture)."""
+    import bench
+    seed = fresh_seed()
+    shape = (2, 33, 32, 24)
+    ref, pair, mask = bench.seeded_case(shape, types.SimpleNamespace(direction=direction, gate_input="normalized"),
+                                        seed)
+    mask[0, 3] = False  # (a masked row)
+    trainable = bench.trainable_module(bench.make_model_new(ref, precision=precision))
+    pair_in = pair.detach().clone().requires_grad_(True)
+    replay, pool_mib = bench.graphed_training_step(trainable, pair_in, mask)
+    assert pool_mib > 0
+    model_params = dict(trainable.forward.named_parameters())
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for update in range(3):
+        bench.poison_gradients(trainable, pair_in)
+        replay()
+        gradients = bench.step_gradients(trainable, pair_in)
+        errors, passed = bench.gradient_check(gradients, bench.fp64_gradients(ref, pair, mask), precision)
+        assert passed and len(errors) == 17, (update, errors, seed)
+        with torch.no_grad():  # (the same in-place step on both models' parameters)
+            for name, parameter in ref.named_parameters():
+                delta = 0.2 * parameter.abs().mean() * torch.randn(parameter.shape, generator=g, device="cuda")
+                parameter.add_(delta)
+                model_params[name].add_(delta)
+
+
 def test_bench_compiled_model_new_is_a_named_training_contender(capsys):
     """--backward's new-compile rows (torch.compile of ModelNew, one per --precision) run only when named."""
     import bench
