@@ -827,8 +827,7 @@ def graphed_training_step(trainable, pair, mask):
     raises RuntimeError naming the failure."""
     warm_up_beside(training_step(trainable, pair, mask))
     clear_gradients(trainable, pair)
-    torch.cuda.synchronize()
-    reserved = torch.cuda.memory_reserved()
+    reserved = settled_reserved_bytes()  # (torch.cuda.graph empties the cache as it starts: settle it first)
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):

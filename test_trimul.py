@@ -565,11 +565,12 @@ def test_bench_graphed_training_step_follows_its_parameters(precision, direction
     ref, pair, mask = bench.seeded_case(shape, types.SimpleNamespace(direction=direction, gate_input="normalized"),
                                         seed)
     mask[0, 3] = False  # (a masked row)
-    trainable = bench.trainable_module(bench.make_model_new(ref, precision=precision))
+    model = bench.make_model_new(ref, precision=precision)
+    trainable = bench.trainable_module(model)
     pair_in = pair.detach().clone().requires_grad_(True)
     replay, pool_mib = bench.graphed_training_step(trainable, pair_in, mask)
     assert pool_mib > 0
-    model_params = dict(trainable.forward.named_parameters())
+    model_params = dict(model.named_parameters())
     g = torch.Generator(device="cuda").manual_seed(seed)
     for update in range(3):
         bench.poison_gradients(trainable, pair_in)
@@ -4865,6 +4866,42 @@ def test_param_fold_matches_fp64(gate_normalized, dtypes):
         ti._extension().param_fold(params[:3] + [params[3].cpu()] + params[4:], gate_normalized)
     with pytest.raises(ValueError, match="parameter 5"):
         ti._extension().param_fold(params[:5] + [params[5][:-1]] + params[6:], gate_normalized)
+
+
+@cuda
+@pytest.mark.parametrize("pair_dim, hidden, bias", [(128, 128, True), (64, 32, False), (24, 40, True), (384, 128, True)])
+@pytest.mark.parametrize("mode, dtype", [("bf16", torch.float32), ("f16", torch.float32), ("bf16", torch.bfloat16)])
+def test_weight_prep_equals_prepare_weights(pair_dim, hidden, bias, mode, dtype):
+    """The extension's weight_prep (weight_prep.cu, one launch) against prepare_weights' tensor ops, on poisoned
+    memory: every value bit for bit but for the fp64-summed biases (b_out, the register rows' bias part and
+    remainder, the x_hat gate's bias), which may round their last bit differently (another summation order); the
+    x_hat gate parts equal _x_hat_gate_parts'. A ModelNew's eager weights come from it in the 16-bit modes."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    model = random_layers(ti.ModelNew(pair_dim, hidden, gate_input="normalized", bias=bias), g).to("cuda", dtype)
+    params = ti._param_list_eager(model)
+    poison_allocator()
+    got = ti._extension().weight_prep(params, mode == "f16", True)
+    expected = ti.prepare_weights(params, mode)
+    expected += ti._x_hat_gate_parts(tuple(expected[4].shape), expected[4].dtype, *ti._with_zero_biases(params)[0:2],
+                                     *ti._with_zero_biases(params)[14:16])
+    assert [t.shape for t in got] == [t.shape for t in expected] and [t.dtype for t in got] == [t.dtype for t in expected]
+    c_pad = expected[2].shape[1]
+    summed = {7, 10}
+    for i, (a, b) in enumerate(zip(got, expected)):
+        if i == 8:  # (the register rows: the weights exactly; the bias as part + remainder to fp32's last bit)
+            assert torch.equal(a[:, :c_pad], b[:, :c_pad]) and torch.equal(a[:, c_pad + 2:], b[:, c_pad + 2:]), seed
+            a, b = (t[:, c_pad].float() + t[:, c_pad + 1].float() for t in (a, b))
+        if i in summed or i == 8:
+            assert torch.isfinite(a).all() and ((a - b).abs() <= b.abs() * 2.0 ** -22).all(), (i, seed)
+        else:
+            assert torch.equal(a, b), (i, seed)
+    assert isinstance(model._prepared_weights(mode), ti._CachedWeights)
+    assert model._prepared_weights(mode).x_hat_gate is not None
+    with pytest.raises(ValueError, match="weight_prep"):
+        ti._extension().weight_prep(params[:15], False, False)
+    with pytest.raises(ValueError, match="parameter 2"):
+        ti._extension().weight_prep(params[:2] + [None] + params[3:], False, False)
 
 
 def test_backward_op_passes_opcheck_on_cpu():

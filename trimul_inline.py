@@ -1164,6 +1164,24 @@ def _prepared_graphed(params: list, mode: str, capture: bool) -> Optional[list]:
     return _WEIGHT_GRAPHS.run(key, present, prepare, capture)
 
 
+def _prepared_by_kernel(params: list, mode: str, x_hat_gate: bool) -> Optional["_CachedWeights"]:
+    """prepare_weights(params, mode) from the extension's weight_prep (kernels/weight_prep.cu: one launch in place
+    of ~50 tensor ops, which a training step redoes after every update; the same values but for the fp64 sums'
+    order), with x_hat_gate also its raw-gate-on-x_hat weights (_x_hat_gate_weights) kept beside; None where it does
+    not apply: other modes (the fp32 modes' fp16x3 splits stay tensor ops), parameters off CUDA, on several devices
+    or in other dtypes, or a Python dispatch mode active (a FakeTensor trace)."""
+    if mode not in ("bf16", "f16") or _python_dispatch_mode_active():
+        return None
+    present = [p for p in params if p is not None]
+    if not all(p.is_cuda and p.device == present[0].device and p.dtype in _DTYPE_CODE for p in present):
+        return None
+    made = _extension().weight_prep(params, mode == "f16", x_hat_gate)
+    weights = _CachedWeights(made[:9])
+    if x_hat_gate:
+        weights.x_hat_gate = made[:4] + made[9:] + made[6:9]
+    return weights
+
+
 def _x_hat_gate_parts(gate_shape, gate_dtype, ln_w, ln_b, gate_w, gate_b) -> list:
     """[out_gate's weight folded with LayerNorm_in's (W diag(w) in gate_dtype, the operand's, padded to gate_shape),
     b + W b_ln in fp32], computed in fp64: W diag(w) of fp32 values is exact there, so it rounds once, as in fp32;
@@ -2804,9 +2822,11 @@ class ModelNew(_TriMulLayers):
         # addresses, so an equal (address, version) is the same storage, unchanged through tracked ops; a
         # parametrization's computed weight or functional_call's tensors of another call miss)
         held = [None if p is None else p.untyped_storage() for p in params]
-        graphed = _prepared_graphed(params, mode, capture=cached is not None)  # (a refresh: _WEIGHT_GRAPHS says why)
-        weights = _CachedWeights(prepare_weights(params, mode) if graphed is None else graphed)
-        weights.graphed = graphed is not None
+        weights = _prepared_by_kernel(params, mode, x_hat_gate=self.gate_input == "normalized")
+        if weights is None:
+            graphed = _prepared_graphed(params, mode, capture=cached is not None)  # (a refresh: _WEIGHT_GRAPHS says why)
+            weights = _CachedWeights(prepare_weights(params, mode) if graphed is None else graphed)
+            weights.graphed = graphed is not None
         cached = self._weights_cache[mode] = (version, weights, held)
         return weights, True
 

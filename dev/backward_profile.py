@@ -5,6 +5,9 @@
 
 --bf16: bf16 parameters and inputs (bench.py's new-bf16 row) instead of fp32 at --precision.
 
+--graphed: also the step captured whole in one CUDA graph (bench.py --backward --cuda-graph's): one replay's
+kernels, and its replay time against their sum (the rest: the gaps between kernels).
+
 --copies: the PyTorch ops that launched device copies and elementwise kernels (with their input shapes and
 Python stacks); --host: the step's wall time against its CUDA time, synchronised and back to back (a small
 step is host-bound); --runtime: the CUDA runtime calls the step makes on the host, by their host time (a
@@ -32,6 +35,7 @@ def main() -> None:
     parser.add_argument("--host", action="store_true")
     parser.add_argument("--runtime", action="store_true")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--graphed", action="store_true")
     args = parser.parse_args()
     batch, n, pair_dim, hidden = (int(x) for x in args.shape.split(","))
     model = ti.ModelNew(pair_dim, hidden, gate_input=args.gate_input, precision=args.precision,
@@ -48,6 +52,8 @@ def main() -> None:
 
     mode = "bf16" if args.bf16 else args.precision
     print_kernels(step, f"{args.shape} {mode} {args.gate_input}", args.rows)
+    if args.graphed:
+        print_graphed(model, pair, mask, f"{args.shape} {mode} {args.gate_input}", args.rows)
     if args.copies:
         print_copies(step)
     if args.host:
@@ -60,9 +66,20 @@ def print_kernels(step, label: str, rows: int) -> None:
     """One step's CUDA kernels (after three warm-up steps), by total time."""
     events = step_kernel_events(step)
     total = sum(e.device_time_total for e in events)
-    print(f"{label}: {total:.0f} us of CUDA time in {len(events)} kernels")
+    launches = sum(e.count for e in events)
+    print(f"{label}: {total:.0f} us of CUDA time in {launches} launches of {len(events)} kernels")
     for e in sorted(events, key=lambda e: -e.device_time_total)[:rows]:
         print(f"{e.device_time_total:9.1f} us  {e.count:3d}x  {e.key[:110]}")
+
+
+def print_graphed(model, pair, mask, label: str, rows: int) -> None:
+    """The step captured whole in one CUDA graph (bench.graphed_training_step): one replay's kernels, and the
+    replay's median time (bench.time_cuda) against their sum."""
+    import bench
+    replay, pool_mib = bench.graphed_training_step(bench.trainable_module(model), pair, mask)
+    median = bench.time_cuda(replay)[0]
+    print(f"\ngraphed step: replay {median:.0f} us (median), pool {pool_mib:.0f} MiB")
+    print_kernels(replay, f"{label}, one replay", rows)
 
 
 def step_kernel_events(step) -> list:

@@ -402,6 +402,25 @@ struct ParamFoldArgs {
 };
 cudaError_t launch_param_fold(const ParamFoldArgs& args);
 
+// The forward's kernel-layout weights for the 16-bit modes (launch_weight_prep, weight_prep.cu): trimul_inline's
+// prepare_weights list from the 16 parameters (_PARAM_PATHS order, each in its own dtype; nullptr: a Linear's
+// absent bias, zeros) in one launch. Outputs contiguous: the LayerNorm_in vectors and out_gate's bias in fp32 [C];
+// w_in [2 rows_ab, c_pad] and b_in (fp32) [2 rows_ab], a's then b's proj/gate rows in groups of 16; w_gate
+// [rows_c, c_pad]; w_out [rows_c, h_pad] (out_proj diag(LayerNorm_out's weight)) and b_out (fp32) [C]; w_rows
+// [2 rows_ab, c_pad + 64] (the register-row input kernels' weights); optionally (x_hat_w_gate not null) out_gate
+// folded with LayerNorm_in, [rows_c, c_pad] and its bias (fp32) [C]. Matrices in the operand type (f16, else
+// bf16). The folded biases sum in fp64 in a fixed order.
+struct WeightPrepArgs {
+  const void* params[16];
+  Dtype dtypes[16];
+  int64_t c, h, c_pad, h_pad, rows_ab, rows_c;
+  bool f16;
+  float *ln_w, *ln_b, *b_in, *b_gate, *b_out, *x_hat_b_gate;
+  void *w_in, *w_gate, *w_out, *w_rows, *x_hat_w_gate;
+  cudaStream_t stream;
+};
+cudaError_t launch_weight_prep(const WeightPrepArgs& args);
+
 // The training backward's parameter gradients from its folded GEMMs (launch_param_grads, param_grads.cu): per
 // segment (a Linear, or one of the in-projection's four, [rows, cols]) with g the gradient of its folded weight
 // and s its bias gradient, d W = g diag(ln_w) + s ln_b^T (g itself where no LayerNorm is folded in) and
@@ -473,6 +492,8 @@ struct KernelLibrary {
   cudaError_t (*param_grads)(const ParamGradArgs& args);
   // The training backward's fp32 parameters and folded Linears (launch_param_fold).
   cudaError_t (*param_fold)(const ParamFoldArgs& args);
+  // The forward's kernel-layout weights for the 16-bit modes (launch_weight_prep).
+  cudaError_t (*weight_prep)(const WeightPrepArgs& args);
 };
 
 // out = the kF16x3Scales factors `scales` with max(1, max|mask|) folded in: its power of two at or above
@@ -483,7 +504,7 @@ cudaError_t launch_mask_scales(const void* mask, MaskKind kind, int64_t count, c
 
 // Changes whenever a struct above changes, so a library and an extension built from different
 // versions of this file refuse each other.
-constexpr uint32_t kKernelAbi = 17;
+constexpr uint32_t kKernelAbi = 18;
 
 }  // namespace trimul
 

@@ -1277,6 +1277,70 @@ std::vector<at::Tensor> param_fold(const std::vector<at::Tensor>& params, bool g
   return out;
 }
 
+// prepare_weights' list for the 16-bit modes in one launch (weight_prep.cu): [ln_in_w, ln_in_b, w_in, b_in, w_gate,
+// b_gate, w_out, b_out, w_rows], then, with x_hat_gate, [w_gate, b_gate] of out_gate folded with LayerNorm_in (a raw
+// gate on x_hat). params: the 16 parameters in _PARAM_PATHS order, None for a Linear's absent bias.
+std::vector<at::Tensor> weight_prep(const std::vector<c10::optional<at::Tensor>>& given, bool f16, bool x_hat_gate) {
+  TORCH_CHECK_VALUE(given.size() == 16 && given[0].has_value() && given[2].has_value() && given[2]->dim() == 2,
+                    "trimul_inline: weight_prep takes the 16 parameters");
+  const int64_t h = given[2]->size(0), c = given[2]->size(1);
+  const std::vector<std::vector<int64_t>> sizes{{c}, {c}, {h, c}, {h}, {h, c}, {h}, {h, c}, {h}, {h, c}, {h},
+                                                {h}, {h}, {c, h}, {c}, {c, c}, {c}};
+  const bool bias[16] = {false, false, false, true, false, true, false, true, false, true,
+                         false, false, false, true, false, true};
+  const at::Device device = given[0]->device();
+  std::vector<at::Tensor> params(16);  // (contiguous: held until the launch)
+  trimul::WeightPrepArgs args{};
+  for (int i = 0; i < 16; ++i) {
+    if (!given[i].has_value()) {
+      TORCH_CHECK_VALUE(bias[i], "trimul_inline: weight_prep's parameter ", text(i), " may not be None (only a bias)");
+      continue;
+    }
+    const at::Tensor& t = *given[i];
+    TORCH_CHECK_VALUE(t.is_cuda() && t.device() == device && t.sizes() == at::IntArrayRef(sizes[i]) &&
+                          (t.scalar_type() == at::kFloat || host_backward::is_16bit(t)),
+                      "trimul_inline: weight_prep's parameter ", text(i), " must be float32, bfloat16 or float16 ",
+                      text(at::IntArrayRef(sizes[i])), " on the first one's CUDA device, got ", t.scalar_type(), " ",
+                      text(t.sizes()), " on ", t.device().str());
+    params[i] = t.contiguous();
+    args.params[i] = params[i].data_ptr();
+    args.dtypes[i] = dtype_code(params[i], "a parameter");
+  }
+  const c10::cuda::CUDAGuard guard(device);
+  args.c = c;
+  args.h = h;
+  args.c_pad = round_up(c, 32);
+  args.h_pad = round_up(h, 32);
+  args.rows_ab = round_up(2 * h, 128);
+  args.rows_c = round_up(c, 128);
+  args.f16 = f16;
+  const at::TensorOptions f32 = at::TensorOptions().device(device).dtype(at::kFloat);
+  const at::TensorOptions operand = f32.dtype(f16 ? at::kHalf : at::kBFloat16);
+  std::vector<at::Tensor> out{at::empty({c}, f32), at::empty({c}, f32),
+                              at::empty({2 * args.rows_ab, args.c_pad}, operand), at::empty({2 * args.rows_ab}, f32),
+                              at::empty({args.rows_c, args.c_pad}, operand), at::empty({c}, f32),
+                              at::empty({args.rows_c, args.h_pad}, operand), at::empty({c}, f32),
+                              at::empty({2 * args.rows_ab, args.c_pad + 64}, operand)};
+  if (x_hat_gate) {
+    out.push_back(at::empty({args.rows_c, args.c_pad}, operand));
+    out.push_back(at::empty({c}, f32));
+    args.x_hat_w_gate = out[9].data_ptr();
+    args.x_hat_b_gate = out[10].data_ptr<float>();
+  }
+  args.ln_w = out[0].data_ptr<float>();
+  args.ln_b = out[1].data_ptr<float>();
+  args.w_in = out[2].data_ptr();
+  args.b_in = out[3].data_ptr<float>();
+  args.w_gate = out[4].data_ptr();
+  args.b_gate = out[5].data_ptr<float>();
+  args.w_out = out[6].data_ptr();
+  args.b_out = out[7].data_ptr<float>();
+  args.w_rows = out[8].data_ptr();
+  args.stream = at::cuda::getCurrentCUDAStream();
+  check_launch(library().weight_prep(args), "the kernel-layout weights (weight_prep)");
+  return out;
+}
+
 // The 16 parameters' gradients (_PARAM_PATHS order, each in its parameter's dtype, each its own memory) from
 // the folded GEMMs' g and the bias sums s, fp32: g_in [4H, C], s_in [4H] of the four input projections (folded
 // with LayerNorm_in), g_out [C, H], s_out [C] (folded with LayerNorm_out), g_gate [C, C], s_gate [C] (folded
@@ -1829,6 +1893,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kernel"), py::arg("a"), py::arg("b"), py::arg("dz"), py::arg("planes_per_call") = py::none());
   m.def("param_grads", &parameter_grads, "the 16 parameters' gradients from the folded GEMMs' g and bias sums");
   m.def("param_fold", &param_fold, "the 16 parameters in fp32 and the folded Linears' weights and biases");
+  m.def("weight_prep", &weight_prep, "prepare_weights' list for the 16-bit modes in one launch",
+        py::arg("params"), py::arg("f16"), py::arg("x_hat_gate"));
   def_takes("d_pair_in_d_proj", &d_pair_in_d_proj, "whether an input_backward kernel takes d_proj_d_pair");
   def_takes("d_proj_from_x_hat", &d_proj_from_x_hat, "whether an input_backward kernel takes d_proj from x_hat");
   def_takes("d_pair_from_d_proj", &d_pair_from_d_proj, "whether an input_backward kernel takes d_pair from d proj");

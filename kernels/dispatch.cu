@@ -497,6 +497,7 @@ Library build_library() {
   e.mask_scales = launch_mask_scales;
   e.param_grads = launch_param_grads;
   e.param_fold = launch_param_fold;
+  e.weight_prep = launch_weight_prep;
   return lib;
 }
 
