@@ -1281,8 +1281,10 @@ std::vector<at::Tensor> param_fold(const std::vector<at::Tensor>& params, bool g
 // b_gate, w_out, b_out, w_rows], then, with x_hat_gate, [w_gate, b_gate] of out_gate folded with LayerNorm_in (a raw
 // gate on x_hat). params: the 16 parameters in _PARAM_PATHS order, None for a Linear's absent bias.
 std::vector<at::Tensor> weight_prep(const std::vector<c10::optional<at::Tensor>>& given, bool f16, bool x_hat_gate) {
-  TORCH_CHECK_VALUE(given.size() == 16 && given[0].has_value() && given[2].has_value() && given[2]->dim() == 2,
-                    "trimul_inline: weight_prep takes the 16 parameters");
+  TORCH_CHECK_VALUE(given.size() == 16, "trimul_inline: weight_prep takes the 16 parameters");
+  TORCH_CHECK_VALUE(given[0].has_value() && given[2].has_value() && given[2]->dim() == 2,
+                    "trimul_inline: weight_prep's parameter 0 (LayerNorm_in's weight) and parameter 2 (proj_a's "
+                    "weight, a matrix) are needed");
   const int64_t h = given[2]->size(0), c = given[2]->size(1);
   const std::vector<std::vector<int64_t>> sizes{{c}, {c}, {h, c}, {h}, {h, c}, {h}, {h, c}, {h}, {h, c}, {h},
                                                 {h}, {h}, {c, h}, {c}, {c, c}, {c}};
