@@ -1169,13 +1169,17 @@ def _prepared_by_kernel(params: list, mode: str, x_hat_gate: bool) -> Optional["
     of ~50 tensor ops, which a training step redoes after every update; the same values but for the fp64 sums'
     order), with x_hat_gate also its raw-gate-on-x_hat weights (_x_hat_gate_weights) kept beside; None where it does
     not apply: other modes (the fp32 modes' fp16x3 splits stay tensor ops), parameters off CUDA, on several devices
-    or in other dtypes, or a Python dispatch mode active (a FakeTensor trace)."""
+    or in other dtypes, or a Python dispatch mode active (a FakeTensor trace). The tensors are normal ones even under
+    torch.inference_mode (weights cached in an evaluation serve the training after it)."""
     if mode not in ("bf16", "f16") or _python_dispatch_mode_active():
         return None
     present = [p for p in params if p is not None]
     if not all(p.is_cuda and p.device == present[0].device and p.dtype in _DTYPE_CODE for p in present):
         return None
-    made = _extension().weight_prep(params, mode == "f16", x_hat_gate)
+    # (normal tensors under torch.inference_mode too: weights cached in an evaluation serve training after it; and
+    # no autograd history: turning inference mode off turns grad mode on)
+    with torch.inference_mode(False), torch.no_grad():
+        made = _extension().weight_prep(params, mode == "f16", x_hat_gate)
     weights = _CachedWeights(made[:9])
     if x_hat_gate:
         weights.x_hat_gate = made[:4] + made[9:] + made[6:9]
