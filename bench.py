@@ -826,6 +826,10 @@ def graphed_training_step(trainable, pair, mask):
     took (the step's intermediates and gradients: a graphed step's memory). A contender that cannot be captured
     raises RuntimeError naming the failure."""
     warm_up_beside(training_step(trainable, pair, mask))
+    # (the eager warm-up made trimul_inline's own small-step graphs, which the captured step does not use: freed, so
+    # the held column counts what the capture keeps)
+    ti._BACKWARD_GRAPHS.entries.clear()
+    ti._WEIGHT_GRAPHS.entries.clear()
     clear_gradients(trainable, pair)
     reserved = settled_reserved_bytes()  # (torch.cuda.graph empties the cache as it starts: settle it first)
     graph = torch.cuda.CUDAGraph()
