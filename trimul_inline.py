@@ -1145,7 +1145,8 @@ class _CachedWeights(list):
 # Refreshing the kernel-layout weights after an optimizer step is prepare_weights' many small ATen calls of host
 # time, most of a small training step's forward: a refresh replays them from a CUDA graph instead (one per signature,
 # which every layer of a stack with the same shapes shares). A module's first preparation captures nothing, so
-# inference (which prepares once) stays op by op.
+# inference (which prepares once) stays op by op. The 16-bit modes on CUDA take neither: weight_prep makes their list
+# in one launch (_prepared_by_kernel), which a replay of ~50 kernels cannot match.
 _WEIGHT_GRAPHS = _GraphedCalls("the weights' preparation", "it runs op by op", limit=32)  # (a few MiB each)
 
 
@@ -1176,9 +1177,7 @@ def _prepared_by_kernel(params: list, mode: str, x_hat_gate: bool) -> Optional["
     present = [p for p in params if p is not None]
     if not all(p.is_cuda and p.device == present[0].device and p.dtype in _DTYPE_CODE for p in present):
         return None
-    # (normal tensors under torch.inference_mode too: weights cached in an evaluation serve training after it; and
-    # no autograd history: turning inference mode off turns grad mode on)
-    with torch.inference_mode(False), torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():  # (turning inference mode off turns grad mode on)
         made = _extension().weight_prep(params, mode == "f16", x_hat_gate)
     weights = _CachedWeights(made[:9])
     if x_hat_gate:

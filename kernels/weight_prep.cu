@@ -1,7 +1,7 @@
 // weight_prep — the forward's kernel-layout weights for the 16-bit modes (prepare_weights' list) in one launch.
 // prepare_weights builds them with ~50 tensor ops (index tensors, scatters, fills, casts, fp64 products): every
-// training step redoes them after the optimizer's update, and at a few thousand positions their launches are a
-// third of the step's GPU time. Every value is prepare_weights' bit for bit (the same fp32 products and
+// training step redoes them after the optimizer's update, and in a small step their launches are much of its GPU
+// time (a graph replay still launches each). Every value is prepare_weights' bit for bit (the same fp32 products and
 // round-to-nearest-even casts), except that its fp64 sums (the folded biases) add in this kernel's fixed order
 // before their single rounding to fp32. One block per output row; the block sums in a fixed order: the same bits
 // on every run.
