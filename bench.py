@@ -312,12 +312,17 @@ def cublas_workspaces_ready() -> None:
     torch.cuda.synchronize()
 
 
-def held_memory_start() -> int:
-    """Device memory reserved before a contender's first training step, once the backward graphs of earlier
-    contenders and their weight refreshes' graphs are dropped (trimul_inline keeps them between calls) and the
-    process's GEMM workspaces exist."""
+def drop_trimul_graphs() -> None:
+    """Frees the CUDA graphs trimul_inline keeps between calls (its small backward's and its weight refreshes')."""
     ti._BACKWARD_GRAPHS.entries.clear()
     ti._WEIGHT_GRAPHS.entries.clear()
+
+
+def held_memory_start() -> int:
+    """Device memory reserved before a contender's first training step, once the backward graphs of earlier
+    contenders and their weight refreshes' graphs are dropped (drop_trimul_graphs) and the process's GEMM
+    workspaces exist."""
+    drop_trimul_graphs()
     cublas_workspaces_ready()
     return settled_reserved_bytes()
 
@@ -826,10 +831,7 @@ def graphed_training_step(trainable, pair, mask):
     took (the step's intermediates and gradients: a graphed step's memory). A contender that cannot be captured
     raises RuntimeError naming the failure."""
     warm_up_beside(training_step(trainable, pair, mask))
-    # (the eager warm-up made trimul_inline's own small-step graphs, which the captured step does not use: freed, so
-    # the held column counts what the capture keeps)
-    ti._BACKWARD_GRAPHS.entries.clear()
-    ti._WEIGHT_GRAPHS.entries.clear()
+    drop_trimul_graphs()  # (the eager warm-up's, which the captured step does not use: held counts the capture's)
     clear_gradients(trainable, pair)
     reserved = settled_reserved_bytes()  # (torch.cuda.graph empties the cache as it starts: settle it first)
     graph = torch.cuda.CUDAGraph()

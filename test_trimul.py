@@ -4917,8 +4917,8 @@ def test_weight_prep_equals_prepare_weights(pair_dim, hidden, bias, mode, dtype)
     poison_allocator()
     got = ti._extension().weight_prep(params, mode == "f16", True)
     expected = ti.prepare_weights(params, mode)
-    expected += ti._x_hat_gate_parts(tuple(expected[4].shape), expected[4].dtype, *ti._with_zero_biases(params)[0:2],
-                                     *ti._with_zero_biases(params)[14:16])
+    filled = ti._with_zero_biases(params)
+    expected += ti._x_hat_gate_parts(tuple(expected[4].shape), expected[4].dtype, *filled[0:2], *filled[14:16])
     assert_prepared_equal(got, expected, seed, summed=(7, 10))
     assert isinstance(model._prepared_weights(mode), ti._CachedWeights)
     assert model._prepared_weights(mode).x_hat_gate is not None

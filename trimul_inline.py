@@ -1150,11 +1150,16 @@ class _CachedWeights(list):
 _WEIGHT_GRAPHS = _GraphedCalls("the weights' preparation", "it runs op by op", limit=32)  # (a few MiB each)
 
 
+def _on_one_cuda_device(present: list) -> bool:
+    """Whether the given parameters (None left out) are CUDA tensors on one device."""
+    return all(p.is_cuda and p.device == present[0].device for p in present)
+
+
 def _prepared_graphed(params: list, mode: str, capture: bool) -> Optional[list]:
     """prepare_weights(params, mode) replayed from _WEIGHT_GRAPHS (fresh tensors, bit-equal to it); None where no graph
     runs (not CUDA, a capture under way, capture False and none made yet, a failed capture)."""
     present = [p for p in params if p is not None]
-    if not all(p.is_cuda and p.device == present[0].device for p in present):
+    if not _on_one_cuda_device(present):
         return None
     missing = tuple(p is None for p in params)
 
@@ -1175,7 +1180,7 @@ def _prepared_by_kernel(params: list, mode: str, x_hat_gate: bool) -> Optional["
     if mode not in ("bf16", "f16") or _python_dispatch_mode_active():
         return None
     present = [p for p in params if p is not None]
-    if not all(p.is_cuda and p.device == present[0].device and p.dtype in _DTYPE_CODE for p in present):
+    if not _on_one_cuda_device(present) or not all(p.dtype in _DTYPE_CODE for p in present):
         return None
     with torch.inference_mode(False), torch.no_grad():  # (turning inference mode off turns grad mode on)
         made = _extension().weight_prep(params, mode == "f16", x_hat_gate)

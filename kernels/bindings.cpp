@@ -1184,6 +1184,23 @@ std::vector<at::Tensor> contract_backward_products(const std::string& kernel, co
   return {da, db};
 }
 
+// The 16 parameters' shapes in _PARAM_PATHS order, for hidden h and pair_dim c.
+std::vector<std::vector<int64_t>> param_shapes(int64_t h, int64_t c) {
+  return {{c}, {c}, {h, c}, {h}, {h, c}, {h}, {h, c}, {h}, {h, c}, {h}, {h}, {h}, {c, h}, {c}, {c, c}, {c}};
+}
+
+// Parameter i of the 16 that a host path (`what`, named in the message) reads: float32, bfloat16 or float16, shaped
+// as `shape`, on `device` (the first parameter's); contiguous (a copy only where it is not).
+at::Tensor checked_param(const at::Tensor& t, int i, at::IntArrayRef shape, const at::Device& device,
+                         const char* what) {
+  TORCH_CHECK_VALUE(t.is_cuda() && t.device() == device && t.sizes() == shape &&
+                        (t.scalar_type() == at::kFloat || host_backward::is_16bit(t)),
+                    "trimul_inline: ", what, "'s parameter ", text(i), " must be float32, bfloat16 or float16 ",
+                    text(shape), " on the first one's CUDA device, got ", t.scalar_type(), " ", text(t.sizes()),
+                    " on ", t.device().str());
+  return t.contiguous();
+}
+
 // The backward's parameters in fp32 and its folded Linears (param_fold.cu: one launch), as views of one fp32
 // allocation: f32 the 16 parameters (_PARAM_PATHS order); w_in_f [4H, C], b_in_f [4H] the four in-projections
 // folded with LayerNorm_in (concatenated in _PARAM_PATHS order); w_out_f [C, H], b_out_f [C] out_proj folded with
@@ -1198,18 +1215,9 @@ struct FoldedParams {
 FoldedParams fold_params(const std::vector<at::Tensor>& given, bool gate_normalized, int64_t zero_count) {
   TORCH_CHECK_VALUE(given.size() == 16 && given[2].dim() == 2, "trimul_inline: param_fold takes the 16 parameters");
   const int64_t h = given[2].size(0), c = given[2].size(1);
-  const std::vector<std::vector<int64_t>> sizes{{c}, {c}, {h, c}, {h}, {h, c}, {h}, {h, c}, {h}, {h, c}, {h},
-                                                {h}, {h}, {c, h}, {c}, {c, c}, {c}};
+  const std::vector<std::vector<int64_t>> sizes = param_shapes(h, c);
   std::vector<at::Tensor> params;  // (contiguous: held until the launch)
-  for (int i = 0; i < 16; ++i) {
-    const at::Tensor& t = given[i];
-    TORCH_CHECK_VALUE(t.is_cuda() && t.device() == given[0].device() && t.sizes() == at::IntArrayRef(sizes[i]) &&
-                          (t.scalar_type() == at::kFloat || host_backward::is_16bit(t)),
-                      "trimul_inline: param_fold's parameter ", text(i), " must be float32, bfloat16 or float16 ",
-                      text(at::IntArrayRef(sizes[i])), " on the first one's CUDA device, got ", t.scalar_type(), " ",
-                      text(t.sizes()), " on ", t.device().str());
-    params.push_back(t.contiguous());
-  }
+  for (int i = 0; i < 16; ++i) params.push_back(checked_param(given[i], i, sizes[i], given[0].device(), "param_fold"));
   const c10::cuda::CUDAGuard guard(params[0].device());
   // (each view starts 64 floats aligned, for the kernels' vector loads)
   int64_t total = 0;
@@ -1286,8 +1294,7 @@ std::vector<at::Tensor> weight_prep(const std::vector<c10::optional<at::Tensor>>
                     "trimul_inline: weight_prep's parameter 0 (LayerNorm_in's weight) and parameter 2 (proj_a's "
                     "weight, a matrix) are needed");
   const int64_t h = given[2]->size(0), c = given[2]->size(1);
-  const std::vector<std::vector<int64_t>> sizes{{c}, {c}, {h, c}, {h}, {h, c}, {h}, {h, c}, {h}, {h, c}, {h},
-                                                {h}, {h}, {c, h}, {c}, {c, c}, {c}};
+  const std::vector<std::vector<int64_t>> sizes = param_shapes(h, c);
   const bool bias[16] = {false, false, false, true, false, true, false, true, false, true,
                          false, false, false, true, false, true};
   const at::Device device = given[0]->device();
@@ -1298,13 +1305,7 @@ std::vector<at::Tensor> weight_prep(const std::vector<c10::optional<at::Tensor>>
       TORCH_CHECK_VALUE(bias[i], "trimul_inline: weight_prep's parameter ", text(i), " may not be None (only a bias)");
       continue;
     }
-    const at::Tensor& t = *given[i];
-    TORCH_CHECK_VALUE(t.is_cuda() && t.device() == device && t.sizes() == at::IntArrayRef(sizes[i]) &&
-                          (t.scalar_type() == at::kFloat || host_backward::is_16bit(t)),
-                      "trimul_inline: weight_prep's parameter ", text(i), " must be float32, bfloat16 or float16 ",
-                      text(at::IntArrayRef(sizes[i])), " on the first one's CUDA device, got ", t.scalar_type(), " ",
-                      text(t.sizes()), " on ", t.device().str());
-    params[i] = t.contiguous();
+    params[i] = checked_param(*given[i], i, sizes[i], device, "weight_prep");
     args.params[i] = params[i].data_ptr();
     args.dtypes[i] = dtype_code(params[i], "a parameter");
   }
